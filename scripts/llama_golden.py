@@ -1,0 +1,853 @@
+#!/usr/bin/env python3
+"""Write a parity trace (docs/trace-format.md) from the REAL llama.cpp.
+
+Runs llama.cpp through llama-cpp-python's low-level ctypes API with a `cb_eval`
+callback, records every tapped tensor of the prefill (step 0) and of N
+teacher-forced decode steps, and writes them as
+DIR/manifest.json + DIR/s{step:03}/{tap}[-{layer}].npy (little-endian float32).
+
+    llama_golden.py MODEL --out DIR (--prompt TEXT | --tokens 1,2,3) [--steps N]
+                    [--forced 5,6,7] [--no-bos] [--threads N] [--llama-defaults]
+                    [--n-ctx N] [--force] [--list-nodes] [--show-text] [--no-check]
+
+Default settings are the tight ones (flash attention off, F32 KV cache, no
+weight repacking, logits for every prompt row, 1 thread); --llama-defaults
+keeps llama.cpp's own defaults (F16 KV cache, flash attention auto).
+
+After recording, the script checks that every mapped tensor really is what the
+trace format says (residual sums, SwiGLU, RoPE norm preservation, causal
+softmax over positions, softmax(q.k)·v == kqv_out, logits == llama_get_logits)
+and exits 1 if a check fails in the default tight mode (--no-check skips them).
+
+Exit codes: 0 ok, 1 a self-check failed, 2 bad input / llama_cpp missing.
+"""
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import struct
+import sys
+import time
+
+MISSING_LLAMA_CPP = (
+    "llama_cpp (llama-cpp-python) is not installed: pip install llama-cpp-python "
+    "(or: pip install /path/to/shared/wheels/llama_cpp_python-*.whl)"
+)
+
+# --------------------------------------------------------------------------
+# tap table (docs/trace-format.md), in graph order
+# --------------------------------------------------------------------------
+GLOBAL_FIRST = ["embd"]
+LAYER_TAPS = [
+    "attn_norm", "q", "k", "v", "q_rope", "k_rope", "kq_soft_max", "kqv_out",
+    "attn_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act",
+    "ffn_out", "l_out",
+]
+GLOBAL_LAST = ["result_norm", "logits"]
+
+# llama.cpp base names (per layer: "<base>-<il>") that we ask the scheduler for
+LAYER_NODE_BASES = {
+    "attn_norm", "Qcur", "Kcur", "Vcur", "kq_soft_max", "kqv_out", "attn_out",
+    "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_out", "l_out",
+    # activation product: current trees fuse it (ffn_swiglu / ffn_geglu),
+    # older trees name the silu(gate)*up product ffn_gate_par
+    "ffn_swiglu", "ffn_geglu", "ffn_gate_par",
+}
+GLOBAL_NODES = {"inp_embd", "embd", "result_norm", "result_output"}
+FFN_ACT_NODES = ["ffn_swiglu", "ffn_geglu", "ffn_gate_par"]
+
+LAYER_NAME_RE = re.compile(r"^([A-Za-z_]+)-(\d+)$")
+UNNAMED_RE = re.compile(r"^(node_\d+)?$")
+
+
+_KEEP_ALIVE = []
+
+
+def die(msg, code=2):
+    print(f"llama_golden: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_ids(s, what):
+    try:
+        ids = [int(x) for x in s.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        die(f"{what} must be a comma-separated list of integer token ids, got {s!r}")
+    if not ids:
+        die(f"{what} is empty")
+    return ids
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------
+# ggml access
+# --------------------------------------------------------------------------
+class GgmlTensor(ctypes.Structure):
+    """struct ggml_tensor (ggml.h, GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64,
+    GGML_MAX_SRC 10, GGML_MAX_NAME 64). Checked against ggml_tensor_overhead()."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+GGML_OBJECT_SIZE = 32  # sizeof(struct ggml_object)
+
+
+class Ggml:
+    def __init__(self, lib):
+        self.lib = lib
+        lib.ggml_tensor_overhead.restype = ctypes.c_size_t
+        lib.ggml_tensor_overhead.argtypes = []
+        lib.ggml_nbytes.restype = ctypes.c_size_t
+        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        lib.ggml_op_desc.restype = ctypes.c_char_p
+        lib.ggml_op_desc.argtypes = [ctypes.c_void_p]
+        lib.ggml_type_name.restype = ctypes.c_char_p
+        lib.ggml_type_name.argtypes = [ctypes.c_int]
+        lib.ggml_backend_tensor_get.restype = None
+        lib.ggml_backend_tensor_get.argtypes = [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        overhead = lib.ggml_tensor_overhead()
+        if overhead - GGML_OBJECT_SIZE != ctypes.sizeof(GgmlTensor):
+            die(f"struct ggml_tensor layout mismatch: ggml_tensor_overhead()-32 = "
+                f"{overhead - GGML_OBJECT_SIZE}, ctypes struct = {ctypes.sizeof(GgmlTensor)}; "
+                f"this llama-cpp-python's ggml is not supported by this script")
+
+    def info(self, key, restype=ctypes.c_char_p):
+        fn = getattr(self.lib, key, None)
+        if fn is None:
+            return None
+        fn.restype = restype
+        fn.argtypes = []
+        v = fn()
+        return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+
+
+# --------------------------------------------------------------------------
+# capture
+# --------------------------------------------------------------------------
+class Capture:
+    """cb_eval state: records the wanted nodes of one llama_decode call."""
+
+    def __init__(self, ggml, np, list_nodes):
+        self.ggml = ggml
+        self.np = np
+        self.list_nodes = list_nodes
+        self.records = []   # (name, op, type_name, ne, array4d) in callback order
+        self.seen = []      # every node asked about: (name, op, type, ne, is_view, wanted)
+        self.error = None
+        self.rope_params = {}  # node name -> raw op_params of its ROPE node
+        self.kqv_out_ptrs = {}
+        self.synthetic = {}
+        self.synthetic_src = {}
+
+    def reset(self):
+        self.records = []
+        self.seen = []
+        self.error = None
+        self.rope_params = {}
+        self.kqv_out_ptrs = {}   # address of kqv_out-L -> L (this graph)
+        self.synthetic = {}      # address of an unnamed node -> the llama.cpp-style name we give it
+        self.synthetic_src = {}  # given name -> the node's real name
+
+    @staticmethod
+    def wanted(name):
+        if name in GLOBAL_NODES:
+            return True
+        m = LAYER_NAME_RE.match(name)
+        return bool(m) and m.group(1) in LAYER_NODE_BASES
+
+    def callback(self, t, ask, _ud):
+        try:
+            g = GgmlTensor.from_address(t)
+            name = g.name.decode("utf-8", "replace")
+            if ask:
+                want = self.wanted(name)
+                if want:
+                    m = LAYER_NAME_RE.match(name)
+                    if m and m.group(1) == "kqv_out":
+                        self.kqv_out_ptrs[t] = int(m.group(2))
+                elif (UNNAMED_RE.match(name) and g.src[1] in self.kqv_out_ptrs
+                      and self.ggml.lib.ggml_op_desc(t) == b"MUL_MAT"):
+                    # archs that leave Wo·kqv_out unnamed (qwen2 in 2026 trees): take the
+                    # unnamed MUL_MAT that consumes kqv_out-L as attn_out-L
+                    il = self.kqv_out_ptrs[g.src[1]]
+                    self.synthetic[t] = f"attn_out-{il}"
+                    self.synthetic_src[f"attn_out-{il}"] = name
+                    want = True
+                if self.list_nodes:
+                    self.seen.append((name, self.ggml.lib.ggml_op_desc(t).decode(),
+                                      self.ggml.lib.ggml_type_name(g.type).decode(),
+                                      list(g.ne), bool(g.view_src), want))
+                return want
+            name = self.synthetic.get(t, name)
+            if not self.wanted(name):
+                return True
+            op = self.ggml.lib.ggml_op_desc(t).decode()
+            tname = self.ggml.lib.ggml_type_name(g.type).decode()
+            arr = self.to_f32(t, g, tname)
+            if op == "ROPE":
+                self.rope_params.setdefault(name, (bytes(g.op_params), bool(g.src[2])))
+            self.records.append((name, op, tname, list(g.ne), arr))
+            return True
+        except Exception as e:  # never let an exception cross the C boundary
+            if self.error is None:
+                self.error = f"{type(e).__name__}: {e}"
+            return False  # abort the graph
+
+    def to_f32(self, t, g, tname):
+        np = self.np
+        nbytes = self.ggml.lib.ggml_nbytes(t)
+        raw = (ctypes.c_uint8 * nbytes)()
+        self.ggml.lib.ggml_backend_tensor_get(t, raw, 0, nbytes)
+        buf = np.frombuffer(raw, dtype=np.uint8)
+        if tname == "f32":
+            dt = np.dtype("<f4")
+        elif tname == "f16":
+            dt = np.dtype("<f2")
+        elif tname == "bf16":
+            dt = np.dtype("<u2")
+        elif tname == "f64":
+            dt = np.dtype("<f8")
+        else:
+            raise ValueError(f"node {g.name.decode()} has type {tname}; only f32/f16/bf16/f64 "
+                             f"activations are supported")
+        ne = [int(x) for x in g.ne]
+        nb = [int(x) for x in g.nb]
+        # pad the byte buffer to a whole number of elements, then view it strided
+        pad = (-nbytes) % dt.itemsize
+        if pad:
+            buf = np.concatenate([buf, np.zeros(pad, np.uint8)])
+        base = buf.view(dt)
+        arr = np.lib.stride_tricks.as_strided(base, shape=tuple(ne[::-1]), strides=tuple(nb[::-1]))
+        arr = np.ascontiguousarray(arr)
+        if tname == "bf16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr.astype(np.float32)
+
+
+# --------------------------------------------------------------------------
+# mapping llama.cpp nodes -> taps
+# --------------------------------------------------------------------------
+def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
+    """Return (taps, notes): taps maps (tap, layer|None) -> numpy array in canonical shape."""
+    by_name = {}
+    for name, op, tname, ne, arr in records:
+        lst = by_name.setdefault(name, [])
+        lst.append((op, tname, ne, arr, (name, len(lst))))
+    taps = {}
+    notes = {}
+    source = {}   # (name, occurrence) -> tap label, for --list-nodes
+
+    def put(tap, il, occ_entry, arr):
+        taps[(tap, il)] = arr
+        source[occ_entry[4]] = tap if il is None else f"{tap}-{il}"
+
+    def as_2d(arr, what):
+        # ggml [C, T, 1, 1] -> numpy [1, 1, T, C] -> [T, C]
+        if arr.shape[0] != 1 or arr.shape[1] != 1:
+            raise ValueError(f"{what}: expected a 2-D node, got numpy shape {arr.shape}")
+        out = arr[0, 0]
+        if out.shape[0] != T:
+            raise ValueError(f"{what}: expected {T} rows, got {out.shape[0]} "
+                             f"(were logits requested for every row?)")
+        return out
+
+    def as_heads(arr, nh, what):
+        # [hd, nh, T, 1] -> [1, T, nh, hd] -> [T, nh, hd]; or a 2-D [nh*hd, T] node
+        if arr.shape[0] != 1:
+            raise ValueError(f"{what}: unexpected 4-D shape {arr.shape}")
+        a = arr[0]
+        if a.shape[0] == T and a.shape[1] == nh:          # reshaped node [hd, nh, T]
+            return np.ascontiguousarray(a)
+        if a.shape[0] == 1 and a.shape[1] == T and a.shape[2] % nh == 0:   # 2-D [nh*hd, T]
+            return a[0].reshape(T, nh, a.shape[2] // nh)
+        raise ValueError(f"{what}: cannot view numpy shape {arr.shape} as [T={T}, {nh}, head_dim]")
+
+    def pick(name):
+        return by_name.get(name, [])
+
+    # graph-wide
+    emb = pick("inp_embd") or pick("embd")
+    if emb:
+        put("embd", None, emb[0], as_2d(emb[0][3], "embd"))
+        notes["embd"] = ("inp_embd" if pick("inp_embd") else "embd") + f" ({emb[0][0]})"
+    if pick("result_norm"):
+        put("result_norm", None, pick("result_norm")[-1], as_2d(pick("result_norm")[-1][3], "result_norm"))
+    if pick("result_output"):
+        outs = pick("result_output")
+        if len(outs) != 1:
+            raise ValueError(f"result_output emitted {len(outs)} times in one decode call "
+                             f"(the batch was split into several ubatches?)")
+        put("logits", None, outs[0], as_2d(outs[0][3], "logits"))
+
+    for il in range(n_layer):
+        def nm(base):
+            return pick(f"{base}-{il}")
+
+        for tap, base in [("attn_norm", "attn_norm"), ("kqv_out", "kqv_out"),
+                          ("attn_out", "attn_out"), ("ffn_inp", "ffn_inp"),
+                          ("ffn_norm", "ffn_norm"), ("ffn_gate", "ffn_gate"),
+                          ("ffn_up", "ffn_up"), ("l_out", "l_out")]:
+            occ = nm(base)
+            if occ:
+                put(tap, il, occ[-1], as_2d(occ[-1][3], f"{base}-{il}"))
+                if len(occ) > 1:
+                    notes[f"{base}-{il}"] = f"{len(occ)} occurrences, took the last"
+
+        for base, tap_pre, tap_rope, nh in [("Qcur", "q", "q_rope", n_head),
+                                            ("Kcur", "k", "k_rope", n_head_kv)]:
+            occ = nm(base)
+            if not occ:
+                continue
+            rope_idx = [i for i, o in enumerate(occ) if o[0] == "ROPE"]
+            if rope_idx:
+                r = rope_idx[0]
+                put(tap_rope, il, occ[r], as_heads(occ[r][3], nh, f"{base}-{il} (ROPE)"))
+                if r > 0:
+                    put(tap_pre, il, occ[r - 1], as_heads(occ[r - 1][3], nh, f"{base}-{il} (#{r - 1})"))
+            else:
+                put(tap_pre, il, occ[-1], as_heads(occ[-1][3], nh, f"{base}-{il} (last)"))
+        occ = nm("Vcur")
+        if occ:
+            put("v", il, occ[-1], as_heads(occ[-1][3], n_head_kv, f"Vcur-{il} (last)"))
+
+        occ = [o for o in nm("kq_soft_max") if o[0] == "SOFT_MAX"] or nm("kq_soft_max")
+        if occ:
+            a = occ[0][3]  # numpy [1, n_head, T, n_kv_pad]
+            if a.shape[0] != 1 or a.shape[1] != n_head or a.shape[2] != T or a.shape[3] < n_kv:
+                raise ValueError(f"kq_soft_max-{il}: unexpected numpy shape {a.shape} "
+                                 f"(want [1, {n_head}, {T}, >={n_kv}])")
+            rest = a[0, :, :, n_kv:]
+            if rest.size and float(np.max(np.abs(rest))) > 0.0:
+                raise ValueError(f"kq_soft_max-{il}: columns past n_kv={n_kv} are not zero "
+                                 f"(max {float(np.max(np.abs(rest)))}); KV cells are not in "
+                                 f"position order")
+            put("kq_soft_max", il, occ[0], np.ascontiguousarray(a[0, :, :, :n_kv]))
+
+        for base in FFN_ACT_NODES:
+            occ = nm(base)
+            if occ:
+                put("ffn_act", il, occ[-1], as_2d(occ[-1][3], f"{base}-{il}"))
+                break
+
+        occ = nm("ffn_out")
+        if occ:
+            first = [o for o in occ if o[0] == "MUL_MAT"] or occ
+            put("ffn_out", il, first[0], as_2d(first[0][3], f"ffn_out-{il}"))
+            if len(occ) > 1:
+                notes[f"ffn_out-{il}"] = f"{len(occ)} occurrences, took the first MUL_MAT"
+                put("_ffn_out_second", il, occ[-1], as_2d(occ[-1][3], f"ffn_out-{il} (last)"))
+    return taps, notes, source
+
+
+def rope_decode(raw):
+    """ROPE op_params (ggml_rope_impl): n_past, n_dims, mode, n_ctx, n_ctx_orig, then floats
+    freq_base, freq_scale, ext_factor, attn_factor, beta_fast, beta_slow."""
+    ints = struct.unpack("<16i", raw[:64])
+    fl = struct.unpack("<6f", raw[20:44])
+    return {"n_dims": ints[1], "mode": ints[2], "n_ctx_orig": ints[4], "freq_base": fl[0],
+            "freq_scale": fl[1], "ext_factor": fl[2], "attn_factor": fl[3]}
+
+
+def rope_ref(x, pos, rp, np):
+    """Reference RoPE (no YaRN ramp, no freq factors) of x [T, n_head, head_dim] in float64."""
+    x = x.astype(np.float64)
+    n_dims = rp["n_dims"]
+    half = n_dims // 2
+    # angles exactly as ggml's CPU rope cache builds them, in float32:
+    # theta_scale = powf(base, -2/n_dims); theta_0 = pos; theta_{i+1} = theta_i * theta_scale
+    f32 = np.float32
+    theta_scale = f32(np.power(f32(rp["freq_base"]), f32(-2.0) / f32(n_dims), dtype=np.float32))
+    theta = np.empty((len(pos), half), np.float32)
+    cur = np.asarray(pos, np.float32)
+    for i in range(half):
+        theta[:, i] = cur * f32(rp["freq_scale"])
+        cur = (cur * theta_scale).astype(np.float32)
+    theta = theta.astype(np.float64)                                              # [T, half]
+    c = (np.cos(theta) * rp["attn_factor"])[:, None, :]
+    s_ = (np.sin(theta) * rp["attn_factor"])[:, None, :]
+    out = x.copy()
+    if rp["mode"] & 2:   # NEOX: pairs (i, i + n_dims/2)
+        a, b = x[..., :half], x[..., half:n_dims]
+        out[..., :half] = a * c - b * s_
+        out[..., half:n_dims] = a * s_ + b * c
+    else:                # NORM: pairs (2i, 2i+1)
+        a, b = x[..., 0:n_dims:2], x[..., 1:n_dims:2]
+        out[..., 0:n_dims:2] = a * c - b * s_
+        out[..., 1:n_dims:2] = a * s_ + b * c
+    return out
+
+
+# --------------------------------------------------------------------------
+# self-checks: is each mapped tensor what the trace format says?
+# --------------------------------------------------------------------------
+class Checker:
+    def __init__(self, np):
+        self.np = np
+        self.n = 0
+        self.failures = []
+        self.worst = {}
+
+    def close(self, what, a, b, rtol, atol=0.0):
+        np = self.np
+        self.n += 1
+        a = np.asarray(a, np.float64)
+        b = np.asarray(b, np.float64)
+        if a.shape != b.shape:
+            self.failures.append(f"{what}: shape {a.shape} vs {b.shape}")
+            return
+        scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30)
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        kind = what.rsplit(" s", 1)[0]
+        self.worst[kind] = max(self.worst.get(kind, 0.0), err / scale)
+        if err > atol + rtol * scale or not np.all(np.isfinite(a)):
+            self.failures.append(f"{what}: max|diff| {err:.3g} (scale {scale:.3g})")
+
+
+def run_checks(steps_taps, steps_pos, steps_rope, n_head, n_head_kv, logits_api, tight, np):
+    ck = Checker(np)
+    # tolerances: exact for pure copies/adds, float-rounding level for recomputed ops
+    r_exact = 0.0 if tight else 1e-6
+    r_op = 2e-5 if tight else 5e-3
+    group = None
+    k_all, v_all = {}, {}   # layer -> list of per-step arrays (positions in order)
+    for s, taps in enumerate(steps_taps):
+        pos = steps_pos[s]
+        layers = sorted({l for (_, l) in taps if l is not None})
+        prev = taps.get(("embd", None))
+        for il in layers:
+            g = lambda tap: taps.get((tap, il))
+            lin = prev
+            if lin is not None and g("ffn_inp") is not None and g("attn_out") is not None:
+                ck.close(f"ffn_inp=l_in+attn_out s{s} L{il}", g("ffn_inp"), lin + g("attn_out"), r_exact)
+            if all(x is not None for x in (g("l_out"), g("ffn_inp"), g("ffn_out"))):
+                ck.close(f"l_out=ffn_inp+ffn_out s{s} L{il}", g("l_out"), g("ffn_inp") + g("ffn_out"), r_exact)
+            if taps.get(("_ffn_out_second", il)) is not None and g("l_out") is not None:
+                ck.close(f"ffn_out#2=l_out s{s} L{il}", taps[("_ffn_out_second", il)], g("l_out"), r_exact)
+            if all(x is not None for x in (g("ffn_act"), g("ffn_gate"), g("ffn_up"))):
+                gate = g("ffn_gate").astype(np.float64)
+                ck.close(f"ffn_act=silu(gate)*up s{s} L{il}", g("ffn_act"),
+                         gate / (1.0 + np.exp(-gate)) * g("ffn_up"), r_op)
+            for pre, post in (("q", "q_rope"), ("k", "k_rope")):
+                a, b = g(pre), g(post)
+                if a is not None and b is not None:
+                    # RoPE is a rotation: per-head norms are preserved; position 0 is the identity
+                    ck.close(f"|{post}|=|{pre}| s{s} L{il}", np.linalg.norm(b, axis=-1),
+                             np.linalg.norm(a.astype(np.float64), axis=-1), r_op)
+                    if pos[0] == 0:
+                        ck.close(f"{post}@pos0={pre} s{s} L{il}", b[0], a[0], r_op)
+                    node = ("Qcur" if pre == "q" else "Kcur") + f"-{il}"
+                    rp = steps_rope[s].get(node)
+                    if rp is not None and not rp[1]:
+                        rpd = rope_decode(rp[0])
+                        if rpd["ext_factor"] == 0.0 and rpd["mode"] in (0, 2):
+                            ck.close(f"{post}=rope_{'neox' if rpd['mode'] else 'norm'}({pre}) s{s} L{il}",
+                                     b, rope_ref(a, pos, rpd, np), r_op * 10)
+            # attention: softmax(scale q.k + causal mask) and P.V == kqv_out
+            if g("k_rope") is not None:
+                k_all.setdefault(il, []).append(g("k_rope"))
+            if g("v") is not None:
+                v_all.setdefault(il, []).append(g("v"))
+            P = g("kq_soft_max")
+            if P is not None:
+                nkv = P.shape[-1]
+                ck.close(f"kq_soft_max rows sum to 1 s{s} L{il}", P.astype(np.float64).sum(-1),
+                         np.ones(P.shape[:2]), r_op)
+                mask = np.arange(nkv)[None, :] > np.asarray(pos)[:, None]    # [T, n_kv]
+                ck.close(f"kq_soft_max causal zeros s{s} L{il}", np.where(mask[None], P, 0.0),
+                         np.zeros(P.shape), 0.0, atol=0.0)
+                q = g("q_rope")
+                if q is not None and il in k_all and sum(x.shape[0] for x in k_all[il]) == nkv:
+                    K = np.concatenate(k_all[il]).astype(np.float64)        # [n_kv, n_kv_head, hd]
+                    group = n_head // n_head_kv
+                    Kx = np.repeat(K, group, axis=1)                          # [n_kv, n_head, hd]
+                    sc = np.einsum("thd,jhd->htj", q.astype(np.float64), Kx) / np.sqrt(q.shape[-1])
+                    sc = np.where(mask[None], -np.inf, sc)
+                    sc -= sc.max(-1, keepdims=True)
+                    e = np.exp(sc)
+                    ck.close(f"kq_soft_max=softmax(q.k/sqrt(d)) s{s} L{il}", P, e / e.sum(-1, keepdims=True), r_op * 10)
+                if g("kqv_out") is not None and il in v_all and sum(x.shape[0] for x in v_all[il]) == nkv:
+                    V = np.concatenate(v_all[il]).astype(np.float64)
+                    group = n_head // n_head_kv
+                    Vx = np.repeat(V, group, axis=1)                          # [n_kv, n_head, hd]
+                    o = np.einsum("htj,jhd->thd", P.astype(np.float64), Vx)
+                    ck.close(f"kqv_out=P.V s{s} L{il}", g("kqv_out"), o.reshape(o.shape[0], -1), r_op)
+            if g("l_out") is not None:
+                prev = g("l_out")
+        lg = taps.get(("logits", None))
+        if lg is not None:
+            ck.close(f"logits=llama_get_logits s{s}", lg, logits_api[s], 0.0)
+    return ck
+
+
+# --------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description="Record a parity trace (every named tensor of the prefill and of N "
+                    "teacher-forced decode steps) from the real llama.cpp via llama-cpp-python.")
+    ap.add_argument("model", help="GGUF model file")
+    ap.add_argument("--out", required=True, help="output trace folder")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, tokenized by llama.cpp's own tokenizer")
+    src.add_argument("--tokens", help="comma-separated prompt token ids, used as given (no BOS added)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="number of decode steps after the prefill (default 0, or len(--forced))")
+    ap.add_argument("--forced", help="comma-separated token ids to feed at the decode steps "
+                                     "instead of the greedy continuation")
+    ap.add_argument("--no-bos", action="store_true", help="with --prompt: do not add BOS/special tokens")
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    ap.add_argument("--n-ctx", type=int, default=0,
+                    help="context size (default: prompt+steps rounded up to 256)")
+    ap.add_argument("--llama-defaults", action="store_true",
+                    help="keep llama.cpp's default F16 KV cache and flash-attention auto "
+                         "(and weight repacking) instead of the tight settings")
+    ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
+    ap.add_argument("--list-nodes", action="store_true",
+                    help="print every graph node of the prefill and the first decode step "
+                         "with the tap it maps to (stderr)")
+    ap.add_argument("--show-text", action="store_true",
+                    help="print the decoded prompt + fed tokens on stderr")
+    ap.add_argument("--no-check", action="store_true", help="skip the self-checks")
+    ap.add_argument("--verbose", action="store_true", help="let llama.cpp log to stderr")
+    args = ap.parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in [sys.argv[0]] + (argv if argv is not None else sys.argv[1:]))
+    t_start = time.time()
+
+    try:
+        import llama_cpp as L
+        from llama_cpp._ggml import libggml
+    except Exception:
+        print(MISSING_LLAMA_CPP, file=sys.stderr)
+        sys.exit(2)
+    try:
+        import numpy as np
+    except ImportError:
+        die("numpy is not installed: pip install numpy")
+
+    if args.steps is not None and args.steps < 0:
+        die("--steps must be >= 0")
+    if args.threads < 1:
+        die("--threads must be >= 1")
+    forced = parse_ids(args.forced, "--forced") if args.forced else None
+    if forced is not None:
+        if args.steps is not None and args.steps != len(forced):
+            die(f"--steps {args.steps} disagrees with --forced ({len(forced)} tokens)")
+        n_steps = len(forced)
+    else:
+        n_steps = args.steps or 0
+    if args.no_bos and args.tokens:
+        pass  # --tokens never adds BOS; --no-bos is implied
+
+    if not os.path.isfile(args.model):
+        die(f"model file not found: {args.model}")
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        die(f"--out {out} exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out):
+        if not args.force:
+            die(f"--out {out} is not empty (use --force to overwrite)")
+        for e in os.listdir(out):
+            p = os.path.join(out, e)
+            if e == "manifest.json" or (re.fullmatch(r"s\d{3}", e) and os.path.isdir(p)):
+                if os.path.isdir(p):
+                    shutil.rmtree(p)
+                else:
+                    os.remove(p)
+
+    ggml = Ggml(libggml)
+
+    # logging
+    def _log(level, text, ud):
+        if args.verbose:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+    log_cb = L.llama_log_callback(_log)
+    _KEEP_ALIVE.append(log_cb)  # llama.cpp may log until process exit
+    L.llama_log_set(log_cb, None)
+    L.llama_backend_init()
+
+    # model
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    has_extra_bufts = any(f[0] == "use_extra_bufts" for f in type(mp)._fields_)
+    if has_extra_bufts and not args.llama_defaults:
+        mp.use_extra_bufts = False
+    model = L.llama_model_load_from_file(args.model.encode(), mp)
+    if not model:
+        die(f"llama.cpp failed to load the model: {args.model} (rerun with --verbose for its log)")
+    vocab = L.llama_model_get_vocab(model)
+    n_vocab = L.llama_vocab_n_tokens(vocab)
+    n_layer = L.llama_model_n_layer(model)
+    n_head = L.llama_model_n_head(model)
+    n_head_kv = L.llama_model_n_head_kv(model)
+    bos_id = L.llama_vocab_bos(vocab)
+
+    # tokens
+    if args.prompt is not None:
+        text = args.prompt.encode("utf-8")
+        cap = len(text) + 16
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(vocab, text, len(text), buf, cap, not args.no_bos, False)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(vocab, text, len(text), buf, cap, not args.no_bos, False)
+        if n < 0:
+            die("tokenization failed")
+        prompt = list(buf[:n])
+        bos_added = (not args.no_bos) and n > 0 and prompt[0] == bos_id
+    else:
+        prompt = parse_ids(args.tokens, "--tokens")
+        bos_added = False
+    if not prompt:
+        die("the prompt tokenizes to zero tokens")
+    for tok in prompt + (forced or []):
+        if not 0 <= tok < n_vocab:
+            die(f"token id {tok} out of range (n_vocab {n_vocab})")
+    T = len(prompt)
+
+    # context
+    n_ctx = args.n_ctx or max(256, -(-(T + n_steps) // 256) * 256)
+    if n_ctx < T + n_steps:
+        die(f"--n-ctx {n_ctx} is smaller than prompt + steps ({T + n_steps})")
+    cp = L.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = max(T, min(512, n_ctx))
+    cp.n_ubatch = cp.n_batch
+    cp.n_seq_max = 1
+    cp.n_threads = args.threads
+    cp.n_threads_batch = args.threads
+    cp_fields = {f[0] for f in type(cp)._fields_}
+    if not args.llama_defaults:
+        if "flash_attn_type" in cp_fields:
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        elif "flash_attn" in cp_fields:
+            cp.flash_attn = False
+        cp.type_k = L.GGML_TYPE_F32
+        cp.type_v = L.GGML_TYPE_F32
+    capture = Capture(ggml, np, args.list_nodes)
+    cb = L.ggml_backend_sched_eval_callback(capture.callback)
+    cp.cb_eval = cb
+    cp.cb_eval_user_data = None
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        die("llama.cpp failed to create a context (rerun with --verbose for its log)")
+    type_names = {v: k[len("GGML_TYPE_"):].lower() for k, v in vars(L).items()
+                  if k.startswith("GGML_TYPE_") and isinstance(v, int) and k != "GGML_TYPE_COUNT"}
+    fa_desc = {-1: "auto", 0: "disabled", 1: "enabled"}
+    if "flash_attn_type" in cp_fields:
+        fa = fa_desc.get(cp.flash_attn_type, str(cp.flash_attn_type))
+    else:
+        fa = bool(getattr(cp, "flash_attn", False))
+
+    steps_taps, steps_pos, steps_tokens, logits_api, all_notes = [], [], [], [], {}
+    steps_rope = []
+    listing = []
+
+    def decode(tokens, pos0, step):
+        nt = len(tokens)
+        batch = L.llama_batch_init(nt, 0, 1)
+        try:
+            batch.n_tokens = nt
+            for i, tok in enumerate(tokens):
+                batch.token[i] = tok
+                batch.pos[i] = pos0 + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            capture.reset()
+            rc = L.llama_decode(ctx, batch)
+        finally:
+            L.llama_batch_free(batch)
+        if capture.error:
+            die(f"step {step}: error while copying a tensor: {capture.error}", 1)
+        if rc != 0:
+            die(f"step {step}: llama_decode returned {rc}", 1)
+        lp = L.llama_get_logits(ctx)
+        lg = np.ctypeslib.as_array(lp, shape=(nt * n_vocab,)).reshape(nt, n_vocab).copy()
+        n_kv = pos0 + nt
+        taps, notes, source = map_step(capture.records, n_layer, n_head, n_head_kv, nt, n_kv, np)
+        all_notes.update(notes)
+        for given, real in capture.synthetic_src.items():
+            all_notes[given] = f"unnamed node {real!r} (MUL_MAT consuming kqv_out) taken as {given}"
+        if args.list_nodes and step <= 1:
+            listing.append((step, list(capture.seen), source, dict(capture.synthetic_src)))
+        steps_taps.append(taps)
+        steps_rope.append(dict(capture.rope_params))
+        steps_pos.append(list(range(pos0, pos0 + nt)))
+        steps_tokens.append(list(tokens))
+        logits_api.append(lg)
+        return lg
+
+    t0 = time.time()
+    try:
+        lg = decode(prompt, 0, 0)
+        pos = T
+        for s in range(1, n_steps + 1):
+            tok = forced[s - 1] if forced is not None else int(np.argmax(lg[-1]))
+            lg = decode([tok], pos, s)
+            pos += 1
+    except ValueError as e:
+        die(f"mapping llama.cpp nodes to taps failed: {e}", 1)
+    next_token = int(np.argmax(lg[-1]))
+    t_run = time.time() - t0
+
+    if args.list_nodes:
+        for step, seen, source, synth in listing:
+            real_to_given = {v: k for k, v in synth.items()}
+            print(f"--- step {step}: {len(seen)} graph nodes (* = requested, -> tap) ---", file=sys.stderr)
+            occ = {}
+            for name, op, tname, ne, is_view, want in seen:
+                tap = ""
+                if want:
+                    given = real_to_given.get(name, name)
+                    i = occ.get(given, 0)
+                    occ[given] = i + 1
+                    tap = source.get((given, i), "")
+                    if given != name:
+                        tap = f"{tap} (unnamed Wo matmul consuming kqv_out)"
+                    tap = f"-> {tap}" if tap else "-> (unused)"
+                print(f"{'*' if want else ' '} {name:36s} {op:10s} {tname:5s} {str(ne):22s}"
+                      f"{' view' if is_view else '     '} {tap}", file=sys.stderr)
+        if all_notes:
+            print("--- notes ---", file=sys.stderr)
+            for k, v in all_notes.items():
+                print(f"{k}: {v}", file=sys.stderr)
+
+    # text
+    def piece(tok):
+        b = ctypes.create_string_buffer(256)
+        n = L.llama_token_to_piece(vocab, tok, b, 256, 0, False)
+        if n < 0:
+            b = ctypes.create_string_buffer(-n)
+            n = L.llama_token_to_piece(vocab, tok, b, -n, 0, False)
+        return b.raw[:max(n, 0)]
+
+    if args.show_text:
+        fed = [t for st in steps_tokens[1:] for t in st]
+        ptxt = b"".join(piece(t) for t in prompt).decode("utf-8", "replace")
+        gtxt = b"".join(piece(t) for t in fed).decode("utf-8", "replace")
+        print(f"prompt: {ptxt!r}", file=sys.stderr)
+        print(f"fed:    {gtxt!r}", file=sys.stderr)
+        print(f"text:   {(ptxt + gtxt).strip()}", file=sys.stderr)
+
+    # self-checks
+    check_summary = None
+    if not args.no_check:
+        ck = run_checks(steps_taps, steps_pos, steps_rope, n_head, n_head_kv, logits_api,
+                        tight=not args.llama_defaults, np=np)
+        check_summary = {"checks": ck.n, "failed": len(ck.failures),
+                         "worst_rel_err": {k: float(f"{v:.3g}") for k, v in sorted(ck.worst.items())}}
+        if ck.failures:
+            for f in ck.failures[:20]:
+                print(f"llama_golden: check failed: {f}", file=sys.stderr)
+            if len(ck.failures) > 20:
+                print(f"llama_golden: ... {len(ck.failures) - 20} more", file=sys.stderr)
+
+    # write
+    os.makedirs(out, exist_ok=True)
+    order = [(t, None) for t in GLOBAL_FIRST] + \
+            [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
+            [(t, None) for t in GLOBAL_LAST]
+    tensors = []
+    nbytes_total = 0
+    for s, taps in enumerate(steps_taps):
+        d = os.path.join(out, f"s{s:03}")
+        os.makedirs(d, exist_ok=True)
+        for tap, il in order:
+            a = taps.get((tap, il))
+            if a is None:
+                continue
+            a = np.ascontiguousarray(a, dtype="<f4")
+            rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"
+            np.save(os.path.join(out, rel), a, allow_pickle=False)
+            nbytes_total += a.nbytes
+            tensors.append({"step": s, "tap": tap, "layer": il, "file": rel,
+                            "shape": list(a.shape), "dtype": "<f4"})
+
+    settings = {
+        "llama_cpp_python": L.__version__,
+        "llama_cpp_commit": ggml.info("ggml_commit"),
+        "ggml_version": ggml.info("ggml_version"),
+        "system_info": L.llama_print_system_info().decode("utf-8", "replace").strip(),
+        "n_threads": args.threads,
+        "type_k": type_names.get(cp.type_k, str(cp.type_k)),
+        "type_v": type_names.get(cp.type_v, str(cp.type_v)),
+        "flash_attn": fa,
+        "use_extra_bufts": bool(mp.use_extra_bufts) if has_extra_bufts else None,
+        "n_ctx": n_ctx,
+        "n_batch": cp.n_batch,
+        "n_ubatch": cp.n_ubatch,
+        "llama_defaults": args.llama_defaults,
+        "bos": bos_added,
+        "add_special": (not args.no_bos) if args.prompt is not None else False,
+        "prompt": args.prompt,
+        "decode": "forced" if forced is not None else "greedy",
+        "next_token": next_token,
+        "command": command,
+    }
+    if check_summary is not None:
+        settings["self_check"] = check_summary
+    steps = []
+    for s in range(len(steps_taps)):
+        e = {"step": s, "tokens": steps_tokens[s], "positions": steps_pos[s]}
+        if s > 0:
+            e["forced"] = True
+        steps.append(e)
+    manifest = {
+        "format": "parity-trace",
+        "version": 1,
+        "model": {"path": args.model, "sha256": sha256_file(args.model)},
+        "producer": {"name": "llama.cpp", "backend": "llama.cpp-cpu", "version": L.__version__,
+                     "settings": settings},
+        "steps": steps,
+        "tensors": tensors,
+    }
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+
+    n_fed = sum(len(t) for t in steps_tokens)
+    chk = ""
+    if check_summary is not None:
+        chk = f", self-check {check_summary['checks'] - check_summary['failed']}/{check_summary['checks']} ok"
+    print(f"llama_golden: wrote {len(tensors)} tensors ({nbytes_total / 1e6:.2f} MB) for "
+          f"{len(steps_taps)} steps (prefill {T} tokens + {n_steps} decode), {n_fed} tokens, "
+          f"to {out} in {time.time() - t_start:.2f}s (llama.cpp {t_run:.2f}s){chk}")
+    if check_summary is not None and check_summary["failed"] and not args.llama_defaults:
+        sys.exit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+//! Backends: the same forward pass over the same model, each recording the same taps.
+//! `reference` is the readable truth; `fast` is held to it tap by tap.
+
+pub mod reference;
+
+use crate::trace::{NullSink, Sink, StepInfo};
+
+pub use reference::{Emulation, Reference};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("token id {id} is out of range (vocabulary has {n_vocab} tokens)")]
+    BadToken { id: u32, n_vocab: usize },
+    #[error("context overflow: position {end} exceeds the context length {n_ctx}")]
+    ContextOverflow { end: usize, n_ctx: usize },
+    #[error("nothing to run: no tokens")]
+    Empty,
+    #[error("unknown backend '{0}' (available: reference, fast)")]
+    Unknown(String),
+}
+
+pub trait Backend {
+    /// Name recorded as the trace producer, e.g. `reference` or `reference+ggml-cpu`.
+    fn name(&self) -> String;
+
+    /// Run `tokens` at positions `pos0..pos0+T` (extending the KV cache), recording taps under
+    /// `step`. Returns the logits of the last row (borrowed: decode steps need not allocate).
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        step: usize,
+        sink: &mut dyn Sink,
+    ) -> Result<&[f32], BackendError>;
+
+    /// Forget the KV cache.
+    fn reset(&mut self);
+}
+
+/// Index of the largest logit; the first one on ties (as llama.cpp's greedy sampler).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Prefill `prompt` (step 0), then `n_steps` decode steps of one token each. Each decode step
+/// feeds `forced[i]` when given, else the greedy argmax of the previous logits (teacher forcing
+/// from the greedy continuation). Returns what was fed at each step.
+pub fn run(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    n_steps: usize,
+    forced: Option<&[u32]>,
+    sink: &mut dyn Sink,
+) -> Result<Vec<StepInfo>, BackendError> {
+    if prompt.is_empty() {
+        return Err(BackendError::Empty);
+    }
+    backend.reset();
+    let mut next = argmax(backend.forward(prompt, 0, 0, sink)?);
+    let mut steps = vec![StepInfo {
+        step: 0,
+        tokens: prompt.to_vec(),
+        positions: (0..prompt.len()).collect(),
+        forced: None,
+    }];
+    let mut pos = prompt.len();
+    for s in 1..=n_steps {
+        let tok = match forced.and_then(|f| f.get(s - 1)) {
+            Some(&t) => t,
+            None => next,
+        };
+        next = argmax(backend.forward(&[tok], pos, s, sink)?);
+        steps.push(StepInfo {
+            step: s,
+            tokens: vec![tok],
+            positions: vec![pos],
+            forced: Some(true),
+        });
+        pos += 1;
+    }
+    Ok(steps)
+}
+
+/// Greedy generation: returns the `n` generated ids (stops early at `eos`).
+pub fn generate(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    n: usize,
+    eos: Option<u32>,
+) -> Result<Vec<u32>, BackendError> {
+    if prompt.is_empty() {
+        return Err(BackendError::Empty);
+    }
+    backend.reset();
+    let mut out = Vec::with_capacity(n);
+    let mut tok = argmax(backend.forward(prompt, 0, 0, &mut NullSink)?);
+    let mut pos = prompt.len();
+    for s in 1..=n {
+        out.push(tok);
+        if Some(tok) == eos || s == n {
+            break;
+        }
+        tok = argmax(backend.forward(&[tok], pos, s, &mut NullSink)?);
+        pos += 1;
+    }
+    Ok(out)
+}

@@ -1,0 +1,348 @@
+//! The reference backend: plain f32, deliberately unoptimized, one forward function that reads
+//! top to bottom like llama2.c's `forward()`, with a tap at every named point.
+//!
+//! Weights are dequantized row by row straight from the memory map where they are used, so peak
+//! memory stays near the activations plus the KV cache, not the whole model in f32.
+//!
+//! `Emulation::GgmlCpu` reproduces what ggml's CPU backend does to activations before a matmul
+//! with a quantized weight: it quantizes the input row to the weight's `vec_dot_type` (Q8_0,
+//! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
+//! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
+
+use super::{Backend, BackendError};
+use crate::gguf::{GgmlType, TensorInfo};
+use crate::model::{Model, RopeType};
+use crate::quant;
+use crate::trace::{Sink, Tap, tap};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Emulation {
+    /// Plain f32 activations.
+    None,
+    /// Quantize matmul inputs the way ggml's CPU backend does.
+    GgmlCpu,
+}
+
+impl Emulation {
+    pub fn parse(s: &str) -> Option<Emulation> {
+        match s {
+            "none" => Some(Emulation::None),
+            "ggml-cpu" => Some(Emulation::GgmlCpu),
+            _ => None,
+        }
+    }
+}
+
+pub struct Reference<'m> {
+    model: &'m Model,
+    emulation: Emulation,
+    n_ctx: usize,
+    /// Per layer: post-RoPE keys and values, `[n_ctx, n_embd_kv]` row-major.
+    k_cache: Vec<Vec<f32>>,
+    v_cache: Vec<Vec<f32>>,
+    /// The last row's logits of the latest forward.
+    last_logits: Vec<f32>,
+}
+
+impl<'m> Reference<'m> {
+    pub fn new(model: &'m Model, emulation: Emulation, n_ctx: usize) -> Self {
+        let c = &model.config;
+        let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
+        let kv = n_ctx * c.n_embd_kv();
+        Reference {
+            model,
+            emulation,
+            n_ctx,
+            k_cache: vec![vec![0.0; kv]; c.n_layer],
+            v_cache: vec![vec![0.0; kv]; c.n_layer],
+            last_logits: Vec::new(),
+        }
+    }
+
+    /// out[t, r] = Σ_i W[r, i] · x[t, i] for the T rows of `x`. `W` is `[n_in, n_out]` in ggml
+    /// order: row r of the stored matrix is output r.
+    fn matmul(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
+        let (n_in, n_out) = w.rows();
+        let x = self.emulate_input(w.ty, x, n_in);
+        let mut out = vec![0.0f32; t * n_out];
+        let mut row = vec![0.0f32; n_in];
+        for r in 0..n_out {
+            self.model.row(w, r, &mut row);
+            for i in 0..t {
+                out[i * n_out + r] = dot(&row, &x[i * n_in..(i + 1) * n_in]);
+            }
+        }
+        out
+    }
+
+    /// The activation rounding ggml's CPU applies before a matmul with a `ty` weight.
+    fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
+        let act = quant::vec_dot_type(ty);
+        if self.emulation == Emulation::None || act == GgmlType::F32 {
+            return x.to_vec();
+        }
+        let mut y = vec![0.0f32; x.len()];
+        let mut q = vec![0u8; act.bytes_for(n_in as u64).expect("whole blocks") as usize];
+        for (src, dst) in x.chunks(n_in).zip(y.chunks_mut(n_in)) {
+            quant::quantize_activation(act, src, &mut q);
+            quant::dequantize_row(act, &q, dst).expect("same length");
+        }
+        y
+    }
+}
+
+/// Dot product, accumulated in f64 so that the reference's own rounding stays far below
+/// every tolerance.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| x as f64 * y as f64)
+        .sum::<f64>() as f32
+}
+
+/// RMSNorm in ggml's order: mean of squares summed in f64, scale = 1/sqrt(mean + eps) in f32,
+/// then the element-wise weight.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let n = weight.len();
+    let mut out = vec![0.0f32; x.len()];
+    for (row, o) in x.chunks(n).zip(out.chunks_mut(n)) {
+        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
+        let mean = (sum / n as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for i in 0..n {
+            o[i] = (row[i] * scale) * weight[i];
+        }
+    }
+    out
+}
+
+/// Rotate each head of `x` (`[T, n_heads, head_dim]`) by its position, as ggml_rope_ext with
+/// ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot), computed by repeated
+/// multiplication like ggml's rope cache. Norm pairs (2i, 2i+1); Neox pairs (i, i + n_rot/2).
+#[allow(clippy::too_many_arguments)]
+fn rope(
+    x: &mut [f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    n_rot: usize,
+    base: f32,
+    freq_scale: f32,
+    kind: RopeType,
+) {
+    let theta_scale = base.powf(-2.0 / n_rot as f32);
+    for (t, &pos) in positions.iter().enumerate() {
+        let mut cache = vec![(0.0f32, 0.0f32); n_rot / 2];
+        let mut theta = pos as f32;
+        for c in cache.iter_mut() {
+            let th = freq_scale * theta;
+            *c = (th.cos(), th.sin());
+            theta *= theta_scale;
+        }
+        for h in 0..n_heads {
+            let v = &mut x[(t * n_heads + h) * head_dim..][..head_dim];
+            for (i, &(cos, sin)) in cache.iter().enumerate() {
+                let (a, b) = match kind {
+                    RopeType::Norm => (2 * i, 2 * i + 1),
+                    RopeType::Neox => (i, i + n_rot / 2),
+                };
+                let (x0, x1) = (v[a], v[b]);
+                v[a] = x0 * cos - x1 * sin;
+                v[b] = x0 * sin + x1 * cos;
+            }
+        }
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter().zip(b).map(|(x, y)| x + y).collect()
+}
+
+fn add_bias(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_mut(bias.len()) {
+        for (v, b) in row.iter_mut().zip(bias) {
+            *v += b;
+        }
+    }
+}
+
+impl Backend for Reference<'_> {
+    fn name(&self) -> String {
+        match self.emulation {
+            Emulation::None => "reference".into(),
+            Emulation::GgmlCpu => "reference:ggml-cpu".into(),
+        }
+    }
+
+    fn reset(&mut self) {
+        for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
+            c.fill(0.0);
+        }
+    }
+
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        step: usize,
+        sink: &mut dyn Sink,
+    ) -> Result<&[f32], BackendError> {
+        let m = self.model;
+        let c = &m.config;
+        let t = tokens.len();
+        if t == 0 {
+            return Err(BackendError::Empty);
+        }
+        if pos0 + t > self.n_ctx {
+            return Err(BackendError::ContextOverflow {
+                end: pos0 + t,
+                n_ctx: self.n_ctx,
+            });
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
+            return Err(BackendError::BadToken {
+                id,
+                n_vocab: c.n_vocab,
+            });
+        }
+        let (e, hd, nh, nkv) = (c.n_embd, c.head_dim, c.n_head, c.n_head_kv);
+        let (eq, ekv) = (c.n_embd_q(), c.n_embd_kv());
+        let positions: Vec<usize> = (pos0..pos0 + t).collect();
+        let n_kv = pos0 + t;
+
+        // Token embedding: one row of token_embd per token.
+        let mut x = vec![0.0f32; t * e];
+        for (i, &id) in tokens.iter().enumerate() {
+            m.row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
+        }
+        tap(sink, step, None, Tap::Embd, &[t, e], &x);
+
+        for (l, w) in m.layers.iter().enumerate() {
+            let ly = Some(l);
+
+            // Attention block.
+            let xn = rms_norm(&x, &m.vector(&w.attn_norm), c.rms_eps);
+            tap(sink, step, ly, Tap::AttnNorm, &[t, e], &xn);
+
+            let mut q = self.matmul(&w.wq, &xn, t);
+            let mut k = self.matmul(&w.wk, &xn, t);
+            let mut v = self.matmul(&w.wv, &xn, t);
+            if let Some(b) = &w.bq {
+                add_bias(&mut q, &m.vector(b));
+            }
+            if let Some(b) = &w.bk {
+                add_bias(&mut k, &m.vector(b));
+            }
+            if let Some(b) = &w.bv {
+                add_bias(&mut v, &m.vector(b));
+            }
+            tap(sink, step, ly, Tap::Q, &[t, nh, hd], &q);
+            tap(sink, step, ly, Tap::K, &[t, nkv, hd], &k);
+            tap(sink, step, ly, Tap::V, &[t, nkv, hd], &v);
+
+            let (base, scale) = (c.rope_theta, c.rope_freq_scale);
+            rope(
+                &mut q,
+                &positions,
+                nh,
+                hd,
+                c.n_rot,
+                base,
+                scale,
+                c.rope_type,
+            );
+            rope(
+                &mut k,
+                &positions,
+                nkv,
+                hd,
+                c.n_rot,
+                base,
+                scale,
+                c.rope_type,
+            );
+            tap(sink, step, ly, Tap::QRope, &[t, nh, hd], &q);
+            tap(sink, step, ly, Tap::KRope, &[t, nkv, hd], &k);
+
+            // Append this step's keys and values to the cache at their positions.
+            self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&k);
+            self.v_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&v);
+            let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
+
+            // Causal attention: query i (position pos0+i) sees cache positions 0..=pos0+i.
+            // Query head h reads kv head h / (n_head / n_head_kv) (GQA).
+            let group = nh / nkv;
+            let kq_scale = 1.0 / (hd as f32).sqrt();
+            let mut probs = vec![0.0f32; nh * t * n_kv];
+            let mut att = vec![0.0f32; t * eq];
+            for h in 0..nh {
+                let kvh = h / group;
+                for i in 0..t {
+                    let qv = &q[(i * nh + h) * hd..][..hd];
+                    let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
+                    let visible = pos0 + i + 1;
+                    for j in 0..visible {
+                        p[j] = dot(qv, &kc[j * ekv + kvh * hd..][..hd]) * kq_scale;
+                    }
+                    softmax(&mut p[..visible]);
+                    let out = &mut att[i * eq + h * hd..][..hd];
+                    for d in 0..hd {
+                        let s: f64 = (0..visible)
+                            .map(|j| p[j] as f64 * vc[j * ekv + kvh * hd + d] as f64)
+                            .sum();
+                        out[d] = s as f32;
+                    }
+                }
+            }
+            tap(sink, step, ly, Tap::KqSoftMax, &[nh, t, n_kv], &probs);
+            tap(sink, step, ly, Tap::KqvOut, &[t, eq], &att);
+
+            let attn_out = self.matmul(&w.wo, &att, t);
+            tap(sink, step, ly, Tap::AttnOut, &[t, e], &attn_out);
+            let ffn_inp = add(&x, &attn_out);
+            tap(sink, step, ly, Tap::FfnInp, &[t, e], &ffn_inp);
+
+            // Feed-forward block (SwiGLU).
+            let xn = rms_norm(&ffn_inp, &m.vector(&w.ffn_norm), c.rms_eps);
+            tap(sink, step, ly, Tap::FfnNorm, &[t, e], &xn);
+            let gate = self.matmul(&w.w_gate, &xn, t);
+            tap(sink, step, ly, Tap::FfnGate, &[t, c.n_ff], &gate);
+            let up = self.matmul(&w.w_up, &xn, t);
+            tap(sink, step, ly, Tap::FfnUp, &[t, c.n_ff], &up);
+            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+            tap(sink, step, ly, Tap::FfnAct, &[t, c.n_ff], &act);
+            let ffn_out = self.matmul(&w.w_down, &act, t);
+            tap(sink, step, ly, Tap::FfnOut, &[t, e], &ffn_out);
+
+            x = add(&ffn_inp, &ffn_out);
+            tap(sink, step, ly, Tap::LOut, &[t, e], &x);
+        }
+
+        let xn = rms_norm(&x, &m.vector(&m.output_norm), c.rms_eps);
+        tap(sink, step, None, Tap::ResultNorm, &[t, e], &xn);
+        let logits = self.matmul(&m.output, &xn, t);
+        tap(sink, step, None, Tap::Logits, &[t, c.n_vocab], &logits);
+
+        self.last_logits = logits[(t - 1) * c.n_vocab..].to_vec();
+        Ok(&self.last_logits)
+    }
+}
+
+/// Softmax as ggml: subtract the max, exp in f32, sum in f64, multiply by 1/sum.
+fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}

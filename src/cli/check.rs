@@ -1,0 +1,413 @@
+//! `parity golden`, `parity check` and `parity diff`.
+
+use super::run::{InputArgs, make_backend, model_ref, producer};
+use super::{Result, err, repo_root};
+use crate::backend;
+use crate::compare::{CompareOptions, Comparison, PairKind, compare};
+use crate::model::Model;
+use crate::report;
+use crate::trace::{MemorySink, TapFilter, Trace};
+use clap::Args;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// The committed default: `parity check` with no MODEL runs this fixture against its golden.
+pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
+
+/// The Python that runs scripts/: $PARITY_PYTHON, else the repo's .venv, else python3.
+fn python() -> PathBuf {
+    if let Ok(p) = std::env::var("PARITY_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
+
+#[derive(Args)]
+pub struct GoldenArgs {
+    model: PathBuf,
+    #[command(flatten)]
+    input: InputArgs,
+    /// Decode steps after the prefill (teacher-forced from llama.cpp's greedy continuation).
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// Output trace folder.
+    #[arg(long)]
+    out: PathBuf,
+    /// Keep llama.cpp's default settings (F16 KV cache, flash attention auto) instead of the
+    /// tight ones (F32 KV cache, flash attention off, no weight repacking).
+    #[arg(long)]
+    llama_defaults: bool,
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Overwrite a non-empty output folder.
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
+    let script = repo_root().join("scripts/llama_golden.py");
+    if !script.exists() {
+        return Err(err(format!("{} not found", script.display())));
+    }
+    let py = python();
+    let probe = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output();
+    match probe {
+        Ok(o) if o.status.success() => {}
+        Ok(_) => {
+            return Err(err(format!(
+                "llama_cpp (llama-cpp-python) or numpy is not installed for {}: pip install llama-cpp-python numpy (or set PARITY_PYTHON to a Python that has them)",
+                py.display()
+            )));
+        }
+        Err(e) => {
+            return Err(err(format!(
+                "cannot run {} ({e}): install Python 3 with llama-cpp-python, or set PARITY_PYTHON",
+                py.display()
+            )));
+        }
+    }
+    let mut cmd = Command::new(&py);
+    cmd.arg(&script).arg(&a.model).arg("--out").arg(&a.out);
+    match (&a.input.prompt, &a.input.tokens) {
+        (Some(p), _) => {
+            cmd.arg("--prompt").arg(p);
+        }
+        (None, Some(t)) => {
+            let s: Vec<String> = t.iter().map(|i| i.to_string()).collect();
+            cmd.arg("--tokens").arg(s.join(","));
+        }
+        (None, None) => return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)")),
+    }
+    if a.input.no_bos {
+        cmd.arg("--no-bos");
+    }
+    cmd.arg("--steps").arg(a.steps.to_string());
+    cmd.arg("--threads").arg(a.threads.to_string());
+    if a.llama_defaults {
+        cmd.arg("--llama-defaults");
+    }
+    if a.force {
+        cmd.arg("--force");
+    }
+    let status = cmd
+        .status()
+        .map_err(|e| err(format!("running {}: {e}", py.display())))?;
+    match status.code() {
+        Some(0) => Ok(ExitCode::SUCCESS),
+        Some(1) => Ok(ExitCode::from(1)),
+        _ => Ok(ExitCode::from(2)),
+    }
+}
+
+/// Trace folders under `dir` (or `dir` itself) whose model sha256 is `sha`.
+fn find_goldens(dir: &Path, sha: &str) -> Result<Vec<(PathBuf, Trace)>> {
+    if dir.join("manifest.json").exists() {
+        return Ok(vec![(dir.to_path_buf(), Trace::open(dir)?)]);
+    }
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Ok(out);
+    };
+    let mut paths: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+    paths.sort();
+    for p in paths {
+        if p.join("manifest.json").exists() {
+            let t = Trace::open(&p)?;
+            if t.manifest.model.sha256 == sha {
+                out.push((p, t));
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[derive(Args)]
+pub struct CheckArgs {
+    /// GGUF model (default: the committed fixture fixtures/tiny-llama-q8_0.gguf).
+    model: Option<PathBuf>,
+    #[command(flatten)]
+    input: InputArgs,
+    /// Decode steps (default: as many as the golden has, else 4).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Backends to run: reference, reference:ggml-cpu.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "reference,reference:ggml-cpu"
+    )]
+    backends: Vec<String>,
+    /// A golden trace folder, or a folder of goldens searched by model sha256 (default: golden/).
+    #[arg(long)]
+    golden: Option<PathBuf>,
+    /// Write every comparison as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Print the per-layer table of every comparison, not only the ones against the golden.
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+/// Producers known to round matmul inputs as ggml's CPU does. Anything else (the plain
+/// reference, an external engine) is judged with different-rounding tolerances unless
+/// `parity diff --strict` says otherwise.
+fn rounds_like_ggml(producer_backend: &str) -> bool {
+    matches!(
+        producer_backend,
+        "reference:ggml-cpu" | "fast" | "llama.cpp-cpu"
+    )
+}
+
+fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
+    let golden_tight = |t: &Trace| {
+        t.manifest.producer.name != "llama.cpp"
+            || t.manifest
+                .producer
+                .settings
+                .get("type_k")
+                .and_then(|v| v.as_str())
+                .is_none_or(|k| k == "f32")
+    };
+    if rounds_like_ggml(&a.manifest.producer.backend)
+        && rounds_like_ggml(&b.manifest.producer.backend)
+        && golden_tight(a)
+        && golden_tight(b)
+    {
+        PairKind::SameRounding
+    } else {
+        PairKind::DifferentRounding
+    }
+}
+
+pub fn check(a: CheckArgs) -> Result<ExitCode> {
+    let model_path = a
+        .model
+        .clone()
+        .unwrap_or_else(|| repo_root().join(DEFAULT_FIXTURE));
+    if !model_path.exists() {
+        return Err(err(format!("{}: no such file", model_path.display())));
+    }
+    let model = Model::open(&model_path)?;
+    let sha = model.sha256().to_string();
+    let golden_dir = a
+        .golden
+        .clone()
+        .unwrap_or_else(|| repo_root().join("golden"));
+    let mut goldens = find_goldens(&golden_dir, &sha)?;
+    if a.golden.is_some() && goldens.len() == 1 && goldens[0].1.manifest.model.sha256 != sha {
+        return Err(err(format!(
+            "golden {} was made for another model (sha256 {}…), not {} (sha256 {}…)",
+            goldens[0].0.display(),
+            &goldens[0]
+                .1
+                .manifest
+                .model
+                .sha256
+                .chars()
+                .take(12)
+                .collect::<String>(),
+            model_path.display(),
+            &sha[..12]
+        )));
+    }
+
+    // The ids: from the user if given (and then the golden must be for the same ids), else
+    // from the golden (prompt and forced decode tokens).
+    let (prompt, forced, steps) = if a.input.given() {
+        let (ids, policy) = a.input.resolve(&model.file)?;
+        eprintln!("prompt ids: {ids:?} — {policy}");
+        let wanted_steps = a.steps;
+        goldens.retain(|(_, g)| g.manifest.steps.first().is_some_and(|s| s.tokens == ids));
+        if goldens.is_empty() && find_goldens(&golden_dir, &sha)?.len() == 1 && a.golden.is_some() {
+            let g = Trace::open(&golden_dir)?;
+            return Err(err(format!(
+                "golden {} was made for other token ids {:?}, not {:?}: make one with `parity golden {} -p ... --out DIR`",
+                golden_dir.display(),
+                g.manifest
+                    .steps
+                    .first()
+                    .map(|s| s.tokens.clone())
+                    .unwrap_or_default(),
+                ids,
+                model_path.display()
+            )));
+        }
+        match goldens.first() {
+            Some((_, g)) => {
+                let forced: Vec<u32> = g
+                    .manifest
+                    .steps
+                    .iter()
+                    .skip(1)
+                    .flat_map(|s| s.tokens.clone())
+                    .collect();
+                let n = wanted_steps.unwrap_or(forced.len()).min(forced.len());
+                (ids, Some(forced[..n].to_vec()), n)
+            }
+            None => (ids, None, wanted_steps.unwrap_or(4)),
+        }
+    } else {
+        match goldens.first() {
+            Some((_, g)) => {
+                let ids = g
+                    .manifest
+                    .steps
+                    .first()
+                    .map(|s| s.tokens.clone())
+                    .unwrap_or_default();
+                let forced: Vec<u32> = g
+                    .manifest
+                    .steps
+                    .iter()
+                    .skip(1)
+                    .flat_map(|s| s.tokens.clone())
+                    .collect();
+                let n = a.steps.unwrap_or(forced.len()).min(forced.len());
+                eprintln!("prompt ids: {ids:?} — from the golden");
+                (ids, Some(forced[..n].to_vec()), n)
+            }
+            None => {
+                return Err(err(format!(
+                    "no golden for {} (sha256 {}…) in {}: give a prompt (-p TEXT) to compare backends only, or make a golden with `parity golden`",
+                    model_path.display(),
+                    &sha[..12],
+                    golden_dir.display()
+                )));
+            }
+        }
+    };
+    let golden = goldens.into_iter().next();
+    match &golden {
+        Some((p, _)) => eprintln!("golden: {}", p.display()),
+        None => eprintln!(
+            "golden: none for sha256 {}… in {} — comparing backends with each other only",
+            &sha[..12],
+            golden_dir.display()
+        ),
+    }
+
+    let mut traces: Vec<Trace> = Vec::new();
+    for name in &a.backends {
+        let mut b = make_backend(name, &model, prompt.len() + steps)?;
+        let mut sink = MemorySink::new(TapFilter::all());
+        let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
+        traces.push(Trace::from_memory(
+            model_ref(&model_path, &model),
+            producer(b.as_ref(), serde_json::Value::Null),
+            info,
+            sink.tensors,
+        ));
+    }
+
+    let wtype = model.main_weight_type();
+    let mut comparisons: Vec<Comparison> = Vec::new();
+    if let Some((_, g)) = &golden {
+        for t in &traces {
+            let opt = CompareOptions {
+                pair: pair_kind(g, t),
+                weight_type: wtype,
+                require_same_model: true,
+            };
+            let c = compare(g, t, &opt)?;
+            println!("== {} vs golden ({})", c.candidate, c.baseline);
+            print!("{}", report::table(&c));
+            println!("{}\n", report::verdict(&c));
+            comparisons.push(c);
+        }
+    }
+    for i in 0..traces.len() {
+        for j in i + 1..traces.len() {
+            let (x, y) = (&traces[i], &traces[j]);
+            let opt = CompareOptions {
+                pair: pair_kind(x, y),
+                weight_type: wtype,
+                require_same_model: true,
+            };
+            let c = compare(x, y, &opt)?;
+            println!("== {} vs {}", c.candidate, c.baseline);
+            if a.verbose || c.diverged() {
+                print!("{}", report::table(&c));
+            }
+            println!("{}\n", report::verdict(&c));
+            comparisons.push(c);
+        }
+    }
+    if comparisons.is_empty() {
+        return Err(err("nothing to compare: one backend and no golden"));
+    }
+    finish(&comparisons, a.json.as_deref())
+}
+
+fn finish(comparisons: &[Comparison], json: Option<&Path>) -> Result<ExitCode> {
+    if let Some(p) = json {
+        let text = serde_json::to_string_pretty(comparisons)?;
+        std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))?;
+    }
+    let diverged = comparisons.iter().filter(|c| c.diverged()).count();
+    if diverged > 0 {
+        println!(
+            "verdict: {diverged} of {} comparisons diverged",
+            comparisons.len()
+        );
+        Ok(ExitCode::from(1))
+    } else {
+        println!("verdict: parity ({} comparisons)", comparisons.len());
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+#[derive(Args)]
+pub struct DiffArgs {
+    /// Baseline trace folder (e.g. a llama.cpp golden).
+    baseline: PathBuf,
+    /// Candidate trace folder (e.g. your engine's dump).
+    candidate: PathBuf,
+    /// Weight type of the model's matmul weights, for the tolerances (default: read from the
+    /// model path in the baseline manifest if that file exists, else f32).
+    #[arg(long = "weight-type")]
+    weight_type: Option<String>,
+    /// Hold the candidate to same-rounding tolerances (it emulates ggml's activation rounding).
+    #[arg(long)]
+    strict: bool,
+    /// Compare even if the manifests name different model sha256.
+    #[arg(long)]
+    allow_model_mismatch: bool,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+pub fn diff(a: DiffArgs) -> Result<ExitCode> {
+    let base = Trace::open(&a.baseline)?;
+    let cand = Trace::open(&a.candidate)?;
+    let wtype = match &a.weight_type {
+        Some(s) => crate::gguf::GgmlType::parse(s)
+            .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
+        None => crate::gguf::GgufFile::open(&base.manifest.model.path)
+            .ok()
+            .and_then(|f| Model::from_gguf(f).ok())
+            .map(|m| m.main_weight_type())
+            .unwrap_or(crate::gguf::GgmlType::F32),
+    };
+    let pair = if a.strict {
+        PairKind::SameRounding
+    } else {
+        pair_kind(&base, &cand)
+    };
+    let opt = CompareOptions {
+        pair,
+        weight_type: wtype,
+        require_same_model: !a.allow_model_mismatch,
+    };
+    let c = compare(&base, &cand, &opt)?;
+    println!("== {} vs {}", c.candidate, c.baseline);
+    print!("{}", report::table(&c));
+    println!("{}\n", report::verdict(&c));
+    finish(&[c], a.json.as_deref())
+}

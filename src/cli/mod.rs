@@ -1,0 +1,78 @@
+//! The command line: one subcommand per job. Errors become one line on stderr and exit code 2;
+//! a divergence found is exit code 1.
+
+mod check;
+mod inspect;
+mod run;
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Make an error from a message.
+pub fn err(msg: impl Into<String>) -> Error {
+    msg.into().into()
+}
+
+#[derive(Parser)]
+#[command(
+    name = "parity",
+    version,
+    about = "Find where an LLM inference engine stops agreeing with llama.cpp",
+    long_about = "Find where an LLM inference engine stops agreeing with llama.cpp.\n\nparity runs a model tap by tap (every named intermediate tensor of every layer, for the prefill and each decode step), compares against llama.cpp goldens or any other trace, and names the first diverging (step, layer, tap) with a likely cause.\n\nExit codes: 0 parity, 1 divergence found, 2 error."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print architecture, hyperparameters, tokenizer summary and the tensor table of a GGUF file.
+    Inspect(inspect::InspectArgs),
+    /// Write a deterministic tiny random-weight model (for tests and goldens).
+    Fixture(inspect::FixtureArgs),
+    /// Print the token ids of TEXT, space-separated, on one line.
+    Tokenize(run::TokenizeArgs),
+    /// Greedy generation: prints the text and the ids.
+    Generate(run::GenerateArgs),
+    /// Run a backend and write every tap as a trace folder.
+    Dump(run::DumpArgs),
+    /// Make a llama.cpp golden trace (runs scripts/llama_golden.py with the real llama.cpp).
+    Golden(check::GoldenArgs),
+    /// Run backends on a model, compare them with each other and with its llama.cpp golden.
+    Check(check::CheckArgs),
+    /// Compare two trace folders (e.g. an external engine's dump against a golden).
+    Diff(check::DiffArgs),
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Inspect(a) => inspect::inspect(a),
+        Cmd::Fixture(a) => inspect::fixture(a),
+        Cmd::Tokenize(a) => run::tokenize(a),
+        Cmd::Generate(a) => run::generate(a),
+        Cmd::Dump(a) => run::dump(a),
+        Cmd::Golden(a) => check::golden(a),
+        Cmd::Check(a) => check::check(a),
+        Cmd::Diff(a) => check::diff(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            // One line, whatever the error's own formatting.
+            let msg = e.to_string().replace('\n', " ");
+            eprintln!("error: {msg}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The repository root this binary was built from (fixtures/, golden/, scripts/ live there).
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}

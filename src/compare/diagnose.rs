@@ -1,0 +1,250 @@
+//! A diagnosis of the likely cause of a divergence, from the known bug signatures
+//! (../shared/reference/llama-cpp-facts.md §4): what diverged, what just before it still
+//! matched, and how the error is shaped (per row, per head, per channel).
+
+use super::{CompareError, TapResult, metrics};
+use crate::gguf::GgmlType;
+use crate::trace::{Tap, TapKey, Trace};
+use ndarray::{ArrayD, Axis, Ix2};
+
+/// Rows (first axis) of a tensor as 2-d: `[rows, rest]`.
+fn rows2(a: &ArrayD<f32>) -> ndarray::Array2<f32> {
+    let r = a.shape().first().copied().unwrap_or(1).max(1);
+    let n = a.len() / r;
+    a.to_owned()
+        .into_shape_with_order((r, n))
+        .expect("contiguous")
+        .into_dimensionality::<Ix2>()
+        .expect("2-d")
+}
+
+fn row_nmse(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Vec<f64> {
+    let (a, b) = (rows2(a), rows2(b));
+    a.axis_iter(Axis(0))
+        .zip(b.axis_iter(Axis(0)))
+        .map(|(x, y)| metrics(&x.into_dyn(), &y.into_dyn()).nmse)
+        .collect()
+}
+
+pub(super) fn diagnose(
+    base: &Trace,
+    cand: &Trace,
+    results: &[TapResult],
+    i: usize,
+    wtype: GgmlType,
+) -> Result<String, CompareError> {
+    let r = &results[i];
+    let k = r.key;
+    let passed = |tap: Tap, layer: Option<usize>| -> Option<bool> {
+        results
+            .iter()
+            .find(|x| x.key == TapKey::new(k.step, layer, tap))
+            .map(|x| x.pass)
+    };
+    let prefill_ok = k.step > 0 && results.iter().filter(|x| x.key.step == 0).all(|x| x.pass);
+    let load = |key: TapKey| -> Result<Option<(ArrayD<f32>, ArrayD<f32>)>, CompareError> {
+        Ok(match (base.get(&key)?, cand.get(&key)?) {
+            (Some(a), Some(b)) if a.len() == b.len() => {
+                let b = b
+                    .into_shape_with_order(a.shape())
+                    .expect("same len")
+                    .into_dyn();
+                Some((a, b))
+            }
+            _ => None,
+        })
+    };
+    let m = &r.metrics;
+    let mut why = Vec::<String>::new();
+
+    if m.non_finite_failure() {
+        why.push(format!(
+            "non-finite values (NaN baseline {}, NaN candidate {}, Inf mismatches {}): typically a softmax over a fully masked row (mask or KV position off), or an overflow",
+            m.nan_a, m.nan_b, m.inf_mismatch
+        ));
+    }
+    if prefill_ok {
+        why.push(format!(
+            "the prefill (step 0) matched everywhere and step {} diverges: look at what only decode steps use — the KV cache write/read position, the causal mask for the new row, the position passed to RoPE",
+            k.step
+        ));
+    }
+    let matmul_hint = |w: &str| -> String {
+        if m.cosine.abs() < 0.2 {
+            format!(
+                "its input matched but the output is uncorrelated (cosine {:.3}): the {w} matmul reads the weight transposed or with the wrong ne order (GGUF stores W as [n_in, n_out], ne[0] = n_in)",
+                m.cosine
+            )
+        } else {
+            format!(
+                "its input matched but the {w} matmul output does not (cosine {:.6}): the {wtype} weight decoder or the matmul kernel; with quantized weights also check which activation rounding the engine applies (ggml's CPU quantizes inputs to {})",
+                m.cosine,
+                crate::quant::vec_dot_type(wtype)
+            )
+        }
+    };
+
+    match k.tap {
+        Tap::Embd => {
+            if let Some((a, b)) = load(k)? {
+                let bad: Vec<usize> = row_nmse(&a, &b)
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| **e > r.threshold)
+                    .map(|(i, _)| i)
+                    .collect();
+                why.push(format!(
+                    "token embedding rows {bad:?} differ: the token_embd.weight ({wtype}) decoder, or the row lookup (row = token id; GGUF ne = [n_embd, n_vocab]); if whole rows look shifted, the token ids differ (BOS, chat template)"
+                ));
+            }
+        }
+        Tap::AttnNorm | Tap::FfnNorm | Tap::ResultNorm => {
+            let ratio_note = load(k)?.map(|(a, b)| norm_ratio_signature(&a, &b));
+            match ratio_note {
+                Some(Some(note)) => why.push(note),
+                _ if m.nmse < 1e-4 => why.push(
+                    "small error at the norm with matching input: rms eps (read it from the GGUF), or summation precision/order in the mean of squares".into(),
+                ),
+                _ => why.push("RMSNorm output differs with matching input: the normalization formula or its weight".into()),
+            }
+        }
+        Tap::Q | Tap::K | Tap::V => {
+            let v_ok = passed(Tap::V, k.layer);
+            if k.tap != Tap::V && v_ok == Some(true) && m.cosine.abs() < 0.9 {
+                why.push(
+                    "V matches but Q/K do not: a Q/K row permutation (llama.cpp's converter permutes wq/wk rows for NORM RoPE; applying it twice or undoing it shuffles elements inside each head)".into(),
+                );
+            } else {
+                why.push(matmul_hint(&format!("{} projection", k.tap)));
+            }
+        }
+        Tap::QRope | Tap::KRope => {
+            let pre = if k.tap == Tap::QRope { Tap::Q } else { Tap::K };
+            if passed(pre, k.layer) == Some(true) {
+                let rows = load(k)?.map(|(a, b)| row_nmse(&a, &b)).unwrap_or_default();
+                let pos0 = base
+                    .manifest
+                    .steps
+                    .get(k.step)
+                    .and_then(|s| s.positions.first().copied())
+                    .unwrap_or(0);
+                if pos0 == 0 && rows.first().is_some_and(|&e| e <= r.threshold) && rows.len() > 1 {
+                    why.push("RoPE: pre-RoPE q/k match, position 0 matches and later positions diverge — the pairing (NORM: (2i, 2i+1) for llama; NEOX: (i, i+n_rot/2) for qwen2), the frequency base (rope theta) or the rope scaling".into());
+                } else if rows.windows(2).all(|w| w[1] >= w[0]) && rows.len() > 2 {
+                    why.push("RoPE: the error grows with position — wrong rope theta / frequency scaling".into());
+                } else {
+                    why.push("RoPE: pre-RoPE q/k match but rotated ones do not — pairing, theta, or the positions passed".into());
+                }
+            }
+        }
+        Tap::KqSoftMax => why.push(
+            "attention probabilities differ while q/k after RoPE matched: the score scale (1/sqrt(head_dim)), the causal mask, the KV cache contents at earlier positions, or the softmax".into(),
+        ),
+        Tap::KqvOut => {
+            if let Some((a, b)) = load(k)? {
+                if let Some(note) = head_signature(base, &a, &b, r.threshold) {
+                    why.push(note);
+                }
+            }
+            if why.is_empty() || prefill_ok {
+                why.push("attention output differs while the probabilities matched: the V cache (layout, positions) or the probs·V product".into());
+            }
+        }
+        Tap::AttnOut => why.push(matmul_hint("attention output (Wo)")),
+        Tap::FfnGate => why.push(matmul_hint("ffn_gate")),
+        Tap::FfnUp => why.push(matmul_hint("ffn_up")),
+        Tap::FfnOut => why.push(matmul_hint("ffn_down")),
+        Tap::FfnAct => {
+            if passed(Tap::FfnGate, k.layer) == Some(true) && passed(Tap::FfnUp, k.layer) == Some(true) {
+                why.push("ffn_gate and ffn_up match but their product does not: SwiGLU operands swapped (silu must apply to gate, not up) or the wrong activation".into());
+            }
+        }
+        Tap::FfnInp | Tap::LOut => why.push(
+            "a residual sum differs while its operands matched: the residual connection (added twice, missing, or taken from the normalized value)".into(),
+        ),
+        Tap::Logits => {
+            if passed(Tap::ResultNorm, None) == Some(true) {
+                if m.cosine.abs() < 0.2 {
+                    why.push("everything matches through result_norm and the logits are uncorrelated: the output projection is transposed (lm_head GEMM flags / leading dimension) or uses the wrong matrix".into());
+                } else {
+                    why.push("result_norm matches but the logits do not: the output projection — tied embeddings (no output.weight: use token_embd.weight) or the output weight's decoding".into());
+                }
+            }
+        }
+    }
+    if why.is_empty() {
+        why.push(format!(
+            "first divergence at {} with its inputs already off: see the taps before it",
+            k
+        ));
+    }
+    Ok(why.join("; "))
+}
+
+/// The "norm weight applied twice / +1 offset" signature: candidate/baseline is a per-channel
+/// ratio that is the same for every token.
+fn norm_ratio_signature(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Option<String> {
+    let (a, b) = (rows2(a), rows2(b));
+    if a.nrows() < 2 {
+        return None;
+    }
+    let mut consistent = 0;
+    let mut total = 0;
+    for c in 0..a.ncols() {
+        let ratios: Vec<f64> = (0..a.nrows())
+            .filter(|&r| a[[r, c]].abs() > 1e-6)
+            .map(|r| b[[r, c]] as f64 / a[[r, c]] as f64)
+            .collect();
+        if ratios.len() < 2 {
+            continue;
+        }
+        total += 1;
+        let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
+        if ratios
+            .iter()
+            .all(|x| (x - mean).abs() <= 1e-3 * mean.abs().max(1e-3))
+        {
+            consistent += 1;
+        }
+    }
+    (total > 0 && consistent * 10 >= total * 9).then(|| {
+        "the norm output is off by a per-channel factor that is the same for every token: the norm weight applied twice, a missing/doubled +1 offset (Gemma-style), or the wrong weight vector".into()
+    })
+}
+
+/// The GQA signature: attention output matches for some heads only.
+fn head_signature(base: &Trace, a: &ArrayD<f32>, b: &ArrayD<f32>, thr: f64) -> Option<String> {
+    // kqv_out is [T, n_head*head_dim]; the head count comes from the q tap's shape.
+    let q = base
+        .manifest
+        .tensors
+        .iter()
+        .find(|t| t.tap == "q" && t.shape.len() == 3)?;
+    let (nh, hd) = (q.shape[1], q.shape[2]);
+    let (a, b) = (rows2(a), rows2(b));
+    if a.ncols() != nh * hd {
+        return None;
+    }
+    let ok: Vec<bool> = (0..nh)
+        .map(|h| {
+            let sa = a
+                .slice(ndarray::s![.., h * hd..(h + 1) * hd])
+                .to_owned()
+                .into_dyn();
+            let sb = b
+                .slice(ndarray::s![.., h * hd..(h + 1) * hd])
+                .to_owned()
+                .into_dyn();
+            metrics(&sa.view(), &sb.view()).nmse <= thr
+        })
+        .collect();
+    let n_ok = ok.iter().filter(|&&x| x).count();
+    if n_ok > 0 && n_ok < nh {
+        let good: Vec<usize> = (0..nh).filter(|&h| ok[h]).collect();
+        Some(format!(
+            "attention output matches for heads {good:?} only: the GQA head map (query head h must read kv head h / (n_head / n_head_kv), not h % n_head_kv)"
+        ))
+    } else {
+        None
+    }
+}

@@ -1,0 +1,184 @@
+//! Per-tensor closeness metrics, as llama.cpp and its peers compute them.
+
+use ndarray::ArrayViewD;
+use serde::Serialize;
+
+/// How a candidate tensor `b` differs from a baseline `a`.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct Metrics {
+    /// Σ(a−b)² / Σa², as ggml's test-backend-ops (0 when both are all zero).
+    pub nmse: f64,
+    /// a·b / (|a| |b|).
+    pub cosine: f64,
+    pub max_abs: f64,
+    pub mean_abs: f64,
+    /// 10·log10(Σa² / Σ(a−b)²) dB (PyTorch Numeric Suite's SQNR); +∞ when identical.
+    pub sqnr_db: f64,
+    pub n: usize,
+    /// NaNs in baseline / candidate: any NaN fails.
+    pub nan_a: usize,
+    pub nan_b: usize,
+    /// Positions where either side is ±Inf and they differ (sign included): any fails.
+    pub inf_mismatch: usize,
+}
+
+impl Metrics {
+    /// NaN or unmatched Inf: fails whatever the tolerance.
+    pub fn non_finite_failure(&self) -> bool {
+        self.nan_a > 0 || self.nan_b > 0 || self.inf_mismatch > 0
+    }
+}
+
+/// Compare two tensors of the same number of elements, in logical (row-major) order.
+pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
+    debug_assert_eq!(a.len(), b.len());
+    let (mut saa, mut sbb, mut sab, mut see) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+    let (mut max_abs, mut sum_abs) = (0.0f64, 0.0f64);
+    let (mut nan_a, mut nan_b, mut inf_mismatch, mut n_finite) = (0, 0, 0, 0usize);
+    for (&x, &y) in a.iter().zip(b.iter()) {
+        if x.is_nan() || y.is_nan() {
+            nan_a += x.is_nan() as usize;
+            nan_b += y.is_nan() as usize;
+            continue;
+        }
+        if x.is_infinite() || y.is_infinite() {
+            // Inf must match with sign; a matched Inf contributes no error.
+            if x != y {
+                inf_mismatch += 1;
+            }
+            continue;
+        }
+        let (x, y) = (x as f64, y as f64);
+        let d = x - y;
+        saa += x * x;
+        sbb += y * y;
+        sab += x * y;
+        see += d * d;
+        max_abs = max_abs.max(d.abs());
+        sum_abs += d.abs();
+        n_finite += 1;
+    }
+    let nmse = if see == 0.0 {
+        0.0
+    } else if saa == 0.0 {
+        f64::INFINITY
+    } else {
+        see / saa
+    };
+    let cosine = if saa == 0.0 && sbb == 0.0 {
+        1.0
+    } else if saa == 0.0 || sbb == 0.0 {
+        0.0
+    } else {
+        sab / (saa.sqrt() * sbb.sqrt())
+    };
+    let sqnr_db = if see == 0.0 {
+        f64::INFINITY
+    } else {
+        10.0 * (saa / see).log10()
+    };
+    Metrics {
+        nmse,
+        cosine,
+        max_abs,
+        mean_abs: if n_finite > 0 {
+            sum_abs / n_finite as f64
+        } else {
+            0.0
+        },
+        sqnr_db,
+        n: a.len(),
+        nan_a,
+        nan_b,
+        inf_mismatch,
+    }
+}
+
+/// Logit statistics for one row: KL(p_base ‖ p_cand), top-1 agreement, top-5 overlap.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct LogitStats {
+    pub kld: f64,
+    pub top1_base: u32,
+    pub top1_cand: u32,
+    pub top5_overlap: usize,
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = x.iter().map(|&v| (v as f64 - max).exp()).sum::<f64>().ln() + max;
+    x.iter().map(|&v| v as f64 - lse).collect()
+}
+
+fn top_k(x: &[f32], k: usize) -> Vec<u32> {
+    let mut idx: Vec<u32> = (0..x.len() as u32).collect();
+    // Stable sort keeps the lowest index first on ties, like the greedy sampler.
+    idx.sort_by(|&i, &j| x[j as usize].total_cmp(&x[i as usize]));
+    idx.truncate(k);
+    idx
+}
+
+/// KLD as llama-perplexity computes it: Σ p_base (log p_base − log p_cand), skipping entries
+/// with log p_base ≤ −16 (they carry no mass worth comparing).
+pub fn logit_stats(base: &[f32], cand: &[f32]) -> LogitStats {
+    let (lb, lc) = (log_softmax(base), log_softmax(cand));
+    let kld = lb
+        .iter()
+        .zip(&lc)
+        .filter(|(b, _)| **b > -16.0)
+        .map(|(&b, &c)| b.exp() * (b - c))
+        .sum::<f64>()
+        .max(0.0);
+    let (tb, tc) = (top_k(base, 5), top_k(cand, 5));
+    LogitStats {
+        kld,
+        top1_base: tb[0],
+        top1_cand: tc[0],
+        top5_overlap: tb.iter().filter(|i| tc.contains(i)).count(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{ArrayD, IxDyn};
+
+    fn arr(v: &[f32]) -> ArrayD<f32> {
+        ArrayD::from_shape_vec(IxDyn(&[v.len()]), v.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn nmse_matches_definition() {
+        let a = arr(&[1.0, 2.0, 3.0]);
+        let b = arr(&[1.0, 2.0, 4.0]);
+        let m = metrics(&a.view(), &b.view());
+        assert!((m.nmse - 1.0 / 14.0).abs() < 1e-15);
+        assert_eq!(m.max_abs, 1.0);
+        assert!((m.sqnr_db - 10.0 * 14f64.log10()).abs() < 1e-12);
+    }
+
+    #[test]
+    fn nan_and_inf_rules() {
+        let a = arr(&[1.0, f32::INFINITY]);
+        let same = metrics(&a.view(), &arr(&[1.0, f32::INFINITY]).view());
+        assert!(!same.non_finite_failure());
+        assert_eq!(same.nmse, 0.0);
+        let flipped = metrics(&a.view(), &arr(&[1.0, f32::NEG_INFINITY]).view());
+        assert!(flipped.non_finite_failure());
+        let nan = metrics(&a.view(), &arr(&[f32::NAN, f32::INFINITY]).view());
+        assert_eq!(nan.nan_b, 1);
+        assert!(nan.non_finite_failure());
+    }
+
+    #[test]
+    fn kld_zero_for_identical_and_positive_otherwise() {
+        let a = [1.0, 2.0, 3.0, 0.5, -1.0, 0.0];
+        let s = logit_stats(&a, &a);
+        assert!(s.kld.abs() < 1e-12);
+        assert_eq!(s.top1_base, 2);
+        assert_eq!(s.top5_overlap, 5);
+        let b = [3.0, 2.0, 1.0, 0.5, -1.0, 0.0];
+        let s = logit_stats(&a, &b);
+        assert!(s.kld > 0.1);
+        assert_ne!(s.top1_base, s.top1_cand);
+    }
+}

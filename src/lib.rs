@@ -1,0 +1,13 @@
+//! parity: find where an LLM inference engine stops agreeing with llama.cpp.
+//!
+//! Layers, dependencies pointing down only (docs/architecture.md):
+//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `quant` → `gguf`.
+
+pub mod backend;
+pub mod cli;
+pub mod compare;
+pub mod gguf;
+pub mod model;
+pub mod quant;
+pub mod report;
+pub mod trace;

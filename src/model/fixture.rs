@@ -1,0 +1,245 @@
+//! Deterministic tiny random-weight models (`parity fixture`), written as GGUF files that the real
+//! llama.cpp loads: llama or qwen2 architecture, any supported weight type, a small SentencePiece
+//! vocabulary with byte fallback in the metadata.
+
+use crate::gguf::{GgmlType, GgufWriter, Value, ValueType};
+use crate::quant;
+
+#[derive(Clone, Debug)]
+pub struct FixtureSpec {
+    pub arch: String,
+    /// Type of the 2-d matmul weights (and token embedding); norms and biases stay F32.
+    pub weight_type: GgmlType,
+    pub seed: u64,
+    pub n_embd: usize,
+    pub n_ff: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub n_ctx: usize,
+    /// Tie the output projection to the token embedding (no output.weight).
+    pub tied: bool,
+}
+
+impl FixtureSpec {
+    pub fn new(arch: &str, weight_type: GgmlType, seed: u64) -> Self {
+        FixtureSpec {
+            arch: arch.to_string(),
+            weight_type,
+            seed,
+            // Row widths that are multiples of 256 so K-quants are real.
+            n_embd: 256,
+            n_ff: 512,
+            n_layer: 2,
+            n_head: 4,
+            n_head_kv: 2,
+            n_ctx: 256,
+            tied: false,
+        }
+    }
+}
+
+/// splitmix64: tiny, fast and identical on every platform.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-a, a).
+    fn uniform(&mut self, a: f32) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        (2.0 * u - 1.0) * a
+    }
+}
+
+/// The fixture vocabulary: `<unk> <s> </s>`, 256 byte tokens, then SentencePiece pieces for
+/// single characters and a few story words with every prefix (SPM merges need them).
+pub fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    let mut types = vec![2, 3, 3];
+    for b in 0..256 {
+        tokens.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    let mut pieces: Vec<String> = vec!["▁".into()];
+    for c in ('a'..='z').chain('A'..='Z').chain(".,!?'".chars()) {
+        pieces.push(c.to_string());
+    }
+    let words = "once upon a time there was little girl named lily she loved to play in the park \
+                 one day saw big red ball and he it said";
+    for w in words.split_whitespace() {
+        let p: Vec<char> = format!("▁{w}").chars().collect();
+        for n in 2..=p.len() {
+            pieces.push(p[..n].iter().collect());
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for p in pieces {
+        if seen.insert(p.clone()) {
+            tokens.push(p);
+            types.push(1);
+        }
+    }
+    // Longer pieces score higher so the SPM merge prefers whole words.
+    let scores = tokens
+        .iter()
+        .zip(&types)
+        .map(|(t, &ty)| {
+            if ty == 1 {
+                t.chars().count() as f32 - 10.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    (tokens, scores, types)
+}
+
+/// Build the GGUF image of a fixture.
+pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
+    let arch = spec.arch.as_str();
+    if arch != "llama" && arch != "qwen2" {
+        return Err(format!(
+            "unsupported fixture architecture '{arch}' (llama, qwen2)"
+        ));
+    }
+    let wt = spec.weight_type;
+    if wt == GgmlType::Q8_K || wt == GgmlType::Q8_1 {
+        return Err(format!(
+            "{wt} is an activation-only type; pick a weight type"
+        ));
+    }
+    let bs = wt.block_size();
+    if spec.n_embd % bs != 0 || spec.n_ff % bs != 0 {
+        return Err(format!(
+            "n_embd {} and n_ff {} must be multiples of the {wt} block size {bs}",
+            spec.n_embd, spec.n_ff
+        ));
+    }
+    if spec.n_head == 0 || spec.n_head_kv == 0 || spec.n_head % spec.n_head_kv != 0 {
+        return Err("n_head must be a positive multiple of n_head_kv".into());
+    }
+    let head_dim = spec.n_embd / spec.n_head;
+    let (tokens, scores, types) = vocab();
+    let n_vocab = tokens.len();
+    let mut rng = Rng(spec.seed);
+    let mut w = GgufWriter::new();
+    let k = |s: &str| format!("{arch}.{s}");
+    w.set("general.architecture", Value::String(arch.into()));
+    w.set(
+        "general.name",
+        Value::String(format!(
+            "parity-fixture-{arch}-{}-s{}",
+            wt.name(),
+            spec.seed
+        )),
+    );
+    w.set(&k("context_length"), Value::U32(spec.n_ctx as u32));
+    w.set(&k("embedding_length"), Value::U32(spec.n_embd as u32));
+    w.set(&k("block_count"), Value::U32(spec.n_layer as u32));
+    w.set(&k("feed_forward_length"), Value::U32(spec.n_ff as u32));
+    w.set(&k("attention.head_count"), Value::U32(spec.n_head as u32));
+    w.set(
+        &k("attention.head_count_kv"),
+        Value::U32(spec.n_head_kv as u32),
+    );
+    w.set(&k("rope.dimension_count"), Value::U32(head_dim as u32));
+    let theta = if arch == "qwen2" {
+        1_000_000.0
+    } else {
+        10_000.0
+    };
+    w.set(&k("rope.freq_base"), Value::F32(theta));
+    w.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    w.set(&k("vocab_size"), Value::U32(n_vocab as u32));
+    w.set("tokenizer.ggml.model", Value::String("llama".into()));
+    w.set(
+        "tokenizer.ggml.tokens",
+        Value::Array(
+            ValueType::String,
+            tokens.into_iter().map(Value::String).collect(),
+        ),
+    );
+    w.set(
+        "tokenizer.ggml.scores",
+        Value::Array(ValueType::F32, scores.into_iter().map(Value::F32).collect()),
+    );
+    w.set(
+        "tokenizer.ggml.token_type",
+        Value::Array(ValueType::I32, types.into_iter().map(Value::I32).collect()),
+    );
+    w.set("tokenizer.ggml.bos_token_id", Value::U32(1));
+    w.set("tokenizer.ggml.eos_token_id", Value::U32(2));
+    w.set("tokenizer.ggml.unknown_token_id", Value::U32(0));
+    w.set("tokenizer.ggml.add_bos_token", Value::Bool(true));
+    w.set("tokenizer.ggml.add_eos_token", Value::Bool(false));
+
+    let (e, ff, hd) = (spec.n_embd, spec.n_ff, head_dim);
+    let (q, kv) = (spec.n_head * hd, spec.n_head_kv * hd);
+    // Uniform weights scaled by 1/sqrt(n_in) keep activations O(1) through the layers.
+    let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, n_in: usize, n_out: usize| {
+        let a = (3.0 / n_in as f32).sqrt();
+        let data: Vec<f32> = (0..n_in * n_out).map(|_| rng.uniform(a)).collect();
+        let bytes = quant::quantize_row(wt, &data).expect("whole blocks");
+        w.add_tensor(name, &[n_in as u64, n_out as u64], wt, bytes);
+    };
+    let vector = |w: &mut GgufWriter, rng: &mut Rng, name: &str, n: usize, center: f32, a: f32| {
+        let data: Vec<f32> = (0..n).map(|_| center + rng.uniform(a)).collect();
+        let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.add_tensor(name, &[n as u64], GgmlType::F32, bytes);
+    };
+    // Embedding rows with unit-ish scale (like trained models' pre-norm residual stream).
+    {
+        let data: Vec<f32> = (0..e * n_vocab).map(|_| rng.uniform(1.0)).collect();
+        let bytes = quant::quantize_row(wt, &data).expect("whole blocks");
+        w.add_tensor("token_embd.weight", &[e as u64, n_vocab as u64], wt, bytes);
+    }
+    for l in 0..spec.n_layer {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        vector(&mut w, &mut rng, &n("attn_norm.weight"), e, 1.0, 0.2);
+        matrix(&mut w, &mut rng, &n("attn_q.weight"), e, q);
+        matrix(&mut w, &mut rng, &n("attn_k.weight"), e, kv);
+        matrix(&mut w, &mut rng, &n("attn_v.weight"), e, kv);
+        if arch == "qwen2" {
+            vector(&mut w, &mut rng, &n("attn_q.bias"), q, 0.0, 0.5);
+            vector(&mut w, &mut rng, &n("attn_k.bias"), kv, 0.0, 0.5);
+            vector(&mut w, &mut rng, &n("attn_v.bias"), kv, 0.0, 0.5);
+        }
+        matrix(&mut w, &mut rng, &n("attn_output.weight"), q, e);
+        vector(&mut w, &mut rng, &n("ffn_norm.weight"), e, 1.0, 0.2);
+        matrix(&mut w, &mut rng, &n("ffn_gate.weight"), e, ff);
+        matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, ff);
+        matrix(&mut w, &mut rng, &n("ffn_down.weight"), ff, e);
+    }
+    vector(&mut w, &mut rng, "output_norm.weight", e, 1.0, 0.2);
+    if !spec.tied {
+        matrix(&mut w, &mut rng, "output.weight", e, n_vocab);
+    }
+    // llama.cpp's LLAMA_FTYPE for the main weight type (informational).
+    let ftype = match wt {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::Q4_0 => 2,
+        GgmlType::Q4_1 => 3,
+        GgmlType::Q8_0 => 7,
+        GgmlType::Q5_0 => 8,
+        GgmlType::Q5_1 => 9,
+        GgmlType::Q2_K => 10,
+        GgmlType::Q3_K => 12,
+        GgmlType::Q4_K => 15,
+        GgmlType::Q5_K => 17,
+        GgmlType::Q6_K => 18,
+        GgmlType::IQ4_NL => 25,
+        GgmlType::IQ4_XS => 30,
+        GgmlType::BF16 => 32,
+        _ => 0,
+    };
+    w.set("general.file_type", Value::U32(ftype));
+    Ok(w)
+}

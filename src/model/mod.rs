@@ -1,0 +1,160 @@
+//! The model: architecture and hyperparameters from GGUF metadata, weight views, tokenizer.
+//! Knows gguf and quant; knows nothing of backends.
+
+mod config;
+pub mod fixture;
+pub mod tokenizer;
+
+pub use config::{Arch, Config, ModelError, RopeType};
+
+use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
+use crate::quant;
+use sha2::Digest;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// One layer's weights: index entries into the mapped file (no data is copied).
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    pub attn_norm: TensorInfo,
+    pub wq: TensorInfo,
+    pub wk: TensorInfo,
+    pub wv: TensorInfo,
+    pub bq: Option<TensorInfo>,
+    pub bk: Option<TensorInfo>,
+    pub bv: Option<TensorInfo>,
+    pub wo: TensorInfo,
+    pub ffn_norm: TensorInfo,
+    pub w_gate: TensorInfo,
+    pub w_up: TensorInfo,
+    pub w_down: TensorInfo,
+}
+
+pub struct Model {
+    pub file: GgufFile,
+    pub config: Config,
+    pub token_embd: TensorInfo,
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: TensorInfo,
+    /// `output.weight`, or `token_embd.weight` when the embeddings are tied.
+    pub output: TensorInfo,
+    sha256: OnceLock<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl Model {
+    pub fn open(path: impl AsRef<Path>) -> Result<Model, OpenError> {
+        let file = GgufFile::open(path)?;
+        Ok(Self::from_gguf(file)?)
+    }
+
+    pub fn from_gguf(file: GgufFile) -> Result<Model, ModelError> {
+        let c = Config::from_gguf(&file)?;
+        let get = |name: &str, dims: &[usize]| -> Result<TensorInfo, ModelError> {
+            let t = file
+                .tensor(name)
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+            let expected: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+            // 1-d norms/biases may be stored as [n] ; matrices as [n_in, n_out].
+            if t.dims != expected {
+                return Err(ModelError::BadShape {
+                    name: name.to_string(),
+                    expected,
+                    found: t.dims.clone(),
+                });
+            }
+            Ok(t.clone())
+        };
+        let opt = |name: &str, dims: &[usize]| -> Result<Option<TensorInfo>, ModelError> {
+            match file.tensor(name) {
+                None => Ok(None),
+                Some(_) => get(name, dims).map(Some),
+            }
+        };
+        let (e, q, kv, ff) = (c.n_embd, c.n_embd_q(), c.n_embd_kv(), c.n_ff);
+        let token_embd = get("token_embd.weight", &[e, c.n_vocab])?;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for l in 0..c.n_layer {
+            let n = |s: &str| format!("blk.{l}.{s}");
+            layers.push(LayerWeights {
+                attn_norm: get(&n("attn_norm.weight"), &[e])?,
+                wq: get(&n("attn_q.weight"), &[e, q])?,
+                wk: get(&n("attn_k.weight"), &[e, kv])?,
+                wv: get(&n("attn_v.weight"), &[e, kv])?,
+                bq: opt(&n("attn_q.bias"), &[q])?,
+                bk: opt(&n("attn_k.bias"), &[kv])?,
+                bv: opt(&n("attn_v.bias"), &[kv])?,
+                wo: get(&n("attn_output.weight"), &[q, e])?,
+                ffn_norm: get(&n("ffn_norm.weight"), &[e])?,
+                w_gate: get(&n("ffn_gate.weight"), &[e, ff])?,
+                w_up: get(&n("ffn_up.weight"), &[e, ff])?,
+                w_down: get(&n("ffn_down.weight"), &[ff, e])?,
+            });
+        }
+        if c.arch == Arch::Qwen2 && layers.iter().any(|l| l.bq.is_none()) {
+            return Err(ModelError::MissingTensor(
+                "blk.N.attn_q.bias (qwen2)".into(),
+            ));
+        }
+        let output_norm = get("output_norm.weight", &[e])?;
+        let output = if c.tied_embeddings {
+            token_embd.clone()
+        } else {
+            get("output.weight", &[e, c.n_vocab])?
+        };
+        Ok(Model {
+            file,
+            config: c,
+            token_embd,
+            layers,
+            output_norm,
+            output,
+            sha256: OnceLock::new(),
+        })
+    }
+
+    /// Raw bytes of a tensor (borrowed from the mapping).
+    pub fn data(&self, t: &TensorInfo) -> &[u8] {
+        self.file.tensor_data(t)
+    }
+
+    /// Dequantize row `r` of a 2-d tensor into `out` (`out.len()` = row width).
+    pub fn row(&self, t: &TensorInfo, r: usize, out: &mut [f32]) {
+        let (w, _) = t.rows();
+        let rb = t.ty.bytes_for(w as u64).unwrap() as usize;
+        let bytes = &self.data(t)[r * rb..(r + 1) * rb];
+        quant::dequantize_row(t.ty, bytes, out).expect("row length validated at open");
+    }
+
+    /// A whole 1-d tensor (norm weights, biases) as f32.
+    pub fn vector(&self, t: &TensorInfo) -> Vec<f32> {
+        let mut v = vec![0.0; t.n_elements as usize];
+        quant::dequantize_row(t.ty, self.data(t), &mut v).expect("validated at open");
+        v
+    }
+
+    /// Weight type of the bulk of the matmul weights (for tolerance selection).
+    pub fn main_weight_type(&self) -> GgmlType {
+        self.layers
+            .first()
+            .map(|l| l.wq.ty)
+            .unwrap_or(self.token_embd.ty)
+    }
+
+    /// sha256 of the whole GGUF file, hex (computed once, on first use).
+    pub fn sha256(&self) -> &str {
+        self.sha256.get_or_init(|| sha256_hex(self.file.bytes()))
+    }
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = sha2::Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}

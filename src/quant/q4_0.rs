@@ -1,0 +1,278 @@
+//! Q4_0: blocks of 32, `d: f16` then 16 bytes of nibbles. Element j is the low nibble of
+//! `qs[j]`, element j+16 the high nibble; `x = (q - 8) * d`. Paired with Q8_0 activations.
+
+use super::q8_0;
+use super::util::{Simd, f16_le, put_f16, simd};
+
+pub const BLOCK: usize = 32;
+pub const BYTES: usize = 18;
+
+/// ggml's `dequantize_row_q4_0`.
+pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
+        let d = f16_le(b);
+        for (j, &q) in b[2..].iter().enumerate() {
+            y[j] = ((q & 0x0F) as i32 - 8) as f32 * d;
+            y[j + 16] = ((q >> 4) as i32 - 8) as f32 * d;
+        }
+    }
+}
+
+/// [`dequantize_scalar`], vectorised; bit-identical output.
+pub fn dequantize(src: &[u8], dst: &mut [f32]) {
+    match simd() {
+        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
+        #[cfg(target_arch = "aarch64")]
+        Simd::Neon => neon::dequantize(src, dst),
+        _ => dequantize_scalar(src, dst),
+    }
+}
+
+/// ggml's `quantize_row_q4_0_ref`: `d = -max/8` with `max` the signed value of largest
+/// magnitude (so it lands exactly on q = 0), `q = min(15, trunc(x/d + 8.5))`.
+pub fn quantize(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
+        let (mut amax, mut max) = (0.0f32, 0.0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, d);
+        // C's `(int8_t)` truncates toward zero; Rust's `as` also maps NaN to 0, as x86 does.
+        let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+        for j in 0..16 {
+            b[2 + j] = q(x[j]) | (q(x[j + 16]) << 4);
+        }
+    }
+}
+
+/// Dot product of a Q4_0 weight row with a Q8_0 activation row, as ggml's
+/// `ggml_vec_dot_q4_0_q8_0_generic`: `sumf += sumi * d_w * d_a` per block.
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
+    check_rows(w, a);
+    let mut sumf = 0.0f32;
+    for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
+        let qa = &ba[2..];
+        let mut sumi = 0i32;
+        for (j, &q) in bw[2..].iter().enumerate() {
+            sumi += ((q & 0x0F) as i32 - 8) * qa[j] as i8 as i32;
+            sumi += ((q >> 4) as i32 - 8) * qa[j + 16] as i8 as i32;
+        }
+        sumf += sumi as f32 * f16_le(bw) * f16_le(ba);
+    }
+    sumf
+}
+
+/// [`vec_dot_scalar`], vectorised. Per-block integer sums are identical; the float sum follows
+/// ggml's AVX2 kernel (8 FMA lanes, `hsum_float_8`), so it may differ from the scalar twin by
+/// rounding.
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+    check_rows(w, a);
+    match simd() {
+        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
+        #[cfg(target_arch = "aarch64")]
+        Simd::Neon => neon::vec_dot(w, a),
+        _ => vec_dot_scalar(w, a),
+    }
+}
+
+fn check_rows(w: &[u8], a: &[u8]) {
+    assert_eq!(
+        w.len() / BYTES,
+        a.len() / q8_0::BYTES,
+        "q4_0 · q8_0: rows differ in length"
+    );
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::q8_0;
+    use super::super::util::{f16_le, x86_b32::*};
+    use super::{BLOCK, BYTES};
+    use std::arch::x86_64::*;
+
+    /// The block's quants as signed bytes `q - 8`, in element order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn quants(b: &[u8]) -> __m256i {
+        _mm256_sub_epi8(
+            nibbles_32(b[2..18].try_into().unwrap()),
+            _mm256_set1_epi8(8),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn dequantize(src: &[u8], dst: &mut [f32]) {
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
+            store_scaled(quants(b), f16_le(b), y.try_into().unwrap());
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
+            let d = _mm256_set1_ps(f16_le(bw) * f16_le(ba));
+            let qa = &ba[2..34];
+            // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
+            let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
+            let p = _mm256_cvtepi32_ps(dot_i8_lanes(quants(bw), qa));
+            acc = _mm256_fmadd_ps(d, p, acc);
+        }
+        hsum_f32x8(acc)
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::super::q8_0;
+    use super::super::util::{f16_le, neon_b32::*};
+    use super::{BLOCK, BYTES};
+    use std::arch::aarch64::*;
+
+    /// The block's quants as signed bytes `q - 8`: (elements 0..16, 16..32).
+    fn quants(b: &[u8]) -> (int8x16_t, int8x16_t) {
+        let (lo, hi) = nibbles_32(b[2..18].try_into().unwrap());
+        // SAFETY: register-only intrinsics; NEON is baseline.
+        unsafe {
+            let eight = vdupq_n_s8(8);
+            (
+                vsubq_s8(vreinterpretq_s8_u8(lo), eight),
+                vsubq_s8(vreinterpretq_s8_u8(hi), eight),
+            )
+        }
+    }
+
+    pub fn dequantize(src: &[u8], dst: &mut [f32]) {
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
+            let d = f16_le(b);
+            let (q0, q1) = quants(b);
+            store_scaled(q0, d, None, &mut y[..16]);
+            store_scaled(q1, d, None, &mut y[16..]);
+        }
+    }
+
+    /// Integer sums on NEON, float accumulation exactly as the scalar twin.
+    pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+        let mut sumf = 0.0f32;
+        for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
+            let (x0, x1) = quants(bw);
+            // SAFETY: `ba[2..34]` is 32 readable bytes.
+            let (y0, y1) = unsafe {
+                (
+                    vld1q_s8(ba[2..].as_ptr().cast()),
+                    vld1q_s8(ba[18..].as_ptr().cast()),
+                )
+            };
+            let sumi = dot_i8x16(x0, y0) + dot_i8x16(x1, y1);
+            sumf += sumi as f32 * f16_le(bw) * f16_le(ba);
+        }
+        sumf
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::util::testing::*;
+    use proptest::prelude::*;
+
+    const A: usize = q8_0::BYTES;
+
+    #[test]
+    fn round_trip_ggml_data() {
+        let x = ggml_test_data(4096, 0.0);
+        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
+    }
+
+    #[test]
+    fn vec_dot_ggml_data() {
+        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
+        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
+        let w = encode(&x, BLOCK, BYTES, quantize);
+        let a = encode(&y, BLOCK, A, q8_0::quantize);
+        let exact = dequant_dot(&x, &y).0;
+        for dot in [vec_dot, vec_dot_scalar] {
+            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
+            assert!(err <= 0.02, "{err}");
+        }
+    }
+
+    #[test]
+    fn layout() {
+        // d = 1 (max = -8), element 0 = -8 -> q 0, element 16 = 7 -> q 15.
+        let mut x = [0.0f32; 32];
+        (x[0], x[16], x[1]) = (-8.0, 7.0, 1.0);
+        let mut b = [0u8; BYTES];
+        quantize(&x, &mut b);
+        assert_eq!(f16_le(&b), 1.0);
+        assert_eq!(b[2], 0xF0);
+        assert_eq!(b[3], 0x89);
+        let mut y = [0.0f32; 32];
+        dequantize(&b, &mut y);
+        assert_eq!(y, x);
+    }
+
+    proptest! {
+        #[test]
+        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
+            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
+        }
+
+        #[test]
+        fn round_trip_random(x in ggml_like_floats()) {
+            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
+        }
+
+        #[test]
+        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
+            // Values on the far side of `max` clamp at q = 15, a full step (max/8) away;
+            // elsewhere half a step; plus f16 rounding of d spread over |q - 8| <= 8.
+            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
+            prop_assert!(e <= (1.0 + 8.0 / 2048.0) / 8.0 + 1e-6, "{}", e);
+        }
+
+        #[test]
+        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {
+            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
+            let mut a = seed[..w.len() / BYTES * A].to_vec();
+            set_scales(&mut w, BYTES, &[0], 1.0);
+            set_scales(&mut a, A, &[0], 1.0);
+            let n = w.len() / BYTES * BLOCK;
+            let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize)).0;
+            prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
+            prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
+        }
+
+        #[test]
+        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(A, 32..33)) {
+            let mut a = seed[..w.len() / BYTES * A].to_vec();
+            finite_scales(&mut w, BYTES, &[0]);
+            finite_scales(&mut a, A, &[0]);
+            let n = w.len() / BYTES * BLOCK;
+            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
+            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
+            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
+        }
+
+        #[test]
+        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
+            let w = encode(&x, BLOCK, BYTES, quantize);
+            let a = encode(&y[..x.len()], BLOCK, A, q8_0::quantize);
+            let n = x.len();
+            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
+            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
+                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
+                    "{} vs {}", got, exact);
+            }
+        }
+    }
+}

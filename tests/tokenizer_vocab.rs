@@ -1,0 +1,365 @@
+//! Tokenizer parity with llama.cpp on llama.cpp's own tokenizer test vocabularies
+//! (`../shared/vocab/ggml-vocab-NAME.gguf` + `.inp` + `.out`, as read by llama.cpp's
+//! `tests/test-tokenizer-0.cpp`), plus a real model file (`../shared/models/stories260K.gguf`).
+//! When `../shared` is absent the tests print "skipped: …" and pass.
+
+use std::path::PathBuf;
+
+use parity::gguf::GgufFile;
+use parity::model::tokenizer::Tokenizer;
+
+fn shared(sub: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("shared")
+        .join(sub);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: ../shared/{sub} not found");
+        None
+    }
+}
+
+fn vocab_dir() -> Option<PathBuf> {
+    shared("vocab")
+}
+
+fn load(dir: &std::path::Path, name: &str) -> Tokenizer {
+    let path = dir.join(format!("ggml-vocab-{name}.gguf"));
+    let f = GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    Tokenizer::from_gguf(&f).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// The test cases exactly as llama.cpp's `read_tests` splits them: inputs separated by
+/// "\n__ggml_vocab_test__\n" (so each input keeps its own inner newlines), expected ids one line
+/// each, space-separated, no BOS.
+fn read_tests(dir: &std::path::Path, name: &str) -> Vec<(String, Vec<u32>)> {
+    let base = dir.join(format!("ggml-vocab-{name}.gguf"));
+    let inp = std::fs::read_to_string(base.with_extension("gguf.inp")).expect("read .inp");
+    let out = std::fs::read_to_string(base.with_extension("gguf.out")).expect("read .out");
+    const SEP: &str = "\n__ggml_vocab_test__\n";
+    let mut inputs = Vec::new();
+    let mut pos = 0;
+    while pos < inp.len() {
+        match inp[pos..].find(SEP) {
+            None => {
+                inputs.push(inp[pos..].to_string());
+                break;
+            }
+            Some(n) => {
+                inputs.push(inp[pos..pos + n].to_string());
+                pos += n + SEP.len();
+            }
+        }
+    }
+    let outputs: Vec<Vec<u32>> = out
+        .lines()
+        .map(|l| {
+            l.trim()
+                .split(' ')
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse().unwrap())
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        inputs.len(),
+        outputs.len(),
+        "{name}: .inp and .out disagree on the number of tests"
+    );
+    inputs.into_iter().zip(outputs).collect()
+}
+
+/// (passed, total, first few failures).
+fn run_vocab(dir: &std::path::Path, name: &str) -> (usize, usize, Vec<String>) {
+    let tok = load(dir, name);
+    let tests = read_tests(dir, name);
+    let mut passed = 0;
+    let mut failures = Vec::new();
+    for (text, want) in &tests {
+        let got = tok
+            .encode(text, false)
+            .unwrap_or_else(|e| panic!("{name}: encode({text:?}): {e}"));
+        if &got == want {
+            passed += 1;
+        } else if failures.len() < 5 {
+            failures.push(format!("{text:?}\n    want {want:?}\n    got  {got:?}"));
+        }
+    }
+    (passed, tests.len(), failures)
+}
+
+fn assert_all_pass(name: &str) {
+    let Some(dir) = vocab_dir() else { return };
+    let (passed, total, failures) = run_vocab(&dir, name);
+    assert_eq!(
+        passed,
+        total,
+        "{name}: {passed}/{total} strings match llama.cpp; failures:\n{}",
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn llama_spm_matches_llama_cpp() {
+    assert_all_pass("llama-spm");
+}
+
+#[test]
+fn gpt2_matches_llama_cpp() {
+    assert_all_pass("gpt-2");
+}
+
+/// Every vocabulary with test strings; all of them reach 100%.
+const VOCABS: &[&str] = &[
+    "llama-spm",
+    "phi-3",
+    "gpt-2",
+    "falcon",
+    "mpt",
+    "starcoder",
+    "refact",
+    "deepseek-coder",
+    "deepseek-llm",
+    "bert-bge",
+];
+
+#[test]
+fn every_vocab_pass_rate() {
+    let Some(dir) = vocab_dir() else { return };
+    let mut report = Vec::new();
+    let mut bad = Vec::new();
+    for name in VOCABS {
+        let (passed, total, failures) = run_vocab(&dir, name);
+        report.push(format!("{name}: {passed}/{total}"));
+        if passed != total {
+            bad.push(format!(
+                "{name}: {passed}/{total}\n  {}",
+                failures.join("\n  ")
+            ));
+        }
+    }
+    eprintln!("tokenizer parity with llama.cpp: {}", report.join(", "));
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// Vocabularies without test strings in ../shared: ids checked against llama.cpp itself
+/// (llama-cpp-python 0.3.36, `Llama(model_path=…, vocab_only=True).tokenize(text, add_bos=False,
+/// special=False)`).
+#[test]
+fn vocabs_without_test_files_match_llama_cpp() {
+    let Some(dir) = vocab_dir() else { return };
+    let cases: &[(&str, &str, &[u32])] = &[
+        ("baichuan", "Hello world", &[24568, 1275]),
+        (
+            "baichuan",
+            " Hello world\n\n  x",
+            &[31106, 24568, 1275, 5, 5, 31106, 2759],
+        ),
+        ("gpt-neox", "Hello world", &[12092, 1533]),
+        (
+            "gpt-neox",
+            " Hello world\n\n  x",
+            &[24387, 1533, 535, 50276, 89],
+        ),
+        ("stablelm", "Hello world", &[12092, 1533]),
+        (
+            "stablelm",
+            " Hello world\n\n  x",
+            &[24387, 1533, 535, 50276, 89],
+        ),
+    ];
+    for (name, text, want) in cases {
+        let tok = load(&dir, name);
+        assert_eq!(tok.encode(text, false).unwrap(), *want, "{name}: {text:?}");
+    }
+    // add_bos follows the vocabulary: baichuan (SPM) has a BOS, gpt-neox's BOS is token 0.
+    let tok = load(&dir, "baichuan");
+    assert_eq!(tok.encode("Hello world", true).unwrap(), [1, 24568, 1275]);
+    assert!(tok.add_bos_default());
+    let tok = load(&dir, "gpt-neox");
+    assert!(!tok.add_bos_default());
+    assert_eq!(tok.bos_id(), Some(0));
+}
+
+#[test]
+fn dbrx_duplicate_key_is_refused_by_name() {
+    let Some(dir) = vocab_dir() else { return };
+    let err = GgufFile::open(dir.join("ggml-vocab-dbrx.gguf"))
+        .expect_err("dbrx vocab has a duplicate key");
+    assert!(
+        matches!(err, parity::gguf::GgufError::DuplicateKey(ref k) if k == "general.file_type"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("general.file_type"), "{err}");
+}
+
+/// decode(encode(s)) == s. llama.cpp's detokenizer drops the SPM space prefix again; for gpt-2
+/// its `clean_spaces` pass rewrites " 's", " ," … so those strings do not round-trip in
+/// llama.cpp either (checked with llama-cpp-python's `llama_detokenize`).
+#[test]
+fn decode_round_trips() {
+    let Some(dir) = vocab_dir() else { return };
+    for name in ["llama-spm", "gpt-2"] {
+        let tok = load(&dir, name);
+        let mut checked = 0;
+        for (text, want) in read_tests(&dir, name) {
+            let ids = tok.encode(&text, false).unwrap();
+            assert_eq!(ids, want);
+            let back = tok.decode(&ids);
+            if name == "gpt-2" && cleaned_by_llama_cpp(&text) {
+                assert_ne!(
+                    back, text,
+                    "{name}: {text:?} was expected to be changed by clean_spaces"
+                );
+                continue;
+            }
+            assert_eq!(back, text, "{name}: round trip of {text:?}");
+            checked += 1;
+        }
+        assert!(checked > 30, "{name}: only {checked} strings round-tripped");
+    }
+}
+
+/// The strings llama.cpp's `clean_spaces` detokenizer pass changes: " ?", " !", " .", " ,",
+/// " ' ", " 's", " 'm", " 're", " 've".
+fn cleaned_by_llama_cpp(s: &str) -> bool {
+    let b = s.as_bytes();
+    (1..b.len()).any(|i| {
+        b[i - 1] == b' '
+            && (matches!(b[i], b'?' | b'!' | b'.' | b',')
+                || (b[i] == b'\''
+                    && i + 1 < b.len()
+                    && (matches!(b[i + 1], b' ' | b's' | b'm')
+                        || (i + 2 < b.len() && matches!(&b[i + 1..i + 3], b"re" | b"ve")))))
+    })
+}
+
+#[test]
+fn decode_with_bos_and_pieces() {
+    let Some(dir) = vocab_dir() else { return };
+    let tok = load(&dir, "llama-spm");
+    let ids = tok.encode("Hello world", true).unwrap();
+    assert_eq!(ids, [1, 15043, 3186]);
+    // As llama.cpp's detokenizer: the BOS renders as nothing but uses up the space-prefix strip.
+    assert_eq!(tok.decode(&ids), " Hello world");
+    assert_eq!(tok.token_to_piece(1), "<s>");
+    assert_eq!(tok.token_to_piece(15043), " Hello");
+    assert_eq!(tok.kind(), "llama");
+    assert_eq!(tok.vocab_size(), 32000);
+    let tok = load(&dir, "gpt-2");
+    assert_eq!(tok.kind(), "gpt2");
+    assert_eq!(tok.pre(), Some("gpt-2"));
+    assert_eq!(tok.token_to_piece(18435), " Hello");
+    assert_eq!(
+        tok.decode(&tok.encode(" this is 🦙.cpp", false).unwrap()),
+        " this is 🦙.cpp"
+    );
+}
+
+/// A real model file. The ids were produced by llama.cpp itself:
+/// `llama_cpp.Llama(model_path="stories260K.gguf", vocab_only=True).tokenize(b"Once upon a time")`
+/// → [1, 403, 407, 261, 378] (llama-cpp-python 0.3.36; `add_bos=False` gives [403, 407, 261, 378]).
+#[test]
+fn stories260k_matches_llama_cpp() {
+    let Some(models) = shared("models") else {
+        return;
+    };
+    let path = models.join("stories260K.gguf");
+    if !path.exists() {
+        eprintln!("skipped: {} not found", path.display());
+        return;
+    }
+    let f = GgufFile::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&f).unwrap();
+    assert_eq!(tok.kind(), "llama");
+    assert_eq!(tok.vocab_size(), 512);
+    assert!(tok.add_bos_default());
+    assert_eq!(
+        tok.encode("Once upon a time", true).unwrap(),
+        [1, 403, 407, 261, 378]
+    );
+    assert_eq!(
+        tok.encode("Once upon a time", false).unwrap(),
+        [403, 407, 261, 378]
+    );
+    assert_eq!(tok.decode(&[403, 407, 261, 378]), "Once upon a time");
+}
+
+/// Cross-check against a corpus produced by llama.cpp itself, when one is given:
+/// `PARITY_TOKENIZER_ORACLE=/path/oracle.json cargo test --test tokenizer_vocab oracle`.
+/// The JSON maps a vocabulary name to `{"cases": [{"text", "ids", "ids_add_special",
+/// "decoded"}]}`, with `ids` = `llama_tokenize(text, add_special=false, parse_special=false)`,
+/// `ids_add_special` the same with `add_special=true`, and `decoded` (bytes) =
+/// `llama_detokenize(ids, remove_special=false, unparse_special=false)`, made with
+/// llama-cpp-python's low-level bindings over strings mixing scripts, whitespace, digits,
+/// emoji, control characters and special-token texts.
+#[test]
+fn oracle_corpus_matches_llama_cpp() {
+    let Ok(path) = std::env::var("PARITY_TOKENIZER_ORACLE") else {
+        eprintln!("skipped: PARITY_TOKENIZER_ORACLE not set");
+        return;
+    };
+    let Some(dir) = vocab_dir() else { return };
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut bad = Vec::new();
+    for (name, v) in json.as_object().unwrap() {
+        let tok = load(&dir, name);
+        let cases = v["cases"].as_array().unwrap();
+        let (mut enc_ok, mut spec_ok, mut dec_ok) = (0, 0, 0);
+        for c in cases {
+            let text = c["text"].as_str().unwrap();
+            let ids: Vec<u32> = c["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let spec: Vec<u32> = c["ids_add_special"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect();
+            let dec: Vec<u8> = c["decoded"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u8)
+                .collect();
+            let got = tok.encode(text, false).unwrap();
+            if got == ids {
+                enc_ok += 1;
+            } else if bad.len() < 20 {
+                bad.push(format!(
+                    "{name} encode {text:?}\n    want {ids:?}\n    got  {got:?}"
+                ));
+            }
+            let got = tok.encode_llama(text, true, false).unwrap();
+            if got == spec {
+                spec_ok += 1;
+            } else if bad.len() < 20 {
+                bad.push(format!(
+                    "{name} encode_llama(add_special) {text:?}\n    want {spec:?}\n    got  {got:?}"
+                ));
+            }
+            let got = tok.detokenize_bytes(&ids, false, false);
+            if got == dec {
+                dec_ok += 1;
+            } else if bad.len() < 20 {
+                bad.push(format!(
+                    "{name} decode {ids:?}\n    want {:?}\n    got  {:?}",
+                    String::from_utf8_lossy(&dec),
+                    String::from_utf8_lossy(&got)
+                ));
+            }
+        }
+        let n = cases.len();
+        eprintln!(
+            "{name}: encode {enc_ok}/{n}, encode(add_special) {spec_ok}/{n}, decode {dec_ok}/{n}"
+        );
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
