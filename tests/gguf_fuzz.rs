@@ -12,7 +12,7 @@
 //! metadata value can be touched, with consistent invariants. Never a panic, and no single
 //! allocation above 64 MiB + the input size (a counting global allocator watches).
 //!
-//! `PARITY_FUZZ_CASES` sets the number of cases (default 200,000), `PARITY_FUZZ_SEED` the master
+//! `PARITY_FUZZ_CASES` sets the number of cases (default 300,000), `PARITY_FUZZ_SEED` the master
 //! seed; a failing case is printed with its number and written under `CARGO_TARGET_TMPDIR`, and
 //! `PARITY_FUZZ_ONLY=<case>` replays just that case.
 
@@ -804,7 +804,7 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn fuzz_from_bytes() {
-    let cases = env_u64("PARITY_FUZZ_CASES").unwrap_or(200_000);
+    let cases = env_u64("PARITY_FUZZ_CASES").unwrap_or(300_000);
     let master = env_u64("PARITY_FUZZ_SEED").unwrap_or(0x6767_7566_5EED);
     let only = env_u64("PARITY_FUZZ_ONLY");
 

@@ -1116,3 +1116,39 @@ fn names_with_control_characters_stay_on_one_line() {
     b.truncate(tf.ty + 2);
     assert!(matches!(parse_err(b), GgufError::Truncated { .. }));
 }
+
+/// One metadata key holding a u8 array of `n` zero bytes.
+fn u8_array_file(n: u64) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(b"GGUF");
+    b.extend_from_slice(&3u32.to_le_bytes());
+    b.extend_from_slice(&0u64.to_le_bytes()); // tensors
+    b.extend_from_slice(&1u64.to_le_bytes()); // kv
+    b.extend_from_slice(&3u64.to_le_bytes());
+    b.extend_from_slice(b"big");
+    b.extend_from_slice(&(ValueType::Array as u32).to_le_bytes());
+    b.extend_from_slice(&(ValueType::U8 as u32).to_le_bytes());
+    b.extend_from_slice(&n.to_le_bytes());
+    b.resize(b.len() + n as usize, 0);
+    b
+}
+
+#[test]
+fn metadata_value_budget() {
+    // A million-element array (a large real vocabulary's worth) parses...
+    let f = GgufFile::from_bytes(u8_array_file(1 << 20)).expect("1M values");
+    assert_eq!(f.get_array("big").map(<[Value]>::len), Some(1 << 20));
+    // ...but a file whose metadata would materialize more than 2^24 values is refused up front,
+    // even though every byte is present.
+    let (r, largest) = largest_allocation(|| GgufFile::from_bytes(u8_array_file((1 << 24) + 1)));
+    let e = r.expect_err("too many values");
+    assert_one_line(&e);
+    assert!(
+        matches!(&e, GgufError::BadMetadata { key, .. } if key == "big"),
+        "{e:?}"
+    );
+    assert!(
+        largest < 1 << 20,
+        "refusing allocated {largest} bytes at once"
+    );
+}

@@ -345,6 +345,23 @@ fn oracle_corpus_matches_llama_cpp() {
                     "{name} encode_llama(add_special) {text:?}\n    want {spec:?}\n    got  {got:?}"
                 ));
             }
+            if let Some(parse) = c.get("ids_parse_special") {
+                let parse: Vec<u32> = parse.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+                let got = tok.encode_llama(text, false, true).unwrap();
+                if got != parse && bad.len() < 20 {
+                    bad.push(format!("{name} encode_llama(parse_special) {text:?}\n    want {parse:?}\n    got  {got:?}"));
+                }
+                let dec2: Vec<u8> =
+                    c["decoded_special"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u8).collect();
+                let got = tok.detokenize_bytes(&parse, true, true);
+                if got != dec2 && bad.len() < 20 {
+                    bad.push(format!(
+                        "{name} detokenize(remove_special, unparse_special) {parse:?}\n    want {:?}\n    got  {:?}",
+                        String::from_utf8_lossy(&dec2),
+                        String::from_utf8_lossy(&got)
+                    ));
+                }
+            }
             let got = tok.detokenize_bytes(&ids, false, false);
             if got == dec {
                 dec_ok += 1;

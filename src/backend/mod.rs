@@ -1,10 +1,12 @@
 //! Backends: the same forward pass over the same model, each recording the same taps.
 //! `reference` is the readable truth; `fast` is held to it tap by tap.
 
+pub mod fast;
 pub mod reference;
 
 use crate::trace::{NullSink, Sink, StepInfo};
 
+pub use fast::Fast;
 pub use reference::{Emulation, Reference};
 
 #[derive(Debug, thiserror::Error)]

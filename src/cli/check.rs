@@ -137,13 +137,13 @@ pub struct CheckArgs {
     /// Decode steps (default: as many as the golden has, else 4).
     #[arg(long)]
     steps: Option<usize>,
-    /// Backends to run: reference, reference:ggml-cpu.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "reference,reference:ggml-cpu"
-    )]
+    /// Backends to run: reference (plain f32), reference:ggml-cpu (emulating ggml's CPU
+    /// activation rounding), fast.
+    #[arg(long, value_delimiter = ',', default_value = "reference,reference:ggml-cpu,fast")]
     backends: Vec<String>,
+    /// Worker threads for the fast backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
     /// A golden trace folder, or a folder of goldens searched by model sha256 (default: golden/).
     #[arg(long)]
     golden: Option<PathBuf>,
@@ -295,7 +295,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
 
     let mut traces: Vec<Trace> = Vec::new();
     for name in &a.backends {
-        let mut b = make_backend(name, &model, prompt.len() + steps)?;
+        let mut b = make_backend(name, &model, prompt.len() + steps, a.threads)?;
         let mut sink = MemorySink::new(TapFilter::all());
         let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
         traces.push(Trace::from_memory(

@@ -1,7 +1,7 @@
 //! `parity tokenize`, `parity generate`, `parity dump`, and the helpers they share with `check`.
 
 use super::{Result, err};
-use crate::backend::{self, Backend, Emulation, Reference};
+use crate::backend::{self, Backend, Emulation, Fast, Reference};
 use crate::gguf::GgufFile;
 use crate::model::Model;
 use crate::model::tokenizer::Tokenizer;
@@ -89,13 +89,24 @@ pub fn make_backend<'m>(
     name: &str,
     model: &'m Model,
     n_ctx: usize,
+    threads: usize,
 ) -> Result<Box<dyn Backend + 'm>> {
     match name {
+        "fast" => Ok(Box::new(Fast::new(model, n_ctx, resolve_threads(threads)))),
         "reference" => Ok(Box::new(Reference::new(model, Emulation::None, n_ctx))),
         "reference:ggml-cpu" | "emulated" => {
             Ok(Box::new(Reference::new(model, Emulation::GgmlCpu, n_ctx)))
         }
         other => Err(backend::BackendError::Unknown(other.to_string()).into()),
+    }
+}
+
+/// `--threads 0` means every core.
+pub fn resolve_threads(n: usize) -> usize {
+    if n > 0 {
+        n
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
     }
 }
 
@@ -133,7 +144,7 @@ pub struct GenerateArgs {
     /// Number of tokens to generate.
     #[arg(short = 'n', long, default_value_t = 32)]
     n: usize,
-    /// Backend: reference (fast when built).
+    /// Backend: reference or fast.
     #[arg(long, default_value = "reference")]
     backend: String,
     /// Activation rounding: none or ggml-cpu.
@@ -142,6 +153,9 @@ pub struct GenerateArgs {
     /// Keep going past EOS.
     #[arg(long)]
     ignore_eos: bool,
+    /// Worker threads for the fast backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
@@ -154,7 +168,7 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
     let (ids, policy) = input.resolve(&model.file)?;
     eprintln!("prompt ids: {ids:?} — {policy}");
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_backend(&name, &model, ids.len() + a.n)?;
+    let mut b = make_backend(&name, &model, ids.len() + a.n, a.threads)?;
     let eos = if a.ignore_eos { None } else { tok.eos_id() };
     let out = backend::generate(b.as_mut(), &ids, a.n, eos)?;
     println!("{}", tok.decode(&out));
@@ -188,6 +202,9 @@ pub struct DumpArgs {
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
+    /// Worker threads for the fast backend (0 = all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
@@ -203,7 +220,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         None => TapFilter::all(),
     };
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_backend(&name, &model, ids.len() + steps)?;
+    let mut b = make_backend(&name, &model, ids.len() + steps, a.threads)?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
     let info = backend::run(b.as_mut(), &ids, steps, a.forced.as_deref(), &mut sink)?;
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args().collect::<Vec<_>>().join(" ") });

@@ -39,14 +39,17 @@ fn class(w: GgmlType) -> usize {
 pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
     // [F32, F16/BF16, quantized]
     let base: [f64; 3] = match pair {
-        PairKind::SameRounding => [1e-10, 1e-6, 1e-6],
+        // Quantized same-rounding pairs agree to ~1e-14 until an activation that sits on a
+        // rounding boundary flips by one quantum in one side (f32 noise upstream decides which
+        // way); one flip costs ~1e-7 locally and compounds to ~1e-5 at the logits, so the
+        // end-to-end threshold leaves room for a few flips.
+        PairKind::SameRounding => [1e-10, 1e-5, 1e-4],
         PairKind::DifferentRounding => [1e-10, 1e-5, 1e-2],
     };
-    let t = base[class(w)];
     match tap {
         // Embedding rows are decoded exactly by every correct implementation.
-        Tap::Embd => 1e-12_f64.max(if class(w) == 0 { 1e-14 } else { 1e-12 }),
-        _ => t,
+        Tap::Embd => 1e-12,
+        _ => base[class(w)],
     }
 }
 

@@ -1404,6 +1404,60 @@ const F_CONTROL: u16 = 0x0080;
 const F_WHITESPACE: u16 = 0x0100;
 const MAX_CODEPOINTS: usize = 0x110000;
 
+/// Codepoints assigned in Unicode 16.0, which the `regex` crate knows and llama.cpp's tables
+/// (`unicode-data.cpp`, Unicode 15.1) do not: llama.cpp classes them as undefined, with no case
+/// mapping. Found by comparing with the tables of a llama.cpp build (see the
+/// `unicode_tables_match_llama_cpp` test).
+const NEWER_THAN_LLAMA_CPP: &[(u32, u32)] = &[
+    (0x897, 0x897),
+    (0x1B4E, 0x1B4F),
+    (0x1B7F, 0x1B7F),
+    (0x1C89, 0x1C8A),
+    (0x2427, 0x2429),
+    (0x31E4, 0x31E5),
+    (0xA7CB, 0xA7CD),
+    (0xA7DA, 0xA7DC),
+    (0x105C0, 0x105F3),
+    (0x10D40, 0x10D65),
+    (0x10D69, 0x10D85),
+    (0x10D8E, 0x10D8F),
+    (0x10EC2, 0x10EC4),
+    (0x10EFC, 0x10EFC),
+    (0x11380, 0x11389),
+    (0x1138B, 0x1138B),
+    (0x1138E, 0x1138E),
+    (0x11390, 0x113B5),
+    (0x113B7, 0x113C0),
+    (0x113C2, 0x113C2),
+    (0x113C5, 0x113C5),
+    (0x113C7, 0x113CA),
+    (0x113CC, 0x113D5),
+    (0x113D7, 0x113D8),
+    (0x113E1, 0x113E2),
+    (0x116D0, 0x116E3),
+    (0x11BC0, 0x11BE1),
+    (0x11BF0, 0x11BF9),
+    (0x11F5A, 0x11F5A),
+    (0x13460, 0x143FA),
+    (0x16100, 0x16139),
+    (0x16D40, 0x16D79),
+    (0x18CFF, 0x18CFF),
+    (0x1CC00, 0x1CCF9),
+    (0x1CD00, 0x1CEB3),
+    (0x1E5D0, 0x1E5FA),
+    (0x1E5FF, 0x1E5FF),
+    (0x1F8B2, 0x1F8BB),
+    (0x1F8C0, 0x1F8C1),
+    (0x1FA89, 0x1FA89),
+    (0x1FA8F, 0x1FA8F),
+    (0x1FABE, 0x1FABE),
+    (0x1FAC6, 0x1FAC6),
+    (0x1FADC, 0x1FADC),
+    (0x1FADF, 0x1FADF),
+    (0x1FAE9, 0x1FAE9),
+    (0x1FBCB, 0x1FBEF),
+];
+
 /// Category flags per codepoint, as llama.cpp's `unicode_cpt_flags_from_cpt`: exactly one of
 /// N, L, Z, M, P, S, C (Cc, Cf, Co; surrogates) or "undefined" (unassigned), plus White_Space.
 fn flags_table() -> &'static [u16] {
@@ -1429,6 +1483,9 @@ fn flags_table() -> &'static [u16] {
                 }
             }
         }
+        for &(a, b) in NEWER_THAN_LLAMA_CPP {
+            t[a as usize..=b as usize].fill(F_UNDEFINED);
+        }
         for c in all.chars().filter(|c| c.is_whitespace()) {
             t[c as usize] |= F_WHITESPACE;
         }
@@ -1443,8 +1500,12 @@ fn cpt_flags(c: u32) -> u16 {
         .unwrap_or(F_UNDEFINED)
 }
 
-/// llama.cpp's `unicode_tolower`: the first character of the lowercase mapping.
+/// llama.cpp's `unicode_tolower`: the first character of the lowercase mapping (none for
+/// codepoints llama.cpp's tables do not know).
 fn to_lower(c: u32) -> u32 {
+    if cpt_flags(c) & F_UNDEFINED != 0 {
+        return c;
+    }
     match char::from_u32(c) {
         Some(ch) => ch.to_lowercase().next().map_or(c, |l| l as u32),
         None => c,
@@ -1456,6 +1517,11 @@ fn to_lower(c: u32) -> u32 {
 fn nfd_first(c: char) -> char {
     if c.is_ascii() {
         return c;
+    }
+    if c == '\u{11938}' {
+        // DIVES AKURU VOWEL SIGN O = U+11935 U+11930; missing from the normalization tables
+        // `tokenizers` uses.
+        return '\u{11935}';
     }
     let mut n = NormalizedString::from(c.to_string());
     n.nfd();
@@ -1828,8 +1894,13 @@ fn translate_regex(expr: &str, collapse: bool) -> Result<String, String> {
                 'D' => out.push_str("[^0-9]"),
                 'W' => out.push_str("[^0-9A-Za-z_]"),
                 'b' if inside => out.push_str(r"\x08"),
-                'b' => out.push_str(r"(?-u:\b)"),
-                'B' => out.push_str(r"(?-u:\B)"),
+                // ECMAScript's \b is an ASCII word boundary; fancy-regex has no `(?-u:\b)`.
+                'b' => out.push_str(
+                    r"(?:(?<=[0-9A-Za-z_])(?![0-9A-Za-z_])|(?<![0-9A-Za-z_])(?=[0-9A-Za-z_]))",
+                ),
+                'B' => out.push_str(
+                    r"(?:(?<=[0-9A-Za-z_])(?=[0-9A-Za-z_])|(?<![0-9A-Za-z_])(?![0-9A-Za-z_]))",
+                ),
                 'r' => out.push_str(r"\r"),
                 'n' => out.push_str(r"\n"),
                 't' => out.push_str(r"\t"),
@@ -2612,6 +2683,9 @@ mod tests {
             diffs.len(),
             &diffs[..diffs.len().min(20)]
         );
+        if let Ok(p) = std::env::var("PARITY_DUMP_FLAG_DIFFS") {
+            std::fs::write(p, format!("{diffs:?}")).unwrap();
+        }
         let lower: HashMap<u32, u32> = pairs("lower")
             .iter()
             .map(|p| (p[0] as u32, p[1] as u32))

@@ -177,3 +177,50 @@ pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
         | GgmlType::IQ4_XS => GgmlType::Q8_K,
     }
 }
+
+/// View little-endian f32 bytes as f32s (borrowed when aligned, as mapped tensors and heap
+/// buffers are; copied otherwise).
+fn as_f32(b: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle.
+    let (pre, mid, post) = unsafe { b.align_to::<f32>() };
+    if pre.is_empty() && post.is_empty() && cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(mid)
+    } else {
+        std::borrow::Cow::Owned(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    }
+}
+
+/// Dot product of one weight row of type `ty` with one activation row already rounded to
+/// `vec_dot_type(ty)` (by [`quantize_activation`]): integer per block, SIMD where available.
+pub fn vec_dot(ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+    match ty {
+        GgmlType::F32 => f32::vec_dot_f32(&as_f32(w), &as_f32(a)),
+        GgmlType::F16 => f16::vec_dot_f16(w, a),
+        GgmlType::BF16 => bf16::vec_dot_bf16(w, a),
+        GgmlType::Q4_0 => q4_0::vec_dot(w, a),
+        GgmlType::Q4_1 => q4_1::vec_dot(w, a),
+        GgmlType::Q5_0 => q5_0::vec_dot(w, a),
+        GgmlType::Q5_1 => q5_1::vec_dot(w, a),
+        GgmlType::Q8_0 => q8_0::vec_dot(w, a),
+        GgmlType::IQ4_NL => iq4_nl::vec_dot(w, a),
+        GgmlType::Q2_K => q2_k::vec_dot(w, a),
+        GgmlType::Q3_K => q3_k::vec_dot(w, a),
+        GgmlType::Q4_K => q4_k::vec_dot(w, a),
+        GgmlType::Q5_K => q5_k::vec_dot(w, a),
+        GgmlType::Q6_K => q6_k::vec_dot(w, a),
+        GgmlType::IQ4_XS => iq4_xs::vec_dot(w, a),
+        // Activation-only types are never weights in a model parity runs.
+        GgmlType::Q8_1 | GgmlType::Q8_K => {
+            let (n, m) = (w.len() / ty.type_size() * ty.block_size(), a.len());
+            let mut x = vec![0.0; n];
+            let mut y = vec![0.0; n];
+            let _ = (dequantize_row(ty, w, &mut x), m);
+            let _ = dequantize_row(vec_dot_type(ty), a, &mut y);
+            x.iter().zip(&y).map(|(p, q)| p * q).sum()
+        }
+    }
+}

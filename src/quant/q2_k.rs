@@ -100,14 +100,18 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
         }
 
         let (d, dmin) = (f16_le(&b[D..]), f16_le(&b[DMIN..]));
-        for j in 0..16 {
-            let d = d * (b[j] & 0xf) as f32;
+        for ((&sc, xs), l) in b[..16]
+            .iter()
+            .zip(x.chunks_exact(16))
+            .zip(l.chunks_exact_mut(16))
+        {
+            let d = d * (sc & 0xf) as f32;
             if d == 0.0 {
                 continue;
             }
-            let dm = dmin * (b[j] >> 4) as f32;
-            for i in 16 * j..16 * j + 16 {
-                l[i] = nearest_int((x[i] + dm) / d).clamp(0, 3) as u8;
+            let dm = dmin * (sc >> 4) as f32;
+            for (l, &v) in l.iter_mut().zip(xs) {
+                *l = nearest_int((v + dm) / d).clamp(0, 3) as u8;
             }
         }
 

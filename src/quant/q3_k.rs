@@ -174,13 +174,17 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 
         let d = f16_le(&b[D..]);
         let sc = unpack_scales(&b[SCALES..D]);
-        for j in 0..16 {
-            let d = d * sc[j] as f32;
+        for ((&sc, xs), l) in sc
+            .iter()
+            .zip(x.chunks_exact(16))
+            .zip(l.chunks_exact_mut(16))
+        {
+            let d = d * sc as f32;
             if d == 0.0 {
                 continue;
             }
-            for i in 16 * j..16 * j + 16 {
-                l[i] = nearest_int(x[i] / d).clamp(-4, 3) as i8 + 4;
+            for (l, &v) in l.iter_mut().zip(xs) {
+                *l = nearest_int(v / d).clamp(-4, 3) as i8 + 4;
             }
         }
 

@@ -3,7 +3,7 @@
 //! Q8_0 activations.
 
 use super::q8_0;
-use super::util::{Simd, f16_le, put_f16, simd};
+use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 22;
@@ -56,8 +56,8 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
         let d = max / -16.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         put_f16(b, d);
-        // C's `(int8_t)` truncates toward zero; Rust's `as` also maps NaN to 0, as x86 does.
-        let q = |v: f32| ((v * id + 16.5) as i8).min(31) as u8;
+        // ggml: `MIN(31, (int8_t)(x*id + 16.5f))`.
+        let q = |v: f32| (c_float_to_byte(v * id + 16.5) as i8).min(31) as u8;
         let mut qh = 0u32;
         for j in 0..16 {
             let (q0, q1) = (q(x[j]), q(x[j + 16]));

@@ -3,7 +3,7 @@
 //! with Q8_1 activations.
 
 use super::q8_1;
-use super::util::{Simd, f16_le, put_f16, simd};
+use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 24;
@@ -59,8 +59,8 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         put_f16(&mut b[0..], d);
         put_f16(&mut b[2..], min);
-        // C's `(uint8_t)` truncates toward zero; Rust's `as` also maps NaN to 0, as x86 does.
-        let q = |v: f32| ((v - min) * id + 0.5) as u8;
+        // ggml: `(uint8_t)((x - min)*id + 0.5f)`.
+        let q = |v: f32| c_float_to_byte((v - min) * id + 0.5);
         let mut qh = 0u32;
         for j in 0..16 {
             let (q0, q1) = (q(x[j]), q(x[j + 16]));

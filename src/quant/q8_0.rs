@@ -3,7 +3,7 @@
 //! Also the activation type the CPU backend pairs with Q4_0, Q5_0, Q8_0 and IQ4_NL weights, so
 //! [`quantize`] must match ggml's `quantize_row_q8_0_ref` bit for bit.
 
-use super::util::{Simd, f16_le, put_f16, simd};
+use super::util::{Simd, c_float_to_byte, cvtt_f32_i32, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 34;
@@ -41,7 +41,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         put_f16(b, d);
         for (q, &v) in b[2..].iter_mut().zip(x) {
-            *q = (v * id).round() as i8 as u8;
+            *q = c_float_to_byte((v * id).round());
         }
     }
 }
@@ -59,7 +59,8 @@ pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
         put_f16(b, amax / 127.0);
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         for (q, &v) in b[2..].iter_mut().zip(x) {
-            *q = (v * id).round_ties_even() as i8 as u8;
+            // cvtps_epi32 (NaN/overflow -> i32::MIN), then saturating packs down to i8.
+            *q = cvtt_f32_i32((v * id).round_ties_even()).clamp(-128, 127) as i8 as u8;
         }
     }
 }

@@ -5,7 +5,7 @@
 //! match ggml's `quantize_row_q8_1_ref` bit for bit. ggml has no Q8_1 decoder (`to_float` is
 //! unset); ours ignores `s`.
 
-use super::util::{Simd, f16_le, put_f16, simd};
+use super::util::{Simd, c_float_to_byte, cvtt_f32_i32, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 36;

@@ -40,7 +40,7 @@ pub(crate) fn block_bsum(b: &[u8], j: usize) -> i32 {
 pub(crate) fn check_dot(w: &[u8], w_block: usize, a: &[u8]) -> usize {
     let nb = w.len() / w_block;
     assert!(
-        w.len() % w_block == 0 && a.len() == nb * BLOCK_BYTES,
+        w.len().is_multiple_of(w_block) && a.len() == nb * BLOCK_BYTES,
         "vec_dot: {} weight bytes ({w_block}-byte blocks) vs {} Q8_K bytes",
         w.len(),
         a.len()

@@ -137,7 +137,7 @@ pub mod x86 {
     /// The first 32 bytes of `s`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn load_u8x32(s: &[u8]) -> __m256i {
+    pub(crate) fn load_u8x32(s: &[u8]) -> __m256i {
         let s = &s[..32];
         // SAFETY: `s` holds 32 readable bytes; loadu has no alignment requirement.
         unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -146,7 +146,7 @@ pub mod x86 {
     /// The first 16 bytes of `s`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn load_u8x16(s: &[u8]) -> __m128i {
+    pub(crate) fn load_u8x16(s: &[u8]) -> __m128i {
         let s = &s[..16];
         // SAFETY: `s` holds 16 readable bytes; loadu has no alignment requirement.
         unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
@@ -155,7 +155,7 @@ pub mod x86 {
     /// Store 8 floats to `dst[..8]`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn store_f32x8(dst: &mut [f32], v: __m256) {
+    pub(crate) fn store_f32x8(dst: &mut [f32], v: __m256) {
         let dst = &mut dst[..8];
         // SAFETY: `dst` holds 8 writable floats; storeu has no alignment requirement.
         unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), v) }
@@ -165,7 +165,7 @@ pub mod x86 {
     /// `d * q as f32` (the int → float conversion is exact).
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn store_scaled_i8x16(dst: &mut [f32], q: __m128i, d: f32) {
+    pub(crate) fn store_scaled_i8x16(dst: &mut [f32], q: __m128i, d: f32) {
         let d = _mm256_set1_ps(d);
         let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
         let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
@@ -177,7 +177,7 @@ pub mod x86 {
     /// FMA, so it rounds exactly like the scalar `d * q as f32 - m`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn store_affine_i8x16(dst: &mut [f32], q: __m128i, d: f32, m: f32) {
+    pub(crate) fn store_affine_i8x16(dst: &mut [f32], q: __m128i, d: f32, m: f32) {
         let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
         let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
         let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q)));
@@ -188,7 +188,7 @@ pub mod x86 {
     /// Sum of the 8 i32 lanes.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn hsum_i32x8(v: __m256i) -> i32 {
+    pub(crate) fn hsum_i32x8(v: __m256i) -> i32 {
         let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
         let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
@@ -198,21 +198,21 @@ pub mod x86 {
     /// The low 128 bits of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn lo128(v: __m256i) -> __m128i {
+    pub(crate) fn lo128(v: __m256i) -> __m128i {
         _mm256_castsi256_si128(v)
     }
 
     /// The high 128 bits of `v`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn hi128(v: __m256i) -> __m128i {
+    pub(crate) fn hi128(v: __m256i) -> __m128i {
         _mm256_extracti128_si256::<1>(v)
     }
 
     /// 16 i16 lanes: `a` in the low 8, `b` in the high 8 (per-16-element scales for `madd`).
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub fn set_i16_halves(a: i16, b: i16) -> __m256i {
+    pub(crate) fn set_i16_halves(a: i16, b: i16) -> __m256i {
         _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a))
     }
 }
@@ -742,7 +742,7 @@ pub mod arm {
     /// The first 16 bytes of `s`.
     #[inline]
     #[target_feature(enable = "neon")]
-    pub fn load_u8x16(s: &[u8]) -> uint8x16_t {
+    pub(crate) fn load_u8x16(s: &[u8]) -> uint8x16_t {
         let s = &s[..16];
         // SAFETY: `s` holds 16 readable bytes; vld1q has no alignment requirement.
         unsafe { vld1q_u8(s.as_ptr()) }
@@ -773,7 +773,7 @@ pub mod arm {
     /// `dst[i] = d * q[i]` for 16 signed bytes, rounded like the scalar `d * q as f32`.
     #[inline]
     #[target_feature(enable = "neon")]
-    pub fn store_scaled_i8x16(dst: &mut [f32], q: int8x16_t, d: f32) {
+    pub(crate) fn store_scaled_i8x16(dst: &mut [f32], q: int8x16_t, d: f32) {
         for (i, v) in widen(q).into_iter().enumerate() {
             store_f32x4(&mut dst[4 * i..], vmulq_n_f32(v, d));
         }
@@ -783,7 +783,7 @@ pub mod arm {
     /// scalar `d * q as f32 - m`.
     #[inline]
     #[target_feature(enable = "neon")]
-    pub fn store_affine_i8x16(dst: &mut [f32], q: int8x16_t, d: f32, m: f32) {
+    pub(crate) fn store_affine_i8x16(dst: &mut [f32], q: int8x16_t, d: f32, m: f32) {
         let m = vdupq_n_f32(m);
         for (i, v) in widen(q).into_iter().enumerate() {
             store_f32x4(&mut dst[4 * i..], vsubq_f32(vmulq_n_f32(v, d), m));
@@ -793,7 +793,7 @@ pub mod arm {
     /// `Σ a[i]·b[i]` over 16 int8 lanes (each product fits an i16; the sum is exact).
     #[inline]
     #[target_feature(enable = "neon")]
-    pub fn dot_i8x16(a: int8x16_t, b: int8x16_t) -> i32 {
+    pub(crate) fn dot_i8x16(a: int8x16_t, b: int8x16_t) -> i32 {
         let p = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
         vaddvq_s32(vpadalq_s16(p, vmull_high_s8(a, b)))
     }
@@ -801,7 +801,26 @@ pub mod arm {
     /// `v >> n` in every byte, for a run-time `n` (vshlq shifts right by a negative count).
     #[inline]
     #[target_feature(enable = "neon")]
-    pub fn shr_u8(v: uint8x16_t, n: usize) -> uint8x16_t {
+    pub(crate) fn shr_u8(v: uint8x16_t, n: usize) -> uint8x16_t {
         vshlq_u8(v, vdupq_n_s8(-(n as i8)))
+    }
+}
+
+/// C's `(int8_t)x` / `(uint8_t)x` for a float `x`, as compiled for x86 (`cvttss2si`, then the
+/// low byte): truncation toward zero when in range; NaN and |x| >= 2³¹ give 0x8000_0000, so 0.
+/// The conversion is undefined behaviour in C, so this is what ggml's quantizers do on x86 when
+/// a degenerate block (subnormal or infinite scale, NaN input) sends a value out of range.
+#[inline]
+pub fn c_float_to_byte(x: f32) -> u8 {
+    cvtt_f32_i32(x) as u8
+}
+
+/// x86 `cvttss2si`: truncate toward zero; NaN and out-of-range give `i32::MIN`.
+#[inline]
+pub fn cvtt_f32_i32(x: f32) -> i32 {
+    if x.is_nan() || !(-2_147_483_648.0..2_147_483_648.0).contains(&x) {
+        i32::MIN
+    } else {
+        x as i32
     }
 }
