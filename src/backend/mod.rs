@@ -3,6 +3,7 @@
 
 pub mod fast;
 pub mod reference;
+pub mod replay;
 
 use crate::trace::{NullSink, Sink, StepInfo};
 

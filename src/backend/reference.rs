@@ -62,7 +62,7 @@ impl<'m> Reference<'m> {
 
     /// out[t, r] = Σ_i W[r, i] · x[t, i] for the T rows of `x`. `W` is `[n_in, n_out]` in ggml
     /// order: row r of the stored matrix is output r.
-    fn matmul(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
+    pub(crate) fn matmul(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
         let mut out = vec![0.0f32; t * n_out];
@@ -94,7 +94,7 @@ impl<'m> Reference<'m> {
 
 /// Dot product, accumulated in f64 so that the reference's own rounding stays far below
 /// every tolerance.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(&x, &y)| x as f64 * y as f64)
@@ -103,7 +103,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// RMSNorm in ggml's order: mean of squares summed in f64, scale = 1/sqrt(mean + eps) in f32,
 /// then the element-wise weight.
-fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let n = weight.len();
     let mut out = vec![0.0f32; x.len()];
     for (row, o) in x.chunks(n).zip(out.chunks_mut(n)) {
@@ -121,7 +121,7 @@ fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 /// ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot), computed by repeated
 /// multiplication like ggml's rope cache. Norm pairs (2i, 2i+1); Neox pairs (i, i + n_rot/2).
 #[allow(clippy::too_many_arguments)]
-fn rope(
+pub(crate) fn rope(
     x: &mut [f32],
     positions: &[usize],
     n_heads: usize,
@@ -155,15 +155,15 @@ fn rope(
     }
 }
 
-fn silu(x: f32) -> f32 {
+pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
+pub(crate) fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
     a.iter().zip(b).map(|(x, y)| x + y).collect()
 }
 
-fn add_bias(x: &mut [f32], bias: &[f32]) {
+pub(crate) fn add_bias(x: &mut [f32], bias: &[f32]) {
     for row in x.chunks_mut(bias.len()) {
         for (v, b) in row.iter_mut().zip(bias) {
             *v += b;
@@ -334,7 +334,7 @@ impl Backend for Reference<'_> {
 }
 
 /// Softmax as ggml: subtract the max, exp in f32, sum in f64, multiply by 1/sum.
-fn softmax(x: &mut [f32]) {
+pub(crate) fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f64;
     for v in x.iter_mut() {

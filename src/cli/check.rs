@@ -2,11 +2,11 @@
 
 use super::run::{InputArgs, make_backend, model_ref, producer};
 use super::{Result, err, repo_root};
-use crate::backend;
+use crate::backend::{self, Emulation};
 use crate::compare::{CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
 use crate::report;
-use crate::trace::{MemorySink, TapFilter, Trace};
+use crate::trace::{MemorySink, Producer, TapFilter, Trace};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -150,6 +150,9 @@ pub struct CheckArgs {
     /// Write every comparison as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Skip the op-by-op comparison (each reference op fed the golden's inputs).
+    #[arg(long)]
+    no_op_by_op: bool,
     /// Print the per-layer table of every comparison, not only the ones against the golden.
     #[arg(long, short)]
     verbose: bool,
@@ -163,6 +166,14 @@ fn rounds_like_ggml(producer_backend: &str) -> bool {
         producer_backend,
         "reference:ggml-cpu" | "fast" | "llama.cpp-cpu"
     )
+}
+
+/// A llama.cpp golden made with the tight settings (F32 KV cache, no flash attention).
+fn golden_is_tight(g: &Trace) -> bool {
+    let s = &g.manifest.producer.settings;
+    let kv_f32 = s.get("type_k").and_then(|v| v.as_str()).is_none_or(|k| k == "f32");
+    let no_fa = s.get("flash_attn").is_none_or(|v| v.as_bool() == Some(false) || v.as_str() == Some("disabled"));
+    kv_f32 && no_fa
 }
 
 fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
@@ -294,6 +305,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     }
 
     let mut traces: Vec<Trace> = Vec::new();
+    let mut traces_op: Vec<Trace> = Vec::new();
     for name in &a.backends {
         let mut b = make_backend(name, &model, prompt.len() + steps, a.threads)?;
         let mut sink = MemorySink::new(TapFilter::all());
@@ -308,7 +320,33 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
 
     let wtype = model.main_weight_type();
     let mut comparisons: Vec<Comparison> = Vec::new();
+    // Op by op: every op of the reference (emulating ggml's rounding) fed the golden's inputs.
+    if let Some((_, g)) = golden.as_ref().filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g)) {
+        let tensors = backend::replay::replay(&model, g, Emulation::GgmlCpu)?;
+        let producer = Producer {
+            name: "parity".into(),
+            backend: "reference:ggml-cpu/op-by-op".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            settings: serde_json::Value::Null,
+        };
+        traces_op.push(Trace::from_memory(
+            model_ref(&model_path, &model),
+            producer,
+            g.manifest.steps.clone(),
+            tensors,
+        ));
+    }
     if let Some((_, g)) = &golden {
+        for t in &traces_op {
+            let opt = CompareOptions { pair: PairKind::OpByOp, weight_type: wtype, require_same_model: true };
+            let c = compare(g, t, &opt)?;
+            println!("== {} vs golden ({})", c.candidate, c.baseline);
+            if a.verbose || c.diverged() {
+                print!("{}", report::table(&c));
+            }
+            println!("{}\n", report::verdict(&c));
+            comparisons.push(c);
+        }
         for t in &traces {
             let opt = CompareOptions {
                 pair: pair_kind(g, t),

@@ -1,6 +1,7 @@
 //! The command line: one subcommand per job. Errors become one line on stderr and exit code 2;
 //! a divergence found is exit code 1.
 
+mod bench;
 mod check;
 mod inspect;
 mod run;
@@ -47,6 +48,8 @@ enum Cmd {
     Check(check::CheckArgs),
     /// Compare two trace folders (e.g. an external engine's dump against a golden).
     Diff(check::DiffArgs),
+    /// Benchmark the fast backend against the real llama.cpp on the same model and threads.
+    Bench(bench::BenchArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -60,6 +63,7 @@ pub fn main() -> ExitCode {
         Cmd::Golden(a) => check::golden(a),
         Cmd::Check(a) => check::check(a),
         Cmd::Diff(a) => check::diff(a),
+        Cmd::Bench(a) => bench::bench(a),
     };
     match result {
         Ok(code) => code,

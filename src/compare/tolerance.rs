@@ -22,6 +22,9 @@ pub enum PairKind {
     /// One side keeps f32 activations where the other quantizes them (plain reference vs
     /// llama.cpp, or an external engine whose arithmetic we don't know).
     DifferentRounding,
+    /// Same rounding, and each op fed the baseline's own inputs (`backend::replay`): no error
+    /// can compound or flip a quantization boundary, so every op must sit at the f32 floor.
+    OpByOp,
 }
 
 /// Weight-type classes with distinct noise floors.
@@ -45,6 +48,7 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
         // end-to-end threshold leaves room for a few flips.
         PairKind::SameRounding => [1e-10, 1e-5, 1e-4],
         PairKind::DifferentRounding => [1e-10, 1e-5, 1e-2],
+        PairKind::OpByOp => [1e-10, 1e-10, 1e-10],
     };
     match tap {
         // Embedding rows are decoded exactly by every correct implementation.
@@ -57,6 +61,7 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
 /// a good Q8_0 vs F16 model is ~1e-4; same-rounding pairs sit many orders below).
 pub fn kld_threshold(pair: PairKind, w: GgmlType) -> f64 {
     match (pair, class(w)) {
+        (PairKind::OpByOp, _) => 1e-9,
         (PairKind::SameRounding, 0) => 1e-9,
         (PairKind::SameRounding, _) => 1e-5,
         (PairKind::DifferentRounding, 0) => 1e-9,

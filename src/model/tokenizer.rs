@@ -2722,6 +2722,60 @@ mod tests {
         );
     }
 
+    /// The `tokenizers` BPE model is used for the real vocabularies, and gives the same ids as
+    /// the transcription of llama.cpp's merge loop on every word of llama.cpp's test strings.
+    #[test]
+    fn tokenizers_bpe_agrees_with_llama_cpp_merge_loop() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/vocab");
+        if !dir.exists() {
+            eprintln!("skipped: ../shared/vocab not found");
+            return;
+        }
+        let mut text = String::new();
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "inp") {
+                text.push_str(&std::fs::read_to_string(p).unwrap());
+            }
+        }
+        for name in [
+            "gpt-2",
+            "falcon",
+            "mpt",
+            "starcoder",
+            "refact",
+            "deepseek-coder",
+            "deepseek-llm",
+            "gpt-neox",
+            "stablelm",
+        ] {
+            let f = GgufFile::open(dir.join(format!("ggml-vocab-{name}.gguf"))).unwrap();
+            let t = Tokenizer::from_gguf(&f).unwrap();
+            let st = t.bpe.as_ref().unwrap();
+            let hf = st
+                .hf
+                .as_ref()
+                .unwrap_or_else(|| panic!("{name}: tokenizers BPE not built"));
+            let mut words = 0;
+            for word in st.splitter.split(&text) {
+                if word.is_empty() || !word.chars().all(|c| st.single_char_tokens.contains(&c)) {
+                    continue;
+                }
+                let a: Vec<u32> = hf
+                    .tokenize(&word)
+                    .unwrap()
+                    .into_iter()
+                    .map(|t| t.id)
+                    .collect();
+                let mut b = Vec::new();
+                t.bpe_word_by_hand(st, &word, &mut b);
+                assert_eq!(a, b, "{name}: {word:?}");
+                words += 1;
+            }
+            assert!(words > 500, "{name}: {words}");
+        }
+    }
+
     #[test]
     fn clean_spaces_passes() {
         let mut v = b"Hello , world ! it 's a ' b".to_vec();

@@ -51,20 +51,27 @@ pub fn quantize_search(src: &[f32], dst: &mut [u8]) {
     quantize_impl(src, dst, 7);
 }
 
-/// ggml's `best_index_int8` on [`KVALUES`]: the nearest grid point, ties going up. Comparing
-/// `2x` against the integer midpoints keeps it exact.
+/// ggml's `best_index_int8` on [`KVALUES`]: the nearest grid point, ties going up, NaN to the
+/// top. This is the binary search of the ggml we check against (libggml 0.25.x); newer ggml
+/// compares `2x` with the midpoints branch-free, which agrees except that NaN goes to 0.
 fn best_index(x: f32) -> usize {
-    let x2 = x + x;
-    let mut idx = 0;
-    let mut step = 8;
-    while step > 0 {
-        let j = idx + step;
-        if x2 >= (KVALUES[j - 1] as i32 + KVALUES[j] as i32) as f32 {
-            idx = j;
-        }
-        step >>= 1;
+    let v = |i: usize| KVALUES[i] as f32;
+    if x <= v(0) {
+        return 0;
     }
-    idx
+    if x >= v(15) {
+        return 15;
+    }
+    let (mut lo, mut hi) = (0, 15);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < v(mid) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if x - v(lo) < v(hi) - x { lo } else { hi }
 }
 
 /// `quantize_row_iq4_nl_impl` for one 32-element super-block with weights `x²`.
@@ -288,6 +295,7 @@ mod tests {
         assert_eq!(best_index(1000.0), 15);
         assert_eq!(best_index(-4.5), 8); // midpoint of -10 and 1
         assert_eq!(best_index(-4.5001), 7);
+        assert_eq!(best_index(f32::NAN), 15);
         for k in -1300..1300 {
             let x = k as f32 / 10.0;
             let i = best_index(x);

@@ -435,4 +435,16 @@ mod tests {
         let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
         assert!(err < 0.02, "{err}");
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "50cf48795582da4fe0c98cfbe97714f4",
+            "0258283b2e357bdc3b2e3b250993acd3",
+        );
+    }
 }

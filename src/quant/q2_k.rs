@@ -345,4 +345,16 @@ mod tests {
         let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
         assert!(err < 0.04, "{err}");
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "40e81df977d2500121bc6e23c6686427",
+            "b5d1d60b11976cf0aa0975ec72df4ca8",
+        );
+    }
 }

@@ -439,4 +439,16 @@ mod tests {
         }
         assert_eq!(unpack_scales(&s), want.map(|v| v as i8 - 32));
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "c20945a657fd6184e74d1174f48566c3",
+            "6e1bb94526dbaa004ea365ccbe7c67fc",
+        );
+    }
 }

@@ -382,4 +382,16 @@ mod tests {
         let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
         assert!(err < 0.02, "{err}");
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "5bf7838e222e292856f73b54ae5a071f",
+            "7ebc6fda65e615648a536d0046598701",
+        );
+    }
 }

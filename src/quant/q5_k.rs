@@ -415,4 +415,16 @@ mod tests {
         let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
         assert!(err < 0.02, "{err}");
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "840500a4ea0545404653fecf494a9bdd",
+            "8f979697abd2c102923512eab54f4778",
+        );
+    }
 }

@@ -408,4 +408,16 @@ mod tests {
         let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
         assert!(err < 0.02, "{err}");
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "fd22995841a3a709ef2f8e746199ec4e",
+            "87aa2a577ea8f3293b4243a678b62729",
+        );
+    }
 }

@@ -52,10 +52,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 /// disagree on a handful of bytes per million.
 pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
-        // `max_ps` returns its second operand when either is NaN.
-        let amax = x
-            .iter()
-            .fold(0.0f32, |m, v| if m > v.abs() { m } else { v.abs() });
+        let amax = amax_x86_avx(x);
         put_f16(b, amax / 127.0);
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         for (q, &v) in b[2..].iter_mut().zip(x) {
@@ -63,6 +60,17 @@ pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
             *q = cvtt_f32_i32((v * id).round_ties_even()).clamp(-128, 127) as i8 as u8;
         }
     }
+}
+
+/// max|x| of a 32-element block reduced as ggml's AVX kernels do it: 8 lanes over the four
+/// vectors, then halves. `max_ps(a, b)` is `a > b ? a : b`, so the order decides which NaN
+/// survives.
+pub(crate) fn amax_x86_avx(x: &[f32]) -> f32 {
+    let mx = |a: f32, b: f32| if a > b { a } else { b };
+    let lane: [f32; 8] =
+        std::array::from_fn(|l| (1..4).fold(x[l].abs(), |m, k| mx(m, x[8 * k + l].abs())));
+    let half: [f32; 4] = std::array::from_fn(|i| mx(lane[4 + i], lane[i]));
+    mx(mx(half[0], half[2]), mx(half[1], half[3]))
 }
 
 /// Dot product of a Q8_0 weight row with a Q8_0 activation row, as ggml's

@@ -5,6 +5,7 @@
 //! match ggml's `quantize_row_q8_1_ref` bit for bit. ggml has no Q8_1 decoder (`to_float` is
 //! unset); ours ignores `s`.
 
+use super::q8_0;
 use super::util::{Simd, c_float_to_byte, cvtt_f32_i32, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
@@ -46,10 +47,13 @@ pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
 
 fn quantize_impl(src: &[f32], dst: &mut [u8], avx: bool) {
     for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
-        // C's MAX(a, b) is `a > b ? a : b`: a NaN is dropped again by the next element.
-        let amax = x
-            .iter()
-            .fold(0.0f32, |m, v| if m > v.abs() { m } else { v.abs() });
+        let amax = if avx {
+            q8_0::amax_x86_avx(x)
+        } else {
+            // C's MAX(a, b) is `a > b ? a : b`: a NaN is dropped again by the next element.
+            x.iter()
+                .fold(0.0f32, |m, v| if m > v.abs() { m } else { v.abs() })
+        };
         let d = amax / 127.0;
         // `_ref` inverts the f32 `d`; the AVX kernel divides 127 by max|x| directly.
         let id = match avx {
@@ -59,13 +63,16 @@ fn quantize_impl(src: &[f32], dst: &mut [u8], avx: bool) {
         };
         let mut sum = 0i32;
         for (q, &v) in b[4..].iter_mut().zip(x) {
-            let r = if avx {
-                (v * id).round_ties_even()
+            if avx {
+                // cvtps_epi32 (NaN/overflow -> i32::MIN), summed as i32 before the saturating
+                // packs down to i8.
+                let r = cvtt_f32_i32((v * id).round_ties_even());
+                *q = r.clamp(-128, 127) as i8 as u8;
+                sum = sum.wrapping_add(r);
             } else {
-                (v * id).round()
-            };
-            *q = r as i8 as u8;
-            sum += r as i8 as i32;
+                *q = c_float_to_byte((v * id).round());
+                sum += *q as i8 as i32;
+            }
         }
         put_f16(&mut b[0..], d);
         put_f16(&mut b[2..], sum as f32 * d);

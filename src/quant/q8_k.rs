@@ -253,4 +253,16 @@ mod tests {
         );
         assert_eq!((block_bsum(&q, 0), block_bsum(&q, 1)), (2 + 4 - 127, 0));
     }
+
+    #[test]
+    fn matches_llama_cpp() {
+        assert_known_answers(
+            BLOCK_BYTES,
+            quantize,
+            dequantize,
+            dequantize_scalar,
+            "04ff0c5aaa83198b45416829865e7b0f",
+            "5fe4f2d4c2ba00501156e77157ad027f",
+        );
+    }
 }

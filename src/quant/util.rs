@@ -554,6 +554,62 @@ pub mod ktest {
         let aq = quantize_vec(&y, q8_k::BLOCK_BYTES, q8_k::quantize);
         ((vec_dot(&wq, &aq) as f64 - f64_dot(&x, &y)).abs() / n as f64) as f32
     }
+
+    /// Known-answer inputs that Python can rebuild exactly (integer LCG, exact float ops):
+    /// `n` values in ±2 with a per-block offset of −0.5, 0 or +0.5.
+    pub fn kat_data(n: usize) -> Vec<f32> {
+        let mut s = 1u32;
+        (0..n)
+            .map(|i| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let x = ((s >> 8) as f32 * (1.0 / 16_777_216.0) - 0.5) * 4.0;
+                x + ((i / QK_K) % 3) as f32 * 0.5 - 0.5
+            })
+            .collect()
+    }
+
+    /// Known-answer bytes: the top byte of the same LCG seeded with 2.
+    pub fn kat_bytes(n: usize) -> Vec<u8> {
+        let mut s = 2u32;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
+    /// First 16 bytes of the SHA-256 of `b`, in hex.
+    pub fn sha256_128(b: &[u8]) -> String {
+        use sha2::{Digest, Sha256};
+        Sha256::digest(b)[..16]
+            .iter()
+            .map(|v| format!("{v:02x}"))
+            .collect()
+    }
+
+    /// Bit-exactness against llama.cpp (llama-cpp-python 0.3.36's libggml): the hash of
+    /// `quantize(kat_data(4096))` and of both decoders' output for `kat_bytes(8 blocks)`, as
+    /// ggml's `quantize_chunk` / `to_float` produce them.
+    pub fn assert_known_answers(
+        bytes: usize,
+        quantize: fn(&[f32], &mut [u8]),
+        dequantize: fn(&[u8], &mut [f32]),
+        dequantize_scalar: fn(&[u8], &mut [f32]),
+        quant_hash: &str,
+        decode_hash: &str,
+    ) {
+        let q = quantize_vec(&kat_data(4096), bytes, quantize);
+        assert_eq!(sha256_128(&q), quant_hash, "quantize");
+        let raw = kat_bytes(8 * bytes);
+        for f in [dequantize, dequantize_scalar] {
+            let y: Vec<u8> = decode_vec(&raw, bytes, f)
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            assert_eq!(sha256_128(&y), decode_hash, "dequantize");
+        }
+    }
 }
 
 /// Shared property-test helpers for the 32-element block formats (and anyone else).

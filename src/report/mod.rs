@@ -182,5 +182,6 @@ fn pair_name(c: &Comparison) -> &'static str {
     match c.pair {
         crate::compare::PairKind::SameRounding => "same activation rounding",
         crate::compare::PairKind::DifferentRounding => "different activation rounding",
+        crate::compare::PairKind::OpByOp => "op by op on the baseline's inputs",
     }
 }
