@@ -165,7 +165,7 @@ pub(super) fn diagnose(
         Tap::Logits => {
             if passed(Tap::ResultNorm, None) == Some(true) {
                 if m.cosine.abs() < 0.2 {
-                    why.push("everything matches through result_norm and the logits are uncorrelated: the output projection is transposed (lm_head GEMM flags / leading dimension) or uses the wrong matrix".into());
+                    why.push("result_norm matches and the logits are uncorrelated: the output projection is transposed (lm_head GEMM flags / leading dimension) or uses the wrong matrix (output.weight when present; token_embd.weight only for tied embeddings)".into());
                 } else {
                     why.push("result_norm matches but the logits do not: the output projection — tied embeddings (no output.weight: use token_embd.weight) or the output weight's decoding".into());
                 }
@@ -181,30 +181,42 @@ pub(super) fn diagnose(
     Ok(why.join("; "))
 }
 
-/// The "norm weight applied twice / +1 offset" signature: candidate/baseline is a per-channel
-/// ratio that is the same for every token.
+/// Norm signatures from the ratio candidate/baseline. Constant within each token's row (but
+/// not 1): the per-token scale differs — rms eps or the mean-of-squares precision. Constant per
+/// channel across tokens (but varying across channels): the weight vector is wrong — applied
+/// twice, a missing/doubled +1 offset (Gemma-style), or another tensor.
 fn norm_ratio_signature(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Option<String> {
     let (a, b) = (rows2(a), rows2(b));
+    let ratio = |r: usize, c: usize| -> Option<f64> {
+        (a[[r, c]].abs() > 1e-6).then(|| b[[r, c]] as f64 / a[[r, c]] as f64)
+    };
+    let spread = |v: &[f64]| -> f64 {
+        let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+        v.iter().map(|x| (x - mean).abs()).fold(0.0, f64::max) / mean.abs().max(1e-12)
+    };
+    let rows: Vec<Vec<f64>> = (0..a.nrows())
+        .map(|r| (0..a.ncols()).filter_map(|c| ratio(r, c)).collect())
+        .collect();
+    let row_means: Vec<f64> = rows
+        .iter()
+        .filter(|v| !v.is_empty())
+        .map(|v| v.iter().sum::<f64>() / v.len() as f64)
+        .collect();
+    let off = row_means.iter().map(|m| (m - 1.0).abs()).fold(0.0, f64::max);
+    if !rows.is_empty() && rows.iter().all(|v| v.len() < 2 || spread(v) < off.max(1e-9) * 0.05) {
+        return Some(format!(
+            "each token's row is off by one factor (up to {off:.1e} from 1) shared by all its channels: the per-token RMS scale differs — the rms eps (read it from the GGUF: attention.layer_norm_rms_epsilon), or the precision/order of the mean of squares"
+        ));
+    }
     if a.nrows() < 2 {
         return None;
     }
-    let mut consistent = 0;
-    let mut total = 0;
+    let (mut consistent, mut total) = (0, 0);
     for c in 0..a.ncols() {
-        let ratios: Vec<f64> = (0..a.nrows())
-            .filter(|&r| a[[r, c]].abs() > 1e-6)
-            .map(|r| b[[r, c]] as f64 / a[[r, c]] as f64)
-            .collect();
-        if ratios.len() < 2 {
-            continue;
-        }
-        total += 1;
-        let mean = ratios.iter().sum::<f64>() / ratios.len() as f64;
-        if ratios
-            .iter()
-            .all(|x| (x - mean).abs() <= 1e-3 * mean.abs().max(1e-3))
-        {
-            consistent += 1;
+        let v: Vec<f64> = (0..a.nrows()).filter_map(|r| ratio(r, c)).collect();
+        if v.len() >= 2 {
+            total += 1;
+            consistent += (spread(&v) <= 1e-3) as usize;
         }
     }
     (total > 0 && consistent * 10 >= total * 9).then(|| {
