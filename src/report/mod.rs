@@ -86,11 +86,17 @@ pub fn table(c: &Comparison) -> String {
     if !tail.is_empty() {
         let _ = writeln!(out, "{:>7} {}", "out", tail.join("  "));
     }
-    for l in &c.logits {
+    if !c.logits.is_empty() {
+        let kld_mean = c.logits.iter().map(|l| l.kld_mean).fold(0.0, f64::max);
+        let kld_max = c.logits.iter().map(|l| l.kld_max).fold(0.0, f64::max);
+        let top1: usize = c.logits.iter().map(|l| l.top1_agree).sum();
+        let rows: usize = c.logits.iter().map(|l| l.rows).sum();
+        let top5 = c.logits.iter().map(|l| l.top5_overlap_mean * l.rows as f64).sum::<f64>() / rows.max(1) as f64;
         let _ = writeln!(
             out,
-            "logits step {}: KLD mean {:.2e} max {:.2e}, top-1 agree {}/{}, top-5 overlap {:.2}/5",
-            l.step, l.kld_mean, l.kld_max, l.top1_agree, l.rows, l.top5_overlap_mean
+            "logits over {} steps: KLD mean ≤ {kld_mean:.2e} (max {kld_max:.2e}, threshold {:.0e}), top-1 agree {top1}/{rows}, top-5 overlap {top5:.2}/5",
+            c.logits.len(),
+            c.kld_threshold
         );
     }
     out
