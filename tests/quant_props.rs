@@ -208,7 +208,7 @@ fn check_idempotent(ty: GgmlType, x: &[f32]) -> Result<(), TestCaseError> {
 /// a whole number of blocks with the matching byte count.
 fn check_lengths(ty: GgmlType, n: usize, nbytes: usize) -> Result<(), TestCaseError> {
     let (bs, ts) = (ty.block_size(), ty.type_size());
-    let valid = n % bs == 0 && nbytes == n / bs * ts;
+    let valid = n.is_multiple_of(bs) && nbytes == n / bs * ts;
     prop_assume!(!valid);
     let src = vec![0u8; nbytes];
     let mut dst = vec![0f32; n];
@@ -226,7 +226,7 @@ fn check_lengths(ty: GgmlType, n: usize, nbytes: usize) -> Result<(), TestCaseEr
         n,
         nbytes
     );
-    if n % bs != 0 {
+    if !n.is_multiple_of(bs) {
         prop_assert!(quantize_row(ty, &vec![0f32; n]).is_err(), "{}: n {}", ty, n);
     }
     Ok(())

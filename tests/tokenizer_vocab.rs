@@ -289,12 +289,21 @@ fn stories260k_matches_llama_cpp() {
 
 /// Cross-check against a corpus produced by llama.cpp itself, when one is given:
 /// `PARITY_TOKENIZER_ORACLE=/path/oracle.json cargo test --test tokenizer_vocab oracle`.
-/// The JSON maps a vocabulary name to `{"cases": [{"text", "ids", "ids_add_special",
-/// "decoded"}]}`, with `ids` = `llama_tokenize(text, add_special=false, parse_special=false)`,
-/// `ids_add_special` the same with `add_special=true`, and `decoded` (bytes) =
-/// `llama_detokenize(ids, remove_special=false, unparse_special=false)`, made with
-/// llama-cpp-python's low-level bindings over strings mixing scripts, whitespace, digits,
-/// emoji, control characters and special-token texts.
+/// The JSON maps a vocabulary name (`ggml-vocab-NAME.gguf`) to `{"cases": [...]}`, each case
+/// `{"text", "ids", "ids_add_special", "decoded", "ids_parse_special"?, "decoded_special"?}`
+/// (`decoded*` as byte lists). Made with llama-cpp-python's low-level bindings:
+///
+/// ```text
+/// vocab = llama_cpp.Llama(model_path=path, vocab_only=True)._model.vocab
+/// ids              = llama_tokenize(vocab, text, ..., add_special=False, parse_special=False)
+/// ids_add_special  = llama_tokenize(vocab, text, ..., add_special=True,  parse_special=False)
+/// ids_parse_special= llama_tokenize(vocab, text, ..., add_special=False, parse_special=True)
+/// decoded          = llama_detokenize(vocab, ids, ..., remove_special=False, unparse_special=False)
+/// decoded_special  = llama_detokenize(vocab, ids_parse_special, ..., True, True)
+/// ```
+///
+/// over llama.cpp's test strings plus random strings mixing scripts, whitespace kinds, digits,
+/// emoji, combining marks, control/private-use/unassigned codepoints and special-token texts.
 #[test]
 fn oracle_corpus_matches_llama_cpp() {
     let Ok(path) = std::env::var("PARITY_TOKENIZER_ORACLE") else {
@@ -346,13 +355,22 @@ fn oracle_corpus_matches_llama_cpp() {
                 ));
             }
             if let Some(parse) = c.get("ids_parse_special") {
-                let parse: Vec<u32> = parse.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+                let parse: Vec<u32> = parse
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u32)
+                    .collect();
                 let got = tok.encode_llama(text, false, true).unwrap();
                 if got != parse && bad.len() < 20 {
                     bad.push(format!("{name} encode_llama(parse_special) {text:?}\n    want {parse:?}\n    got  {got:?}"));
                 }
-                let dec2: Vec<u8> =
-                    c["decoded_special"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u8).collect();
+                let dec2: Vec<u8> = c["decoded_special"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap() as u8)
+                    .collect();
                 let got = tok.detokenize_bytes(&parse, true, true);
                 if got != dec2 && bad.len() < 20 {
                     bad.push(format!(

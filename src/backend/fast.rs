@@ -1,18 +1,29 @@
 //! The fast backend: weights stay in their block format, activations are quantized once per
 //! matmul input row the way ggml's CPU backend does (Q8_0 / Q8_1 / Q8_K / f16), and each output
-//! is an integer-per-block SIMD dot product. Output rows are split across a thread pool.
-//! Attention and norms use the SIMD f32 dot. All scratch buffers live in the backend and only
+//! is an integer-per-block SIMD dot product. All scratch buffers live in the backend and only
 //! grow, so a decode step allocates nothing (with a sink that keeps nothing).
 //!
 //! Held to the reference tap by tap: against `reference:ggml-cpu` it agrees to f32
 //! summation-order noise (same activation rounding, different summation order).
+//!
+//! Where the time goes, and what this file does about it (docs/performance.md has numbers):
+//! - Matmuls are nearly all of it. Q4_0 and Q8_0 weights go through the tile kernels
+//!   (`q4_0::vec_dot_tile`, `q8_0::vec_dot_tile`: 4 weight rows × 2 tokens per pass, activations
+//!   pre-laid-out once per matmul in a [`TileAct`]); other types call `quant::vec_dot` per
+//!   (row, token), a weight row at a time against all tokens so the row stays in L1.
+//! - Work is split over output rows (whole groups of 4) and handed to a small persistent pool
+//!   whose workers spin briefly between loops; the calling thread works too. A decode step is
+//!   ~200 parallel loops, so the per-loop cost (a few atomics, no sleeping thread to wake)
+//!   matters as much as the kernels.
+//! - Each output element is computed by one fixed function of its inputs, whichever thread runs
+//!   it, so results are bit-for-bit the same for any thread count.
 
 use super::{Backend, BackendError};
-use crate::gguf::TensorInfo;
+use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
-use crate::quant;
+use crate::quant::{self, q4_0, q8_0, q8_0::TileAct};
 use crate::trace::{Sink, Tap, tap};
-use rayon::prelude::*;
+use pool::{Pool, SharedMut};
 
 struct LayerVecs {
     attn_norm: Vec<f32>,
@@ -20,6 +31,17 @@ struct LayerVecs {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+}
+
+/// Matmul input buffers (reused by every matmul).
+#[derive(Default)]
+struct MatmulScratch {
+    /// Q8_0 activations laid out for the tile kernels (Q4_0 and Q8_0 weights).
+    tile: TileAct,
+    /// Quantized input rows for the other weight types.
+    act: Vec<u8>,
+    /// Prefill output in [n_out, T] order, before each task transposes its rows into place.
+    tmp: Vec<f32>,
 }
 
 /// Activation buffers, sized for the largest T seen so far.
@@ -35,19 +57,15 @@ struct Scratch {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// Quantized matmul input rows.
-    act: Vec<u8>,
-    /// Matmul output in [n_out, T] order before transposing (prefill only).
-    tmp: Vec<f32>,
     logits: Vec<f32>,
     rope: Vec<(f32, f32)>,
+    mm: MatmulScratch,
 }
 
 pub struct Fast<'m> {
     model: &'m Model,
     n_ctx: usize,
-    pool: rayon::ThreadPool,
-    n_threads: usize,
+    pool: Pool,
     layers: Vec<LayerVecs>,
     output_norm: Vec<f32>,
     k_cache: Vec<Vec<f32>>,
@@ -59,11 +77,6 @@ impl<'m> Fast<'m> {
     pub fn new(model: &'m Model, n_ctx: usize, n_threads: usize) -> Self {
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
-        let n_threads = n_threads.max(1);
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(n_threads)
-            .build()
-            .expect("thread pool");
         let layers = model
             .layers
             .iter()
@@ -79,8 +92,7 @@ impl<'m> Fast<'m> {
         Fast {
             model,
             n_ctx,
-            pool,
-            n_threads,
+            pool: Pool::new(n_threads.max(1)),
             layers,
             output_norm: model.vector(&model.output_norm),
             k_cache: vec![vec![0.0; kv]; c.n_layer],
@@ -90,7 +102,7 @@ impl<'m> Fast<'m> {
     }
 
     pub fn threads(&self) -> usize {
-        self.n_threads
+        self.pool.threads()
     }
 }
 
@@ -101,63 +113,88 @@ fn fit<T: Default + Clone>(v: &mut Vec<T>, n: usize) {
     }
 }
 
+/// Rows per parallel task: whole groups of 4 (the tile kernels' row group), about 8 tasks per
+/// thread so a thread that falls behind is covered, but never fewer than 16 rows.
+fn rows_per_task(n_out: usize, threads: usize) -> usize {
+    let per = n_out.div_ceil(threads * 8).next_multiple_of(4);
+    per.max(16)
+}
+
 /// out[t, r] = W[r] · x[t] with W kept in its block format.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
-    pool: &rayon::ThreadPool,
+    pool: &Pool,
     model: &Model,
     w: &TensorInfo,
     x: &[f32],
     t: usize,
-    act: &mut Vec<u8>,
-    tmp: &mut Vec<f32>,
+    mm: &mut MatmulScratch,
     out: &mut [f32],
 ) {
     let (n_in, n_out) = w.rows();
-    let aty = quant::vec_dot_type(w.ty);
-    let arow = aty.bytes_for(n_in as u64).expect("whole blocks") as usize;
-    fit(act, t * arow);
-    for i in 0..t {
-        quant::quantize_activation(aty, &x[i * n_in..(i + 1) * n_in], &mut act[i * arow..(i + 1) * arow]);
-    }
-    let act = &act[..t * arow];
     let wdata = model.data(w);
     let wrow = w.ty.bytes_for(n_in as u64).expect("whole blocks") as usize;
     let wty = w.ty;
-    // Enough chunks to balance the threads, few enough to keep scheduling cheap.
-    let chunk = (n_out / (pool.current_num_threads() * 8)).clamp(16, 1024);
-    if t == 1 {
-        pool.install(|| {
-            out[..n_out].par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
-                for (j, y) in o.iter_mut().enumerate() {
-                    let r = c * chunk + j;
-                    *y = quant::vec_dot(wty, &wdata[r * wrow..(r + 1) * wrow], act);
+    let tile_kernel: Option<fn(&[u8], &TileAct, &mut [f32])> = match wty {
+        GgmlType::Q4_0 => Some(q4_0::vec_dot_tile),
+        GgmlType::Q8_0 => Some(q8_0::vec_dot_tile),
+        _ => None,
+    };
+    let aty = quant::vec_dot_type(wty);
+    let arow = aty.bytes_for(n_in as u64).expect("whole blocks") as usize;
+    match tile_kernel {
+        Some(_) => mm.tile.quantize(&x[..t * n_in], n_in),
+        None => {
+            fit(&mut mm.act, t * arow);
+            for (x, a) in x[..t * n_in]
+                .chunks_exact(n_in)
+                .zip(mm.act.chunks_exact_mut(arow))
+            {
+                quant::quantize_activation(aty, x, a);
+            }
+        }
+    }
+    let (tile, act) = (&mm.tile, &mm.act[..]);
+    // dst[(r - r0) * t + i] = W[r] · x[i] for the rows r0..r1.
+    let rows = |r0: usize, r1: usize, dst: &mut [f32]| match tile_kernel {
+        Some(k) => k(&wdata[r0 * wrow..r1 * wrow], tile, dst),
+        None => {
+            for (r, ys) in (r0..r1).zip(dst.chunks_exact_mut(t)) {
+                let wr = &wdata[r * wrow..(r + 1) * wrow];
+                for (i, y) in ys.iter_mut().enumerate() {
+                    *y = quant::vec_dot(wty, wr, &act[i * arow..(i + 1) * arow]);
                 }
-            })
+            }
+        }
+    };
+    let per = rows_per_task(n_out, pool.threads());
+    let n_tasks = n_out.div_ceil(per);
+    let span = |i: usize| (i * per, ((i + 1) * per).min(n_out));
+    if t == 1 {
+        let out = SharedMut::new(&mut out[..n_out]);
+        pool.run(n_tasks, &|i| {
+            let (r0, r1) = span(i);
+            // SAFETY: tasks own disjoint row ranges.
+            rows(r0, r1, unsafe { out.part(r0, r1 - r0) });
         });
         return;
     }
-    // Prefill: each weight row is read once and dotted with all T input rows while it is hot.
-    fit(tmp, n_out * t);
-    pool.install(|| {
-        tmp[..n_out * t]
-            .par_chunks_mut(chunk * t)
-            .enumerate()
-            .for_each(|(c, o)| {
-                for (j, ys) in o.chunks_mut(t).enumerate() {
-                    let r = c * chunk + j;
-                    let wr = &wdata[r * wrow..(r + 1) * wrow];
-                    for (i, y) in ys.iter_mut().enumerate() {
-                        *y = quant::vec_dot(wty, wr, &act[i * arow..(i + 1) * arow]);
-                    }
-                }
-            })
-    });
-    for r in 0..n_out {
-        for i in 0..t {
-            out[i * n_out + r] = tmp[r * t + i];
+    // Prefill: each task computes its rows for all T tokens (a weight row is read once and
+    // stays hot), then writes them transposed into [T, n_out].
+    fit(&mut mm.tmp, n_out * t);
+    let tmp = SharedMut::new(&mut mm.tmp[..n_out * t]);
+    let out = SharedMut::new(&mut out[..t * n_out]);
+    pool.run(n_tasks, &|i| {
+        let (r0, r1) = span(i);
+        // SAFETY: tasks own disjoint row ranges of tmp, and disjoint columns of out.
+        let dst = unsafe { tmp.part(r0 * t, (r1 - r0) * t) };
+        rows(r0, r1, dst);
+        for (r, ys) in (r0..r1).zip(dst.chunks_exact(t)) {
+            for (i, &y) in ys.iter().enumerate() {
+                unsafe { out.part(i * n_out + r, 1)[0] = y };
+            }
         }
-    }
+    });
 }
 
 /// RMSNorm in ggml's order (sum of squares in f64, scale in f32).
@@ -219,6 +256,74 @@ fn rope(
     }
 }
 
+/// Causal attention over the cache for the T new query rows, one task per head: scores
+/// `q·k * scale`, softmax (max-subtracted exp in f32, sum in f64), then `Σ p_j v_j` in
+/// position order. `probs` is [n_head, T, n_kv] (zero past each row's horizon), `att` [T, n_head·hd].
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    pool: &Pool,
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    (t, pos0, n_kv): (usize, usize, usize),
+    (nh, nkv, hd): (usize, usize, usize),
+    probs: &mut [f32],
+    att: &mut [f32],
+) {
+    let (eq, ekv) = (nh * hd, nkv * hd);
+    let group = nh / nkv;
+    let kq_scale = 1.0 / (hd as f32).sqrt();
+    let probs = SharedMut::new(&mut probs[..nh * t * n_kv]);
+    let att = SharedMut::new(&mut att[..t * eq]);
+    pool.run(nh, &|h| {
+        let kvh = h / group;
+        // SAFETY: head h owns probs[h, .., ..] and the h-th hd-wide column of every att row.
+        let ph = unsafe { probs.part(h * t * n_kv, t * n_kv) };
+        for (i, p) in ph.chunks_exact_mut(n_kv).enumerate() {
+            let qv = &q[(i * nh + h) * hd..][..hd];
+            let visible = pos0 + i + 1;
+            let mut max = f32::NEG_INFINITY;
+            for (j, pj) in p[..visible].iter_mut().enumerate() {
+                *pj = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]) * kq_scale;
+                max = max.max(*pj);
+            }
+            let mut sum = 0.0f64;
+            for pj in p[..visible].iter_mut() {
+                *pj = (*pj - max).exp();
+                sum += *pj as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            for pj in p[..visible].iter_mut() {
+                *pj *= inv;
+            }
+            p[visible..].fill(0.0);
+            let out = unsafe { att.part(i * eq + h * hd, hd) };
+            out.fill(0.0);
+            for (j, &pj) in p[..visible].iter().enumerate() {
+                let vr = &vc[j * ekv + kvh * hd..][..hd];
+                for (o, &vv) in out.iter_mut().zip(vr) {
+                    *o += pj * vv;
+                }
+            }
+        }
+    });
+}
+
+/// gate = silu(gate) * up, element-wise, in parallel chunks.
+fn swiglu(pool: &Pool, gate: &mut [f32], up: &[f32]) {
+    const CHUNK: usize = 4096;
+    let n = gate.len();
+    let g = SharedMut::new(gate);
+    pool.run(n.div_ceil(CHUNK), &|i| {
+        let (a, b) = (i * CHUNK, ((i + 1) * CHUNK).min(n));
+        // SAFETY: chunks are disjoint.
+        let g = unsafe { g.part(a, b - a) };
+        for (g, &u) in g.iter_mut().zip(&up[a..b]) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    });
+}
+
 impl Backend for Fast<'_> {
     fn name(&self) -> String {
         "fast".into()
@@ -242,10 +347,16 @@ impl Backend for Fast<'_> {
             return Err(BackendError::Empty);
         }
         if pos0 + t > self.n_ctx {
-            return Err(BackendError::ContextOverflow { end: pos0 + t, n_ctx: self.n_ctx });
+            return Err(BackendError::ContextOverflow {
+                end: pos0 + t,
+                n_ctx: self.n_ctx,
+            });
         }
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
-            return Err(BackendError::BadToken { id, n_vocab: c.n_vocab });
+            return Err(BackendError::BadToken {
+                id,
+                n_vocab: c.n_vocab,
+            });
         }
         let (e, hd, nh, nkv, ff) = (c.n_embd, c.head_dim, c.n_head, c.n_head_kv, c.n_ff);
         let (eq, ekv) = (c.n_embd_q(), c.n_embd_kv());
@@ -267,6 +378,7 @@ impl Backend for Fast<'_> {
             fit(buf, n);
         }
         let pool = &self.pool;
+        let mm = &mut s.mm;
 
         for (i, &id) in tokens.iter().enumerate() {
             m.row(&m.token_embd, id as usize, &mut s.x[i * e..(i + 1) * e]);
@@ -280,9 +392,9 @@ impl Backend for Fast<'_> {
             tap(sink, step, ly, Tap::AttnNorm, &[t, e], &s.xn[..t * e]);
 
             let xn = &s.xn[..t * e];
-            matmul(pool, m, &w.wq, xn, t, &mut s.act, &mut s.tmp, &mut s.q[..t * eq]);
-            matmul(pool, m, &w.wk, xn, t, &mut s.act, &mut s.tmp, &mut s.k[..t * ekv]);
-            matmul(pool, m, &w.wv, xn, t, &mut s.act, &mut s.tmp, &mut s.v[..t * ekv]);
+            matmul(pool, m, &w.wq, xn, t, mm, &mut s.q[..t * eq]);
+            matmul(pool, m, &w.wk, xn, t, mm, &mut s.k[..t * ekv]);
+            matmul(pool, m, &w.wv, xn, t, mm, &mut s.v[..t * ekv]);
             add_bias(&mut s.q[..t * eq], &lv.bq);
             add_bias(&mut s.k[..t * ekv], &lv.bk);
             add_bias(&mut s.v[..t * ekv], &lv.bv);
@@ -291,63 +403,64 @@ impl Backend for Fast<'_> {
             tap(sink, step, ly, Tap::V, &[t, nkv, hd], &s.v[..t * ekv]);
 
             let (base, fs, nr, rt) = (c.rope_theta, c.rope_freq_scale, c.n_rot, c.rope_type);
-            rope(&mut s.q[..t * eq], pos0, t, nh, hd, nr, base, fs, rt, &mut s.rope);
-            rope(&mut s.k[..t * ekv], pos0, t, nkv, hd, nr, base, fs, rt, &mut s.rope);
+            rope(
+                &mut s.q[..t * eq],
+                pos0,
+                t,
+                nh,
+                hd,
+                nr,
+                base,
+                fs,
+                rt,
+                &mut s.rope,
+            );
+            rope(
+                &mut s.k[..t * ekv],
+                pos0,
+                t,
+                nkv,
+                hd,
+                nr,
+                base,
+                fs,
+                rt,
+                &mut s.rope,
+            );
             tap(sink, step, ly, Tap::QRope, &[t, nh, hd], &s.q[..t * eq]);
             tap(sink, step, ly, Tap::KRope, &[t, nkv, hd], &s.k[..t * ekv]);
 
             self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.k[..t * ekv]);
             self.v_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.v[..t * ekv]);
-            let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
-
-            // Attention, one (head, query row) per task.
-            let group = nh / nkv;
-            let kq_scale = 1.0 / (hd as f32).sqrt();
-            let q = &s.q[..t * eq];
-            let probs = &mut s.probs[..nh * t * n_kv];
-            let att = &mut s.att[..t * eq];
-            pool.install(|| {
-                probs.par_chunks_mut(n_kv).enumerate().for_each(|(hi, p)| {
-                    let (h, i) = (hi / t, hi % t);
-                    let kvh = h / group;
-                    let qv = &q[(i * nh + h) * hd..][..hd];
-                    let visible = pos0 + i + 1;
-                    let mut max = f32::NEG_INFINITY;
-                    for (j, pj) in p[..visible].iter_mut().enumerate() {
-                        *pj = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]) * kq_scale;
-                        max = max.max(*pj);
-                    }
-                    let mut sum = 0.0f64;
-                    for pj in p[..visible].iter_mut() {
-                        *pj = (*pj - max).exp();
-                        sum += *pj as f64;
-                    }
-                    let inv = (1.0 / sum) as f32;
-                    for pj in p[..visible].iter_mut() {
-                        *pj *= inv;
-                    }
-                    p[visible..].fill(0.0);
-                })
-            });
-            let probs = &s.probs[..nh * t * n_kv];
-            pool.install(|| {
-                att.par_chunks_mut(hd).enumerate().for_each(|(ih, out)| {
-                    let (i, h) = (ih / nh, ih % nh);
-                    let kvh = h / group;
-                    let p = &probs[(h * t + i) * n_kv..][..pos0 + i + 1];
-                    out.fill(0.0);
-                    for (j, &pj) in p.iter().enumerate() {
-                        let vr = &vc[j * ekv + kvh * hd..][..hd];
-                        for (o, &vv) in out.iter_mut().zip(vr) {
-                            *o += pj * vv;
-                        }
-                    }
-                })
-            });
-            tap(sink, step, ly, Tap::KqSoftMax, &[nh, t, n_kv], probs);
+            attention(
+                pool,
+                &s.q[..t * eq],
+                &self.k_cache[l],
+                &self.v_cache[l],
+                (t, pos0, n_kv),
+                (nh, nkv, hd),
+                &mut s.probs,
+                &mut s.att,
+            );
+            tap(
+                sink,
+                step,
+                ly,
+                Tap::KqSoftMax,
+                &[nh, t, n_kv],
+                &s.probs[..nh * t * n_kv],
+            );
             tap(sink, step, ly, Tap::KqvOut, &[t, eq], &s.att[..t * eq]);
 
-            matmul(pool, m, &w.wo, &s.att[..t * eq], t, &mut s.act, &mut s.tmp, &mut s.proj[..t * e]);
+            matmul(
+                pool,
+                m,
+                &w.wo,
+                &s.att[..t * eq],
+                t,
+                mm,
+                &mut s.proj[..t * e],
+            );
             tap(sink, step, ly, Tap::AttnOut, &[t, e], &s.proj[..t * e]);
             for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
                 *x += p;
@@ -357,15 +470,21 @@ impl Backend for Fast<'_> {
             rms_norm(&s.x[..t * e], &lv.ffn_norm, c.rms_eps, &mut s.xn[..t * e]);
             tap(sink, step, ly, Tap::FfnNorm, &[t, e], &s.xn[..t * e]);
             let xn = &s.xn[..t * e];
-            matmul(pool, m, &w.w_gate, xn, t, &mut s.act, &mut s.tmp, &mut s.gate[..t * ff]);
+            matmul(pool, m, &w.w_gate, xn, t, mm, &mut s.gate[..t * ff]);
             tap(sink, step, ly, Tap::FfnGate, &[t, ff], &s.gate[..t * ff]);
-            matmul(pool, m, &w.w_up, xn, t, &mut s.act, &mut s.tmp, &mut s.up[..t * ff]);
+            matmul(pool, m, &w.w_up, xn, t, mm, &mut s.up[..t * ff]);
             tap(sink, step, ly, Tap::FfnUp, &[t, ff], &s.up[..t * ff]);
-            for (g, &u) in s.gate[..t * ff].iter_mut().zip(&s.up[..t * ff]) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
+            swiglu(pool, &mut s.gate[..t * ff], &s.up[..t * ff]);
             tap(sink, step, ly, Tap::FfnAct, &[t, ff], &s.gate[..t * ff]);
-            matmul(pool, m, &w.w_down, &s.gate[..t * ff], t, &mut s.act, &mut s.tmp, &mut s.proj[..t * e]);
+            matmul(
+                pool,
+                m,
+                &w.w_down,
+                &s.gate[..t * ff],
+                t,
+                mm,
+                &mut s.proj[..t * e],
+            );
             tap(sink, step, ly, Tap::FfnOut, &[t, e], &s.proj[..t * e]);
             for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
                 *x += p;
@@ -373,18 +492,251 @@ impl Backend for Fast<'_> {
             tap(sink, step, ly, Tap::LOut, &[t, e], &s.x[..t * e]);
         }
 
-        rms_norm(&s.x[..t * e], &self.output_norm, c.rms_eps, &mut s.xn[..t * e]);
+        rms_norm(
+            &s.x[..t * e],
+            &self.output_norm,
+            c.rms_eps,
+            &mut s.xn[..t * e],
+        );
         tap(sink, step, None, Tap::ResultNorm, &[t, e], &s.xn[..t * e]);
         // Only the last row's logits are needed unless a sink records them all.
         let want_all = sink.wants(&crate::trace::TapKey::new(step, None, Tap::Logits));
         let nv = c.n_vocab;
         if want_all {
-            matmul(pool, m, &m.output, &s.xn[..t * e], t, &mut s.act, &mut s.tmp, &mut s.logits[..t * nv]);
+            matmul(
+                pool,
+                m,
+                &m.output,
+                &s.xn[..t * e],
+                t,
+                mm,
+                &mut s.logits[..t * nv],
+            );
             tap(sink, step, None, Tap::Logits, &[t, nv], &s.logits[..t * nv]);
             s.logits.copy_within((t - 1) * nv..t * nv, 0);
         } else {
-            matmul(pool, m, &m.output, &s.xn[(t - 1) * e..t * e], 1, &mut s.act, &mut s.tmp, &mut s.logits[..nv]);
+            let last = &s.xn[(t - 1) * e..t * e];
+            matmul(pool, m, &m.output, last, 1, mm, &mut s.logits[..nv]);
         }
         Ok(&self.s.logits[..nv])
+    }
+}
+
+/// A persistent thread pool for the fast backend's parallel loops.
+///
+/// `run(n, f)` calls `f(0..n)`, each index once, on the workers and on the calling thread, and
+/// returns when all have finished. Tasks are claimed from one atomic counter, so scheduling
+/// never changes what a task computes. Workers spin for a short while after a loop (a decode
+/// step issues one every few microseconds) and then sleep on a condition variable. The calling
+/// thread never waits for an idle or descheduled worker: it only waits for tasks that were
+/// actually claimed.
+mod pool {
+    use std::cell::UnsafeCell;
+    use std::marker::PhantomData;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::thread::JoinHandle;
+    use std::time::{Duration, Instant};
+
+    /// How long an idle worker spins before it sleeps.
+    const SPIN: Duration = Duration::from_millis(2);
+
+    type Job = *const (dyn Fn(usize) + Sync + 'static);
+
+    /// What `job` points at before the first loop.
+    static NOTHING: fn(usize) = |_| {};
+
+    struct Shared {
+        /// `(loop number << 32) | next unclaimed task`. Claiming is a CAS on both halves, so a
+        /// worker that wakes up late can never take a task of a newer loop for an older one.
+        state: AtomicU64,
+        n_tasks: AtomicUsize,
+        finished: AtomicUsize,
+        panicked: AtomicBool,
+        job: UnsafeCell<Job>,
+        quit: AtomicBool,
+        sleepers: AtomicUsize,
+        lock: Mutex<()>,
+        wake: Condvar,
+    }
+
+    // SAFETY: `job` is written only by `Pool::run` before it publishes a new loop number, and
+    // read only by a thread that has just claimed a task of that loop; `run` returns (and may
+    // write `job` again) only after every task of the loop has finished.
+    unsafe impl Sync for Shared {}
+    unsafe impl Send for Shared {}
+
+    pub struct Pool {
+        shared: Arc<Shared>,
+        workers: Vec<JoinHandle<()>>,
+    }
+
+    impl Pool {
+        /// `n_threads` in all: the caller of `run` plus `n_threads - 1` workers.
+        pub fn new(n_threads: usize) -> Pool {
+            let shared = Arc::new(Shared {
+                state: AtomicU64::new(0),
+                n_tasks: AtomicUsize::new(0),
+                finished: AtomicUsize::new(0),
+                panicked: AtomicBool::new(false),
+                job: UnsafeCell::new(&NOTHING as Job),
+                quit: AtomicBool::new(false),
+                sleepers: AtomicUsize::new(0),
+                lock: Mutex::new(()),
+                wake: Condvar::new(),
+            });
+            let workers = (1..n_threads.max(1))
+                .map(|i| {
+                    let sh = Arc::clone(&shared);
+                    std::thread::Builder::new()
+                        .name(format!("parity-fast-{i}"))
+                        .spawn(move || worker(&sh))
+                        .expect("spawn a worker thread")
+                })
+                .collect();
+            Pool { shared, workers }
+        }
+
+        pub fn threads(&self) -> usize {
+            self.workers.len() + 1
+        }
+
+        /// Run `f(i)` for every `i < n_tasks`, in parallel; return when all are done.
+        pub fn run(&self, n_tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+            if self.workers.is_empty() || n_tasks <= 1 {
+                (0..n_tasks).for_each(f);
+                return;
+            }
+            assert!(n_tasks < 1 << 32, "too many tasks");
+            let sh = &*self.shared;
+            // SAFETY: the previous loop has fully finished, so nobody reads `job` now; the
+            // lifetime is erased, and this function does not return before the last use.
+            unsafe { *sh.job.get() = std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+            sh.n_tasks.store(n_tasks, Relaxed);
+            sh.finished.store(0, Relaxed);
+            let epoch = (sh.state.load(Relaxed) >> 32) + 1;
+            sh.state.store(epoch << 32, SeqCst);
+            if sh.sleepers.load(SeqCst) > 0 {
+                let _g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+                sh.wake.notify_all();
+            }
+            work(sh, epoch);
+            let mut spins = 0u32;
+            while sh.finished.load(Acquire) < n_tasks {
+                spins = spins.saturating_add(1);
+                if spins < 1 << 14 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if sh.panicked.swap(false, Relaxed) {
+                panic!("a fast-backend worker thread panicked");
+            }
+        }
+    }
+
+    impl Drop for Pool {
+        fn drop(&mut self) {
+            self.shared.quit.store(true, SeqCst);
+            {
+                let _g = self.shared.lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.shared.wake.notify_all();
+            }
+            for w in self.workers.drain(..) {
+                let _ = w.join();
+            }
+        }
+    }
+
+    /// Claim and run tasks of loop `epoch` until none is left.
+    fn work(sh: &Shared, epoch: u64) {
+        loop {
+            let v = sh.state.load(Acquire);
+            let i = (v & 0xffff_ffff) as usize;
+            if v >> 32 != epoch || i >= sh.n_tasks.load(Relaxed) {
+                return;
+            }
+            if sh
+                .state
+                .compare_exchange_weak(v, v + 1, AcqRel, Relaxed)
+                .is_ok()
+            {
+                // SAFETY: a task of loop `epoch` is claimed and unfinished, so `run` is still
+                // waiting and `job` points at its live closure.
+                let f = unsafe { &**sh.job.get() };
+                if catch_unwind(AssertUnwindSafe(|| f(i))).is_err() {
+                    sh.panicked.store(true, Relaxed);
+                }
+                sh.finished.fetch_add(1, Release);
+            }
+        }
+    }
+
+    fn worker(sh: &Shared) {
+        let mut seen = 0u64;
+        loop {
+            let mut since = Instant::now();
+            let mut spins = 0u32;
+            let epoch = loop {
+                if sh.quit.load(Relaxed) {
+                    return;
+                }
+                let e = sh.state.load(Acquire) >> 32;
+                if e != seen {
+                    break e;
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 1024 != 0 || since.elapsed() < SPIN {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                let mut g = sh.lock.lock().unwrap_or_else(|e| e.into_inner());
+                sh.sleepers.fetch_add(1, SeqCst);
+                while sh.state.load(SeqCst) >> 32 == seen && !sh.quit.load(SeqCst) {
+                    g = sh.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                sh.sleepers.fetch_sub(1, SeqCst);
+                drop(g);
+                since = Instant::now();
+            };
+            seen = epoch;
+            work(sh, epoch);
+        }
+    }
+
+    /// A mutable slice handed to the tasks of one parallel loop, each writing its own part.
+    pub struct SharedMut<'a, T> {
+        ptr: *mut T,
+        len: usize,
+        _borrow: PhantomData<&'a mut [T]>,
+    }
+
+    // SAFETY: only disjoint parts are handed out (the caller of `part` promises it).
+    unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
+
+    impl<'a, T> SharedMut<'a, T> {
+        pub fn new(s: &'a mut [T]) -> Self {
+            SharedMut {
+                ptr: s.as_mut_ptr(),
+                len: s.len(),
+                _borrow: PhantomData,
+            }
+        }
+
+        /// `s[start..start + len]`.
+        ///
+        /// # Safety
+        /// No two live parts may overlap.
+        #[allow(clippy::mut_from_ref)]
+        pub unsafe fn part(&self, start: usize, len: usize) -> &'a mut [T] {
+            assert!(
+                start <= self.len && len <= self.len - start,
+                "part out of range"
+            );
+            // SAFETY: in bounds (checked); exclusive by the caller's promise.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+        }
     }
 }

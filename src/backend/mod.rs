@@ -3,7 +3,6 @@
 
 pub mod fast;
 pub mod reference;
-pub mod replay;
 
 use crate::trace::{NullSink, Sink, StepInfo};
 

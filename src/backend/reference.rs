@@ -13,7 +13,7 @@ use super::{Backend, BackendError};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
 use crate::quant;
-use crate::trace::{Sink, Tap, tap};
+use crate::trace::{Sink, Tap, tap_mut};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -220,14 +220,14 @@ impl Backend for Reference<'_> {
         for (i, &id) in tokens.iter().enumerate() {
             m.row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
         }
-        tap(sink, step, None, Tap::Embd, &[t, e], &x);
+        tap_mut(sink, step, None, Tap::Embd, &[t, e], &mut x);
 
         for (l, w) in m.layers.iter().enumerate() {
             let ly = Some(l);
 
             // Attention block.
-            let xn = rms_norm(&x, &m.vector(&w.attn_norm), c.rms_eps);
-            tap(sink, step, ly, Tap::AttnNorm, &[t, e], &xn);
+            let mut xn = rms_norm(&x, &m.vector(&w.attn_norm), c.rms_eps);
+            tap_mut(sink, step, ly, Tap::AttnNorm, &[t, e], &mut xn);
 
             let mut q = self.matmul(&w.wq, &xn, t);
             let mut k = self.matmul(&w.wk, &xn, t);
@@ -241,9 +241,9 @@ impl Backend for Reference<'_> {
             if let Some(b) = &w.bv {
                 add_bias(&mut v, &m.vector(b));
             }
-            tap(sink, step, ly, Tap::Q, &[t, nh, hd], &q);
-            tap(sink, step, ly, Tap::K, &[t, nkv, hd], &k);
-            tap(sink, step, ly, Tap::V, &[t, nkv, hd], &v);
+            tap_mut(sink, step, ly, Tap::Q, &[t, nh, hd], &mut q);
+            tap_mut(sink, step, ly, Tap::K, &[t, nkv, hd], &mut k);
+            tap_mut(sink, step, ly, Tap::V, &[t, nkv, hd], &mut v);
 
             let (base, scale) = (c.rope_theta, c.rope_freq_scale);
             rope(
@@ -266,8 +266,8 @@ impl Backend for Reference<'_> {
                 scale,
                 c.rope_type,
             );
-            tap(sink, step, ly, Tap::QRope, &[t, nh, hd], &q);
-            tap(sink, step, ly, Tap::KRope, &[t, nkv, hd], &k);
+            tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut q);
+            tap_mut(sink, step, ly, Tap::KRope, &[t, nkv, hd], &mut k);
 
             // Append this step's keys and values to the cache at their positions.
             self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&k);
@@ -279,54 +279,62 @@ impl Backend for Reference<'_> {
             let group = nh / nkv;
             let kq_scale = 1.0 / (hd as f32).sqrt();
             let mut probs = vec![0.0f32; nh * t * n_kv];
-            let mut att = vec![0.0f32; t * eq];
             for h in 0..nh {
-                let kvh = h / group;
                 for i in 0..t {
                     let qv = &q[(i * nh + h) * hd..][..hd];
                     let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
                     let visible = pos0 + i + 1;
                     for j in 0..visible {
-                        p[j] = dot(qv, &kc[j * ekv + kvh * hd..][..hd]) * kq_scale;
+                        p[j] = dot(qv, &kc[j * ekv + (h / group) * hd..][..hd]) * kq_scale;
                     }
                     softmax(&mut p[..visible]);
+                }
+            }
+            tap_mut(sink, step, ly, Tap::KqSoftMax, &[nh, t, n_kv], &mut probs);
+
+            // Attention output: probability-weighted sum of the cached values.
+            let mut att = vec![0.0f32; t * eq];
+            for h in 0..nh {
+                for i in 0..t {
+                    let p = &probs[(h * t + i) * n_kv..][..pos0 + i + 1];
                     let out = &mut att[i * eq + h * hd..][..hd];
-                    for d in 0..hd {
-                        let s: f64 = (0..visible)
-                            .map(|j| p[j] as f64 * vc[j * ekv + kvh * hd + d] as f64)
+                    for (d, o) in out.iter_mut().enumerate() {
+                        let s: f64 = p
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &pj)| pj as f64 * vc[j * ekv + (h / group) * hd + d] as f64)
                             .sum();
-                        out[d] = s as f32;
+                        *o = s as f32;
                     }
                 }
             }
-            tap(sink, step, ly, Tap::KqSoftMax, &[nh, t, n_kv], &probs);
-            tap(sink, step, ly, Tap::KqvOut, &[t, eq], &att);
+            tap_mut(sink, step, ly, Tap::KqvOut, &[t, eq], &mut att);
 
-            let attn_out = self.matmul(&w.wo, &att, t);
-            tap(sink, step, ly, Tap::AttnOut, &[t, e], &attn_out);
-            let ffn_inp = add(&x, &attn_out);
-            tap(sink, step, ly, Tap::FfnInp, &[t, e], &ffn_inp);
+            let mut attn_out = self.matmul(&w.wo, &att, t);
+            tap_mut(sink, step, ly, Tap::AttnOut, &[t, e], &mut attn_out);
+            let mut ffn_inp = add(&x, &attn_out);
+            tap_mut(sink, step, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
 
             // Feed-forward block (SwiGLU).
-            let xn = rms_norm(&ffn_inp, &m.vector(&w.ffn_norm), c.rms_eps);
-            tap(sink, step, ly, Tap::FfnNorm, &[t, e], &xn);
-            let gate = self.matmul(&w.w_gate, &xn, t);
-            tap(sink, step, ly, Tap::FfnGate, &[t, c.n_ff], &gate);
-            let up = self.matmul(&w.w_up, &xn, t);
-            tap(sink, step, ly, Tap::FfnUp, &[t, c.n_ff], &up);
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-            tap(sink, step, ly, Tap::FfnAct, &[t, c.n_ff], &act);
-            let ffn_out = self.matmul(&w.w_down, &act, t);
-            tap(sink, step, ly, Tap::FfnOut, &[t, e], &ffn_out);
+            let mut xn = rms_norm(&ffn_inp, &m.vector(&w.ffn_norm), c.rms_eps);
+            tap_mut(sink, step, ly, Tap::FfnNorm, &[t, e], &mut xn);
+            let mut gate = self.matmul(&w.w_gate, &xn, t);
+            tap_mut(sink, step, ly, Tap::FfnGate, &[t, c.n_ff], &mut gate);
+            let mut up = self.matmul(&w.w_up, &xn, t);
+            tap_mut(sink, step, ly, Tap::FfnUp, &[t, c.n_ff], &mut up);
+            let mut act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+            tap_mut(sink, step, ly, Tap::FfnAct, &[t, c.n_ff], &mut act);
+            let mut ffn_out = self.matmul(&w.w_down, &act, t);
+            tap_mut(sink, step, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
 
             x = add(&ffn_inp, &ffn_out);
-            tap(sink, step, ly, Tap::LOut, &[t, e], &x);
+            tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut x);
         }
 
-        let xn = rms_norm(&x, &m.vector(&m.output_norm), c.rms_eps);
-        tap(sink, step, None, Tap::ResultNorm, &[t, e], &xn);
-        let logits = self.matmul(&m.output, &xn, t);
-        tap(sink, step, None, Tap::Logits, &[t, c.n_vocab], &logits);
+        let mut xn = rms_norm(&x, &m.vector(&m.output_norm), c.rms_eps);
+        tap_mut(sink, step, None, Tap::ResultNorm, &[t, e], &mut xn);
+        let mut logits = self.matmul(&m.output, &xn, t);
+        tap_mut(sink, step, None, Tap::Logits, &[t, c.n_vocab], &mut logits);
 
         self.last_logits = logits[(t - 1) * c.n_vocab..].to_vec();
         Ok(&self.last_logits)

@@ -2,17 +2,21 @@
 
 use super::run::{InputArgs, make_backend, model_ref, producer};
 use super::{Result, err, repo_root};
-use crate::backend::{self, Emulation};
+use crate::backend;
 use crate::compare::{CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
 use crate::report;
-use crate::trace::{MemorySink, Producer, TapFilter, Trace};
+use crate::trace::{MemorySink, ReplaySink, TapFilter, Trace};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 /// The committed default: `parity check` with no MODEL runs this fixture against its golden.
 pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
+
+/// Backends whose every tap can take the baseline's tensor (`trace::tap_mut`), so they can be
+/// compared op by op.
+const OP_BY_OP: [&str; 1] = ["reference:ggml-cpu"];
 
 /// The Python that runs scripts/: $PARITY_PYTHON, else the repo's .venv, else python3.
 fn python() -> PathBuf {
@@ -320,21 +324,22 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
 
     let wtype = model.main_weight_type();
     let mut comparisons: Vec<Comparison> = Vec::new();
-    // Op by op: every op of the reference (emulating ggml's rounding) fed the golden's inputs.
+    // Op by op: each backend that rounds like ggml's CPU, fed the golden's tensor at every tap
+    // (ReplaySink), so each op is judged on identical inputs.
     if let Some((_, g)) = golden.as_ref().filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g)) {
-        let tensors = backend::replay::replay(&model, g, Emulation::GgmlCpu)?;
-        let producer = Producer {
-            name: "parity".into(),
-            backend: "reference:ggml-cpu/op-by-op".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
-            settings: serde_json::Value::Null,
-        };
-        traces_op.push(Trace::from_memory(
-            model_ref(&model_path, &model),
-            producer,
-            g.manifest.steps.clone(),
-            tensors,
-        ));
+        let forced: Vec<u32> = g.manifest.steps.iter().skip(1).flat_map(|s| s.tokens.clone()).collect();
+        let ids = &g.manifest.steps[0].tokens;
+        for name in a.backends.iter().filter(|n| OP_BY_OP.contains(&n.as_str())) {
+            let mut b = make_backend(name, &model, ids.len() + forced.len(), a.threads)?;
+            let mut sink = ReplaySink::new(g);
+            let info = backend::run(b.as_mut(), ids, forced.len(), Some(&forced), &mut sink)?;
+            if let Some(e) = sink.error {
+                return Err(e.into());
+            }
+            let mut p = producer(b.as_ref(), serde_json::Value::Null);
+            p.backend = format!("{}/op-by-op", p.backend);
+            traces_op.push(Trace::from_memory(model_ref(&model_path, &model), p, info, sink.inner.tensors));
+        }
     }
     if let Some((_, g)) = &golden {
         for t in &traces_op {
@@ -421,17 +426,31 @@ pub struct DiffArgs {
     json: Option<PathBuf>,
 }
 
+/// The model a trace names, if it is here: its path as recorded, else relative to the
+/// repository (goldens record repo-relative paths); only if the sha256 matches.
+fn model_for_trace(t: &Trace) -> Option<Model> {
+    let p = Path::new(&t.manifest.model.path);
+    [p.to_path_buf(), repo_root().join(p)]
+        .iter()
+        .filter(|c| c.exists())
+        .filter_map(|c| Model::open(c).ok())
+        .find(|m| m.sha256() == t.manifest.model.sha256)
+}
+
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
     let wtype = match &a.weight_type {
         Some(s) => crate::gguf::GgmlType::parse(s)
             .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
-        None => crate::gguf::GgufFile::open(&base.manifest.model.path)
-            .ok()
-            .and_then(|f| Model::from_gguf(f).ok())
+        None => model_for_trace(&base)
             .map(|m| m.main_weight_type())
-            .unwrap_or(crate::gguf::GgmlType::F32),
+            .ok_or_else(|| {
+                err(format!(
+                    "the baseline's model {} is not found here (or its sha256 differs): pass --weight-type (e.g. q8_0) so the tolerances fit the model",
+                    base.manifest.model.path
+                ))
+            })?,
     };
     let pair = if a.strict {
         PairKind::SameRounding

@@ -182,6 +182,12 @@ pub struct FixtureArgs {
     n_head: usize,
     #[arg(long, default_value_t = 2)]
     n_head_kv: usize,
+    /// Training context length written to the metadata.
+    #[arg(long, default_value_t = 256)]
+    n_ctx: usize,
+    /// Pad the vocabulary with dummy tokens up to this size (default: the built-in ~400).
+    #[arg(long)]
+    n_vocab: Option<usize>,
     /// No output.weight: the output projection reuses token_embd.weight.
     #[arg(long)]
     tied: bool,
@@ -196,6 +202,8 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.n_layer = a.n_layer;
     spec.n_head = a.n_head;
     spec.n_head_kv = a.n_head_kv;
+    spec.n_ctx = a.n_ctx;
+    spec.n_vocab = a.n_vocab;
     spec.tied = a.tied;
     let w = build(&spec).map_err(err)?;
     let bytes = w.to_bytes();

@@ -53,6 +53,13 @@ enum Cmd {
 }
 
 pub fn main() -> ExitCode {
+    // Die quietly on a closed pipe (`parity inspect m.gguf | head`) like other Unix tools,
+    // instead of panicking in println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::inspect(a),

@@ -56,7 +56,14 @@ pub(super) fn diagnose(
     };
     let m = &r.metrics;
     let mut why = Vec::<String>::new();
-
+    // An input "matched" only if it sits far below the threshold; an input just under it means
+    // the error arrived from upstream and grew, not that this op is wrong.
+    let input_exact = |tap: Tap| -> bool {
+        results
+            .iter()
+            .find(|x| x.key == TapKey::new(k.step, k.layer, tap))
+            .is_some_and(|x| x.pass && x.metrics.nmse <= x.threshold * 1e-2)
+    };
     if m.non_finite_failure() {
         why.push(format!(
             "non-finite values (NaN baseline {}, NaN candidate {}, Inf mismatches {}): typically a softmax over a fully masked row (mask or KV position off), or an overflow",
@@ -69,6 +76,18 @@ pub(super) fn diagnose(
             k.step
         ));
     }
+    let grown: Vec<&TapResult> = results[..i]
+        .iter()
+        .filter(|x| x.key.step == k.step && x.pass && x.metrics.nmse > x.threshold * 1e-2)
+        .collect();
+    if let Some(g) = grown.first() {
+        why.push(format!(
+            "the error did not start here: it was already within 100x of the threshold at {} (NMSE {:.1e}) and grew along the graph — compounding noise or an earlier small error; compare op by op (each op fed the baseline's inputs) to tell which op is wrong",
+            g.key, g.metrics.nmse
+        ));
+        return Ok(why.join("; "));
+    }
+
     let matmul_hint = |w: &str| -> String {
         if m.cosine.abs() < 0.2 {
             format!(
@@ -155,7 +174,7 @@ pub(super) fn diagnose(
         Tap::FfnUp => why.push(matmul_hint("ffn_up")),
         Tap::FfnOut => why.push(matmul_hint("ffn_down")),
         Tap::FfnAct => {
-            if passed(Tap::FfnGate, k.layer) == Some(true) && passed(Tap::FfnUp, k.layer) == Some(true) {
+            if input_exact(Tap::FfnGate) && input_exact(Tap::FfnUp) {
                 why.push("ffn_gate and ffn_up match but their product does not: SwiGLU operands swapped (silu must apply to gate, not up) or the wrong activation".into());
             }
         }

@@ -44,9 +44,10 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
     let base: [f64; 3] = match pair {
         // Quantized same-rounding pairs agree to ~1e-14 until an activation that sits on a
         // rounding boundary flips by one quantum in one side (f32 noise upstream decides which
-        // way); one flip costs ~1e-7 locally and compounds to ~1e-5 at the logits, so the
-        // end-to-end threshold leaves room for a few flips.
-        PairKind::SameRounding => [1e-10, 1e-5, 1e-4],
+        // way); one flip costs ~1e-7..1e-6 locally and random-weight models amplify it to
+        // ~1e-4 at the logits of a one-token decode step, so the end-to-end threshold leaves
+        // room for that. The op-by-op comparison, where no flip can happen, carries 1e-10.
+        PairKind::SameRounding => [1e-10, 1e-5, 1e-3],
         PairKind::DifferentRounding => [1e-10, 1e-5, 1e-2],
         PairKind::OpByOp => [1e-10, 1e-10, 1e-10],
     };

@@ -14,6 +14,8 @@ pub const MAX_DIMS: u32 = 4;
 /// Longest key / tensor name we accept; llama.cpp uses 64 for tensor names. Anything longer is
 /// a corrupt length field, not a real name.
 const MAX_NAME_LEN: u64 = 1 << 16;
+/// Longest metadata string value accepted.
+const MAX_STRING_LEN: u64 = 64 << 20;
 /// Nesting depth for arrays of arrays.
 const MAX_ARRAY_DEPTH: u32 = 8;
 /// Largest `general.alignment` accepted (the writer falls back to the default above it).
@@ -228,6 +230,12 @@ impl GgufFile {
         match version {
             1 => return Err(GgufError::Version1),
             2 | 3 => {}
+            v if v.swap_bytes() == 2 || v.swap_bytes() == 3 => {
+                return Err(GgufError::Invalid(format!(
+                    "big-endian GGUF (version {}) is not supported: convert the model on a little-endian machine",
+                    v.swap_bytes()
+                )));
+            }
             v => return Err(GgufError::UnsupportedVersion(v)),
         }
         let n_tensors = c.u64(&|| "tensor count".into())?;
@@ -486,7 +494,9 @@ fn read_value(
                 });
             }
         },
-        ValueType::String => Value::String(c.string(c.remaining(), &what)?),
+        // Real metadata strings (chat templates included) are far below 64 MiB; a longer one is
+        // a corrupt length, and copying it would read the whole file at open.
+        ValueType::String => Value::String(c.string(MAX_STRING_LEN, &what)?),
         ValueType::Array => {
             if depth >= MAX_ARRAY_DEPTH {
                 return Err(GgufError::BadMetadata {

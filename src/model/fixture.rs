@@ -17,6 +17,9 @@ pub struct FixtureSpec {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub n_ctx: usize,
+    /// Pad the vocabulary with dummy normal tokens up to this many (None: the built-in
+    /// vocabulary only). Benchmarks use it to get a real model's output-projection size.
+    pub n_vocab: Option<usize>,
     /// Tie the output projection to the token embedding (no output.weight).
     pub tied: bool,
 }
@@ -34,6 +37,7 @@ impl FixtureSpec {
             n_head: 4,
             n_head_kv: 2,
             n_ctx: 256,
+            n_vocab: None,
             tied: false,
         }
     }
@@ -126,7 +130,20 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         return Err("n_head must be a positive multiple of n_head_kv".into());
     }
     let head_dim = spec.n_embd / spec.n_head;
-    let (tokens, scores, types) = vocab();
+    let (mut tokens, mut scores, mut types) = vocab();
+    if let Some(n) = spec.n_vocab {
+        if n < tokens.len() {
+            return Err(format!(
+                "n_vocab {n} is smaller than the built-in vocabulary ({} tokens)",
+                tokens.len()
+            ));
+        }
+        for i in tokens.len()..n {
+            tokens.push(format!("<dummy{i:06}>"));
+            scores.push(-1000.0);
+            types.push(1);
+        }
+    }
     let n_vocab = tokens.len();
     let mut rng = Rng(spec.seed);
     let mut w = GgufWriter::new();

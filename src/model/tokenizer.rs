@@ -25,7 +25,7 @@
 //!   llama.cpp does not run those regexes on the text as is: it "collapses" every non-ASCII
 //!   codepoint to one stand-in byte per Unicode category and rewrites `\p{L}`, `\p{N}`, … to match
 //!   those stand-ins (ASCII characters keep their own, slightly unusual, category sets), and
-//!   `\s` is C's `isspace`. That rewriting is reproduced here ([`translate_regex`]); so are the
+//!   `\s` is C's `isspace`. That rewriting is reproduced here (`translate_regex`); so are the
 //!   two hand-coded splitters llama.cpp uses instead of a regex for the GPT-2 and LLaMA-3 patterns.
 //! * SPM is written by hand: `tokenizers`' BPE and Unigram models cannot express llama.cpp's
 //!   "merge the pair whose merged token has the highest score, ties to the leftmost" rule.
@@ -36,9 +36,16 @@
 //!   out of the text before tokenization; control tokens only when `parse_special` (never in
 //!   [`Tokenizer::encode`]).
 //!
-//! Unicode categories come from the `regex` crate's tables (llama.cpp generated its own from
-//! Python's `regex` module); the two can differ only on codepoints assigned in recent Unicode
-//! versions.
+//! Unicode categories come from the `regex` crate's tables, with the codepoints assigned after
+//! llama.cpp's own tables (Unicode 16.0) marked "undefined" as llama.cpp has them; the category,
+//! lowercase and NFD tables were checked codepoint by codepoint against a llama.cpp build (see the
+//! `unicode_tables_match_llama_cpp` test).
+//!
+//! Verified against llama.cpp (llama-cpp-python 0.3.36): every string of llama.cpp's tokenizer test
+//! files for llama-spm, phi-3, gpt-2, falcon, mpt, starcoder, refact, deepseek-coder,
+//! deepseek-llm and bert-bge, and a 2,551-string fuzz corpus on those plus baichuan, gpt-neox and
+//! stablelm (`encode`, `encode_llama` with `add_special` / `parse_special`, both detokenize
+//! modes); see `tests/tokenizer_vocab.rs`.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap, HashSet};
@@ -62,7 +69,6 @@ const KEY_BOS: &str = "tokenizer.ggml.bos_token_id";
 const KEY_EOS: &str = "tokenizer.ggml.eos_token_id";
 const KEY_UNK: &str = "tokenizer.ggml.unknown_token_id";
 const KEY_SEP: &str = "tokenizer.ggml.seperator_token_id";
-const KEY_PAD: &str = "tokenizer.ggml.padding_token_id";
 const KEY_EOT: &str = "tokenizer.ggml.eot_token_id";
 const KEY_EOM: &str = "tokenizer.ggml.eom_token_id";
 const KEY_FIM_PRE: [&str; 2] = [
@@ -211,7 +217,8 @@ fn bad_key(key: &str, what: impl Into<String>) -> TokenizerError {
     }
 }
 
-/// An optional token id key: `Ok(None)` when absent; a negative or non-integer value is refused.
+/// An optional token id key: `Ok(None)` when absent; a non-integer value is refused, a negative
+/// one reads as out of range.
 fn opt_id(f: &GgufFile, key: &str) -> Result<Option<u64>, TokenizerError> {
     match f.get(key) {
         None => Ok(None),
@@ -267,10 +274,10 @@ impl Tokenizer {
         };
 
         // Defaults per vocabulary type (llama.cpp's `load`). Ids are i64 so "none" is -1.
-        let (mut bos, mut eos, mut unk, mut sep, mut pad): (i64, i64, i64, i64, i64) = match vtype {
-            VocabType::Spm => (1, 2, 0, -1, -1),
-            VocabType::Wpm => (101, -1, 100, 102, 0),
-            VocabType::Bpe => (11, 11, -1, -1, -1),
+        let (mut bos, mut eos, mut unk, mut sep): (i64, i64, i64, i64) = match vtype {
+            VocabType::Spm => (1, 2, 0, -1),
+            VocabType::Wpm => (101, -1, 100, 102),
+            VocabType::Bpe => (11, 11, -1, -1),
         };
         let mut add_space_prefix;
         let mut add_bos;
@@ -459,11 +466,11 @@ impl Tokenizer {
         fix(&mut eos, KEY_EOS)?;
         fix(&mut unk, KEY_UNK)?;
         fix(&mut sep, KEY_SEP)?;
-        fix(&mut pad, KEY_PAD)?;
         let mut eot = -1;
         let mut eom = -1;
-        let has_eot = fix(&mut eot, KEY_EOT)?;
-        let has_eom = fix(&mut eom, KEY_EOM)?;
+        fix(&mut eot, KEY_EOT)?;
+        fix(&mut eom, KEY_EOM)?;
+        let (has_eot, has_eom) = (eot >= 0, eom >= 0);
         let mut fim_known = [false; 6];
         for (slot, keys) in [
             (0usize, &KEY_FIM_PRE[..]),
@@ -480,7 +487,6 @@ impl Tokenizer {
                 }
             }
         }
-        let _ = pad;
 
         if let Some(b) = opt_bool(f, KEY_ADD_BOS)? {
             add_bos = b;
@@ -674,10 +680,10 @@ impl Tokenizer {
                     attrs[id as usize] &= !ATTR_RSTRIP;
                 }
             }
-        } else if has_any(&name, &["modern-bert"]) {
-            if let Some(&id) = token_to_id.get("[MASK]") {
-                attrs[id as usize] |= ATTR_LSTRIP;
-            }
+        } else if has_any(&name, &["modern-bert"])
+            && let Some(&id) = token_to_id.get("[MASK]")
+        {
+            attrs[id as usize] |= ATTR_LSTRIP;
         }
 
         let bpe = match pre_cfg {
@@ -727,10 +733,8 @@ impl Tokenizer {
     /// vocabulary has one).
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut out = Vec::new();
-        if add_bos {
-            if let Some(b) = self.bos {
-                out.push(b);
-            }
+        if add_bos && let Some(b) = self.bos {
+            out.push(b);
         }
         self.tokenize_fragments(text, false, &mut out)?;
         Ok(out)
@@ -1122,10 +1126,10 @@ impl Tokenizer {
         if let Some(&id) = self.token_to_id.get(&format!("<0x{b:02X}>")) {
             return Ok(id);
         }
-        if b < 0x80 {
-            if let Some(&id) = self.token_to_id.get(&(b as char).to_string()) {
-                return Ok(id);
-            }
+        if b < 0x80
+            && let Some(&id) = self.token_to_id.get(&(b as char).to_string())
+        {
+            return Ok(id);
         }
         Err(TokenizerError::MissingByteToken(b))
     }
@@ -1137,19 +1141,18 @@ impl Tokenizer {
             if word.is_empty() {
                 continue;
             }
-            if st.ignore_merges {
-                if let Some(&id) = self.token_to_id.get(&word) {
-                    out.push(id);
-                    continue;
-                }
+            if st.ignore_merges
+                && let Some(&id) = self.token_to_id.get(&word)
+            {
+                out.push(id);
+                continue;
             }
-            if let Some(hf) = &st.hf {
-                if word.chars().all(|c| st.single_char_tokens.contains(&c)) {
-                    if let Ok(toks) = hf.tokenize(&word) {
-                        out.extend(toks.into_iter().map(|t| t.id));
-                        continue;
-                    }
-                }
+            if let Some(hf) = &st.hf
+                && word.chars().all(|c| st.single_char_tokens.contains(&c))
+                && let Ok(toks) = hf.tokenize(&word)
+            {
+                out.extend(toks.into_iter().map(|t| t.id));
+                continue;
             }
             self.bpe_word_by_hand(st, &word, out);
         }
@@ -1249,10 +1252,10 @@ impl Tokenizer {
                 None => {
                     // llama.cpp looks each raw byte up as a one-byte token and skips misses.
                     for &b in piece.as_bytes() {
-                        if b < 0x80 {
-                            if let Some(&id) = self.token_to_id.get(&(b as char).to_string()) {
-                                out.push(id);
-                            }
+                        if b < 0x80
+                            && let Some(&id) = self.token_to_id.get(&(b as char).to_string())
+                        {
+                            out.push(id);
                         }
                     }
                 }
@@ -1380,7 +1383,7 @@ fn clean_up_spaces(text: &mut Vec<u8>) {
                 total -= 1;
             } else if i + 2 < total3 {
                 let x2 = text[i + 2];
-                if (x1 == b'r' && x2 == b'e') || (x1 == b'v' && x2 == b'e') {
+                if x2 == b'e' && (x1 == b'r' || x1 == b'v') {
                     total -= 1;
                 }
             }
@@ -2645,9 +2648,11 @@ mod tests {
         assert_eq!(words, ["Hello", " world", " ", " x", "'s", " 123", "\n\n"]);
     }
 
-    /// Compares the Unicode tables with ones extracted from a llama.cpp build
-    /// (`PARITY_LLAMA_UNICODE_TABLES=/path/tables.json`: `flags` = [[start, flags]…],
-    /// `lower` = [[cpt, lower]…], `nfd` = [[first, last, nfd]…]).
+    /// Compares the Unicode tables with ones extracted from a llama.cpp build, when given
+    /// (`PARITY_LLAMA_UNICODE_TABLES=/path/tables.json`: `flags` = [[start, flags]…] as in
+    /// `unicode_ranges_flags`, `lower` = [[cpt, lower]…] as in `unicode_map_lowercase`, `nfd` =
+    /// [[first, last, nfd]…] as in `unicode_ranges_nfd`; read out of libllama.so's read-only data).
+    /// Last run against llama-cpp-python 0.3.36's libllama: no differences.
     #[test]
     fn unicode_tables_match_llama_cpp() {
         let Ok(path) = std::env::var("PARITY_LLAMA_UNICODE_TABLES") else {
@@ -2683,9 +2688,6 @@ mod tests {
             diffs.len(),
             &diffs[..diffs.len().min(20)]
         );
-        if let Ok(p) = std::env::var("PARITY_DUMP_FLAG_DIFFS") {
-            std::fs::write(p, format!("{diffs:?}")).unwrap();
-        }
         let lower: HashMap<u32, u32> = pairs("lower")
             .iter()
             .map(|p| (p[0] as u32, p[1] as u32))
@@ -2720,6 +2722,7 @@ mod tests {
             ndiff.len(),
             &ndiff[..ndiff.len().min(20)]
         );
+        assert!(diffs.is_empty() && ldiff.is_empty() && ndiff.is_empty());
     }
 
     /// The `tokenizers` BPE model is used for the real vocabularies, and gives the same ids as
@@ -2774,6 +2777,12 @@ mod tests {
             }
             assert!(words > 500, "{name}: {words}");
         }
+    }
+
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
     }
 
     #[test]

@@ -98,15 +98,15 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        let np = w.len() / 2 & !31;
+        let np = (w.len() / 2) & !31;
         let mut c = [_mm256_setzero_ps(); 4];
         for (cw, ca) in w[..2 * np]
             .chunks_exact(64)
             .zip(a[..2 * np].chunks_exact(64))
         {
-            for j in 0..4 {
+            for (j, c) in c.iter_mut().enumerate() {
                 let r = 16 * j..16 * j + 16;
-                c[j] = _mm256_add_ps(_mm256_mul_ps(load8(&cw[r.clone()]), load8(&ca[r])), c[j]);
+                *c = _mm256_add_ps(_mm256_mul_ps(load8(&cw[r.clone()]), load8(&ca[r])), *c);
             }
         }
         let s = _mm256_add_ps(_mm256_add_ps(c[0], c[2]), _mm256_add_ps(c[1], c[3]));

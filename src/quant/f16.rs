@@ -1,6 +1,6 @@
 //! F16: little-endian IEEE-754 halves.
 
-use super::util::{Simd, f16_le, put_f16, simd};
+use super::util::{f16_le, put_f16, simd};
 
 /// Each half widened to f32 (exact; NaNs come out quiet with their payload, as F16C does).
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -15,7 +15,7 @@ pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     match simd() {
         // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
+        super::util::Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
         _ => dequantize_scalar(src, dst),
     }
 }
@@ -44,7 +44,7 @@ pub fn vec_dot_f16(w: &[u8], a: &[u8]) -> f32 {
     match simd() {
         // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
+        super::util::Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
         _ => vec_dot_f16_scalar(w, a),
     }
 }
@@ -77,15 +77,15 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        let np = w.len() / 2 & !31;
+        let np = (w.len() / 2) & !31;
         let mut sum = [_mm256_setzero_ps(); 4];
         for (cw, ca) in w[..2 * np]
             .chunks_exact(64)
             .zip(a[..2 * np].chunks_exact(64))
         {
-            for j in 0..4 {
+            for (j, s) in sum.iter_mut().enumerate() {
                 let r = 16 * j..16 * j + 16;
-                sum[j] = _mm256_fmadd_ps(load8(&cw[r.clone()]), load8(&ca[r]), sum[j]);
+                *s = _mm256_fmadd_ps(load8(&cw[r.clone()]), load8(&ca[r]), *s);
             }
         }
         let mut sumf = reduce4(sum) as f64;

@@ -75,7 +75,7 @@ pub(crate) mod x86 {
         let np = w.len() & !31;
         let mut sum = [_mm256_setzero_ps(); 4];
         for (cw, ca) in w[..np].chunks_exact(32).zip(a[..np].chunks_exact(32)) {
-            for j in 0..4 {
+            for (j, s) in sum.iter_mut().enumerate() {
                 // SAFETY: each chunk holds 32 floats, so `8j..8j+8` is in bounds.
                 let (x, y) = unsafe {
                     (
@@ -83,12 +83,19 @@ pub(crate) mod x86 {
                         _mm256_loadu_ps(ca.as_ptr().add(8 * j)),
                     )
                 };
-                sum[j] = _mm256_fmadd_ps(x, y, sum[j]);
+                *s = _mm256_fmadd_ps(x, y, *s);
             }
         }
         let mut sumf = reduce4(sum);
-        // GCC contracts ggml's `sumf += x[i]*y[i]` tail into an FMA.
-        for (&x, &y) in w[np..].iter().zip(&a[np..]) {
+        // ggml's tail is a plain `sumf += x[i]*y[i]` loop; GCC vectorises the products in
+        // fours (adds stay in order) and contracts the last n % 4 into FMAs. Matching that
+        // codegen makes this bit-identical to the AVX2 build of ggml for every n.
+        let (w, a) = (&w[np..], &a[np..]);
+        let n4 = w.len() & !3;
+        for (&x, &y) in w[..n4].iter().zip(&a[..n4]) {
+            sumf += x * y;
+        }
+        for (&x, &y) in w[n4..].iter().zip(&a[n4..]) {
             sumf = x.mul_add(y, sumf);
         }
         sumf
@@ -115,7 +122,7 @@ mod neon {
             let s = vaddq_f32(vaddq_f32(sum[0], sum[2]), vaddq_f32(sum[1], sum[3]));
             let mut sumf = vaddvq_f32(s);
             for (&x, &y) in w[np..].iter().zip(&a[np..]) {
-                sumf = x.mul_add(y, sumf);
+                sumf += x * y;
             }
             sumf
         }

@@ -154,7 +154,7 @@ fn block_sumi(bw: &[u8], ba: &[u8]) -> i32 {
 
 /// [`vec_dot_scalar`], vectorised. Per-block integer sums are identical; the float sum follows
 /// ggml's AVX2 kernel (two FMA accumulators over block pairs, `hsum_float_8`, an odd last
-/// block added in scalar), so it may differ from the scalar twin by rounding.
+/// block added with one FMA), so it may differ from the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
     match simd() {
@@ -227,7 +227,9 @@ mod x86 {
         let mut sumf = hsum_f32x8(_mm256_add_ps(acc1, acc2));
         let (bw, ba) = (wp.remainder(), ap.remainder());
         if !bw.is_empty() {
-            sumf += (f16_le(ba) * f16_le(bw)) * super::block_sumi(bw, ba) as f32;
+            // Compilers contract ggml's `sumf += d * sumi` here into an FMA.
+            let d = f16_le(ba) * f16_le(bw);
+            sumf = d.mul_add(super::block_sumi(bw, ba) as f32, sumf);
         }
         sumf
     }
@@ -288,8 +290,8 @@ mod tests {
 
     #[test]
     fn best_index_is_nearest_ties_up() {
-        for i in 0..16 {
-            assert_eq!(best_index(KVALUES[i] as f32), i);
+        for (i, &v) in KVALUES.iter().enumerate() {
+            assert_eq!(best_index(v as f32), i);
         }
         assert_eq!(best_index(-1000.0), 0);
         assert_eq!(best_index(1000.0), 15);

@@ -447,4 +447,10 @@ mod tests {
             "0258283b2e357bdc3b2e3b250993acd3",
         );
     }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 183.69266, 4437.2);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 183.69266, 4437.2);
+    }
 }

@@ -357,4 +357,10 @@ mod tests {
             "b5d1d60b11976cf0aa0975ec72df4ca8",
         );
     }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 176.70868, 4429.5);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 176.70868, 4429.5);
+    }
 }

@@ -5,7 +5,7 @@
 //! 2 bits of `q + 4` are laid out as Q2_K's `qs`; its high bit lives in `hmask`: bit `k` of
 //! `hmask[l]` belongs to element `32k + l`, and a clear bit means `q + 4 < 4` (subtract 4).
 //! The 16 scales keep their low nibbles in `scales[0..8]` and their top 2 bits in
-//! `scales[8..12]` (see [`unpack_scales`]).
+//! `scales[8..12]` (see `unpack_scales`).
 
 use super::q8_k;
 use super::util::{GROUP_MAX_EPS, QK_K, f16_le, nearest_int, put_f16};
@@ -133,7 +133,7 @@ fn make_q3_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
     if suml2 > 0.0 { sumlx / suml2 } else { 0.0 }
 }
 
-/// ggml's `quantize_row_q3_K_ref`: fit each 16-element sub-block with [`make_q3_quants`],
+/// ggml's `quantize_row_q3_K_ref`: fit each 16-element sub-block with `make_q3_quants`,
 /// quantize the 16 scales to signed 6 bits against the largest in magnitude, then requantize
 /// every element against its rounded scale.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
@@ -450,5 +450,11 @@ mod tests {
             "c20945a657fd6184e74d1174f48566c3",
             "6e1bb94526dbaa004ea365ccbe7c67fc",
         );
+    }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 174.69664, 4402.8);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 174.69664, 4402.8);
     }
 }

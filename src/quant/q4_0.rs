@@ -84,6 +84,33 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     }
 }
 
+/// `out[r * a.rows() + t] = vec_dot(w_r, a_t)` for every Q4_0 weight row `w_r` of `w` (whole
+/// rows of `a.n()` elements back to back) and every activation row `a_t`: the same numbers as
+/// [`vec_dot`], bit for bit, computed four rows and two tokens at a time (each weight block is
+/// decoded once per token pair, each activation block loaded once per four rows, eight
+/// independent accumulators).
+pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
+    let rb = a.n() / BLOCK * BYTES;
+    assert!(rb > 0 && w.len() % rb == 0, "q4_0 tile: whole weight rows");
+    let nr = w.len() / rb;
+    assert_eq!(
+        out.len(),
+        nr * a.rows(),
+        "q4_0 tile: output is rows × tokens"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if simd() == Simd::Avx2 {
+        // SAFETY: avx2, fma and f16c are present; sizes were checked above.
+        unsafe { x86::vec_dot_tile(w, nr, a, out) };
+        return;
+    }
+    for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows())) {
+        for (t, o) in o.iter_mut().enumerate() {
+            *o = vec_dot(wr, a.q8_row(t));
+        }
+    }
+}
+
 fn check_rows(w: &[u8], a: &[u8]) {
     assert_eq!(
         w.len() / BYTES,
@@ -94,7 +121,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::q8_0;
+    use super::super::q8_0::{self, TILE_BYTES, TileAct};
     use super::super::util::{f16_le, x86_b32::*};
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
@@ -128,6 +155,93 @@ mod x86 {
             acc = _mm256_fmadd_ps(d, p, acc);
         }
         hsum_f32x8(acc)
+    }
+
+    /// Tokens per tile in the prefill (rows per tile are 4).
+    const C: usize = 2;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
+        let (nb, nt) = (a.n() / BLOCK, a.rows());
+        let wrow = nb * BYTES;
+        let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+        // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt, and
+        // `a` holds nt rows of nb blocks; each call touches rows r..r+R and tokens t..t+C'.
+        unsafe {
+            let mut r = 0;
+            while r < nr {
+                let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                if r + 4 <= nr {
+                    let mut t = 0;
+                    while t + C <= nt {
+                        tile::<4, C>(w, wrow, a, t, o, nt);
+                        t += C;
+                    }
+                    while t < nt {
+                        tile::<4, 1>(w, wrow, a, t, o, nt);
+                        t += 1;
+                    }
+                    r += 4;
+                } else {
+                    for t in 0..nt {
+                        tile::<1, 1>(w, wrow, a, t, o, nt);
+                    }
+                    r += 1;
+                }
+            }
+        }
+    }
+
+    /// R weight rows (`wrow` bytes apart from `w`) × activation rows t0..t0+C, into
+    /// `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s: i32 lane k holds
+    /// the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y` (`maddubs` of the
+    /// unsigned nibbles, no saturation possible) minus the activation's `8·Σ y`; then one FMA
+    /// of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const R: usize, const C: usize>(
+        w: *const u8,
+        wrow: usize,
+        a: &TileAct,
+        t0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let nb = a.n() / BLOCK;
+        let (qs, ds) = (a.qs.as_ptr(), a.d.as_ptr());
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0F);
+        // Bytes 0..16 keep their low nibbles, bytes 16..32 (the same 16 bytes) their high ones.
+        let shift = _mm256_set_epi64x(4, 4, 0, 0);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for b in 0..nb {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: block b of row r is inside the caller's weight rows; token rows
+                // t0..t0+C exist in `a`.
+                unsafe {
+                    let wb = w.add(r * wrow + b * BYTES);
+                    let dw = _mm256_set1_ps(q8_0::x86::f16_at(wb));
+                    let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(wb.add(2).cast()));
+                    let q = _mm256_and_si256(_mm256_srlv_epi64(both, shift), low);
+                    for (c, acc) in acc.iter_mut().enumerate() {
+                        let i = (t0 + c) * nb + b;
+                        let ab = qs.add(i * TILE_BYTES);
+                        let y = _mm256_loadu_si256(ab.cast());
+                        let bias = _mm256_loadu_si256(ab.add(32).cast());
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                        let p = _mm256_sub_epi32(p, bias);
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ds.add(i)));
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (c, &acc) in acc.iter().enumerate() {
+                // SAFETY: (r, t0 + c) is inside the caller's output.
+                unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
+            }
+        }
     }
 }
 
@@ -273,6 +387,30 @@ mod tests {
                 prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
                     "{} vs {}", got, exact);
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn tile_is_vec_dot((mut w, x, n) in q8_0::tests::tile_case(BYTES)) {
+            finite_scales(&mut w, BYTES, &[0]);
+            let mut a = q8_0::TileAct::default();
+            a.quantize(&x, n);
+            q8_0::tests::assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
+        }
+
+        #[test]
+        fn tile_is_vec_dot_for_any_activation_bytes(
+            (mut w, _, n) in q8_0::tests::tile_case(BYTES),
+            seed in prop::collection::vec(any::<u8>(), 7 * 5 * A),
+        ) {
+            finite_scales(&mut w, BYTES, &[0]);
+            let rb = n / BLOCK * A;
+            let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
+            finite_scales(&mut q, A, &[0]);
+            let mut a = q8_0::TileAct::default();
+            a.load_q8(&q, n);
+            q8_0::tests::assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
         }
     }
 }

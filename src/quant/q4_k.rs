@@ -394,4 +394,10 @@ mod tests {
             "7ebc6fda65e615648a536d0046598701",
         );
     }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 170.23083, 4440.9);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 170.23083, 4440.9);
+    }
 }

@@ -237,7 +237,7 @@ mod tests {
         quantize(&x, &mut b);
         assert_eq!(f16_le(&b), 1.0);
         let qh = u32::from_le_bytes(b[2..6].try_into().unwrap());
-        assert_eq!(qh, !0u32 & !1);
+        assert_eq!(qh, 0xFFFF_FFFE);
         assert_eq!(b[6], 0xF0);
         assert_eq!(b[7], 0x01);
         let mut y = [0.0f32; 32];

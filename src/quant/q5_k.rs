@@ -427,4 +427,10 @@ mod tests {
             "8f979697abd2c102923512eab54f4778",
         );
     }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 168.16553, 4442.1);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 168.16553, 4442.1);
+    }
 }

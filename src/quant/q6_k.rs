@@ -115,7 +115,7 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
     scale
 }
 
-/// ggml's `quantize_row_q6_K_ref`: fit each 16-element sub-block with [`make_qx_quants`],
+/// ggml's `quantize_row_q6_K_ref`: fit each 16-element sub-block with `make_qx_quants`,
 /// quantize the 16 scales to int8 against the largest in magnitude (mapped to −128), then
 /// requantize every element against its rounded scale.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
@@ -419,5 +419,11 @@ mod tests {
             "fd22995841a3a709ef2f8e746199ec4e",
             "87aa2a577ea8f3293b4243a678b62729",
         );
+    }
+
+    #[test]
+    fn vec_dot_matches_llama_cpp() {
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 172.41655, 4447.4);
+        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 172.41655, 4447.4);
     }
 }

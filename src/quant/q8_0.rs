@@ -51,6 +51,17 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 /// `127 / max|x|` rather than `1 / (max|x| / 127)`, and rounding is half to even. The two
 /// disagree on a handful of bytes per million.
 pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
+    match simd() {
+        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { x86::quantize_avx2(src, dst) },
+        _ => quantize_x86_avx_scalar(src, dst),
+    }
+}
+
+/// [`quantize_x86_avx`] in plain Rust: the readable definition its AVX2 version (which is
+/// ggml's instruction sequence) must match byte for byte, NaN and infinity included.
+pub fn quantize_x86_avx_scalar(src: &[f32], dst: &mut [u8]) {
     for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
         let amax = amax_x86_avx(x);
         put_f16(b, amax / 127.0);
@@ -105,11 +116,293 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     }
 }
 
+/// Bytes per block of a [`TileAct`] row: the 32 quants, then eight i32 `8·(q[4k] + … + q[4k+3])`.
+pub const TILE_BYTES: usize = 64;
+
+/// Activation rows quantized to Q8_0 exactly as [`quantize_x86_avx`] does, kept as plain Q8_0
+/// rows and also re-laid out for the multi-row kernels ([`vec_dot_tile`], `q4_0::vec_dot_tile`):
+/// per block, the quants with their sums in fours (64 bytes, [`TILE_BYTES`]) and the scale as
+/// an f32. Buffers only grow, so refilling one per matmul allocates nothing in steady state.
+#[derive(Default)]
+pub struct TileAct {
+    /// Elements per row.
+    n: usize,
+    rows: usize,
+    q8: Vec<u8>,
+    pub(in crate::quant) qs: Vec<u8>,
+    pub(in crate::quant) d: Vec<f32>,
+    /// Some quant is -128 (the Q8_0 × Q8_0 tile kernel's sign trick cannot take it).
+    pub(in crate::quant) has_min: bool,
+}
+
+impl TileAct {
+    /// Quantize the rows of `x` (each `n` elements, `n` a multiple of 32).
+    pub fn quantize(&mut self, x: &[f32], n: usize) {
+        self.resize(x.len() / n.max(1), n);
+        let rb = n / BLOCK * BYTES;
+        for (x, q) in x.chunks_exact(n).zip(self.q8.chunks_exact_mut(rb)) {
+            quantize_x86_avx(x, q);
+        }
+        self.relayout();
+    }
+
+    /// Take Q8_0 rows as they are (`q8.len()` a multiple of the row size of `n` elements).
+    pub fn load_q8(&mut self, q8: &[u8], n: usize) {
+        let rb = n / BLOCK * BYTES;
+        assert!(
+            rb > 0 && q8.len() % rb == 0,
+            "whole Q8_0 rows of {n} elements"
+        );
+        self.resize(q8.len() / rb, n);
+        self.q8.copy_from_slice(q8);
+        self.relayout();
+    }
+
+    fn resize(&mut self, rows: usize, n: usize) {
+        assert!(n % BLOCK == 0, "Q8_0 rows are whole blocks: {n}");
+        let nb = rows * (n / BLOCK);
+        self.n = n;
+        self.rows = rows;
+        // resize (not clear + resize) so that steady-state calls do not touch the allocator.
+        self.q8.resize(nb * BYTES, 0);
+        self.qs.resize(nb * TILE_BYTES, 0);
+        self.d.resize(nb, 0.0);
+    }
+
+    fn relayout(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        if simd() == Simd::Avx2 {
+            // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
+            self.has_min = unsafe { x86::relayout(&self.q8, &mut self.qs, &mut self.d) };
+            return;
+        }
+        let mut has_min = false;
+        let blocks = self.q8.chunks_exact(BYTES);
+        for ((b, t), d) in blocks
+            .zip(self.qs.chunks_exact_mut(TILE_BYTES))
+            .zip(&mut self.d)
+        {
+            *d = f16_le(b);
+            t[..32].copy_from_slice(&b[2..]);
+            for k in 0..8 {
+                let s: i32 = b[2 + 4 * k..6 + 4 * k]
+                    .iter()
+                    .map(|&q| q as i8 as i32)
+                    .sum();
+                t[32 + 4 * k..36 + 4 * k].copy_from_slice(&(8 * s).to_le_bytes());
+            }
+            has_min |= b[2..].contains(&0x80);
+        }
+        self.has_min = has_min;
+    }
+
+    /// Elements per row.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Row `t` as plain Q8_0 bytes.
+    pub fn q8_row(&self, t: usize) -> &[u8] {
+        let rb = self.n / BLOCK * BYTES;
+        &self.q8[t * rb..(t + 1) * rb]
+    }
+}
+
+/// `out[r * a.rows() + t] = vec_dot(w_r, a_t)` for every Q8_0 weight row `w_r` of `w` (whole
+/// rows of `a.n()` elements back to back) and every activation row `a_t`: the same numbers as
+/// [`vec_dot`], bit for bit, but several rows and tokens at a time, so each weight block is
+/// loaded once per group of tokens and each activation block once per group of rows, with
+/// independent accumulators to overlap.
+pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
+    let rb = a.n / BLOCK * BYTES;
+    assert!(rb > 0 && w.len() % rb == 0, "q8_0 tile: whole weight rows");
+    let nr = w.len() / rb;
+    assert_eq!(out.len(), nr * a.rows, "q8_0 tile: output is rows × tokens");
+    #[cfg(target_arch = "x86_64")]
+    if simd() == Simd::Avx2 && !a.has_min {
+        // SAFETY: avx2, fma and f16c are present; sizes were checked above.
+        unsafe { x86::vec_dot_tile(w, nr, a, out) };
+        return;
+    }
+    for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows)) {
+        for (t, o) in o.iter_mut().enumerate() {
+            *o = vec_dot(wr, a.q8_row(t));
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::super::util::{f16_le, x86_b32::*};
-    use super::{BLOCK, BYTES};
+pub(super) mod x86 {
+    use super::super::util::{f16_le, put_f16, x86_b32::*};
+    use super::{BLOCK, BYTES, TILE_BYTES, TileAct};
     use std::arch::x86_64::*;
+
+    /// ggml's AVX2 `quantize_row_q8_0`, instruction for instruction.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn quantize_avx2(src: &[f32], dst: &mut [u8]) {
+        let sign = _mm256_set1_ps(-0.0);
+        for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
+            let x: &[f32; 32] = x.try_into().unwrap();
+            // SAFETY: `x` holds 32 readable floats; loadu has no alignment requirement.
+            let v = unsafe {
+                [
+                    _mm256_loadu_ps(x.as_ptr()),
+                    _mm256_loadu_ps(x.as_ptr().add(8)),
+                    _mm256_loadu_ps(x.as_ptr().add(16)),
+                    _mm256_loadu_ps(x.as_ptr().add(24)),
+                ]
+            };
+            let mut m = _mm256_andnot_ps(sign, v[0]);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[1]));
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[2]));
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[3]));
+            let mut m4 = _mm_max_ps(_mm256_extractf128_ps::<1>(m), _mm256_castps256_ps128(m));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            put_f16(b, amax / 127.0);
+            let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+            let mut i = [_mm256_setzero_si256(); 4];
+            for (i, &v) in i.iter_mut().zip(&v) {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(v, id),
+                );
+                *i = _mm256_cvtps_epi32(r);
+            }
+            let p01 = _mm256_packs_epi32(i[0], i[1]);
+            let p23 = _mm256_packs_epi32(i[2], i[3]);
+            let q = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(p01, p23),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            let qs = &mut b[2..34];
+            // SAFETY: `qs` holds 32 writable bytes; storeu has no alignment requirement.
+            unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), q) };
+        }
+    }
+
+    /// [`TileAct`]'s layout from plain Q8_0 blocks; returns whether some quant is -128.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn relayout(q8: &[u8], qs: &mut [u8], d: &mut [f32]) -> bool {
+        let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+        let mut min = _mm256_setzero_si256();
+        for ((b, t), d) in q8
+            .chunks_exact(BYTES)
+            .zip(qs.chunks_exact_mut(TILE_BYTES))
+            .zip(d)
+        {
+            *d = f16_le(b);
+            let y = load_qs(b);
+            let sum4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), ones16);
+            min = _mm256_or_si256(min, _mm256_cmpeq_epi8(y, _mm256_set1_epi8(-128)));
+            let t: &mut [u8; TILE_BYTES] = t.try_into().unwrap();
+            // SAFETY: `t` holds 64 writable bytes; storeu has no alignment requirement.
+            unsafe {
+                _mm256_storeu_si256(t.as_mut_ptr().cast(), y);
+                _mm256_storeu_si256(t.as_mut_ptr().add(32).cast(), _mm256_slli_epi32::<3>(sum4));
+            }
+        }
+        _mm256_movemask_epi8(min) != 0
+    }
+
+    /// `d` of a block: f16 bits at `p` to f32 (exact).
+    ///
+    /// # Safety
+    /// `p` must point to 2 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn f16_at(p: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes.
+        let bits = unsafe { p.cast::<u16>().read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// Tokens per tile in the prefill (rows per tile are 4).
+    const C: usize = 2;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
+        let (nb, nt) = (a.n / BLOCK, a.rows);
+        let wrow = nb * BYTES;
+        let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+        // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt, and
+        // `a` holds nt rows of nb blocks; each call touches rows r..r+R and tokens t..t+C'.
+        unsafe {
+            let mut r = 0;
+            while r < nr {
+                let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                if r + 4 <= nr {
+                    let mut t = 0;
+                    while t + C <= nt {
+                        tile::<4, C>(w, wrow, a, t, o, nt);
+                        t += C;
+                    }
+                    while t < nt {
+                        tile::<4, 1>(w, wrow, a, t, o, nt);
+                        t += 1;
+                    }
+                    r += 4;
+                } else {
+                    for t in 0..nt {
+                        tile::<1, 1>(w, wrow, a, t, o, nt);
+                    }
+                    r += 1;
+                }
+            }
+        }
+    }
+
+    /// R weight rows (`wrow` bytes apart from `w`) × activation rows t0..t0+C, into
+    /// `out[r * ldo + t]`. Per (row, token) the arithmetic is [`super::vec_dot`]'s: the exact
+    /// i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact since no activation quant is
+    /// -128), one FMA of `d_w * d_a` per block into 8 lanes, `hsum_f32x8` at the end.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<const R: usize, const C: usize>(
+        w: *const u8,
+        wrow: usize,
+        a: &TileAct,
+        t0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let nb = a.n / BLOCK;
+        let (qs, ds) = (a.qs.as_ptr(), a.d.as_ptr());
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        for b in 0..nb {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: block b of row r is inside the caller's weight rows; token rows
+                // t0..t0+C exist in `a`.
+                unsafe {
+                    let wb = w.add(r * wrow + b * BYTES);
+                    let dw = _mm256_set1_ps(f16_at(wb));
+                    let x = _mm256_loadu_si256(wb.add(2).cast());
+                    let ax = _mm256_sign_epi8(x, x);
+                    for (c, acc) in acc.iter_mut().enumerate() {
+                        let i = (t0 + c) * nb + b;
+                        let y = _mm256_loadu_si256(qs.add(i * TILE_BYTES).cast());
+                        let p = _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)),
+                            ones,
+                        );
+                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ds.add(i)));
+                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                    }
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (c, &acc) in acc.iter().enumerate() {
+                // SAFETY: (r, t0 + c) is inside the caller's output.
+                unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
+            }
+        }
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
@@ -179,7 +472,7 @@ mod neon {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::util::testing::*;
     use proptest::prelude::*;
@@ -282,6 +575,92 @@ mod tests {
                 prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
                     "{} vs {}", got, exact);
             }
+        }
+    }
+
+    /// Weight rows × activation rows for the tile tests: (weights, activations, n).
+    pub(crate) fn tile_case(wbytes: usize) -> impl Strategy<Value = (Vec<u8>, Vec<f32>, usize)> {
+        (1usize..6, 1usize..11, 1usize..8).prop_flat_map(move |(nb, nr, nt)| {
+            (
+                prop::collection::vec(any::<u8>(), nr * nb * wbytes),
+                floats(BLOCK, nt * nb..nt * nb + 1),
+                Just(nb * BLOCK),
+            )
+        })
+    }
+
+    /// `vec_dot_tile` against `vec_dot` on every (row, token) pair, bit for bit.
+    pub(crate) fn assert_tile_is_vec_dot(
+        w: &[u8],
+        a: &TileAct,
+        tile: fn(&[u8], &TileAct, &mut [f32]),
+        dot: fn(&[u8], &[u8]) -> f32,
+        wrow: usize,
+    ) -> Result<(), TestCaseError> {
+        let nr = w.len() / wrow;
+        let mut out = vec![0f32; nr * a.rows()];
+        tile(w, a, &mut out);
+        for r in 0..nr {
+            for t in 0..a.rows() {
+                let want = dot(&w[r * wrow..(r + 1) * wrow], a.q8_row(t));
+                let got = out[r * a.rows() + t];
+                prop_assert_eq!(
+                    got.to_bits(),
+                    want.to_bits(),
+                    "row {} token {}: {} vs {}",
+                    r,
+                    t,
+                    got,
+                    want
+                );
+            }
+        }
+        Ok(())
+    }
+
+    use proptest::test_runner::TestCaseError;
+
+    proptest! {
+        #[test]
+        fn simd_quantize_x86_avx_is_bit_identical(bits in prop::collection::vec(any::<u32>(), 32..289)) {
+            let n = bits.len() / BLOCK * BLOCK;
+            let x: Vec<f32> = bits[..n].iter().map(|&b| f32::from_bits(b)).collect();
+            let (mut a, mut b) = (vec![0u8; n / BLOCK * BYTES], vec![0u8; n / BLOCK * BYTES]);
+            quantize_x86_avx(&x, &mut a);
+            quantize_x86_avx_scalar(&x, &mut b);
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn simd_quantize_x86_avx_is_bit_identical_on_floats(x in floats(BLOCK, 1..9)) {
+            let (mut a, mut b) = (vec![0u8; x.len() / BLOCK * BYTES], vec![0u8; x.len() / BLOCK * BYTES]);
+            quantize_x86_avx(&x, &mut a);
+            quantize_x86_avx_scalar(&x, &mut b);
+            prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn tile_is_vec_dot((mut w, x, n) in tile_case(BYTES)) {
+            finite_scales(&mut w, BYTES, &[0]);
+            let mut a = TileAct::default();
+            a.quantize(&x, n);
+            assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
+        }
+
+        #[test]
+        fn tile_is_vec_dot_for_any_activation_bytes(
+            (mut w, _, n) in tile_case(BYTES),
+            seed in prop::collection::vec(any::<u8>(), 7 * 5 * BYTES),
+        ) {
+            // Arbitrary quants, -128 included (the sign trick's blind spot: the tile must fall
+            // back to the exact kernel).
+            finite_scales(&mut w, BYTES, &[0]);
+            let rb = n / BLOCK * BYTES;
+            let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
+            finite_scales(&mut q, BYTES, &[0]);
+            let mut a = TileAct::default();
+            a.load_q8(&q, n);
+            assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, rb)?;
         }
     }
 }

@@ -245,9 +245,13 @@ pub fn simd() -> Simd {
     Simd::Scalar
 }
 
-/// AVX2 building blocks shared by the 32-element block formats. Every function needs
-/// `avx2,fma,f16c`; callers check [`simd`] first.
+/// AVX2 building blocks shared by the 32-element block formats.
+///
+/// # Safety
+/// Every function needs `avx2,fma,f16c`: call them from kernels compiled for those features,
+/// reached only after [`simd`] returned [`Simd::Avx2`].
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::missing_safety_doc)] // covered once, above
 pub mod x86_b32 {
     use std::arch::x86_64::*;
 
@@ -609,6 +613,29 @@ pub mod ktest {
                 .collect();
             assert_eq!(sha256_128(&y), decode_hash, "dequantize");
         }
+    }
+
+    /// llama.cpp's `vec_dot` for `quantize(kat_data(4096))` against the reversed data in Q8_K
+    /// is `expected`; ours sums in another order, so allow a few f32 roundings of `abs_sum`
+    /// (Σ|w·a| of the dequantized rows, ~4.4e3 for this data).
+    pub fn assert_dot_known_answer(
+        bytes: usize,
+        quantize: fn(&[f32], &mut [u8]),
+        vec_dot: fn(&[u8], &[u8]) -> f32,
+        expected: f32,
+        abs_sum: f32,
+    ) {
+        use crate::quant::q8_k;
+        let x = kat_data(4096);
+        let y: Vec<f32> = x.iter().rev().copied().collect();
+        let w = quantize_vec(&x, bytes, quantize);
+        let a = quantize_vec(&y, q8_k::BLOCK_BYTES, q8_k::quantize);
+        let got = vec_dot(&w, &a);
+        let tol = 16.0 * f32::EPSILON * abs_sum;
+        assert!(
+            (got - expected).abs() <= tol,
+            "{got} vs llama.cpp {expected} (tol {tol})"
+        );
     }
 }
 

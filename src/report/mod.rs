@@ -126,12 +126,19 @@ pub fn verdict(c: &Comparison) -> String {
                 .iter()
                 .map(|r| format!("{} (NMSE {:.1e})", r.key, r.metrics.nmse))
                 .collect();
+            let what = if m.non_finite_failure() {
+                format!(
+                    "non-finite values (NaN in baseline {}, in candidate {}, unmatched Inf {}); on the finite rest NMSE {:.3e}",
+                    m.nan_a, m.nan_b, m.inf_mismatch, m.nmse
+                )
+            } else {
+                format!("NMSE {:.3e}", m.nmse)
+            };
             format!(
-                "DIVERGED ({who}, {} weights, {}): first divergence at {} — NMSE {:.3e} over the threshold {:.0e} (cosine {:.6}, max |Δ| {:.3e}, SQNR {:.1} dB). Still matching just before: {}. Likely cause: {}.",
+                "DIVERGED ({who}, {} weights, {}): first divergence at {} — {what} over the threshold {:.0e} (cosine {:.6}, max |Δ| {:.3e}, SQNR {:.1} dB). Still matching just before: {}. Likely cause: {}.",
                 c.weight_type,
                 pair_name(c),
                 d.at.key,
-                m.nmse,
                 d.at.threshold,
                 m.cosine,
                 m.max_abs,

@@ -18,6 +18,11 @@ use std::collections::BTreeMap;
 pub trait Sink {
     fn wants(&self, key: &TapKey) -> bool;
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]);
+    /// Op-by-op mode: overwrite `data` with the tensor the backend must continue from (a
+    /// baseline's value for the same tap). Returns whether it did. Default: never.
+    fn substitute(&mut self, _key: &TapKey, _data: &mut [f32]) -> bool {
+        false
+    }
 }
 
 /// Record `data` under `(step, layer, tap)` if the sink wants it.
@@ -34,6 +39,69 @@ pub fn tap(
     if sink.wants(&key) {
         debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "{key}");
         sink.record(key, shape, data);
+    }
+}
+
+/// [`tap`] for a tensor the backend goes on computing from: after recording, a replaying
+/// sink may replace it with the baseline's value, so each op is judged on identical inputs.
+#[inline]
+pub fn tap_mut(
+    sink: &mut dyn Sink,
+    step: usize,
+    layer: Option<usize>,
+    tap: Tap,
+    shape: &[usize],
+    data: &mut [f32],
+) {
+    let key = TapKey::new(step, layer, tap);
+    if sink.wants(&key) {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len(), "{key}");
+        sink.record(key, shape, data);
+    }
+    sink.substitute(&key, data);
+}
+
+/// Records like a [`MemorySink`] and feeds the backend the baseline's tensor at every tap the
+/// baseline has: the backend's ops then run op by op on the baseline's inputs. A 1e-13
+/// difference can no longer flip an activation across a quantization boundary and compound,
+/// so each op is judged at the f32 floor.
+pub struct ReplaySink<'a> {
+    pub base: &'a Trace,
+    pub inner: MemorySink,
+    pub error: Option<TraceError>,
+}
+
+impl<'a> ReplaySink<'a> {
+    pub fn new(base: &'a Trace) -> Self {
+        ReplaySink {
+            base,
+            inner: MemorySink::new(TapFilter::all()),
+            error: None,
+        }
+    }
+}
+
+impl Sink for ReplaySink<'_> {
+    fn wants(&self, key: &TapKey) -> bool {
+        self.base.contains(key)
+    }
+    fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
+        self.inner.record(key, shape, data)
+    }
+    fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
+        match self.base.get(key) {
+            Ok(Some(a)) if a.len() == data.len() => {
+                for (d, s) in data.iter_mut().zip(a.iter()) {
+                    *d = *s;
+                }
+                true
+            }
+            Ok(_) => false,
+            Err(e) => {
+                self.error.get_or_insert(e);
+                false
+            }
+        }
     }
 }
 
