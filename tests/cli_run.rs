@@ -735,7 +735,12 @@ fn numpy_example_trace_diffs() {
     assert_eq!(tr.manifest.steps.len(), 2);
     assert!(tr.manifest.tensors.len() >= 4);
     let ts = t.to_str().unwrap();
+    // The example's model is not on disk, so parity cannot read its weight type: it refuses to
+    // guess the tolerances until told.
     let o = parity(&["diff", ts, ts]);
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--weight-type"), "{}", show(&o));
+    let o = parity(&["diff", ts, ts, "--weight-type", "f32"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
 
     // One value changed → divergence, exit 1, at that tap.
@@ -750,6 +755,8 @@ fn numpy_example_trace_diffs() {
         "diff",
         ts,
         c.to_str().unwrap(),
+        "--weight-type",
+        "f32",
         "--json",
         json.to_str().unwrap(),
     ]);

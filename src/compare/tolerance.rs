@@ -64,7 +64,8 @@ pub fn kld_threshold(pair: PairKind, w: GgmlType) -> f64 {
     match (pair, class(w)) {
         (PairKind::OpByOp, _) => 1e-9,
         (PairKind::SameRounding, 0) => 1e-9,
-        (PairKind::SameRounding, _) => 1e-5,
+        (PairKind::SameRounding, 1) => 1e-5,
+        (PairKind::SameRounding, _) => 1e-3,
         (PairKind::DifferentRounding, 0) => 1e-9,
         (PairKind::DifferentRounding, 1) => 1e-5,
         (PairKind::DifferentRounding, _) => 1e-2,

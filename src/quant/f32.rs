@@ -113,10 +113,10 @@ mod neon {
         unsafe {
             let mut sum = [vdupq_n_f32(0.0); 4];
             for (cw, ca) in w[..np].chunks_exact(16).zip(a[..np].chunks_exact(16)) {
-                for j in 0..4 {
+                for (j, s) in sum.iter_mut().enumerate() {
                     let x = vld1q_f32(cw.as_ptr().add(4 * j));
                     let y = vld1q_f32(ca.as_ptr().add(4 * j));
-                    sum[j] = vfmaq_f32(sum[j], x, y);
+                    *s = vfmaq_f32(*s, x, y);
                 }
             }
             let s = vaddq_f32(vaddq_f32(sum[0], sum[2]), vaddq_f32(sum[1], sum[3]));

@@ -178,7 +178,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0;
-    use super::super::util::{f16_le, x86_b32::*};
+    use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES, KVALUES};
     use std::arch::x86_64::*;
 
@@ -198,7 +198,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(quants(b), f16_le(b), y.try_into().unwrap());
+            store_scaled(quants(b), f16c_le(b), y.try_into().unwrap());
         }
     }
 
@@ -219,8 +219,8 @@ mod x86 {
         for (bw, ba) in (&mut wp).zip(&mut ap) {
             let (w0, w1) = bw.split_at(BYTES);
             let (a0, a1) = ba.split_at(q8_0::BYTES);
-            let d0 = _mm256_set1_ps(f16_le(a0) * f16_le(w0));
-            let d1 = _mm256_set1_ps(f16_le(a1) * f16_le(w1));
+            let d0 = _mm256_set1_ps(f16c_le(a0) * f16c_le(w0));
+            let d1 = _mm256_set1_ps(f16c_le(a1) * f16c_le(w1));
             acc1 = _mm256_fmadd_ps(d0, block_lanes(w0, a0), acc1);
             acc2 = _mm256_fmadd_ps(d1, block_lanes(w1, a1), acc2);
         }
@@ -228,7 +228,7 @@ mod x86 {
         let (bw, ba) = (wp.remainder(), ap.remainder());
         if !bw.is_empty() {
             // Compilers contract ggml's `sumf += d * sumi` here into an FMA.
-            let d = f16_le(ba) * f16_le(bw);
+            let d = f16c_le(ba) * f16c_le(bw);
             sumf = d.mul_add(super::block_sumi(bw, ba) as f32, sumf);
         }
         sumf

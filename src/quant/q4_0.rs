@@ -122,7 +122,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0::{self, TILE_BYTES, TileAct};
-    use super::super::util::{f16_le, x86_b32::*};
+    use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
@@ -139,7 +139,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(quants(b), f16_le(b), y.try_into().unwrap());
+            store_scaled(quants(b), f16c_le(b), y.try_into().unwrap());
         }
     }
 
@@ -147,7 +147,7 @@ mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
-            let d = _mm256_set1_ps(f16_le(bw) * f16_le(ba));
+            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
             let qa = &ba[2..34];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
@@ -159,6 +159,8 @@ mod x86 {
 
     /// Tokens per tile in the prefill (rows per tile are 4).
     const C: usize = 2;
+    /// How far ahead of the block in use a decode (memory-bound) tile asks for weights.
+    const PREFETCH: usize = 1024;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
@@ -220,6 +222,9 @@ mod x86 {
                 // t0..t0+C exist in `a`.
                 unsafe {
                     let wb = w.add(r * wrow + b * BYTES);
+                    if C == 1 {
+                        _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+                    }
                     let dw = _mm256_set1_ps(q8_0::x86::f16_at(wb));
                     let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(wb.add(2).cast()));
                     let q = _mm256_and_si256(_mm256_srlv_epi64(both, shift), low);

@@ -111,7 +111,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0;
-    use super::super::util::{f16_le, x86_b32::*};
+    use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
@@ -130,7 +130,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(quants(b), f16_le(b), y.try_into().unwrap());
+            store_scaled(quants(b), f16c_le(b), y.try_into().unwrap());
         }
     }
 
@@ -138,7 +138,7 @@ mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
-            let d = _mm256_set1_ps(f16_le(bw) * f16_le(ba));
+            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
             let qa = &ba[2..34];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };

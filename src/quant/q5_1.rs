@@ -114,7 +114,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_1;
-    use super::super::util::{f16_le, x86_b32::*};
+    use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
@@ -132,7 +132,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            let (d, m) = (f16_le(b), f16_le(&b[2..]));
+            let (d, m) = (f16c_le(b), f16c_le(&b[2..]));
             store_scaled_offset(quants(b), d, m, y.try_into().unwrap());
         }
     }
@@ -142,8 +142,8 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0.0f32;
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_1::BYTES)) {
-            summs += f16_le(&bw[2..]) * f16_le(&ba[2..]);
-            let d = _mm256_set1_ps(f16_le(bw) * f16_le(ba));
+            summs += f16c_le(&bw[2..]) * f16c_le(&ba[2..]);
+            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
             let qa = &ba[4..36];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };

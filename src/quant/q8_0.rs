@@ -237,7 +237,7 @@ pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::util::{f16_le, put_f16, x86_b32::*};
+    use super::super::util::{put_f16, x86_b32::*};
     use super::{BLOCK, BYTES, TILE_BYTES, TileAct};
     use std::arch::x86_64::*;
 
@@ -295,7 +295,7 @@ pub(super) mod x86 {
             .zip(qs.chunks_exact_mut(TILE_BYTES))
             .zip(d)
         {
-            *d = f16_le(b);
+            *d = f16c_le(b);
             let y = load_qs(b);
             let sum4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), ones16);
             min = _mm256_or_si256(min, _mm256_cmpeq_epi8(y, _mm256_set1_epi8(-128)));
@@ -407,7 +407,7 @@ pub(super) mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
         for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(load_qs(b), f16_le(b), y.try_into().unwrap());
+            store_scaled(load_qs(b), f16c_le(b), y.try_into().unwrap());
         }
     }
 
@@ -415,7 +415,7 @@ pub(super) mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(BYTES)) {
-            let d = _mm256_set1_ps(f16_le(bw) * f16_le(ba));
+            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
             let p = _mm256_cvtepi32_ps(dot_i8_lanes(load_qs(bw), load_qs(ba)));
             acc = _mm256_fmadd_ps(d, p, acc);
         }

@@ -81,7 +81,7 @@ fn quantize_impl(src: &[f32], dst: &mut [u8], avx: bool) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::util::{f16_le, x86_b32::*};
+    use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
@@ -91,7 +91,7 @@ mod x86 {
             let qs = &b[4..36];
             // SAFETY: `qs` holds 32 readable bytes; loadu has no alignment requirement.
             let q = unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) };
-            store_scaled(q, f16_le(b), y.try_into().unwrap());
+            store_scaled(q, f16c_le(b), y.try_into().unwrap());
         }
     }
 }

@@ -303,6 +303,15 @@ pub mod x86_b32 {
         _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_hadd_epi32(lo, hi))
     }
 
+    /// [`super::f16_le`] with F16C: the f16 at `b[0..2]` as f32. Same bits for every input
+    /// (NaNs included), but no software branches per block scale.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn f16c_le(b: &[u8]) -> f32 {
+        let bits = u16::from_le_bytes([b[0], b[1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
     /// Sum of 8 lanes in ggml's `hsum_float_8` order, so results match its AVX2 kernels.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
