@@ -14,13 +14,14 @@ models += [os.path.join(root, "../shared/models", m) for m in
            ["stories260K.gguf", "TinyStories-656K-Q8_0.gguf", "TinyStories-656K.f16.gguf", "TinyStories-656K-Q4_0.gguf"]]
 taps = ["embd", "attn_norm", "q", "k", "v", "q_rope", "k_rope", "kq_soft_max", "kqv_out", "attn_out",
         "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act", "ffn_out", "l_out", "result_norm", "logits"]
-cols = [("reference", "plain f32"), ("reference:ggml-cpu", "emulated"), ("reference:ggml-cpu/op-by-op", "op-by-op"), ("fast", "fast")]
+cols = [("reference", "plain f32"), ("reference:ggml-cpu", "emulated"), ("reference:ggml-cpu/op-by-op", "emulated op-by-op"),
+        ("fast", "fast"), ("fast/op-by-op", "fast op-by-op")]
 
 def fmt(x):
     return "0" if x == 0 else f"{x:.1e}"
 
-print("| model | weights | plain f32 | emulated | op-by-op | fast | KLD plain | KLD emulated |")
-print("|---|---|---|---|---|---|---|---|")
+print("| model | weights | " + " | ".join(h for _, h in cols) + " | KLD plain | KLD emulated |")
+print("|---|---|" + "---|" * len(cols) + "---|---|")
 details = []
 for m in models:
     if not os.path.exists(m):

@@ -72,6 +72,12 @@ fn decode(ty: GgmlType, q: &[u8], n: usize) -> Vec<f32> {
 
 /// SIMD and scalar decoders agree: every non-NaN element bit for bit, NaN where the other
 /// has NaN; with `nan_bits`, NaN sign and payload must match too.
+/// Q4_1/Q5_1 blocks start with d, m as f16: is m NaN and d non-finite (so q·d can be NaN too)?
+fn block_scale_and_min_nan(src: &[u8], off: usize) -> bool {
+    let h = |o: usize| half::f16::from_bits(u16::from_le_bytes([src[off + o], src[off + o + 1]]));
+    !h(0).is_finite() && h(2).is_nan()
+}
+
 fn check_twins(ty: GgmlType, src: &[u8], nan_bits: bool) -> Result<(), TestCaseError> {
     let n = src.len() / ty.type_size() * ty.block_size();
     // Poison the outputs so an element a decoder forgets to write shows up.
@@ -79,7 +85,13 @@ fn check_twins(ty: GgmlType, src: &[u8], nan_bits: bool) -> Result<(), TestCaseE
     dequantize_row(ty, src, &mut a).map_err(|e| TestCaseError::fail(e.to_string()))?;
     dequantize_row_scalar(ty, src, &mut b).map_err(|e| TestCaseError::fail(e.to_string()))?;
     for i in 0..n {
-        let ok = a[i].to_bits() == b[i].to_bits() || (!nan_bits && a[i].is_nan() && b[i].is_nan());
+        // When two NaNs meet in one add (a NaN scale times q, plus a NaN min: the `_1` types),
+        // which payload survives is not specified: LLVM may commute the fadd. Only there do we
+        // accept any NaN for any NaN; every other element must match to the bit.
+        let two_nan_add = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1)
+            && block_scale_and_min_nan(src, i / ty.block_size() * ty.type_size());
+        let ok = a[i].to_bits() == b[i].to_bits()
+            || ((!nan_bits || two_nan_add) && a[i].is_nan() && b[i].is_nan());
         if !ok {
             let (bs, ts) = (ty.block_size(), ty.type_size());
             let blk = i / bs;

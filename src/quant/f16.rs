@@ -123,6 +123,27 @@ mod tests {
     }
 
     #[test]
+    fn every_half_widens_identically() {
+        // All 65536 patterns, NaNs included: the F16C paths (row decoder and the block-scale
+        // helper the SIMD kernels use) give exactly `half`'s bits.
+        let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+        let (mut a, mut b) = (vec![0f32; 65536], vec![0f32; 65536]);
+        dequantize(&src, &mut a);
+        dequantize_scalar(&src, &mut b);
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert_eq!(x.to_bits(), y.to_bits(), "{i:#06x}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if simd() == crate::quant::util::Simd::Avx2 {
+            for (i, h) in src.chunks_exact(2).enumerate() {
+                // SAFETY: avx2, fma and f16c are present.
+                let x = unsafe { crate::quant::util::x86_b32::f16c_le(h) };
+                assert_eq!(x.to_bits(), b[i].to_bits(), "{i:#06x}");
+            }
+        }
+    }
+
+    #[test]
     fn round_trip_ggml_data() {
         let x = ggml_test_data(4096, 0.0);
         assert_rmse(&x, quantize, dequantize, 1, 2, 0.002).unwrap();

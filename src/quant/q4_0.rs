@@ -91,7 +91,7 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
 /// independent accumulators).
 pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
     let rb = a.n() / BLOCK * BYTES;
-    assert!(rb > 0 && w.len() % rb == 0, "q4_0 tile: whole weight rows");
+    assert!(rb > 0 && w.len().is_multiple_of(rb), "q4_0 tile: whole weight rows");
     let nr = w.len() / rb;
     assert_eq!(
         out.len(),
@@ -222,7 +222,7 @@ mod x86 {
                 // t0..t0+C exist in `a`.
                 unsafe {
                     let wb = w.add(r * wrow + b * BYTES);
-                    if C == 1 {
+                    if C == 0 {
                         _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
                     }
                     let dw = _mm256_set1_ps(q8_0::x86::f16_at(wb));

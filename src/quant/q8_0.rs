@@ -150,7 +150,7 @@ impl TileAct {
     pub fn load_q8(&mut self, q8: &[u8], n: usize) {
         let rb = n / BLOCK * BYTES;
         assert!(
-            rb > 0 && q8.len() % rb == 0,
+            rb > 0 && q8.len().is_multiple_of(rb),
             "whole Q8_0 rows of {n} elements"
         );
         self.resize(q8.len() / rb, n);
@@ -159,7 +159,7 @@ impl TileAct {
     }
 
     fn resize(&mut self, rows: usize, n: usize) {
-        assert!(n % BLOCK == 0, "Q8_0 rows are whole blocks: {n}");
+        assert!(n.is_multiple_of(BLOCK), "Q8_0 rows are whole blocks: {n}");
         let nb = rows * (n / BLOCK);
         self.n = n;
         self.rows = rows;
@@ -219,7 +219,7 @@ impl TileAct {
 /// independent accumulators to overlap.
 pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
     let rb = a.n / BLOCK * BYTES;
-    assert!(rb > 0 && w.len() % rb == 0, "q8_0 tile: whole weight rows");
+    assert!(rb > 0 && w.len().is_multiple_of(rb), "q8_0 tile: whole weight rows");
     let nr = w.len() / rb;
     assert_eq!(out.len(), nr * a.rows, "q8_0 tile: output is rows × tokens");
     #[cfg(target_arch = "x86_64")]
