@@ -71,8 +71,7 @@ pub fn run(
         positions: (0..prompt.len()).collect(),
         forced: None,
     }];
-    let mut pos = prompt.len();
-    for s in 1..=n_steps {
+    for (s, pos) in (1..=n_steps).zip(prompt.len()..) {
         let tok = match forced.and_then(|f| f.get(s - 1)) {
             Some(&t) => t,
             None => next,
@@ -84,7 +83,6 @@ pub fn run(
             positions: vec![pos],
             forced: Some(true),
         });
-        pos += 1;
     }
     Ok(steps)
 }
@@ -102,14 +100,12 @@ pub fn generate(
     backend.reset();
     let mut out = Vec::with_capacity(n);
     let mut tok = argmax(backend.forward(prompt, 0, 0, &mut NullSink)?);
-    let mut pos = prompt.len();
-    for s in 1..=n {
+    for (s, pos) in (1..=n).zip(prompt.len()..) {
         out.push(tok);
         if Some(tok) == eos || s == n {
             break;
         }
         tok = argmax(backend.forward(&[tok], pos, s, &mut NullSink)?);
-        pos += 1;
     }
     Ok(out)
 }

@@ -96,6 +96,16 @@ struct Timing {
     pp_tok_s: f64,
     tg_tok_s: Option<f64>,
     generated: Vec<u32>,
+    /// Where the calling thread's time went over the timed repetitions.
+    main_thread: Option<MainThread>,
+}
+
+/// A busy machine shows as time spent runnable but waiting for a CPU.
+#[derive(Clone, Debug, serde::Serialize)]
+struct MainThread {
+    wall_s: f64,
+    on_cpu_s: f64,
+    waiting_for_cpu_s: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -106,6 +116,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     } else {
         (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
+}
+
+/// The calling thread's (time on a CPU, time runnable but waiting for one), in seconds, from
+/// /proc/thread-self/schedstat (Linux with schedstats; `None` elsewhere).
+fn thread_sched() -> Option<(f64, f64)> {
+    let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let mut it = s.split_whitespace().map(|v| v.parse::<u64>().ok());
+    let (run, wait) = (it.next()??, it.next()??);
+    Some((run as f64 * 1e-9, wait as f64 * 1e-9))
 }
 
 fn time_fast(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Result<Timing> {
@@ -131,18 +150,28 @@ fn time_fast(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Resul
         run()?;
     }
     let (mut pp_s, mut tg_s, mut generated) = (vec![], vec![], vec![]);
+    let (wall0, sched0) = (Instant::now(), thread_sched());
     for _ in 0..a.reps {
         let (x, y, out) = run()?;
         pp_s.push(x);
         tg_s.push(y);
         generated = out;
     }
+    let wall = wall0.elapsed().as_secs_f64();
+    let sched = sched0
+        .zip(thread_sched())
+        .map(|((r0, w0), (r1, w1))| (r1 - r0, w1 - w0));
     Ok(Timing {
         pp_tok_s: median(pp_s.iter().map(|s| p as f64 / s).collect()),
         tg_tok_s: (g > 0).then(|| median(tg_s.iter().map(|s| g as f64 / s).collect())),
         pp_s,
         tg_s,
         generated,
+        main_thread: sched.map(|(run, wait)| MainThread {
+            wall_s: wall,
+            on_cpu_s: run,
+            waiting_for_cpu_s: wait,
+        }),
     })
 }
 
@@ -276,7 +305,17 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
-        println!("machine: {cpu}, {cores} cores ({simd}); {threads} threads for both engines");
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| {
+                l.split_whitespace()
+                    .next()
+                    .map(|v| format!(", load average {v}"))
+            })
+            .unwrap_or_default();
+        println!(
+            "machine: {cpu}, {cores} cores ({simd}){load}; {threads} threads for both engines"
+        );
         println!(
             "model: {} ({}, {:.1} MB, {} layers, n_embd {}, n_ff {}, n_vocab {})",
             a.model.display(),
@@ -336,6 +375,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             fmt_rate(their_tg),
             r(tg_ratio)
         );
+        if let Some(m) = &ours.main_thread {
+            let waited = m.waiting_for_cpu_s / m.wall_s;
+            if waited > 0.02 {
+                println!(
+                    "note: parity's main thread waited for a CPU {:.0}% of the timed wall time: \
+                     the machine was busy, so both columns are pessimistic",
+                    100.0 * waited
+                );
+            }
+        }
         if let Some(n) = agree {
             println!(
                 "greedy continuations agree on the first {n} of {} tokens",

@@ -7,6 +7,9 @@ use crate::gguf::GgmlType;
 use crate::trace::{Tap, TapKey, Trace};
 use ndarray::{ArrayD, Axis, Ix2};
 
+/// A baseline tensor and the candidate's, in the baseline's shape.
+type Pair = (ArrayD<f32>, ArrayD<f32>);
+
 /// Rows (first axis) of a tensor as 2-d: `[rows, rest]`.
 fn rows2(a: &ArrayD<f32>) -> ndarray::Array2<f32> {
     let r = a.shape().first().copied().unwrap_or(1).max(1);
@@ -42,7 +45,7 @@ pub(super) fn diagnose(
             .map(|x| x.pass)
     };
     let prefill_ok = k.step > 0 && results.iter().filter(|x| x.key.step == 0).all(|x| x.pass);
-    let load = |key: TapKey| -> Result<Option<(ArrayD<f32>, ArrayD<f32>)>, CompareError> {
+    let load = |key: TapKey| -> Result<Option<Pair>, CompareError> {
         Ok(match (base.get(&key)?, cand.get(&key)?) {
             (Some(a), Some(b)) if a.len() == b.len() => {
                 let b = b
@@ -160,10 +163,8 @@ pub(super) fn diagnose(
             "attention probabilities differ while q/k after RoPE matched: the score scale (1/sqrt(head_dim)), the causal mask, the KV cache contents at earlier positions, or the softmax".into(),
         ),
         Tap::KqvOut => {
-            if let Some((a, b)) = load(k)? {
-                if let Some(note) = head_signature(base, &a, &b, r.threshold) {
-                    why.push(note);
-                }
+            if let Some(note) = load(k)?.and_then(|(a, b)| head_signature(base, &a, &b, r.threshold)) {
+                why.push(note);
             }
             if why.is_empty() || prefill_ok {
                 why.push("attention output differs while the probabilities matched: the V cache (layout, positions) or the probs·V product".into());

@@ -120,13 +120,13 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         ));
     }
     let bs = wt.block_size();
-    if spec.n_embd % bs != 0 || spec.n_ff % bs != 0 {
+    if !spec.n_embd.is_multiple_of(bs) || !spec.n_ff.is_multiple_of(bs) {
         return Err(format!(
             "n_embd {} and n_ff {} must be multiples of the {wt} block size {bs}",
             spec.n_embd, spec.n_ff
         ));
     }
-    if spec.n_head == 0 || spec.n_head_kv == 0 || spec.n_head % spec.n_head_kv != 0 {
+    if spec.n_head == 0 || spec.n_head_kv == 0 || !spec.n_head.is_multiple_of(spec.n_head_kv) {
         return Err("n_head must be a positive multiple of n_head_kv".into());
     }
     let head_dim = spec.n_embd / spec.n_head;

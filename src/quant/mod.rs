@@ -40,7 +40,7 @@ pub enum QuantError {
 
 fn check(ty: GgmlType, n: usize, bytes: usize) -> Result<(), QuantError> {
     let bs = ty.block_size();
-    if n % bs != 0 {
+    if !n.is_multiple_of(bs) {
         return Err(QuantError::NotWholeBlocks { ty, n, bs });
     }
     let expected = n / bs * ty.type_size();
@@ -108,7 +108,7 @@ pub fn dequantize_row_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Resul
 /// Quantize `src` to type `ty` following ggml's reference (`quantize_row_*_ref`) quantizer.
 pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     let bs = ty.block_size();
-    if src.len() % bs != 0 {
+    if !src.len().is_multiple_of(bs) {
         return Err(QuantError::NotWholeBlocks {
             ty,
             n: src.len(),
