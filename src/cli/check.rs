@@ -148,7 +148,8 @@ pub struct CheckArgs {
     /// Worker threads for the fast backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
-    /// A golden trace folder, or a folder of goldens searched by model sha256 (default: golden/).
+    /// A golden trace folder, or a folder of goldens searched by model sha256 (default:
+    /// ./golden, then the goldens that ship with parity).
     #[arg(long)]
     golden: Option<PathBuf>,
     /// Write every comparison as JSON.
@@ -211,10 +212,13 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     }
     let model = Model::open(&model_path)?;
     let sha = model.sha256().to_string();
-    let golden_dir = a
-        .golden
-        .clone()
-        .unwrap_or_else(|| repo_root().join("golden"));
+    // Default: ./golden (where `parity golden --out golden/NAME` puts them), then the goldens
+    // committed with parity itself.
+    let golden_dir = a.golden.clone().unwrap_or_else(|| {
+        let local = PathBuf::from("golden");
+        let has_match = find_goldens(&local, &sha).is_ok_and(|g| !g.is_empty());
+        if has_match { local } else { repo_root().join("golden") }
+    });
     let mut goldens = find_goldens(&golden_dir, &sha)?;
     if a.golden.is_some() && goldens.len() == 1 && goldens[0].1.manifest.model.sha256 != sha {
         return Err(err(format!(
