@@ -788,3 +788,37 @@ fn docs_show_the_numpy_example_verbatim() {
         "docs/trace-format.md and scripts/example_numpy_trace.py disagree"
     );
 }
+
+/// 40 greedy tokens of TinyStories-656K-Q8_0 from BOS, against the real llama.cpp run live
+/// (its greedy continuation, written by `parity golden`): the fast and emulating reference
+/// backends must produce exactly llama.cpp's ids, and the text must be English.
+#[test]
+fn generate_tinystories_40_tokens_matches_live_llama_cpp() {
+    let Some(model) = shared("models/TinyStories-656K-Q8_0.gguf") else {
+        return;
+    };
+    let py = root().join(".venv/bin/python");
+    let py = std::env::var("PARITY_PYTHON").map(PathBuf::from).unwrap_or(py);
+    let has_llama = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_llama {
+        eprintln!("skipped: llama_cpp not installed for {}", py.display());
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("g");
+    let m = model.to_str().unwrap();
+    ok(&["golden", m, "--tokens", "1", "--steps", "40", "--out", out.to_str().unwrap()]);
+    let g = Trace::open(&out).unwrap();
+    let llama: Vec<u32> = g.manifest.steps[1..].iter().map(|s| s.tokens[0]).collect();
+    assert_eq!(llama.len(), 40);
+    for (backend, emulate) in [("fast", "none"), ("reference", "ggml-cpu")] {
+        let o = ok(&["generate", m, "--tokens", "1", "-n", "40", "--ignore-eos", "--backend", backend, "--emulate", emulate]);
+        assert_eq!(generated_ids(&o), llama, "{backend}: {o}");
+        let text = o.lines().next().unwrap_or("");
+        let words = text.split_whitespace().count();
+        assert!(words >= 20 && (text.contains(" the ") || text.contains(" a ")), "{text}");
+    }
+}
