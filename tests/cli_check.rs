@@ -2,48 +2,10 @@
 //! committed llama.cpp goldens, divergences planted in a golden, goldens refused for the wrong
 //! model or ids, and the goldens regenerated with the real llama.cpp (when it is installed).
 
+mod common;
+use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn shared(sub: &str) -> Option<PathBuf> {
-    let p = root().join("..").join("shared").join(sub);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: ../shared/{sub} not found");
-        None
-    }
-}
-
-fn parity_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
-    c.args(args).current_dir(root());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().expect("run parity")
-}
-
-fn parity(args: &[&str]) -> Output {
-    parity_env(args, &[])
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).to_string()
-}
 
 /// Exit 2; exactly one stderr line starts with `error:` and it is the last one; it contains
 /// every needle. (Informational lines such as `prompt ids: …` may come before it.)
@@ -205,39 +167,6 @@ fn check_without_a_model_runs_the_default_fixture() {
 
 // ---------------------------------------------------------------------------------------------
 // parity diff on a golden with a planted divergence
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            copy_dir(&p, &to.join(e.file_name()));
-        } else {
-            std::fs::copy(&p, to.join(e.file_name())).unwrap();
-        }
-    }
-}
-
-fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
-    let bytes = std::fs::read(p).unwrap();
-    let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
-    assert_eq!(npy.order(), npyz::Order::C, "{}", p.display());
-    let shape = npy.shape().to_vec();
-    (shape, npy.into_vec::<f32>().unwrap())
-}
-
-fn write_npy(p: &Path, shape: &[u64], data: &[f32]) {
-    use npyz::WriterBuilder;
-    let f = std::io::BufWriter::new(std::fs::File::create(p).unwrap());
-    let mut w = npyz::WriteOptions::<f32>::new()
-        .default_dtype()
-        .shape(shape)
-        .writer(f)
-        .begin_nd()
-        .unwrap();
-    w.extend(data.iter().copied()).unwrap();
-    w.finish().unwrap();
-}
 
 /// A copy of golden/tiny-llama-q8_0 in a temp dir with `file` edited.
 fn altered(tmp: &Path, file: &str, edit: impl FnOnce(&[u64], &mut Vec<f32>)) -> PathBuf {

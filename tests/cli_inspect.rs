@@ -4,45 +4,10 @@
 //! Models in `../shared/models` are used when that folder exists; otherwise those parts print
 //! "skipped: …" and only the committed fixtures are checked.
 
+mod common;
+use common::*;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// `../shared/SUB`, or None after printing why the caller skips it.
-fn shared(sub: &str) -> Option<PathBuf> {
-    let p = root().join("..").join("shared").join(sub);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: ../shared/{sub} not found");
-        None
-    }
-}
-
-/// Run the binary from the repository root (so relative paths print the same everywhere).
-fn parity(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parity"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run parity")
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8(o.stdout.clone()).expect("stdout is UTF-8")
-}
+use std::process::Output;
 
 /// Exit 2 and exactly one stderr line, starting with `error:` and containing every `needle`
 /// (case-insensitive). Returns that line.

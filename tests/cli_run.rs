@@ -4,41 +4,12 @@
 //! Parts that need `../shared` (models, vocabularies) print "skipped: …" when it is absent; the
 //! numpy example skips when no Python with numpy is found.
 
+mod common;
+use common::*;
 use parity::trace::{Tap, TapKey, Trace};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn shared(sub: &str) -> Option<PathBuf> {
-    let p = root().join("..").join("shared").join(sub);
-    if p.exists() {
-        Some(p)
-    } else {
-        eprintln!("skipped: ../shared/{sub} not found");
-        None
-    }
-}
-
-fn parity(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_parity"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run parity")
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use std::process::Command;
 
 fn ok(args: &[&str]) -> String {
     let o = parity(args);
@@ -687,39 +658,6 @@ fn numpy_python() -> Option<PathBuf> {
     None
 }
 
-fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
-    let bytes = std::fs::read(p).unwrap();
-    let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
-    assert_eq!(npy.order(), npyz::Order::C, "{}", p.display());
-    let shape = npy.shape().to_vec();
-    (shape, npy.into_vec::<f32>().unwrap())
-}
-
-fn write_npy(p: &Path, shape: &[u64], data: &[f32]) {
-    use npyz::WriterBuilder;
-    let f = std::io::BufWriter::new(std::fs::File::create(p).unwrap());
-    let mut w = npyz::WriteOptions::<f32>::new()
-        .default_dtype()
-        .shape(shape)
-        .writer(f)
-        .begin_nd()
-        .unwrap();
-    w.extend(data.iter().copied()).unwrap();
-    w.finish().unwrap();
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            copy_dir(&p, &to.join(e.file_name()));
-        } else {
-            std::fs::copy(&p, to.join(e.file_name())).unwrap();
-        }
-    }
-}
-
 #[test]
 fn numpy_example_trace_diffs() {
     let Some(py) = numpy_python() else { return };
@@ -739,7 +677,11 @@ fn numpy_example_trace_diffs() {
     // guess the tolerances until told.
     let o = parity(&["diff", ts, ts]);
     assert_eq!(o.status.code(), Some(2), "{}", show(&o));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--weight-type"), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--weight-type"),
+        "{}",
+        show(&o)
+    );
     let o = parity(&["diff", ts, ts, "--weight-type", "f32"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
 
@@ -798,7 +740,9 @@ fn generate_tinystories_40_tokens_matches_live_llama_cpp() {
         return;
     };
     let py = root().join(".venv/bin/python");
-    let py = std::env::var("PARITY_PYTHON").map(PathBuf::from).unwrap_or(py);
+    let py = std::env::var("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or(py);
     let has_llama = Command::new(&py)
         .args(["-c", "import llama_cpp, numpy"])
         .output()
@@ -810,15 +754,39 @@ fn generate_tinystories_40_tokens_matches_live_llama_cpp() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("g");
     let m = model.to_str().unwrap();
-    ok(&["golden", m, "--tokens", "1", "--steps", "40", "--out", out.to_str().unwrap()]);
+    ok(&[
+        "golden",
+        m,
+        "--tokens",
+        "1",
+        "--steps",
+        "40",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     let g = Trace::open(&out).unwrap();
     let llama: Vec<u32> = g.manifest.steps[1..].iter().map(|s| s.tokens[0]).collect();
     assert_eq!(llama.len(), 40);
     for (backend, emulate) in [("fast", "none"), ("reference", "ggml-cpu")] {
-        let o = ok(&["generate", m, "--tokens", "1", "-n", "40", "--ignore-eos", "--backend", backend, "--emulate", emulate]);
+        let o = ok(&[
+            "generate",
+            m,
+            "--tokens",
+            "1",
+            "-n",
+            "40",
+            "--ignore-eos",
+            "--backend",
+            backend,
+            "--emulate",
+            emulate,
+        ]);
         assert_eq!(generated_ids(&o), llama, "{backend}: {o}");
         let text = o.lines().next().unwrap_or("");
         let words = text.split_whitespace().count();
-        assert!(words >= 20 && (text.contains(" the ") || text.contains(" a ")), "{text}");
+        assert!(
+            words >= 20 && (text.contains(" the ") || text.contains(" a ")),
+            "{text}"
+        );
     }
 }

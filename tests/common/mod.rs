@@ -1,0 +1,79 @@
+//! Helpers shared by the CLI tests: run the real binary from the repository root, find
+//! ../shared, read and write .npy files, copy trace folders.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn shared(sub: &str) -> Option<PathBuf> {
+    let p = root().join("..").join("shared").join(sub);
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("skipped: ../shared/{sub} not found");
+        None
+    }
+}
+
+pub fn parity_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
+    c.args(args).current_dir(root());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run parity")
+}
+
+pub fn parity(args: &[&str]) -> Output {
+    parity_env(args, &[])
+}
+
+pub fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).to_string()
+}
+
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            copy_dir(&p, &to.join(e.file_name()));
+        } else {
+            std::fs::copy(&p, to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+pub fn read_npy(p: &Path) -> (Vec<u64>, Vec<f32>) {
+    let bytes = std::fs::read(p).unwrap();
+    let npy = npyz::NpyFile::new(&bytes[..]).unwrap();
+    assert_eq!(npy.order(), npyz::Order::C, "{}", p.display());
+    let shape = npy.shape().to_vec();
+    (shape, npy.into_vec::<f32>().unwrap())
+}
+
+pub fn write_npy(p: &Path, shape: &[u64], data: &[f32]) {
+    use npyz::WriterBuilder;
+    let f = std::io::BufWriter::new(std::fs::File::create(p).unwrap());
+    let mut w = npyz::WriteOptions::<f32>::new()
+        .default_dtype()
+        .shape(shape)
+        .writer(f)
+        .begin_nd()
+        .unwrap();
+    w.extend(data.iter().copied()).unwrap();
+    w.finish().unwrap();
+}
