@@ -105,6 +105,11 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = L.llama_model_load_from_file(args.model.encode(), mp)
     t_load = time.perf_counter() - t0
+    load_log = "".join(log)
+    # "repack: repack tensor blk.0.attn_q.weight with q4_0_8x8": which layouts, how many tensors.
+    repacked = {}
+    for kind in re.findall(r"repack tensor \S+ with (\w+)", load_log):
+        repacked[kind] = repacked.get(kind, 0) + 1
     if not model:
         die(f"llama.cpp failed to load the model: {args.model} (rerun with --verbose)")
     vocab = L.llama_model_get_vocab(model)
@@ -150,13 +155,13 @@ def main(argv=None):
     # llama.cpp logs what 'auto' resolved to ("Flash Attention was auto, set to enabled", or the
     # context summary line "flash_attn = ...").
     fa_used = None
-    m = re.search(r"[Ff]lash [Aa]ttention was auto, set to (\w+)", ctx_log)
-    if m:
-        fa_used = m.group(1)
-    else:
-        m = re.search(r"flash_attn\s*=\s*(\w+)", ctx_log)
+    for pat in (r"[Ff]lash [Aa]ttention was auto, set to (\w+)",
+                r"[Ff]lash [Aa]ttention (enabled|disabled)",
+                r"flash_attn\s*=\s*(\w+)"):
+        m = re.search(pat, ctx_log)
         if m:
             fa_used = m.group(1)
+            break
     repack = None
     if "use_extra_bufts" in mp_fields:
         repack = bool(mp.use_extra_bufts)
@@ -233,6 +238,7 @@ def main(argv=None):
             "flash_attn": fa_req,
             "flash_attn_resolved": fa_used,
             "weight_repacking": repack,
+            "repacked_tensors": repacked,
             "n_ctx": n_ctx,
             "n_batch": cp.n_batch,
             "n_ubatch": cp.n_ubatch,

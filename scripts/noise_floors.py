@@ -47,7 +47,7 @@ for m in models:
         kld[key] = max((l["kld_mean"] for l in c["logits"]), default=0.0)
         wtype = c["weight_type"]
     name = os.path.basename(m)[:-5]
-    print(f"| {name} | {wtype} | " + " | ".join(fmt(worst.get(k, 0)) for k, _ in cols)
+    print(f"| {name} | {wtype} | " + " | ".join(fmt(worst[k]) if k in worst else "—" for k, _ in cols)
           + f" | {fmt(kld.get('reference', 0))} | {fmt(kld.get('reference:ggml-cpu', 0))} |")
     details.append((name, wtype, per_tap))
 
@@ -57,4 +57,4 @@ for name, wtype, per_tap in details:
     print("|---|" + "---|" * len(cols))
     for t in taps:
         if any(t in per_tap.get(k, {}) for k, _ in cols):
-            print(f"| {t} | " + " | ".join(fmt(per_tap.get(k, {}).get(t, 0)) for k, _ in cols) + " |")
+            print(f"| {t} | " + " | ".join(fmt(per_tap[k][t]) if t in per_tap.get(k, {}) else "—" for k, _ in cols) + " |")

@@ -20,7 +20,10 @@ fn run_against_golden(model: &Model, golden: &str, pair: PairKind) -> Comparison
     let mut sink = MemorySink::new(TapFilter::all());
     let steps = backend::run(&mut b, &prompt, forced.len(), Some(&forced), &mut sink).unwrap();
     let t = Trace::from_memory(
-        ModelRef { path: String::new(), sha256: model.sha256().into() },
+        ModelRef {
+            path: String::new(),
+            sha256: model.sha256().into(),
+        },
         Producer {
             name: "parity".into(),
             backend: "reference:ggml-cpu".into(),
@@ -30,7 +33,11 @@ fn run_against_golden(model: &Model, golden: &str, pair: PairKind) -> Comparison
         steps,
         sink.tensors,
     );
-    let opt = CompareOptions { pair, weight_type: model.main_weight_type(), require_same_model: true };
+    let opt = CompareOptions {
+        pair,
+        weight_type: model.main_weight_type(),
+        require_same_model: true,
+    };
     compare(&g, &t, &opt).unwrap()
 }
 
@@ -39,7 +46,10 @@ fn open(fixture: &str) -> Model {
 }
 
 fn first(c: &Comparison) -> (TapKey, String) {
-    let d = c.first_divergence.as_ref().expect("a divergence must be found");
+    let d = c
+        .first_divergence
+        .as_ref()
+        .expect("a divergence must be found");
     (d.at.key, d.diagnosis.clone())
 }
 
@@ -104,7 +114,10 @@ fn plain_f32_activations_on_a_quantized_model_pass_only_with_different_rounding_
     let mut sink = MemorySink::new(TapFilter::all());
     let steps = backend::run(&mut b, &prompt, 0, None, &mut sink).unwrap();
     let t = Trace::from_memory(
-        ModelRef { path: String::new(), sha256: m.sha256().into() },
+        ModelRef {
+            path: String::new(),
+            sha256: m.sha256().into(),
+        },
         Producer {
             name: "parity".into(),
             backend: "reference".into(),
@@ -120,7 +133,10 @@ fn plain_f32_activations_on_a_quantized_model_pass_only_with_different_rounding_
         require_same_model: true,
     };
     assert!(!compare(&g, &t, &loose).unwrap().diverged());
-    let strict = CompareOptions { pair: PairKind::OpByOp, ..loose };
+    let strict = CompareOptions {
+        pair: PairKind::OpByOp,
+        ..loose
+    };
     let c = compare(&g, &t, &strict).unwrap();
     // The first matmul after the (exact) norm is where activation rounding first shows.
     assert_eq!(first(&c).0, TapKey::new(0, Some(0), Tap::Q));

@@ -4,13 +4,16 @@
 //! grow, so a decode step allocates nothing (with a sink that keeps nothing).
 //!
 //! Held to the reference tap by tap: against `reference:ggml-cpu` it agrees to f32
-//! summation-order noise (same activation rounding, different summation order).
+//! summation-order noise (same activation rounding, different summation order). Every tap goes
+//! through `tap_mut`, so a replaying sink can feed it a baseline's tensors (op by op).
 //!
 //! Where the time goes, and what this file does about it (docs/performance.md has numbers):
 //! - Matmuls are nearly all of it. Q4_0 and Q8_0 weights go through the tile kernels
 //!   (`q4_0::vec_dot_tile`, `q8_0::vec_dot_tile`: 4 weight rows × 2 tokens per pass, activations
-//!   pre-laid-out once per matmul in a [`TileAct`]); other types call `quant::vec_dot` per
-//!   (row, token), a weight row at a time against all tokens so the row stays in L1.
+//!   pre-laid-out once per matmul in a [`TileAct`]). For a prompt they unpack each group of 4
+//!   weight rows once and reuse it for every token; for one token (decode, memory-bound) they
+//!   prefetch the weights 16 KiB ahead. Other types call `quant::vec_dot` per (row, token), a
+//!   weight row at a time against all tokens so the row stays in L1, with a row-ahead prefetch.
 //! - Work is split over output rows (whole groups of 4) and handed to a small persistent pool
 //!   whose workers spin briefly between loops; the calling thread works too. A decode step is
 //!   ~200 parallel loops, so the per-loop cost (a few atomics, no sleeping thread to wake)
@@ -22,7 +25,7 @@ use super::{Backend, BackendError};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
 use crate::quant::{self, q4_0, q8_0, q8_0::TileAct};
-use crate::trace::{Sink, Tap, tap};
+use crate::trace::{Sink, Tap, tap_mut};
 use pool::{Pool, SharedMut};
 
 struct LayerVecs {
@@ -89,6 +92,12 @@ impl<'m> Fast<'m> {
             })
             .collect();
         let kv = n_ctx * c.n_embd_kv();
+        // Decode's attention probabilities grow with the position: size them for the whole
+        // context now, so that no decode step has to grow them.
+        let s = Scratch {
+            probs: vec![0.0; c.n_head * n_ctx],
+            ..Scratch::default()
+        };
         Fast {
             model,
             n_ctx,
@@ -97,7 +106,7 @@ impl<'m> Fast<'m> {
             output_norm: model.vector(&model.output_norm),
             k_cache: vec![vec![0.0; kv]; c.n_layer],
             v_cache: vec![vec![0.0; kv]; c.n_layer],
-            s: Scratch::default(),
+            s,
         }
     }
 
@@ -120,6 +129,9 @@ fn rows_per_task(n_out: usize, threads: usize) -> usize {
     per.max(16)
 }
 
+/// `out[r * T + t] = W[r] · x[t]` for a run of weight rows and all T tokens (`q4_0::vec_dot_tile`).
+type TileKernel = fn(&[u8], &TileAct, &mut [f32]);
+
 /// out[t, r] = W[r] · x[t] with W kept in its block format.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
@@ -135,7 +147,7 @@ fn matmul(
     let wdata = model.data(w);
     let wrow = w.ty.bytes_for(n_in as u64).expect("whole blocks") as usize;
     let wty = w.ty;
-    let tile_kernel: Option<fn(&[u8], &TileAct, &mut [f32])> = match wty {
+    let tile_kernel: Option<TileKernel> = match wty {
         GgmlType::Q4_0 => Some(q4_0::vec_dot_tile),
         GgmlType::Q8_0 => Some(q8_0::vec_dot_tile),
         _ => None,
@@ -155,11 +167,20 @@ fn matmul(
         }
     }
     let (tile, act) = (&mm.tile, &mm.act[..]);
+    // Decode streams each weight once; the kernels without their own prefetch get the row
+    // PREFETCH_BYTES ahead requested before each row (the tile kernels do it per block).
+    let ahead = PREFETCH_BYTES.div_ceil(wrow);
     // dst[(r - r0) * t + i] = W[r] · x[i] for the rows r0..r1.
     let rows = |r0: usize, r1: usize, dst: &mut [f32]| match tile_kernel {
         Some(k) => k(&wdata[r0 * wrow..r1 * wrow], tile, dst),
+        None if wty == GgmlType::Q4_K => {
+            quant::q4_k::vec_dot_tile(&wdata[r0 * wrow..r1 * wrow], &act[..t * arow], t, dst)
+        }
         None => {
             for (r, ys) in (r0..r1).zip(dst.chunks_exact_mut(t)) {
+                if t == 1 {
+                    prefetch(wdata, (r + ahead) * wrow, wrow);
+                }
                 let wr = &wdata[r * wrow..(r + 1) * wrow];
                 for (i, y) in ys.iter_mut().enumerate() {
                     *y = quant::vec_dot(wty, wr, &act[i * arow..(i + 1) * arow]);
@@ -189,12 +210,34 @@ fn matmul(
         // SAFETY: tasks own disjoint row ranges of tmp, and disjoint columns of out.
         let dst = unsafe { tmp.part(r0 * t, (r1 - r0) * t) };
         rows(r0, r1, dst);
-        for (r, ys) in (r0..r1).zip(dst.chunks_exact(t)) {
-            for (i, &y) in ys.iter().enumerate() {
-                unsafe { out.part(i * n_out + r, 1)[0] = y };
+        for i in 0..t {
+            // SAFETY: columns r0..r1 of every out row belong to this task.
+            let o = unsafe { out.part(i * n_out + r0, r1 - r0) };
+            for (o, &y) in o.iter_mut().zip(dst[i..].iter().step_by(t)) {
+                *o = y;
             }
         }
     });
+}
+
+/// How far ahead of the weight row in use a decode matmul asks for weights (see
+/// `q4_0::x86::PREFETCH`: the hardware prefetcher alone leaves a core at half its streaming rate).
+const PREFETCH_BYTES: usize = 16384;
+
+/// Ask for `data[start..start + len]` (what exists of it) to be brought into the cache.
+#[inline]
+fn prefetch(data: &[u8], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let end = (start + len).min(data.len());
+        for off in (start..end).step_by(64) {
+            // SAFETY: a prefetch never faults; the address is inside `data` anyway.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(off).cast()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, start, len);
 }
 
 /// RMSNorm in ggml's order (sum of squares in f64, scale in f32).
@@ -297,6 +340,7 @@ fn attention(
                 *pj *= inv;
             }
             p[visible..].fill(0.0);
+            // SAFETY: as above, this head's column of att row i.
             let out = unsafe { att.part(i * eq + h * hd, hd) };
             out.fill(0.0);
             for (j, &pj) in p[..visible].iter().enumerate() {
@@ -383,13 +427,13 @@ impl Backend for Fast<'_> {
         for (i, &id) in tokens.iter().enumerate() {
             m.row(&m.token_embd, id as usize, &mut s.x[i * e..(i + 1) * e]);
         }
-        tap(sink, step, None, Tap::Embd, &[t, e], &s.x[..t * e]);
+        tap_mut(sink, step, None, Tap::Embd, &[t, e], &mut s.x[..t * e]);
 
         for (l, w) in m.layers.iter().enumerate() {
             let ly = Some(l);
             let lv = &self.layers[l];
             rms_norm(&s.x[..t * e], &lv.attn_norm, c.rms_eps, &mut s.xn[..t * e]);
-            tap(sink, step, ly, Tap::AttnNorm, &[t, e], &s.xn[..t * e]);
+            tap_mut(sink, step, ly, Tap::AttnNorm, &[t, e], &mut s.xn[..t * e]);
 
             let xn = &s.xn[..t * e];
             matmul(pool, m, &w.wq, xn, t, mm, &mut s.q[..t * eq]);
@@ -398,9 +442,9 @@ impl Backend for Fast<'_> {
             add_bias(&mut s.q[..t * eq], &lv.bq);
             add_bias(&mut s.k[..t * ekv], &lv.bk);
             add_bias(&mut s.v[..t * ekv], &lv.bv);
-            tap(sink, step, ly, Tap::Q, &[t, nh, hd], &s.q[..t * eq]);
-            tap(sink, step, ly, Tap::K, &[t, nkv, hd], &s.k[..t * ekv]);
-            tap(sink, step, ly, Tap::V, &[t, nkv, hd], &s.v[..t * ekv]);
+            tap_mut(sink, step, ly, Tap::Q, &[t, nh, hd], &mut s.q[..t * eq]);
+            tap_mut(sink, step, ly, Tap::K, &[t, nkv, hd], &mut s.k[..t * ekv]);
+            tap_mut(sink, step, ly, Tap::V, &[t, nkv, hd], &mut s.v[..t * ekv]);
 
             let (base, fs, nr, rt) = (c.rope_theta, c.rope_freq_scale, c.n_rot, c.rope_type);
             rope(
@@ -427,8 +471,15 @@ impl Backend for Fast<'_> {
                 rt,
                 &mut s.rope,
             );
-            tap(sink, step, ly, Tap::QRope, &[t, nh, hd], &s.q[..t * eq]);
-            tap(sink, step, ly, Tap::KRope, &[t, nkv, hd], &s.k[..t * ekv]);
+            tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut s.q[..t * eq]);
+            tap_mut(
+                sink,
+                step,
+                ly,
+                Tap::KRope,
+                &[t, nkv, hd],
+                &mut s.k[..t * ekv],
+            );
 
             self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.k[..t * ekv]);
             self.v_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.v[..t * ekv]);
@@ -442,15 +493,15 @@ impl Backend for Fast<'_> {
                 &mut s.probs,
                 &mut s.att,
             );
-            tap(
+            tap_mut(
                 sink,
                 step,
                 ly,
                 Tap::KqSoftMax,
                 &[nh, t, n_kv],
-                &s.probs[..nh * t * n_kv],
+                &mut s.probs[..nh * t * n_kv],
             );
-            tap(sink, step, ly, Tap::KqvOut, &[t, eq], &s.att[..t * eq]);
+            tap_mut(sink, step, ly, Tap::KqvOut, &[t, eq], &mut s.att[..t * eq]);
 
             matmul(
                 pool,
@@ -461,21 +512,28 @@ impl Backend for Fast<'_> {
                 mm,
                 &mut s.proj[..t * e],
             );
-            tap(sink, step, ly, Tap::AttnOut, &[t, e], &s.proj[..t * e]);
+            tap_mut(sink, step, ly, Tap::AttnOut, &[t, e], &mut s.proj[..t * e]);
             for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
                 *x += p;
             }
-            tap(sink, step, ly, Tap::FfnInp, &[t, e], &s.x[..t * e]);
+            tap_mut(sink, step, ly, Tap::FfnInp, &[t, e], &mut s.x[..t * e]);
 
             rms_norm(&s.x[..t * e], &lv.ffn_norm, c.rms_eps, &mut s.xn[..t * e]);
-            tap(sink, step, ly, Tap::FfnNorm, &[t, e], &s.xn[..t * e]);
+            tap_mut(sink, step, ly, Tap::FfnNorm, &[t, e], &mut s.xn[..t * e]);
             let xn = &s.xn[..t * e];
             matmul(pool, m, &w.w_gate, xn, t, mm, &mut s.gate[..t * ff]);
-            tap(sink, step, ly, Tap::FfnGate, &[t, ff], &s.gate[..t * ff]);
+            tap_mut(
+                sink,
+                step,
+                ly,
+                Tap::FfnGate,
+                &[t, ff],
+                &mut s.gate[..t * ff],
+            );
             matmul(pool, m, &w.w_up, xn, t, mm, &mut s.up[..t * ff]);
-            tap(sink, step, ly, Tap::FfnUp, &[t, ff], &s.up[..t * ff]);
+            tap_mut(sink, step, ly, Tap::FfnUp, &[t, ff], &mut s.up[..t * ff]);
             swiglu(pool, &mut s.gate[..t * ff], &s.up[..t * ff]);
-            tap(sink, step, ly, Tap::FfnAct, &[t, ff], &s.gate[..t * ff]);
+            tap_mut(sink, step, ly, Tap::FfnAct, &[t, ff], &mut s.gate[..t * ff]);
             matmul(
                 pool,
                 m,
@@ -485,11 +543,11 @@ impl Backend for Fast<'_> {
                 mm,
                 &mut s.proj[..t * e],
             );
-            tap(sink, step, ly, Tap::FfnOut, &[t, e], &s.proj[..t * e]);
+            tap_mut(sink, step, ly, Tap::FfnOut, &[t, e], &mut s.proj[..t * e]);
             for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
                 *x += p;
             }
-            tap(sink, step, ly, Tap::LOut, &[t, e], &s.x[..t * e]);
+            tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut s.x[..t * e]);
         }
 
         rms_norm(
@@ -498,7 +556,14 @@ impl Backend for Fast<'_> {
             c.rms_eps,
             &mut s.xn[..t * e],
         );
-        tap(sink, step, None, Tap::ResultNorm, &[t, e], &s.xn[..t * e]);
+        tap_mut(
+            sink,
+            step,
+            None,
+            Tap::ResultNorm,
+            &[t, e],
+            &mut s.xn[..t * e],
+        );
         // Only the last row's logits are needed unless a sink records them all.
         let want_all = sink.wants(&crate::trace::TapKey::new(step, None, Tap::Logits));
         let nv = c.n_vocab;
@@ -512,7 +577,14 @@ impl Backend for Fast<'_> {
                 mm,
                 &mut s.logits[..t * nv],
             );
-            tap(sink, step, None, Tap::Logits, &[t, nv], &s.logits[..t * nv]);
+            tap_mut(
+                sink,
+                step,
+                None,
+                Tap::Logits,
+                &[t, nv],
+                &mut s.logits[..t * nv],
+            );
             s.logits.copy_within((t - 1) * nv..t * nv, 0);
         } else {
             let last = &s.xn[(t - 1) * e..t * e];
@@ -688,7 +760,7 @@ mod pool {
                     break e;
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 1024 != 0 || since.elapsed() < SPIN {
+                if !spins.is_multiple_of(1024) || since.elapsed() < SPIN {
                     std::hint::spin_loop();
                     continue;
                 }
@@ -737,6 +809,107 @@ mod pool {
             );
             // SAFETY: in bounds (checked); exclusive by the caller's promise.
             unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::argmax;
+    use crate::model::fixture::{FixtureSpec, build};
+    use crate::trace::{MemorySink, NullSink, TapFilter};
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    /// Counts the allocations of threads that ask for it (the test's own thread), so that
+    /// tests running alongside do not disturb the count.
+    struct Counting;
+
+    thread_local! {
+        static COUNT: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    // SAFETY: forwards to the system allocator; the counter is a const-initialized
+    // thread-local Cell (no allocation, no destructor).
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get().map(|n| n + 1)));
+            unsafe { System.alloc(l) }
+        }
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            unsafe { System.dealloc(p, l) }
+        }
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get().map(|n| n + 1)));
+            unsafe { System.realloc(p, l, n) }
+        }
+    }
+
+    #[global_allocator]
+    static ALLOC: Counting = Counting;
+
+    /// A small model of weight type `ty`, written to a temporary file and opened.
+    fn model(ty: GgmlType, arch: &str) -> (tempfile::TempDir, Model) {
+        let mut spec = FixtureSpec::new(arch, ty, 7);
+        // 1001 output rows exercise the tile kernels' remainder rows.
+        spec.n_vocab = Some(1001);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        std::fs::write(&path, build(&spec).unwrap().to_bytes()).unwrap();
+        let m = Model::open(&path).unwrap();
+        (dir, m)
+    }
+
+    /// Every tap of a prefill of 7 tokens and 3 decode steps.
+    fn taps(m: &Model, threads: usize) -> MemorySink {
+        let mut b = Fast::new(m, 16, threads);
+        let mut sink = MemorySink::new(TapFilter::all());
+        crate::backend::run(&mut b, &[1, 5, 9, 200, 17, 3, 64], 3, None, &mut sink).unwrap();
+        sink
+    }
+
+    #[test]
+    fn same_bits_for_any_thread_count() {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q8_0,
+            GgmlType::Q4_K,
+            GgmlType::F16,
+        ] {
+            let (_dir, m) = model(ty, "llama");
+            let one = taps(&m, 1);
+            // 4 steps of: embd, 16 per layer (2 layers), result_norm, logits.
+            assert_eq!(one.tensors.len(), 4 * (1 + 16 * 2 + 2), "{ty}: every tap");
+            for threads in [2, 3] {
+                let many = taps(&m, threads);
+                assert_eq!(one.tensors.len(), many.tensors.len());
+                for ((k, a), (_, b)) in one.tensors.iter().zip(&many.tensors) {
+                    let same = a
+                        .iter()
+                        .zip(b.iter())
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{ty}, {threads} threads: {k} differs");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_does_not_allocate() {
+        for ty in [GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4_K] {
+            let (_dir, m) = model(ty, "qwen2");
+            let mut b = Fast::new(&m, 32, 2);
+            let prompt = [1, 5, 9, 200];
+            let mut tok = argmax(b.forward(&prompt, 0, 0, &mut NullSink).unwrap());
+            // One step to let the thread-locals and pool settle, then count.
+            tok = argmax(b.forward(&[tok], 4, 1, &mut NullSink).unwrap());
+            COUNT.with(|c| c.set(Some(0)));
+            for pos in 5..20 {
+                tok = argmax(b.forward(&[tok], pos, pos - 3, &mut NullSink).unwrap());
+            }
+            let n = COUNT.with(|c| c.replace(None)).unwrap();
+            assert_eq!(n, 0, "{ty}: {n} allocations in 15 decode steps");
         }
     }
 }

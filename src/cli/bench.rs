@@ -340,6 +340,21 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 (Some(r), _) => r.to_string(),
                 _ => "?".into(),
             };
+            // "on (q4_0_8x8 × 154 tensors)": which layouts llama.cpp actually repacked into.
+            let kinds: Vec<String> = s["repacked_tensors"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, n)| format!("{k} x {n} tensors"))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let repack = match s["weight_repacking"].as_bool() {
+                Some(true) if kinds.is_empty() => "on (no tensor repacked)".to_string(),
+                Some(true) => format!("on ({})", kinds.join(", ")),
+                Some(false) => "off".into(),
+                None => "?".into(),
+            };
             println!(
                 "llama.cpp: {} (llama-cpp-python {}): KV cache {}/{}, flash attention {}, weight repacking {}, n_ubatch {}",
                 s["mode"].as_str().unwrap_or("?"),
@@ -347,11 +362,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 s["type_k"].as_str().unwrap_or("?"),
                 s["type_v"].as_str().unwrap_or("?"),
                 fa,
-                match s["weight_repacking"].as_bool() {
-                    Some(true) => "on",
-                    Some(false) => "off",
-                    None => "?",
-                },
+                repack,
                 s["n_ubatch"]
             );
         }

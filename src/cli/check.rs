@@ -16,7 +16,7 @@ pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
 
 /// Backends whose every tap can take the baseline's tensor (`trace::tap_mut`), so they can be
 /// compared op by op.
-const OP_BY_OP: [&str; 1] = ["reference:ggml-cpu"];
+const OP_BY_OP: [&str; 2] = ["reference:ggml-cpu", "fast"];
 
 /// The Python that runs scripts/: $PARITY_PYTHON, else the repo's .venv, else python3.
 fn python() -> PathBuf {
@@ -143,7 +143,11 @@ pub struct CheckArgs {
     steps: Option<usize>,
     /// Backends to run: reference (plain f32), reference:ggml-cpu (emulating ggml's CPU
     /// activation rounding), fast.
-    #[arg(long, value_delimiter = ',', default_value = "reference,reference:ggml-cpu,fast")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "reference,reference:ggml-cpu,fast"
+    )]
     backends: Vec<String>,
     /// Worker threads for the fast backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
@@ -176,8 +180,13 @@ fn rounds_like_ggml(producer_backend: &str) -> bool {
 /// A llama.cpp golden made with the tight settings (F32 KV cache, no flash attention).
 fn golden_is_tight(g: &Trace) -> bool {
     let s = &g.manifest.producer.settings;
-    let kv_f32 = s.get("type_k").and_then(|v| v.as_str()).is_none_or(|k| k == "f32");
-    let no_fa = s.get("flash_attn").is_none_or(|v| v.as_bool() == Some(false) || v.as_str() == Some("disabled"));
+    let kv_f32 = s
+        .get("type_k")
+        .and_then(|v| v.as_str())
+        .is_none_or(|k| k == "f32");
+    let no_fa = s
+        .get("flash_attn")
+        .is_none_or(|v| v.as_bool() == Some(false) || v.as_str() == Some("disabled"));
     kv_f32 && no_fa
 }
 
@@ -217,7 +226,11 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     let golden_dir = a.golden.clone().unwrap_or_else(|| {
         let local = PathBuf::from("golden");
         let has_match = find_goldens(&local, &sha).is_ok_and(|g| !g.is_empty());
-        if has_match { local } else { repo_root().join("golden") }
+        if has_match {
+            local
+        } else {
+            repo_root().join("golden")
+        }
     });
     let mut goldens = find_goldens(&golden_dir, &sha)?;
     if a.golden.is_some() && goldens.len() == 1 && goldens[0].1.manifest.model.sha256 != sha {
@@ -330,8 +343,17 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     let mut comparisons: Vec<Comparison> = Vec::new();
     // Op by op: each backend that rounds like ggml's CPU, fed the golden's tensor at every tap
     // (ReplaySink), so each op is judged on identical inputs.
-    if let Some((_, g)) = golden.as_ref().filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g)) {
-        let forced: Vec<u32> = g.manifest.steps.iter().skip(1).flat_map(|s| s.tokens.clone()).collect();
+    if let Some((_, g)) = golden
+        .as_ref()
+        .filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g))
+    {
+        let forced: Vec<u32> = g
+            .manifest
+            .steps
+            .iter()
+            .skip(1)
+            .flat_map(|s| s.tokens.clone())
+            .collect();
         let ids = &g.manifest.steps[0].tokens;
         for name in a.backends.iter().filter(|n| OP_BY_OP.contains(&n.as_str())) {
             let mut b = make_backend(name, &model, ids.len() + forced.len(), a.threads)?;
@@ -342,12 +364,21 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             }
             let mut p = producer(b.as_ref(), serde_json::Value::Null);
             p.backend = format!("{}/op-by-op", p.backend);
-            traces_op.push(Trace::from_memory(model_ref(&model_path, &model), p, info, sink.inner.tensors));
+            traces_op.push(Trace::from_memory(
+                model_ref(&model_path, &model),
+                p,
+                info,
+                sink.inner.tensors,
+            ));
         }
     }
     if let Some((_, g)) = &golden {
         for t in &traces_op {
-            let opt = CompareOptions { pair: PairKind::OpByOp, weight_type: wtype, require_same_model: true };
+            let opt = CompareOptions {
+                pair: PairKind::OpByOp,
+                weight_type: wtype,
+                require_same_model: true,
+            };
             let c = compare(g, t, &opt)?;
             println!("== {} vs golden ({})", c.candidate, c.baseline);
             if a.verbose || c.diverged() {

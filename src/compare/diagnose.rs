@@ -222,8 +222,15 @@ fn norm_ratio_signature(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Option<String> {
         .filter(|v| !v.is_empty())
         .map(|v| v.iter().sum::<f64>() / v.len() as f64)
         .collect();
-    let off = row_means.iter().map(|m| (m - 1.0).abs()).fold(0.0, f64::max);
-    if !rows.is_empty() && rows.iter().all(|v| v.len() < 2 || spread(v) < off.max(1e-9) * 0.05) {
+    let off = row_means
+        .iter()
+        .map(|m| (m - 1.0).abs())
+        .fold(0.0, f64::max);
+    if !rows.is_empty()
+        && rows
+            .iter()
+            .all(|v| v.len() < 2 || spread(v) < off.max(1e-9) * 0.05)
+    {
         return Some(format!(
             "each token's row is off by one factor (up to {off:.1e} from 1) shared by all its channels: the per-token RMS scale differs — the rms eps (read it from the GGUF: attention.layer_norm_rms_epsilon), or the precision/order of the mean of squares"
         ));

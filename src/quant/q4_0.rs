@@ -91,7 +91,10 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
 /// independent accumulators).
 pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
     let rb = a.n() / BLOCK * BYTES;
-    assert!(rb > 0 && w.len().is_multiple_of(rb), "q4_0 tile: whole weight rows");
+    assert!(
+        rb > 0 && w.len().is_multiple_of(rb),
+        "q4_0 tile: whole weight rows"
+    );
     let nr = w.len() / rb;
     assert_eq!(
         out.len(),
@@ -121,7 +124,10 @@ fn check_rows(w: &[u8], a: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::q8_0::{self, TILE_BYTES, TileAct};
+    use super::super::q8_0::x86::{
+        C, PREFETCH, R, Unpacked, f16_at, f16_table, scale_from, with_unpacked,
+    };
+    use super::super::q8_0::{self, TileAct};
     use super::super::util::x86_b32::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
@@ -157,85 +163,130 @@ mod x86 {
         hsum_f32x8(acc)
     }
 
-    /// Tokens per tile in the prefill (rows per tile are 4).
-    const C: usize = 2;
-    /// How far ahead of the block in use a decode (memory-bound) tile asks for weights.
-    const PREFETCH: usize = 1024;
-
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
         let (nb, nt) = (a.n() / BLOCK, a.rows());
         let wrow = nb * BYTES;
         let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-        // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt, and
-        // `a` holds nt rows of nb blocks; each call touches rows r..r+R and tokens t..t+C'.
-        unsafe {
-            let mut r = 0;
-            while r < nr {
-                let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                if r + 4 <= nr {
-                    let mut t = 0;
-                    while t + C <= nt {
-                        tile::<4, C>(w, wrow, a, t, o, nt);
-                        t += C;
+        with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
+            let u = u.as_mut_ptr();
+            // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
+            // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
+            // t..t+C'; `u` holds R·nb blocks when nt > 1.
+            unsafe {
+                let mut r = 0;
+                while r + R <= nr {
+                    let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                    if nt == 1 {
+                        tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
+                    } else {
+                        unpack::<R>(w, wrow, nb, u);
+                        let mut t = 0;
+                        while t + C <= nt {
+                            tile::<R, C, true>(w, wrow, u, a, t, o, nt);
+                            t += C;
+                        }
+                        while t < nt {
+                            tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
+                            t += 1;
+                        }
                     }
-                    while t < nt {
-                        tile::<4, 1>(w, wrow, a, t, o, nt);
-                        t += 1;
-                    }
-                    r += 4;
-                } else {
+                    r += R;
+                }
+                for r in r..nr {
                     for t in 0..nt {
-                        tile::<1, 1>(w, wrow, a, t, o, nt);
+                        tile::<1, 1, false>(wp.add(r * wrow), wrow, u, a, t, op.add(r * nt), nt);
                     }
-                    r += 1;
+                }
+            }
+        })
+    }
+
+    /// The block's nibbles as bytes 0..15 in element order (low nibbles are elements 0..16,
+    /// high nibbles 16..32): one broadcast load, one per-half shift, one mask.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn nibbles(wb: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `wb`.
+        let both = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(wb.add(2).cast())) };
+        let shifted = _mm256_srlv_epi64(both, _mm256_set_epi64x(4, 4, 0, 0));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
+    }
+
+    /// The R rows at `w` into `u` ([block][row]).
+    ///
+    /// # Safety
+    /// `w` holds R rows of `wrow` bytes (nb blocks); `u` has room for R·nb blocks.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack<const R: usize>(w: *const u8, wrow: usize, nb: usize, u: *mut Unpacked) {
+        for b in 0..nb {
+            for r in 0..R {
+                // SAFETY: in bounds by the caller's promise.
+                unsafe {
+                    let wb = w.add(r * wrow + b * BYTES);
+                    let u = &mut *u.add(b * R + r);
+                    _mm256_store_si256(u.q.as_mut_ptr().cast(), nibbles(wb));
+                    _mm256_store_ps(u.d.as_mut_ptr(), _mm256_set1_ps(f16_at(wb)));
                 }
             }
         }
     }
 
-    /// R weight rows (`wrow` bytes apart from `w`) × activation rows t0..t0+C, into
-    /// `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s: i32 lane k holds
-    /// the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y` (`maddubs` of the
-    /// unsigned nibbles, no saturation possible) minus the activation's `8·Σ y`; then one FMA
-    /// of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
+    /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
+    /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:
+    /// i32 lane k holds the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y`
+    /// (`maddubs` of the unsigned nibbles, no saturation possible) minus the activation's
+    /// `8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const R: usize, const C: usize>(
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
         w: *const u8,
         wrow: usize,
+        u: *const Unpacked,
         a: &TileAct,
         t0: usize,
         out: *mut f32,
         ldo: usize,
     ) {
         let nb = a.n() / BLOCK;
-        let (qs, ds) = (a.qs.as_ptr(), a.d.as_ptr());
+        let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
+        let table = f16_table();
         let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
-        // Bytes 0..16 keep their low nibbles, bytes 16..32 (the same 16 bytes) their high ones.
-        let shift = _mm256_set_epi64x(4, 4, 0, 0);
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for b in 0..nb {
             for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: block b of row r is inside the caller's weight rows; token rows
-                // t0..t0+C exist in `a`.
+                // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
+                // rows t0..t0+C exist in `a`.
                 unsafe {
-                    let wb = w.add(r * wrow + b * BYTES);
-                    if C == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
-                    }
-                    let dw = _mm256_set1_ps(q8_0::x86::f16_at(wb));
-                    let both = _mm256_broadcastsi128_si256(_mm_loadu_si128(wb.add(2).cast()));
-                    let q = _mm256_and_si256(_mm256_srlv_epi64(both, shift), low);
+                    let (q, dw) = if UNPACKED {
+                        let u = &*u.add(b * R + r);
+                        (
+                            _mm256_load_si256(u.q.as_ptr().cast()),
+                            _mm256_load_ps(u.d.as_ptr()),
+                        )
+                    } else {
+                        let wb = w.add(r * wrow + b * BYTES);
+                        if C == 1 {
+                            // Decode streams the weights once: ask for them well ahead.
+                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+                        }
+                        (nibbles(wb), _mm256_set1_ps(scale_from(table, wb)))
+                    };
                     for (c, acc) in acc.iter_mut().enumerate() {
                         let i = (t0 + c) * nb + b;
-                        let ab = qs.add(i * TILE_BYTES);
-                        let y = _mm256_loadu_si256(ab.cast());
-                        let bias = _mm256_loadu_si256(ab.add(32).cast());
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                        let y = &*ys.add(i);
+                        let qy = _mm256_load_si256(y.q.as_ptr().cast());
+                        let bias = _mm256_load_si256(y.bias.as_ptr().cast());
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, qy), ones);
                         let p = _mm256_sub_epi32(p, bias);
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ds.add(i)));
+                        let da = if UNPACKED {
+                            _mm256_set1_ps(*ds.add(i))
+                        } else {
+                            _mm256_load_ps((*d8.add(i)).0.as_ptr())
+                        };
+                        let d = _mm256_mul_ps(dw, da);
                         *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
                     }
                 }

@@ -195,6 +195,41 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
     sumf
 }
 
+/// `out[r * nt + t] = vec_dot(w_r, a_t)` for every Q4_K weight row `w_r` of `w` (whole rows,
+/// back to back) and each of the `nt` Q8_K activation rows of `a`: the same numbers as
+/// [`vec_dot`], bit for bit, computed 4 rows × 4 tokens at a time. Prefill (nt > 1) first
+/// unpacks each group of 4 rows (nibbles, scales and mins spread for the SIMD multiplies) into
+/// a per-thread buffer, so that work is done once per row instead of once per (row, token).
+pub fn vec_dot_tile(w: &[u8], a: &[u8], nt: usize, out: &mut [f32]) {
+    assert!(
+        nt > 0 && a.len().is_multiple_of(nt),
+        "q4_k tile: whole activation rows"
+    );
+    let arow = a.len() / nt;
+    let nb = arow / q8_k::BLOCK_BYTES;
+    let wrow = nb * BLOCK_BYTES;
+    assert!(
+        nb > 0 && arow == nb * q8_k::BLOCK_BYTES && w.len().is_multiple_of(wrow),
+        "q4_k tile: rows differ in length"
+    );
+    let nr = w.len() / wrow;
+    assert_eq!(out.len(), nr * nt, "q4_k tile: output is rows × tokens");
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the CPU has the features; sizes were checked above.
+        unsafe { avx2::vec_dot_tile(w, nr, a, nt, nb, out) };
+        return;
+    }
+    for (wr, o) in w.chunks_exact(wrow).zip(out.chunks_exact_mut(nt)) {
+        for (t, o) in o.iter_mut().enumerate() {
+            *o = vec_dot(wr, &a[t * arow..(t + 1) * arow]);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
@@ -255,6 +290,219 @@ mod avx2 {
             sumf += block_dot(x, y, hsum_i32x8(acc), min_sum(y, &m));
         }
         sumf
+    }
+
+    /// A Q4_K block made ready for many tokens (576 bytes): per 32-element group g, the low
+    /// nibbles (elements 0..32 of the 64) and the high ones as bytes; the 6-bit scale of each
+    /// sub-block in 16 i16 lanes (a `madd` operand); the 8 mins spread to the 16 `bsums`
+    /// they multiply; `d` and `dmin` as f32.
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    pub(super) struct Unpacked {
+        q: [[u8; 32]; 8],
+        sc: [[i16; 16]; 8],
+        mins: [i16; 16],
+        d: f32,
+        dmin: f32,
+        _pad: [u8; 24],
+    }
+
+    thread_local! {
+        static UNPACKED: std::cell::RefCell<Vec<Unpacked>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    const R: usize = 4;
+    const C: usize = 4;
+    /// See `q4_0`'s: how far ahead a one-token tile asks for weights.
+    const PREFETCH: usize = 16384;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16c(b: &[u8]) -> f32 {
+        let bits = u16::from_le_bytes([b[0], b[1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// The 16 i16 lanes `m[j / 2]`: the min that multiplies `bsums[j]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn spread_mins(m: &[u8; 8]) -> __m256i {
+        let m16 = _mm_cvtepu8_epi16(_mm_set_epi64x(0, u64::from_le_bytes(*m) as i64));
+        _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn vec_dot_tile(
+        w: &[u8],
+        nr: usize,
+        a: &[u8],
+        nt: usize,
+        nb: usize,
+        out: &mut [f32],
+    ) {
+        let wrow = nb * BLOCK_BYTES;
+        let arow = nb * q8_k::BLOCK_BYTES;
+        UNPACKED.with(|u| {
+            let mut u = u.borrow_mut();
+            let need = if nt > 1 { R * nb } else { 0 };
+            if u.len() < need {
+                // SAFETY: all-zero bytes are a valid Unpacked (integers and floats).
+                u.resize(need, unsafe { std::mem::zeroed() });
+            }
+            let mut r = 0;
+            while r + R <= nr {
+                let wr = &w[r * wrow..(r + R) * wrow];
+                let o = &mut out[r * nt..(r + R) * nt];
+                if nt == 1 {
+                    tile::<R, 1, false>(wr, wrow, &u, a, arow, 0, o, nt);
+                } else {
+                    unpack::<R>(wr, wrow, nb, &mut u);
+                    let mut t = 0;
+                    while t + C <= nt {
+                        tile::<R, C, true>(wr, wrow, &u, a, arow, t, o, nt);
+                        t += C;
+                    }
+                    while t < nt {
+                        tile::<R, 1, true>(wr, wrow, &u, a, arow, t, o, nt);
+                        t += 1;
+                    }
+                }
+                r += R;
+            }
+            for r in r..nr {
+                let wr = &w[r * wrow..(r + 1) * wrow];
+                for t in 0..nt {
+                    tile::<1, 1, false>(wr, wrow, &u, a, arow, t, &mut out[r * nt..], nt);
+                }
+            }
+        })
+    }
+
+    /// The R rows of `w` into `u` ([block][row]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpack<const R: usize>(w: &[u8], wrow: usize, nb: usize, u: &mut [Unpacked]) {
+        let m4 = _mm256_set1_epi8(0xf);
+        for b in 0..nb {
+            for r in 0..R {
+                let x = &w[r * wrow + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                let u = &mut u[b * R + r];
+                let (sc, m) = scales_mins(&x[SCALES..QS]);
+                for g in 0..4 {
+                    let q = load_u8x32(&x[QS + 32 * g..]);
+                    let lo = _mm256_and_si256(q, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                    // SAFETY: each destination is 32 writable bytes.
+                    unsafe {
+                        _mm256_storeu_si256(u.q[2 * g].as_mut_ptr().cast(), lo);
+                        _mm256_storeu_si256(u.q[2 * g + 1].as_mut_ptr().cast(), hi);
+                    }
+                }
+                for (j, s) in sc.iter().enumerate() {
+                    u.sc[j] = [*s as i16; 16];
+                }
+                // SAFETY: 32 writable bytes.
+                unsafe { _mm256_storeu_si256(u.mins.as_mut_ptr().cast(), spread_mins(&m)) };
+                u.d = f16c(&x[0..]);
+                u.dmin = f16c(&x[2..]);
+            }
+        }
+    }
+
+    /// (Σ lanes of `a`, Σ lanes of `b`), exact.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
+        let h = _mm256_hadd_epi32(a, b); // a01 a23 b01 b23 | a45 a67 b45 b67
+        let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let s = _mm_hadd_epi32(s, s); // a, b, a, b
+        (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
+    }
+
+    /// R rows × tokens t0..t0+C, into `out[r * ldo + t]`, per (row, token) exactly
+    /// [`super::vec_dot`]: exact integer sums per block (`Σ sc·(q·q8)` and `Σ m·bsum`), then
+    /// [`block_dot`]'s float step, summed over blocks in order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
+        w: &[u8],
+        wrow: usize,
+        u: &[Unpacked],
+        a: &[u8],
+        arow: usize,
+        t0: usize,
+        out: &mut [f32],
+        ldo: usize,
+    ) {
+        let nb = arow / q8_k::BLOCK_BYTES;
+        let m4 = _mm256_set1_epi8(0xf);
+        let mut sumf = [[0f32; C]; R];
+        for b in 0..nb {
+            for (r, sumf) in sumf.iter_mut().enumerate() {
+                let x = &w[r * wrow + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                if UNPACKED {
+                    let u = &u[b * R + r];
+                    for (c, sumf) in sumf.iter_mut().enumerate() {
+                        let y = &a[(t0 + c) * arow + b * q8_k::BLOCK_BYTES..][..q8_k::BLOCK_BYTES];
+                        let q8 = q8_k::block_qs(y);
+                        let mut acc = _mm256_setzero_si256();
+                        for j in 0..8 {
+                            let q = load_u8x32(&u.q[j]);
+                            let p = _mm256_maddubs_epi16(q, load_u8x32(&q8[32 * j..]));
+                            // SAFETY: 32 readable bytes.
+                            let s = unsafe { _mm256_loadu_si256(u.sc[j].as_ptr().cast()) };
+                            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+                        }
+                        // SAFETY: 32 readable bytes.
+                        let mins = unsafe { _mm256_loadu_si256(u.mins.as_ptr().cast()) };
+                        let bs = load_u8x32(&y[4 + QK_K..]);
+                        let (isum, summs) = hsum2(acc, _mm256_madd_epi16(bs, mins));
+                        let dy = q8_k::block_d(y);
+                        let (d, dmin) = (u.d * dy, u.dmin * dy);
+                        *sumf += d * isum as f32 - dmin * summs as f32;
+                    }
+                } else {
+                    if C == 1 {
+                        // Decode streams the weights once: ask for them well ahead (a prefetch
+                        // never faults, wherever it points).
+                        let ahead = x.as_ptr().wrapping_add(PREFETCH);
+                        for line in 0..3 {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+                        }
+                    }
+                    let (sc, m) = scales_mins(&x[SCALES..QS]);
+                    let mins = spread_mins(&m);
+                    let (xd, xdmin) = (f16c(&x[0..]), f16c(&x[2..]));
+                    for (c, sumf) in sumf.iter_mut().enumerate() {
+                        let y = &a[(t0 + c) * arow + b * q8_k::BLOCK_BYTES..][..q8_k::BLOCK_BYTES];
+                        let q8 = q8_k::block_qs(y);
+                        let mut acc = _mm256_setzero_si256();
+                        for g in 0..4 {
+                            let q = load_u8x32(&x[QS + 32 * g..]);
+                            let lo = _mm256_and_si256(q, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                            let plo = _mm256_maddubs_epi16(lo, load_u8x32(&q8[64 * g..]));
+                            let phi = _mm256_maddubs_epi16(hi, load_u8x32(&q8[64 * g + 32..]));
+                            let plo = _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * g] as i16));
+                            let phi =
+                                _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * g + 1] as i16));
+                            acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
+                        }
+                        let bs = load_u8x32(&y[4 + QK_K..]);
+                        let (isum, summs) = hsum2(acc, _mm256_madd_epi16(bs, mins));
+                        let dy = q8_k::block_d(y);
+                        let (d, dmin) = (xd * dy, xdmin * dy);
+                        *sumf += d * isum as f32 - dmin * summs as f32;
+                    }
+                }
+            }
+        }
+        for (r, sumf) in sumf.iter().enumerate() {
+            for (c, &v) in sumf.iter().enumerate() {
+                out[r * ldo + t0 + c] = v;
+            }
+        }
     }
 }
 
@@ -334,6 +582,34 @@ mod tests {
     use super::*;
     use crate::quant::util::ktest::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn tile_is_vec_dot() {
+        use crate::quant::q8_k;
+        use proptest::strategy::ValueTree;
+        for (nr, nt, nb) in [(1, 1, 1), (4, 1, 2), (5, 3, 2), (9, 7, 3), (8, 2, 1)] {
+            let x = floats(nb * nr..nb * nr + 1);
+            let y = floats(nb * nt..nb * nt + 1);
+            let mut runner = proptest::test_runner::TestRunner::deterministic();
+            let x = x.new_tree(&mut runner).unwrap().current();
+            let y = y.new_tree(&mut runner).unwrap().current();
+            let w = quantize_vec(&x, BLOCK_BYTES, quantize);
+            let a = quantize_vec(&y, q8_k::BLOCK_BYTES, q8_k::quantize);
+            let mut out = vec![0f32; nr * nt];
+            vec_dot_tile(&w, &a, nt, &mut out);
+            let (wrow, arow) = (nb * BLOCK_BYTES, nb * q8_k::BLOCK_BYTES);
+            for r in 0..nr {
+                for t in 0..nt {
+                    let want = vec_dot(&w[r * wrow..(r + 1) * wrow], &a[t * arow..(t + 1) * arow]);
+                    assert_eq!(
+                        out[r * nt + t].to_bits(),
+                        want.to_bits(),
+                        "{nr}x{nt}x{nb}: ({r}, {t})"
+                    );
+                }
+            }
+        }
+    }
 
     proptest! {
         #[test]

@@ -116,21 +116,35 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     }
 }
 
-/// Bytes per block of a [`TileAct`] row: the 32 quants, then eight i32 `8·(q[4k] + … + q[4k+3])`.
-pub const TILE_BYTES: usize = 64;
+/// One activation block as the tile kernels read it (64 bytes, one cache line): the 32 quants,
+/// then `8·(q[4k] + … + q[4k+3])` for k in 0..8 (the term that turns Q4_0's unsigned nibbles
+/// into `q − 8`).
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(64))]
+pub struct TileBlock {
+    pub(in crate::quant) q: [i8; 32],
+    pub(in crate::quant) bias: [i32; 8],
+}
+
+/// Eight lanes of one f32, 32-byte aligned.
+#[derive(Clone, Copy, Default)]
+#[repr(C, align(32))]
+pub struct Lanes(pub(in crate::quant) [f32; 8]);
 
 /// Activation rows quantized to Q8_0 exactly as [`quantize_x86_avx`] does, kept as plain Q8_0
 /// rows and also re-laid out for the multi-row kernels ([`vec_dot_tile`], `q4_0::vec_dot_tile`):
-/// per block, the quants with their sums in fours (64 bytes, [`TILE_BYTES`]) and the scale as
-/// an f32. Buffers only grow, so refilling one per matmul allocates nothing in steady state.
+/// per block a [`TileBlock`] and the scale as an f32. Buffers only grow, so refilling one per
+/// matmul allocates nothing in steady state.
 #[derive(Default)]
 pub struct TileAct {
     /// Elements per row.
     n: usize,
     rows: usize,
     q8: Vec<u8>,
-    pub(in crate::quant) qs: Vec<u8>,
+    pub(in crate::quant) blocks: Vec<TileBlock>,
     pub(in crate::quant) d: Vec<f32>,
+    /// The scales again, each in 8 lanes (see `x86::Unpacked` for why).
+    pub(in crate::quant) d8: Vec<Lanes>,
     /// Some quant is -128 (the Q8_0 × Q8_0 tile kernel's sign trick cannot take it).
     pub(in crate::quant) has_min: bool,
 }
@@ -165,35 +179,39 @@ impl TileAct {
         self.rows = rows;
         // resize (not clear + resize) so that steady-state calls do not touch the allocator.
         self.q8.resize(nb * BYTES, 0);
-        self.qs.resize(nb * TILE_BYTES, 0);
+        self.blocks.resize(nb, TileBlock::default());
         self.d.resize(nb, 0.0);
+        self.d8.resize(nb, Lanes::default());
     }
 
     fn relayout(&mut self) {
         #[cfg(target_arch = "x86_64")]
         if simd() == Simd::Avx2 {
             // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-            self.has_min = unsafe { x86::relayout(&self.q8, &mut self.qs, &mut self.d) };
+            self.has_min = unsafe { x86::relayout(&self.q8, &mut self.blocks, &mut self.d) };
+            self.fill_d8();
             return;
         }
         let mut has_min = false;
         let blocks = self.q8.chunks_exact(BYTES);
-        for ((b, t), d) in blocks
-            .zip(self.qs.chunks_exact_mut(TILE_BYTES))
-            .zip(&mut self.d)
-        {
+        for ((b, t), d) in blocks.zip(&mut self.blocks).zip(&mut self.d) {
             *d = f16_le(b);
-            t[..32].copy_from_slice(&b[2..]);
-            for k in 0..8 {
-                let s: i32 = b[2 + 4 * k..6 + 4 * k]
-                    .iter()
-                    .map(|&q| q as i8 as i32)
-                    .sum();
-                t[32 + 4 * k..36 + 4 * k].copy_from_slice(&(8 * s).to_le_bytes());
+            for (q, &v) in t.q.iter_mut().zip(&b[2..]) {
+                *q = v as i8;
+            }
+            for (k, bias) in t.bias.iter_mut().enumerate() {
+                *bias = 8 * t.q[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum::<i32>();
             }
             has_min |= b[2..].contains(&0x80);
         }
+        self.fill_d8();
         self.has_min = has_min;
+    }
+
+    fn fill_d8(&mut self) {
+        for (d8, &d) in self.d8.iter_mut().zip(&self.d) {
+            *d8 = Lanes([d; 8]);
+        }
     }
 
     /// Elements per row.
@@ -214,12 +232,14 @@ impl TileAct {
 
 /// `out[r * a.rows() + t] = vec_dot(w_r, a_t)` for every Q8_0 weight row `w_r` of `w` (whole
 /// rows of `a.n()` elements back to back) and every activation row `a_t`: the same numbers as
-/// [`vec_dot`], bit for bit, but several rows and tokens at a time, so each weight block is
-/// loaded once per group of tokens and each activation block once per group of rows, with
-/// independent accumulators to overlap.
+/// [`vec_dot`], bit for bit, but several rows and tokens at a time (see `q4_0::vec_dot_tile`).
+/// Rows holding a -128 quant go through [`vec_dot`] (the sign trick cannot take them).
 pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
     let rb = a.n / BLOCK * BYTES;
-    assert!(rb > 0 && w.len().is_multiple_of(rb), "q8_0 tile: whole weight rows");
+    assert!(
+        rb > 0 && w.len().is_multiple_of(rb),
+        "q8_0 tile: whole weight rows"
+    );
     let nr = w.len() / rb;
     assert_eq!(out.len(), nr * a.rows, "q8_0 tile: output is rows × tokens");
     #[cfg(target_arch = "x86_64")]
@@ -238,7 +258,7 @@ pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::util::{put_f16, x86_b32::*};
-    use super::{BLOCK, BYTES, TILE_BYTES, TileAct};
+    use super::{BLOCK, BYTES, TileAct, TileBlock};
     use std::arch::x86_64::*;
 
     /// ggml's AVX2 `quantize_row_q8_0`, instruction for instruction.
@@ -287,23 +307,18 @@ pub(super) mod x86 {
 
     /// [`TileAct`]'s layout from plain Q8_0 blocks; returns whether some quant is -128.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn relayout(q8: &[u8], qs: &mut [u8], d: &mut [f32]) -> bool {
+    pub fn relayout(q8: &[u8], blocks: &mut [TileBlock], d: &mut [f32]) -> bool {
         let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
         let mut min = _mm256_setzero_si256();
-        for ((b, t), d) in q8
-            .chunks_exact(BYTES)
-            .zip(qs.chunks_exact_mut(TILE_BYTES))
-            .zip(d)
-        {
+        for ((b, t), d) in q8.chunks_exact(BYTES).zip(blocks).zip(d) {
             *d = f16c_le(b);
             let y = load_qs(b);
             let sum4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), ones16);
             min = _mm256_or_si256(min, _mm256_cmpeq_epi8(y, _mm256_set1_epi8(-128)));
-            let t: &mut [u8; TILE_BYTES] = t.try_into().unwrap();
-            // SAFETY: `t` holds 64 writable bytes; storeu has no alignment requirement.
+            // SAFETY: `t` is 64 writable bytes (32 of quants, then 8 i32).
             unsafe {
-                _mm256_storeu_si256(t.as_mut_ptr().cast(), y);
-                _mm256_storeu_si256(t.as_mut_ptr().add(32).cast(), _mm256_slli_epi32::<3>(sum4));
+                _mm256_store_si256(t.q.as_mut_ptr().cast(), y);
+                _mm256_store_si256(t.bias.as_mut_ptr().cast(), _mm256_slli_epi32::<3>(sum4));
             }
         }
         _mm256_movemask_epi8(min) != 0
@@ -321,76 +336,192 @@ pub(super) mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// Tokens per tile in the prefill (rows per tile are 4).
-    const C: usize = 2;
+    /// f32 of every f16 bit pattern (256 KiB, built once with F16C). In the one-token tiles a
+    /// weight scale then costs two loads, where `vcvtph2ps` and its broadcast would take the
+    /// shuffle port that the nibble unpacking needs too. Weight scales take few distinct values,
+    /// so the entries in use stay in L1.
+    pub(in crate::quant) fn f16_table() -> &'static [f32] {
+        static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+        TABLE.get_or_init(|| {
+            (0..=u16::MAX)
+                .map(|bits| {
+                    // SAFETY: the tile kernels that use the table only run where F16C is present.
+                    unsafe { f16_at(bits.to_le_bytes().as_ptr()) }
+                })
+                .collect()
+        })
+    }
+
+    /// The scale of the block at `wb`, from [`f16_table`].
+    ///
+    /// # Safety
+    /// `wb` must point to 2 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::quant) unsafe fn scale_from(table: &[f32], wb: *const u8) -> f32 {
+        // SAFETY: the caller guarantees 2 readable bytes; a u16 indexes the 65536-entry table.
+        unsafe { *table.get_unchecked(wb.cast::<u16>().read_unaligned() as usize) }
+    }
+
+    /// A weight block made ready for many tokens (one cache line): its 32 quants as bytes
+    /// (Q8_0's signed ones, or Q4_0's nibbles 0..15 in element order) and its scale in all 8
+    /// lanes. A vector of scales (rather than one to broadcast) keeps `d_w * d_a` a vector
+    /// multiply: two broadcasts would be folded into a scalar multiply and a shuffle per token.
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    pub(in crate::quant) struct Unpacked {
+        pub q: [u8; 32],
+        pub d: [f32; 8],
+    }
+
+    thread_local! {
+        /// Per thread: the row group being multiplied, unpacked ([block][row]).
+        static UNPACKED: std::cell::RefCell<Vec<Unpacked>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// `f(buffer of at least n unpacked blocks)`, with this thread's buffer (grown, never shrunk).
+    pub(in crate::quant) fn with_unpacked<T>(n: usize, f: impl FnOnce(&mut [Unpacked]) -> T) -> T {
+        UNPACKED.with(|u| {
+            let mut u = u.borrow_mut();
+            if u.len() < n {
+                let z = Unpacked {
+                    q: [0; 32],
+                    d: [0.0; 8],
+                };
+                u.resize(n, z);
+            }
+            f(&mut u[..n])
+        })
+    }
+
+    /// Rows per tile; tokens per tile when there are several (prefill).
+    pub(in crate::quant) const R: usize = 4;
+    pub(in crate::quant) const C: usize = 2;
+    /// How far ahead (bytes) of the block in use a one-token (memory-bound) tile asks for
+    /// weights. The hardware prefetcher alone leaves a core at about half its streaming rate;
+    /// 16 KiB ahead measured best (4 KiB: -10%, 32 KiB: the same) on a 2-core Xeon.
+    pub(in crate::quant) const PREFETCH: usize = 16384;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
         let (nb, nt) = (a.n / BLOCK, a.rows);
         let wrow = nb * BYTES;
         let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-        // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt, and
-        // `a` holds nt rows of nb blocks; each call touches rows r..r+R and tokens t..t+C'.
-        unsafe {
-            let mut r = 0;
-            while r < nr {
-                let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                if r + 4 <= nr {
-                    let mut t = 0;
-                    while t + C <= nt {
-                        tile::<4, C>(w, wrow, a, t, o, nt);
-                        t += C;
+        with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
+            let u = u.as_mut_ptr();
+            // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
+            // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
+            // t..t+C'; `u` holds R·nb blocks when nt > 1.
+            unsafe {
+                let mut r = 0;
+                while r + R <= nr {
+                    let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                    if nt == 1 {
+                        tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
+                    } else {
+                        unpack::<R>(w, wrow, nb, u);
+                        let mut t = 0;
+                        while t + C <= nt {
+                            tile::<R, C, true>(w, wrow, u, a, t, o, nt);
+                            t += C;
+                        }
+                        while t < nt {
+                            tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
+                            t += 1;
+                        }
                     }
-                    while t < nt {
-                        tile::<4, 1>(w, wrow, a, t, o, nt);
-                        t += 1;
-                    }
-                    r += 4;
-                } else {
+                    r += R;
+                }
+                for r in r..nr {
                     for t in 0..nt {
-                        tile::<1, 1>(w, wrow, a, t, o, nt);
+                        tile::<1, 1, false>(wp.add(r * wrow), wrow, u, a, t, op.add(r * nt), nt);
                     }
-                    r += 1;
+                }
+            }
+        })
+    }
+
+    /// The R rows at `w` into `u` ([block][row]).
+    ///
+    /// # Safety
+    /// `w` holds R rows of `wrow` bytes (nb blocks); `u` has room for R·nb blocks.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn unpack<const R: usize>(w: *const u8, wrow: usize, nb: usize, u: *mut Unpacked) {
+        for b in 0..nb {
+            for r in 0..R {
+                // SAFETY: in bounds by the caller's promise.
+                unsafe {
+                    let wb = w.add(r * wrow + b * BYTES);
+                    let u = &mut *u.add(b * R + r);
+                    _mm256_store_si256(
+                        u.q.as_mut_ptr().cast(),
+                        _mm256_loadu_si256(wb.add(2).cast()),
+                    );
+                    _mm256_store_ps(u.d.as_mut_ptr(), _mm256_set1_ps(f16_at(wb)));
                 }
             }
         }
     }
 
-    /// R weight rows (`wrow` bytes apart from `w`) × activation rows t0..t0+C, into
-    /// `out[r * ldo + t]`. Per (row, token) the arithmetic is [`super::vec_dot`]'s: the exact
-    /// i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact since no activation quant is
-    /// -128), one FMA of `d_w * d_a` per block into 8 lanes, `hsum_f32x8` at the end.
+    /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
+    /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is
+    /// [`super::vec_dot`]'s: the exact i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact
+    /// since no activation quant is -128), one FMA of `d_w * d_a` per block into 8 lanes,
+    /// `hsum_f32x8` at the end.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile<const R: usize, const C: usize>(
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
         w: *const u8,
         wrow: usize,
+        u: *const Unpacked,
         a: &TileAct,
         t0: usize,
         out: *mut f32,
         ldo: usize,
     ) {
         let nb = a.n / BLOCK;
-        let (qs, ds) = (a.qs.as_ptr(), a.d.as_ptr());
+        let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
+        let table = f16_table();
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         for b in 0..nb {
             for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: block b of row r is inside the caller's weight rows; token rows
-                // t0..t0+C exist in `a`.
+                // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
+                // rows t0..t0+C exist in `a`.
                 unsafe {
-                    let wb = w.add(r * wrow + b * BYTES);
-                    let dw = _mm256_set1_ps(f16_at(wb));
-                    let x = _mm256_loadu_si256(wb.add(2).cast());
+                    let (x, dw) = if UNPACKED {
+                        let u = &*u.add(b * R + r);
+                        (
+                            _mm256_load_si256(u.q.as_ptr().cast()),
+                            _mm256_load_ps(u.d.as_ptr()),
+                        )
+                    } else {
+                        let wb = w.add(r * wrow + b * BYTES);
+                        if C == 1 {
+                            // Decode streams the weights once: ask for them well ahead.
+                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+                        }
+                        (
+                            _mm256_loadu_si256(wb.add(2).cast()),
+                            _mm256_set1_ps(scale_from(table, wb)),
+                        )
+                    };
                     let ax = _mm256_sign_epi8(x, x);
                     for (c, acc) in acc.iter_mut().enumerate() {
                         let i = (t0 + c) * nb + b;
-                        let y = _mm256_loadu_si256(qs.add(i * TILE_BYTES).cast());
+                        let y = _mm256_load_si256((*ys.add(i)).q.as_ptr().cast());
                         let p = _mm256_madd_epi16(
                             _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)),
                             ones,
                         );
-                        let d = _mm256_mul_ps(dw, _mm256_set1_ps(*ds.add(i)));
+                        let da = if UNPACKED {
+                            _mm256_set1_ps(*ds.add(i))
+                        } else {
+                            _mm256_load_ps((*d8.add(i)).0.as_ptr())
+                        };
+                        let d = _mm256_mul_ps(dw, da);
                         *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
                     }
                 }

@@ -91,7 +91,12 @@ pub fn table(c: &Comparison) -> String {
         let kld_max = c.logits.iter().map(|l| l.kld_max).fold(0.0, f64::max);
         let top1: usize = c.logits.iter().map(|l| l.top1_agree).sum();
         let rows: usize = c.logits.iter().map(|l| l.rows).sum();
-        let top5 = c.logits.iter().map(|l| l.top5_overlap_mean * l.rows as f64).sum::<f64>() / rows.max(1) as f64;
+        let top5 = c
+            .logits
+            .iter()
+            .map(|l| l.top5_overlap_mean * l.rows as f64)
+            .sum::<f64>()
+            / rows.max(1) as f64;
         let _ = writeln!(
             out,
             "logits over {} steps: KLD mean ≤ {kld_mean:.2e} (max {kld_max:.2e}, threshold {:.0e}), top-1 agree {top1}/{rows}, top-5 overlap {top5:.2}/5",
