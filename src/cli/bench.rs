@@ -7,7 +7,7 @@
 //! so no taps are kept. llama.cpp runs through `scripts/llama_bench.py` with its defaults for a
 //! user (F16 KV cache, flash attention auto, weight repacking), which the table names.
 
-use super::{Result, err, repo_root};
+use super::{Result, err, python, repo_root};
 use crate::backend::{Backend, Fast, argmax};
 use crate::model::Model;
 use crate::trace::NullSink;
@@ -45,20 +45,6 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-}
-
-/// The interpreter that has llama_cpp: $PARITY_PYTHON, else the repo's .venv, else python3
-/// (the same rule as `parity golden`).
-fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("PARITY_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo_root().join(".venv/bin/python");
-    if venv.exists() {
-        venv
-    } else {
-        PathBuf::from("python3")
-    }
 }
 
 const INSTALL_HINT: &str = "install it with `python3 -m venv .venv && .venv/bin/pip install \

@@ -1,7 +1,7 @@
 //! `parity golden`, `parity check` and `parity diff`.
 
 use super::run::{InputArgs, make_backend, model_ref, producer};
-use super::{Result, err, repo_root};
+use super::{Result, err, python, repo_root};
 use crate::backend;
 use crate::compare::{CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
@@ -17,19 +17,6 @@ pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
 /// Backends whose every tap can take the baseline's tensor (`trace::tap_mut`), so they can be
 /// compared op by op.
 const OP_BY_OP: [&str; 2] = ["reference:ggml-cpu", "fast"];
-
-/// The Python that runs scripts/: $PARITY_PYTHON, else the repo's .venv, else python3.
-fn python() -> PathBuf {
-    if let Ok(p) = std::env::var("PARITY_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = repo_root().join(".venv/bin/python");
-    if venv.exists() {
-        venv
-    } else {
-        PathBuf::from("python3")
-    }
-}
 
 #[derive(Args)]
 pub struct GoldenArgs {

@@ -87,3 +87,17 @@ pub fn main() -> ExitCode {
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
+
+/// The Python that runs scripts/ (goldens, the llama.cpp side of `bench`): $PARITY_PYTHON, else
+/// the repository's .venv, else python3.
+pub fn python() -> PathBuf {
+    if let Ok(p) = std::env::var("PARITY_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = repo_root().join(".venv/bin/python");
+    if venv.exists() {
+        venv
+    } else {
+        PathBuf::from("python3")
+    }
+}
