@@ -359,49 +359,42 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ));
         }
     }
+    // Compare, print the verdict (and the per-layer table when asked or when it diverged).
+    let mut run = |base: &Trace, cand: &Trace, pair: PairKind, table: bool| -> Result<()> {
+        let opt = CompareOptions {
+            pair,
+            weight_type: wtype,
+            require_same_model: true,
+        };
+        let c = compare(base, cand, &opt)?;
+        if base.manifest.producer.name == "llama.cpp" {
+            println!("== {} vs golden ({})", c.candidate, c.baseline);
+        } else {
+            println!("== {} vs {}", c.candidate, c.baseline);
+        }
+        if table || a.verbose || c.diverged() {
+            print!("{}", report::table(&c));
+        }
+        println!("{}\n", report::verdict(&c));
+        comparisons.push(c);
+        Ok(())
+    };
     if let Some((_, g)) = &golden {
         for t in &traces_op {
-            let opt = CompareOptions {
-                pair: PairKind::OpByOp,
-                weight_type: wtype,
-                require_same_model: true,
-            };
-            let c = compare(g, t, &opt)?;
-            println!("== {} vs golden ({})", c.candidate, c.baseline);
-            if a.verbose || c.diverged() {
-                print!("{}", report::table(&c));
-            }
-            println!("{}\n", report::verdict(&c));
-            comparisons.push(c);
+            run(g, t, PairKind::OpByOp, false)?;
         }
         for t in &traces {
-            let opt = CompareOptions {
-                pair: pair_kind(g, t),
-                weight_type: wtype,
-                require_same_model: true,
-            };
-            let c = compare(g, t, &opt)?;
-            println!("== {} vs golden ({})", c.candidate, c.baseline);
-            print!("{}", report::table(&c));
-            println!("{}\n", report::verdict(&c));
-            comparisons.push(c);
+            run(g, t, pair_kind(g, t), true)?;
         }
     }
     for i in 0..traces.len() {
         for j in i + 1..traces.len() {
-            let (x, y) = (&traces[i], &traces[j]);
-            let opt = CompareOptions {
-                pair: pair_kind(x, y),
-                weight_type: wtype,
-                require_same_model: true,
-            };
-            let c = compare(x, y, &opt)?;
-            println!("== {} vs {}", c.candidate, c.baseline);
-            if a.verbose || c.diverged() {
-                print!("{}", report::table(&c));
-            }
-            println!("{}\n", report::verdict(&c));
-            comparisons.push(c);
+            run(
+                &traces[i],
+                &traces[j],
+                pair_kind(&traces[i], &traces[j]),
+                false,
+            )?;
         }
     }
     if comparisons.is_empty() {
