@@ -15,7 +15,7 @@ fn root() -> PathBuf {
 fn run_against_golden(model: &Model, golden: &str, pair: PairKind) -> Comparison {
     let g = Trace::open(root().join("golden").join(golden)).unwrap();
     let prompt = g.manifest.steps[0].tokens.clone();
-    let forced: Vec<u32> = g.manifest.steps[1..].iter().map(|s| s.tokens[0]).collect();
+    let forced = g.manifest.decode_tokens();
     let mut b = Reference::new(model, Emulation::GgmlCpu, prompt.len() + forced.len());
     let mut sink = MemorySink::new(TapFilter::all());
     let steps = backend::run(&mut b, &prompt, forced.len(), Some(&forced), &mut sink).unwrap();

@@ -260,13 +260,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         }
         match goldens.first() {
             Some((_, g)) => {
-                let forced: Vec<u32> = g
-                    .manifest
-                    .steps
-                    .iter()
-                    .skip(1)
-                    .flat_map(|s| s.tokens.clone())
-                    .collect();
+                let forced: Vec<u32> = g.manifest.decode_tokens();
                 let n = wanted_steps.unwrap_or(forced.len()).min(forced.len());
                 (ids, Some(forced[..n].to_vec()), n)
             }
@@ -281,13 +275,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
                     .first()
                     .map(|s| s.tokens.clone())
                     .unwrap_or_default();
-                let forced: Vec<u32> = g
-                    .manifest
-                    .steps
-                    .iter()
-                    .skip(1)
-                    .flat_map(|s| s.tokens.clone())
-                    .collect();
+                let forced: Vec<u32> = g.manifest.decode_tokens();
                 let n = a.steps.unwrap_or(forced.len()).min(forced.len());
                 eprintln!("prompt ids: {ids:?} — from the golden");
                 (ids, Some(forced[..n].to_vec()), n)
@@ -334,13 +322,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         .as_ref()
         .filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g))
     {
-        let forced: Vec<u32> = g
-            .manifest
-            .steps
-            .iter()
-            .skip(1)
-            .flat_map(|s| s.tokens.clone())
-            .collect();
+        let forced: Vec<u32> = g.manifest.decode_tokens();
         let ids = &g.manifest.steps[0].tokens;
         for name in a.backends.iter().filter(|n| OP_BY_OP.contains(&n.as_str())) {
             let mut b = make_backend(name, &model, ids.len() + forced.len(), a.threads)?;

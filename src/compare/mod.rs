@@ -89,19 +89,6 @@ impl Comparison {
             || self.first_divergence.is_some()
             || self.logits.iter().any(|l| l.kld_mean > self.kld_threshold)
     }
-
-    /// The worst NMSE per tap kind over all steps and layers.
-    pub fn worst_by_tap(&self) -> Vec<(Tap, f64)> {
-        let mut out: Vec<(Tap, f64)> = Vec::new();
-        for r in &self.results {
-            match out.iter_mut().find(|(t, _)| *t == r.key.tap) {
-                Some((_, v)) => *v = v.max(r.metrics.nmse),
-                None => out.push((r.key.tap, r.metrics.nmse)),
-            }
-        }
-        out.sort_by_key(|(t, _)| *t);
-        out
-    }
 }
 
 /// Options for [`compare`].

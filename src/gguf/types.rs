@@ -137,10 +137,6 @@ impl GgmlType {
         }
         (n / bs).checked_mul(self.type_size() as u64)
     }
-
-    pub fn is_quantized(self) -> bool {
-        self.block_size() > 1
-    }
 }
 
 impl std::fmt::Display for GgmlType {

@@ -213,14 +213,13 @@ pub fn vec_dot(ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
         GgmlType::Q5_K => q5_k::vec_dot(w, a),
         GgmlType::Q6_K => q6_k::vec_dot(w, a),
         GgmlType::IQ4_XS => iq4_xs::vec_dot(w, a),
-        // Activation-only types are never weights in a model parity runs.
+        // Activation-only types as weights (no converter writes them): dot the decoded rows.
         GgmlType::Q8_1 | GgmlType::Q8_K => {
-            let (n, m) = (w.len() / ty.type_size() * ty.block_size(), a.len());
-            let mut x = vec![0.0; n];
-            let mut y = vec![0.0; n];
-            let _ = (dequantize_row(ty, w, &mut x), m);
-            let _ = dequantize_row(vec_dot_type(ty), a, &mut y);
-            x.iter().zip(&y).map(|(p, q)| p * q).sum()
+            let n = w.len() / ty.type_size() * ty.block_size();
+            let (mut x, mut y) = (vec![0.0; n], vec![0.0; n]);
+            let ok = dequantize_row(ty, w, &mut x).is_ok() && dequantize_row(ty, a, &mut y).is_ok();
+            debug_assert!(ok, "rows sized by the caller");
+            f32::vec_dot_f32(&x, &y)
         }
     }
 }

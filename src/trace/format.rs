@@ -77,10 +77,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// All token ids in order: prefill then one per decode step.
-    pub fn all_tokens(&self) -> Vec<u32> {
+    /// The ids fed at the decode steps (step 1 on), in order: what another run must force to
+    /// see the same sequence.
+    pub fn decode_tokens(&self) -> Vec<u32> {
         self.steps
             .iter()
+            .skip(1)
             .flat_map(|s| s.tokens.iter().copied())
             .collect()
     }
@@ -207,17 +209,6 @@ impl Trace {
                 Ok(Some(a))
             }
         }
-    }
-
-    /// Write this trace to `dir` (npy files + manifest).
-    pub fn save(&self, dir: &Path, force: bool) -> Result<(), TraceError> {
-        prepare_dir(dir, force)?;
-        for key in self.keys.keys() {
-            let a = self.get(key)?.expect("key listed");
-            let data: Vec<f32> = a.iter().copied().collect();
-            write_npy(&dir.join(key.file()), a.shape(), &data)?;
-        }
-        write_manifest(dir, &self.manifest)
     }
 }
 
