@@ -790,3 +790,66 @@ fn generate_tinystories_40_tokens_matches_live_llama_cpp() {
         );
     }
 }
+
+/// `parity bench` measures our fast backend and the real llama.cpp in one run and prints their
+/// ratios (values are timings, so only their presence and consistency are checked; the
+/// numbers themselves live in docs/performance.md). The greedy ids it times are the fast
+/// backend's own greedy continuation.
+#[test]
+fn bench_reports_both_engines_and_ratios() {
+    let args = [
+        "bench",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--reps",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--gen",
+        "4",
+        "--threads",
+        "2",
+        "--json",
+    ];
+    let o = parity(&args);
+    let llama = Command::new(root().join(".venv/bin/python"))
+        .args(["-c", "import llama_cpp"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !llama && std::env::var("PARITY_PYTHON").is_err() {
+        // Without llama.cpp, bench refuses (exit 2, install hint) unless --no-llama.
+        assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+        let o = parity(&[&args[..], &["--no-llama"]].concat());
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        eprintln!("skipped: llama_cpp not installed; checked the --no-llama path only");
+        return;
+    }
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("bench --json");
+    let fast = &j["parity_fast"];
+    let greedy: Vec<u32> = serde_json::from_value(fast["generated"].clone()).unwrap();
+    assert_eq!(greedy.len(), 4);
+    assert!(fast["pp_tok_s"].as_f64().unwrap() > 0.0);
+    assert!(fast["tg_tok_s"].as_f64().unwrap() > 0.0);
+    let ll = &j["llama_cpp"];
+    assert!(ll["pp_tok_s"].as_f64().unwrap() > 0.0, "{j}");
+    let ratio = j["ratio"]["pp"].as_f64().unwrap();
+    let expect = fast["pp_tok_s"].as_f64().unwrap() / ll["pp_tok_s"].as_f64().unwrap();
+    assert!(
+        (ratio - expect).abs() <= 1e-9 * expect,
+        "{ratio} vs {expect}"
+    );
+    // The same greedy ids via generate (fast backend, same prompt ids).
+    let ids: Vec<u32> = serde_json::from_value(j["prompt_ids"].clone()).unwrap();
+    let out = ok(&[
+        "generate",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--tokens",
+        &join_ids(&ids),
+        "-n",
+        "4",
+        "--ignore-eos",
+        "--backend",
+        "fast",
+    ]);
+    assert_eq!(generated_ids(&out), greedy);
+}
