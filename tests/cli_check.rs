@@ -589,3 +589,59 @@ fn diff_verdict_does_not_depend_on_the_working_directory() {
         show(&elsewhere)
     );
 }
+
+/// A golden made with llama.cpp's own defaults (F16 KV cache, flash attention): it has no
+/// attention probabilities (flash attention fuses them away), every pair is judged with
+/// different-rounding tolerances, no op-by-op comparison is made (the golden's K/V were
+/// rounded to f16), and the model still reaches parity.
+#[test]
+fn golden_with_llama_defaults_is_checked_with_different_rounding() {
+    let py = match llama_python() {
+        Ok(p) => p,
+        Err(why) => {
+            eprintln!("skipped: llama_cpp not installed ({why})");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("g");
+    let o = parity_env(
+        &[
+            "golden",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "-p",
+            "Once upon a time",
+            "--steps",
+            "2",
+            "--llama-defaults",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[("PARITY_PYTHON", &py)],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let m = std::fs::read_to_string(out.join("manifest.json")).unwrap();
+    assert!(
+        !m.contains("\"kq_soft_max\""),
+        "flash attention golden has probabilities"
+    );
+    let o = parity(&[
+        "check",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "-p",
+        "Once upon a time",
+        "--golden",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let s = stdout(&o);
+    assert!(!s.contains("op-by-op"), "{s}");
+    let vs_golden: Vec<&str> = s.lines().filter(|l| l.contains("vs llama.cpp/")).collect();
+    assert_eq!(vs_golden.len(), 3, "{s}");
+    assert!(
+        vs_golden
+            .iter()
+            .all(|l| l.contains("different activation rounding")),
+        "{s}"
+    );
+}
