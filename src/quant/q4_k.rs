@@ -159,7 +159,10 @@ fn min_sum(y: &[u8], m: &[u8; 8]) -> i32 {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::vec_dot(w, a) };
     }
@@ -264,38 +267,134 @@ mod avx2 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    /// One block's exact integer sums against one Q8_K block: `(Σ sc·(q·q8)` in 8 i32 lanes,
+    /// `Σ m·bsum` in 4 i32 lanes).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn block_sums(x: &[u8], y: &[u8]) -> (__m256i, __m128i) {
+        let m4 = _mm256_set1_epi8(0xf);
+        let q8 = q8_k::block_qs(y);
+        let sm = _mm256_cvtepu8_epi16(scales_mins_x16(&x[SCALES..QS]));
+        let sc = _mm256_broadcastsi128_si256(lo128(sm));
+        let msum = min_sums(spread_mins(hi128(sm)), y);
+        let mut acc = _mm256_setzero_si256();
+        for g in 0..4 {
+            let q = load_u8x32(&x[QS + 32 * g..]);
+            let lo = _mm256_and_si256(q, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            // Nibble × int8 pairs sum to at most 2·15·128: no i16 saturation.
+            let plo = _mm256_maddubs_epi16(lo, load_u8x32(&q8[64 * g..]));
+            let phi = _mm256_maddubs_epi16(hi, load_u8x32(&q8[64 * g + 32..]));
+            let slo = _mm256_shuffle_epi8(sc, load_u8x32(&SCALE_SHUFFLE[2 * g]));
+            let shi = _mm256_shuffle_epi8(sc, load_u8x32(&SCALE_SHUFFLE[2 * g + 1]));
+            let p = _mm256_add_epi32(_mm256_madd_epi16(plo, slo), _mm256_madd_epi16(phi, shi));
+            acc = _mm256_add_epi32(acc, p);
+        }
+        (acc, msum)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         q8_k::check_dot(w, BLOCK_BYTES, a);
-        let m4 = _mm256_set1_epi8(0xf);
         let mut sumf = 0f32;
         for (x, y) in w
             .chunks_exact(BLOCK_BYTES)
             .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
         {
-            let (sc, m) = scales_mins(&x[SCALES..QS]);
-            let q8 = q8_k::block_qs(y);
-            let mut acc = _mm256_setzero_si256();
-            for (g, q) in x[QS..].chunks_exact(32).enumerate() {
-                let q = load_u8x32(q);
-                let lo = _mm256_and_si256(q, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                // Nibble × int8 pairs sum to at most 2·15·128: no i16 saturation.
-                let plo = _mm256_maddubs_epi16(lo, load_u8x32(&q8[64 * g..]));
-                let phi = _mm256_maddubs_epi16(hi, load_u8x32(&q8[64 * g + 32..]));
-                let plo = _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * g] as i16));
-                let phi = _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * g + 1] as i16));
-                acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
-            }
-            sumf += block_dot(x, y, hsum_i32x8(acc), min_sum(y, &m));
+            let (acc, msum) = block_sums(x, y);
+            let summs = hsum_i32x8(_mm256_zextsi128_si256(msum));
+            sumf += block_dot(x, y, hsum_i32x8(acc), summs);
         }
         sumf
     }
 
+    /// The 8 scales (bytes 0..8) and 8 mins (bytes 8..16) of a block's 12 packed bytes, all at
+    /// once: the same values as [`scales_mins`], by whole-word shifts and masks.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn scales_mins_x16(s: &[u8]) -> __m128i {
+        let s = &s[..12];
+        let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+        let (w0, w1, w2) = (w(0), w(1), w(2));
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const LOW4: u32 = 0x0f0f_0f0f;
+        const TOP2: u32 = 0x0303_0303;
+        let sc_lo = w0 & LOW6;
+        let sc_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
+        let m_lo = w1 & LOW6;
+        let m_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
+        _mm_set_epi32(m_hi as i32, m_lo as i32, sc_hi as i32, sc_lo as i32)
+    }
+
+    /// The 16 i16 lanes `m[j / 2]` from the 8 mins in i16 lanes: the min that multiplies
+    /// `bsums[j]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn spread_mins(m: __m128i) -> __m256i {
+        _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m))
+    }
+
+    /// `Σ m·bsum` of a Q8_K block in 4 i32 lanes, `mins` spread as [`spread_mins`] makes them.
+    /// Each `bsums` entry is multiplied as a full i16 (a well-formed block's are ≤ 16·128,
+    /// arbitrary bytes may hold any i16): exact for any input.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn min_sums(mins: __m256i, y: &[u8]) -> __m128i {
+        let p = _mm256_madd_epi16(load_u8x32(&y[4 + QK_K..]), mins);
+        _mm_add_epi32(lo128(p), hi128(p))
+    }
+
+    /// `pshufb` controls that broadcast i16 lane j of a 128-bit half to all 8 lanes.
+    const SCALE_SHUFFLE: [[u8; 32]; 8] = {
+        let mut t = [[0u8; 32]; 8];
+        let mut j = 0;
+        while j < 8 {
+            let mut k = 0;
+            while k < 16 {
+                t[j][2 * k] = 2 * j as u8;
+                t[j][2 * k + 1] = 2 * j as u8 + 1;
+                k += 1;
+            }
+            j += 1;
+        }
+        t
+    };
+
+    /// Four rows' per-block sums → `sumf += d·isum − dmin·summs`, lane r = row r: per-row
+    /// integer totals (exact adds), then a multiply, a multiply and a subtract (no FMA), which
+    /// round lane by lane exactly like [`block_dot`] does row by row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn step4(
+        sumf: __m128,
+        acc: &[__m256i; 4],
+        msum: &[__m128i; 4],
+        xd: __m128,
+        xdmin: __m128,
+        dy: f32,
+    ) -> __m128 {
+        let h = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(acc[0], acc[1]),
+            _mm256_hadd_epi32(acc[2], acc[3]),
+        );
+        let isum = _mm_add_epi32(lo128(h), hi128(h));
+        let summs = _mm_hadd_epi32(
+            _mm_hadd_epi32(msum[0], msum[1]),
+            _mm_hadd_epi32(msum[2], msum[3]),
+        );
+        let dy = _mm_set1_ps(dy);
+        let (d, dmin) = (_mm_mul_ps(xd, dy), _mm_mul_ps(xdmin, dy));
+        let v = _mm_sub_ps(
+            _mm_mul_ps(d, _mm_cvtepi32_ps(isum)),
+            _mm_mul_ps(dmin, _mm_cvtepi32_ps(summs)),
+        );
+        _mm_add_ps(sumf, v)
+    }
+
     /// A Q4_K block made ready for many tokens (576 bytes): per 32-element group g, the low
     /// nibbles (elements 0..32 of the 64) and the high ones as bytes; the 6-bit scale of each
-    /// sub-block in 16 i16 lanes (a `madd` operand); the 8 mins spread to the 16 `bsums`
-    /// they multiply; `d` and `dmin` as f32.
+    /// sub-block in 16 i16 lanes (a `madd` operand); the 8 mins spread to the 16 `bsums` they
+    /// multiply; `d` and `dmin` as f32.
     #[derive(Clone, Copy)]
     #[repr(C, align(64))]
     pub(super) struct Unpacked {
@@ -304,7 +403,6 @@ mod avx2 {
         mins: [i16; 16],
         d: f32,
         dmin: f32,
-        _pad: [u8; 24],
     }
 
     thread_local! {
@@ -315,21 +413,6 @@ mod avx2 {
     const C: usize = 4;
     /// See `q4_0`'s: how far ahead a one-token tile asks for weights.
     const PREFETCH: usize = 16384;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn f16c(b: &[u8]) -> f32 {
-        let bits = u16::from_le_bytes([b[0], b[1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    /// The 16 i16 lanes `m[j / 2]`: the min that multiplies `bsums[j]`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn spread_mins(m: &[u8; 8]) -> __m256i {
-        let m16 = _mm_cvtepu8_epi16(_mm_set_epi64x(0, u64::from_le_bytes(*m) as i64));
-        _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16))
-    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn vec_dot_tile(
@@ -354,16 +437,16 @@ mod avx2 {
                 let wr = &w[r * wrow..(r + R) * wrow];
                 let o = &mut out[r * nt..(r + R) * nt];
                 if nt == 1 {
-                    tile::<R, 1, false>(wr, wrow, &u, a, arow, 0, o, nt);
+                    rows4_decode(wr, wrow, a, o);
                 } else {
-                    unpack::<R>(wr, wrow, nb, &mut u);
+                    unpack(wr, wrow, nb, &mut u);
                     let mut t = 0;
                     while t + C <= nt {
-                        tile::<R, C, true>(wr, wrow, &u, a, arow, t, o, nt);
+                        rows4_prompt::<C>(&u, a, arow, t, o, nt);
                         t += C;
                     }
                     while t < nt {
-                        tile::<R, 1, true>(wr, wrow, &u, a, arow, t, o, nt);
+                        rows4_prompt::<1>(&u, a, arow, t, o, nt);
                         t += 1;
                     }
                 }
@@ -372,16 +455,51 @@ mod avx2 {
             for r in r..nr {
                 let wr = &w[r * wrow..(r + 1) * wrow];
                 for t in 0..nt {
-                    tile::<1, 1, false>(wr, wrow, &u, a, arow, t, &mut out[r * nt..], nt);
+                    out[r * nt + t] = vec_dot(wr, &a[t * arow..(t + 1) * arow]);
                 }
             }
         })
     }
 
-    /// The R rows of `w` into `u` ([block][row]).
+    /// Decode: 4 weight rows × 1 token into `out[..4]`, each exactly [`super::vec_dot`], with
+    /// the weights asked for well ahead (decode streams them once).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn unpack<const R: usize>(w: &[u8], wrow: usize, nb: usize, u: &mut [Unpacked]) {
+    fn rows4_decode(w: &[u8], wrow: usize, a: &[u8], out: &mut [f32]) {
+        let nb = wrow / BLOCK_BYTES;
+        let a = &a[..nb * q8_k::BLOCK_BYTES];
+        let w = &w[..4 * wrow];
+        // Interleaved (d, dmin) f32 pairs of 4 rows → d in the low 4 lanes, dmin in the high.
+        let split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+        let mut sumf = _mm_setzero_ps();
+        for (b, y) in a.chunks_exact(q8_k::BLOCK_BYTES).enumerate() {
+            let mut acc = [_mm256_setzero_si256(); 4];
+            let mut msum = [_mm_setzero_si128(); 4];
+            let mut dd = [0i32; 4];
+            for r in 0..4 {
+                let x = &w[r * wrow + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                // A prefetch never faults, wherever it points.
+                let ahead = x.as_ptr().wrapping_add(PREFETCH);
+                for line in 0..3 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
+                }
+                dd[r] = i32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                (acc[r], msum[r]) = block_sums(x, y);
+            }
+            let halves = _mm_setr_epi32(dd[0], dd[1], dd[2], dd[3]);
+            let xd = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(halves), split);
+            let (xd, xdmin) = (_mm256_castps256_ps128(xd), _mm256_extractf128_ps::<1>(xd));
+            sumf = step4(sumf, &acc, &msum, xd, xdmin, q8_k::block_d(y));
+        }
+        let out = &mut out[..4];
+        // SAFETY: `out` holds 4 writable floats.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), sumf) };
+    }
+
+    /// The 4 rows of `w` into `u` ([block][row]).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpack(w: &[u8], wrow: usize, nb: usize, u: &mut [Unpacked]) {
         let m4 = _mm256_set1_epi8(0xf);
         for b in 0..nb {
             for r in 0..R {
@@ -401,33 +519,20 @@ mod avx2 {
                 for (j, s) in sc.iter().enumerate() {
                     u.sc[j] = [*s as i16; 16];
                 }
+                let m16 = _mm_cvtepu8_epi16(_mm_set_epi64x(0, u64::from_le_bytes(m) as i64));
                 // SAFETY: 32 writable bytes.
-                unsafe { _mm256_storeu_si256(u.mins.as_mut_ptr().cast(), spread_mins(&m)) };
-                u.d = f16c(&x[0..]);
-                u.dmin = f16c(&x[2..]);
+                unsafe { _mm256_storeu_si256(u.mins.as_mut_ptr().cast(), spread_mins(m16)) };
+                u.d = f16_le(&x[0..]);
+                u.dmin = f16_le(&x[2..]);
             }
         }
     }
 
-    /// (Σ lanes of `a`, Σ lanes of `b`), exact.
+    /// Prompt: the 4 unpacked rows of `u` × tokens t0..t0+C into `out[r * ldo + t]`, per
+    /// (row, token) exactly [`super::vec_dot`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
-        let h = _mm256_hadd_epi32(a, b); // a01 a23 b01 b23 | a45 a67 b45 b67
-        let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-        let s = _mm_hadd_epi32(s, s); // a, b, a, b
-        (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
-    }
-
-    /// R rows × tokens t0..t0+C, into `out[r * ldo + t]`, per (row, token) exactly
-    /// [`super::vec_dot`]: exact integer sums per block (`Σ sc·(q·q8)` and `Σ m·bsum`), then
-    /// [`block_dot`]'s float step, summed over blocks in order.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
-        w: &[u8],
-        wrow: usize,
+    fn rows4_prompt<const C: usize>(
         u: &[Unpacked],
         a: &[u8],
         arow: usize,
@@ -436,71 +541,36 @@ mod avx2 {
         ldo: usize,
     ) {
         let nb = arow / q8_k::BLOCK_BYTES;
-        let m4 = _mm256_set1_epi8(0xf);
-        let mut sumf = [[0f32; C]; R];
+        let mut sumf = [_mm_setzero_ps(); C];
         for b in 0..nb {
-            for (r, sumf) in sumf.iter_mut().enumerate() {
-                let x = &w[r * wrow + b * BLOCK_BYTES..][..BLOCK_BYTES];
-                if UNPACKED {
-                    let u = &u[b * R + r];
-                    for (c, sumf) in sumf.iter_mut().enumerate() {
-                        let y = &a[(t0 + c) * arow + b * q8_k::BLOCK_BYTES..][..q8_k::BLOCK_BYTES];
-                        let q8 = q8_k::block_qs(y);
-                        let mut acc = _mm256_setzero_si256();
-                        for j in 0..8 {
-                            let q = load_u8x32(&u.q[j]);
-                            let p = _mm256_maddubs_epi16(q, load_u8x32(&q8[32 * j..]));
-                            // SAFETY: 32 readable bytes.
-                            let s = unsafe { _mm256_loadu_si256(u.sc[j].as_ptr().cast()) };
-                            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
-                        }
+            let u = &u[b * R..][..R];
+            let xd = _mm_setr_ps(u[0].d, u[1].d, u[2].d, u[3].d);
+            let xdmin = _mm_setr_ps(u[0].dmin, u[1].dmin, u[2].dmin, u[3].dmin);
+            for (c, sumf) in sumf.iter_mut().enumerate() {
+                let y = &a[(t0 + c) * arow + b * q8_k::BLOCK_BYTES..][..q8_k::BLOCK_BYTES];
+                let q8 = q8_k::block_qs(y);
+                let mut acc = [_mm256_setzero_si256(); 4];
+                for j in 0..8 {
+                    let y8 = load_u8x32(&q8[32 * j..]);
+                    for (acc, u) in acc.iter_mut().zip(u) {
+                        let p = _mm256_maddubs_epi16(load_u8x32(&u.q[j]), y8);
                         // SAFETY: 32 readable bytes.
-                        let mins = unsafe { _mm256_loadu_si256(u.mins.as_ptr().cast()) };
-                        let bs = load_u8x32(&y[4 + QK_K..]);
-                        let (isum, summs) = hsum2(acc, _mm256_madd_epi16(bs, mins));
-                        let dy = q8_k::block_d(y);
-                        let (d, dmin) = (u.d * dy, u.dmin * dy);
-                        *sumf += d * isum as f32 - dmin * summs as f32;
-                    }
-                } else {
-                    if C == 1 {
-                        // Decode streams the weights once: ask for them well ahead (a prefetch
-                        // never faults, wherever it points).
-                        let ahead = x.as_ptr().wrapping_add(PREFETCH);
-                        for line in 0..3 {
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
-                        }
-                    }
-                    let (sc, m) = scales_mins(&x[SCALES..QS]);
-                    let mins = spread_mins(&m);
-                    let (xd, xdmin) = (f16c(&x[0..]), f16c(&x[2..]));
-                    for (c, sumf) in sumf.iter_mut().enumerate() {
-                        let y = &a[(t0 + c) * arow + b * q8_k::BLOCK_BYTES..][..q8_k::BLOCK_BYTES];
-                        let q8 = q8_k::block_qs(y);
-                        let mut acc = _mm256_setzero_si256();
-                        for g in 0..4 {
-                            let q = load_u8x32(&x[QS + 32 * g..]);
-                            let lo = _mm256_and_si256(q, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                            let plo = _mm256_maddubs_epi16(lo, load_u8x32(&q8[64 * g..]));
-                            let phi = _mm256_maddubs_epi16(hi, load_u8x32(&q8[64 * g + 32..]));
-                            let plo = _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * g] as i16));
-                            let phi =
-                                _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * g + 1] as i16));
-                            acc = _mm256_add_epi32(acc, _mm256_add_epi32(plo, phi));
-                        }
-                        let bs = load_u8x32(&y[4 + QK_K..]);
-                        let (isum, summs) = hsum2(acc, _mm256_madd_epi16(bs, mins));
-                        let dy = q8_k::block_d(y);
-                        let (d, dmin) = (xd * dy, xdmin * dy);
-                        *sumf += d * isum as f32 - dmin * summs as f32;
+                        let s = unsafe { _mm256_loadu_si256(u.sc[j].as_ptr().cast()) };
+                        *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, s));
                     }
                 }
+                // SAFETY: 32 readable bytes each.
+                let msum = [0, 1, 2, 3]
+                    .map(|r| min_sums(unsafe { _mm256_loadu_si256(u[r].mins.as_ptr().cast()) }, y));
+                *sumf = step4(*sumf, &acc, &msum, xd, xdmin, q8_k::block_d(y));
             }
         }
-        for (r, sumf) in sumf.iter().enumerate() {
-            for (c, &v) in sumf.iter().enumerate() {
-                out[r * ldo + t0 + c] = v;
+        for (c, s) in sumf.iter().enumerate() {
+            let mut v = [0f32; 4];
+            // SAFETY: 4 writable floats.
+            unsafe { _mm_storeu_ps(v.as_mut_ptr(), *s) };
+            for (r, v) in v.iter().enumerate() {
+                out[r * ldo + t0 + c] = *v;
             }
         }
     }
@@ -587,7 +657,14 @@ mod tests {
     fn tile_is_vec_dot() {
         use crate::quant::q8_k;
         use proptest::strategy::ValueTree;
-        for (nr, nt, nb) in [(1, 1, 1), (4, 1, 2), (5, 3, 2), (9, 7, 3), (8, 2, 1)] {
+        for (nr, nt, nb) in [
+            (1, 1, 1),
+            (4, 1, 2),
+            (9, 1, 3),
+            (5, 3, 2),
+            (9, 7, 3),
+            (8, 2, 1),
+        ] {
             let x = floats(nb * nr..nb * nr + 1);
             let y = floats(nb * nt..nb * nt + 1);
             let mut runner = proptest::test_runner::TestRunner::deterministic();
@@ -612,6 +689,52 @@ mod tests {
     }
 
     proptest! {
+        /// Arbitrary weight bytes (finite d and dmin: a NaN's payload is unspecified), any row
+        /// and token counts: the tile (4-row decode lanes, unpacked prompt tiles, tails) is
+        /// `vec_dot` bit for bit.
+        #[test]
+        fn tile_is_vec_dot_any_bytes(
+            (nr, nb, mut w) in (1usize..10, 1usize..4).prop_flat_map(|(nr, nb)| {
+                (Just(nr), Just(nb), prop::collection::vec(any::<u8>(), nr * nb * BLOCK_BYTES))
+            }),
+            nt in 1usize..6,
+            seed in any::<u64>(),
+        ) {
+            use crate::quant::q8_k;
+            crate::quant::util::testing::finite_scales(&mut w, BLOCK_BYTES, &[0, 2]);
+            let mut s = seed | 1;
+            let y: Vec<f32> = (0..nt * nb * QK_K)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect();
+            let mut a = quantize_vec(&y, q8_k::BLOCK_BYTES, q8_k::quantize);
+            if seed & 2 != 0 {
+                // Arbitrary bsums too, as a malformed activation row could hold.
+                for b in a.chunks_exact_mut(q8_k::BLOCK_BYTES) {
+                    for v in &mut b[4 + QK_K..] {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        *v = s as u8;
+                    }
+                }
+            }
+            let mut out = vec![0f32; nr * nt];
+            vec_dot_tile(&w, &a, nt, &mut out);
+            let (wrow, arow) = (nb * BLOCK_BYTES, nb * q8_k::BLOCK_BYTES);
+            for r in 0..nr {
+                for t in 0..nt {
+                    let want = vec_dot(&w[r * wrow..(r + 1) * wrow], &a[t * arow..(t + 1) * arow]);
+                    prop_assert_eq!(want.to_bits(), vec_dot_scalar(&w[r * wrow..(r + 1) * wrow], &a[t * arow..(t + 1) * arow]).to_bits());
+                    prop_assert_eq!(out[r * nt + t].to_bits(), want.to_bits(), "({}, {})", r, t);
+                }
+            }
+        }
+
         #[test]
         fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
             assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
