@@ -1,11 +1,13 @@
 //! Dequantization throughput, per ggml type: the SIMD path (`dequantize_row`) against its
 //! scalar twin (`dequantize_row_scalar`), single thread.
 //!
-//!     cargo bench --bench dequant [-- [--quick] [--mib N] [--runs N] [TYPE...]]
+//!     cargo bench --bench dequant [-- [--quick] [--mib N | --kib N] [--runs N] [TYPE...]]
 //!
 //! Throughput is GB/s of f32 *output* (10^9 bytes per second), the median of `--runs` timed
 //! passes over a buffer large enough to leave the caches (64 MiB of output by default; `--quick`
-//! uses 1 MiB and 3 runs). Input blocks are random bytes with finite, moderate scales, so no
+//! uses 1 MiB and 3 runs). `--kib N` measures the kernels in cache instead: an N KiB output
+//! (16 KiB is one 4096-wide weight row) decoded again and again, 64 MiB of output per pass;
+//! that is how a row-by-row consumer such as the reference backend uses them. Input blocks are random bytes with finite, moderate scales, so no
 //! path is slowed down by NaN or subnormal arithmetic.
 
 use parity::gguf::GgmlType;
@@ -101,12 +103,20 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "panicked".into())
 }
 
-/// One timed pass, or the error / panic message.
-fn pass(f: Decoder, ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<Duration, String> {
+/// One timed pass (`repeat` decodes of `src`), or the error / panic message.
+fn pass(
+    f: Decoder,
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [f32],
+    repeat: usize,
+) -> Result<Duration, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         let s = Instant::now();
-        f(ty, black_box(src), black_box(&mut *dst)).map_err(|e| e.to_string())?;
-        black_box(&mut *dst);
+        for _ in 0..repeat {
+            f(ty, black_box(src), black_box(&mut *dst)).map_err(|e| e.to_string())?;
+            black_box(&mut *dst);
+        }
         Ok(s.elapsed())
     }))
     .unwrap_or_else(|p| Err(panic_text(p)))
@@ -114,13 +124,19 @@ fn pass(f: Decoder, ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<Duratio
 
 /// Median seconds of `runs` passes of each decoder after one warm-up each. The two decoders
 /// alternate pass by pass, so load from elsewhere on the machine hits both alike.
-fn time_both(ty: GgmlType, src: &[u8], dst: &mut [f32], runs: usize) -> [Result<f64, String>; 2] {
+fn time_both(
+    ty: GgmlType,
+    src: &[u8],
+    dst: &mut [f32],
+    runs: usize,
+    repeat: usize,
+) -> [Result<f64, String>; 2] {
     let fs: [Decoder; 2] = [dequantize_row, dequantize_row_scalar];
     let mut out: [Result<Vec<Duration>, String>; 2] = [Ok(Vec::new()), Ok(Vec::new())];
     for r in 0..=runs {
         for (f, o) in fs.iter().zip(out.iter_mut()) {
             if let Ok(v) = o {
-                match pass(*f, ty, src, dst) {
+                match pass(*f, ty, src, dst, repeat) {
                     Ok(t) if r > 0 => v.push(t),
                     Ok(_) => {}
                     Err(e) => *o = Err(e),
@@ -168,6 +184,7 @@ fn machine() -> String {
 fn main() {
     let mut quick = false;
     let mut mib: Option<usize> = None;
+    let mut kib: Option<usize> = None;
     let mut runs: Option<usize> = None;
     let mut only: Vec<GgmlType> = Vec::new();
     let mut args = std::env::args().skip(1);
@@ -175,10 +192,11 @@ fn main() {
         match a.as_str() {
             "--quick" => quick = true,
             "--mib" => mib = args.next().and_then(|v| v.parse().ok()),
+            "--kib" => kib = args.next().and_then(|v| v.parse().ok()),
             "--runs" => runs = args.next().and_then(|v| v.parse().ok()),
             "--bench" | "--nocapture" => {} // passed by `cargo bench`
             "-h" | "--help" => {
-                println!("dequant [--quick] [--mib N] [--runs N] [TYPE...]");
+                println!("dequant [--quick] [--mib N | --kib N] [--runs N] [TYPE...]");
                 return;
             }
             s if s.starts_with('-') => {}
@@ -189,6 +207,14 @@ fn main() {
         }
     }
     let mib = mib.unwrap_or(if quick { 1 } else { 64 }).max(1);
+    // In-cache mode: a KiB-sized output decoded again and again, 64 MiB of output per pass.
+    let (out_bytes, repeat) = match kib {
+        Some(k) => {
+            let b = (k.max(1) << 10).next_multiple_of(1024);
+            (b, (64 << 20) / b)
+        }
+        None => (mib << 20, 1),
+    };
     let runs = runs.unwrap_or(if quick { 3 } else { 7 }).max(1);
     let types: Vec<GgmlType> = if only.is_empty() {
         GgmlType::ALL.to_vec()
@@ -197,23 +223,30 @@ fn main() {
     };
 
     println!("{}", machine());
+    let buffer = match kib {
+        Some(_) => format!(
+            "{} KiB output decoded {repeat} times (in cache)",
+            out_bytes >> 10
+        ),
+        None => format!("{mib} MiB output"),
+    };
     println!(
-        "output buffer {mib} MiB of f32 per pass, median of {runs} runs (+1 warm-up); GB/s = 1e9 bytes of f32 output per second"
+        "{buffer} per pass, median of {runs} runs (+1 warm-up); GB/s = 1e9 bytes of f32 output per second"
     );
     println!(
         "{:<8} {:>10} {:>10} {:>10} {:>7}",
-        "type", "in MiB", "simd GB/s", "scalar GB/s", "ratio"
+        "type", "in KiB", "simd GB/s", "scalar GB/s", "ratio"
     );
     // Keep panics from placeholder decoders to one line in the table.
     std::panic::set_hook(Box::new(|_| {}));
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     for ty in types {
         // A whole number of blocks (and of 256-element super-blocks) per pass.
-        let n = (mib << 20) / 4 / 256 * 256;
+        let n = out_bytes / 4 / 256 * 256;
         let src = make_input(ty, n, &mut rng);
         let mut dst = vec![0f32; n]; // touched now, so page faults stay out of the timing
-        let bytes = (n * 4) as f64;
-        let [simd, scalar] = time_both(ty, &src, &mut dst, runs);
+        let bytes = (n * 4 * repeat) as f64;
+        let [simd, scalar] = time_both(ty, &src, &mut dst, runs, repeat);
         let gbs = |r: &Result<f64, String>| match r {
             Ok(s) => format!("{:.2}", bytes / s / 1e9),
             Err(_) => "n/a".into(),
@@ -225,7 +258,7 @@ fn main() {
         let mut line = format!(
             "{:<8} {:>10.1} {:>10} {:>10} {:>7}",
             ty.name(),
-            src.len() as f64 / (1 << 20) as f64,
+            src.len() as f64 / 1024.0,
             gbs(&simd),
             gbs(&scalar),
             ratio

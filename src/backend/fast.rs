@@ -14,6 +14,9 @@
 //!   weight rows once and reuse it for every token; for one token (decode, memory-bound) they
 //!   prefetch the weights 16 KiB ahead. Other types call `quant::vec_dot` per (row, token), a
 //!   weight row at a time against all tokens so the row stays in L1, with a row-ahead prefetch.
+//! - Norms and attention are small next to the matmuls but vectorized too: RMSNorm and the
+//!   attention's `Σ p·v` go through [`vecops`] (AVX2, bit-identical to their scalar twins and
+//!   to ggml's rounding), attention scores through the SIMD f32 dot product, one task per head.
 //! - Work is split over output rows (whole groups of 4) and handed to a small persistent pool
 //!   whose workers spin briefly between loops; the calling thread works too. A decode step is
 //!   ~200 parallel loops, so the per-loop cost (a few atomics, no sleeping thread to wake)
@@ -21,6 +24,7 @@
 //! - Each output element is computed by one fixed function of its inputs, whichever thread runs
 //!   it, so results are bit-for-bit the same for any thread count.
 
+use super::vecops::{self, rms_norm};
 use super::{Backend, BackendError};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
@@ -240,18 +244,6 @@ fn prefetch(data: &[u8], start: usize, len: usize) {
     let _ = (data, start, len);
 }
 
-/// RMSNorm in ggml's order (sum of squares in f64, scale in f32).
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
-    let n = w.len();
-    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let sum: f64 = row.iter().map(|&v| (v * v) as f64).sum();
-        let scale = 1.0 / ((sum / n as f64) as f32 + eps).sqrt();
-        for ((o, &v), &g) in o.iter_mut().zip(row).zip(w) {
-            *o = (v * scale) * g;
-        }
-    }
-}
-
 fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
     if let Some(b) = b {
         for row in x.chunks_exact_mut(b.len()) {
@@ -344,10 +336,7 @@ fn attention(
             let out = unsafe { att.part(i * eq + h * hd, hd) };
             out.fill(0.0);
             for (j, &pj) in p[..visible].iter().enumerate() {
-                let vr = &vc[j * ekv + kvh * hd..][..hd];
-                for (o, &vv) in out.iter_mut().zip(vr) {
-                    *o += pj * vv;
-                }
+                vecops::axpy(out, pj, &vc[j * ekv + kvh * hd..][..hd]);
             }
         }
     });

@@ -3,6 +3,7 @@
 
 pub mod fast;
 pub mod reference;
+pub mod vecops;
 
 use crate::trace::{NullSink, Sink, StepInfo};
 

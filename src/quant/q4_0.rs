@@ -90,6 +90,13 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
 /// decoded once per token pair, each activation block loaded once per four rows, eight
 /// independent accumulators).
 pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
+    tile_with(super::util::use_vnni(), w, a, out)
+}
+
+/// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
+fn tile_with(vnni: bool, w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vnni;
     let rb = a.n() / BLOCK * BYTES;
     assert!(
         rb > 0 && w.len().is_multiple_of(rb),
@@ -103,8 +110,15 @@ pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
     );
     #[cfg(target_arch = "x86_64")]
     if simd() == Simd::Avx2 {
-        // SAFETY: avx2, fma and f16c are present; sizes were checked above.
-        unsafe { x86::vec_dot_tile(w, nr, a, out) };
+        // SAFETY: avx2, fma and f16c are present (and avxvnni where used); sizes were checked
+        // above.
+        unsafe {
+            if vnni && is_x86_feature_detected!("avxvnni") {
+                x86::vec_dot_tile_vnni(w, nr, a, out)
+            } else {
+                x86::vec_dot_tile(w, nr, a, out)
+            }
+        };
         return;
     }
     for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows())) {
@@ -163,45 +177,6 @@ mod x86 {
         hsum_f32x8(acc)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
-        let (nb, nt) = (a.n() / BLOCK, a.rows());
-        let wrow = nb * BYTES;
-        let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-        with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
-            let u = u.as_mut_ptr();
-            // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
-            // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
-            // t..t+C'; `u` holds R·nb blocks when nt > 1.
-            unsafe {
-                let mut r = 0;
-                while r + R <= nr {
-                    let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                    if nt == 1 {
-                        tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
-                    } else {
-                        unpack::<R>(w, wrow, nb, u);
-                        let mut t = 0;
-                        while t + C <= nt {
-                            tile::<R, C, true>(w, wrow, u, a, t, o, nt);
-                            t += C;
-                        }
-                        while t < nt {
-                            tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
-                            t += 1;
-                        }
-                    }
-                    r += R;
-                }
-                for r in r..nr {
-                    for t in 0..nt {
-                        tile::<1, 1, false>(wp.add(r * wrow), wrow, u, a, t, op.add(r * nt), nt);
-                    }
-                }
-            }
-        })
-    }
-
     /// The block's nibbles as bytes 0..15 in element order (low nibbles are elements 0..16,
     /// high nibbles 16..32): one broadcast load, one per-half shift, one mask.
     #[inline]
@@ -233,72 +208,148 @@ mod x86 {
         }
     }
 
-    /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
-    /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:
-    /// i32 lane k holds the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y`
-    /// (`maddubs` of the unsigned nibbles, no saturation possible) minus the activation's
-    /// `8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
+    /// One block against one activation block: i32 lane k holds the exact `Σ (q − 8)·y` over
+    /// elements 4k..4k+4, as `Σ q·y` of the unsigned nibbles (`maddubs` + `madd`; no saturation
+    /// possible) minus the activation's `8·Σ y`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
-        w: *const u8,
-        wrow: usize,
-        u: *const Unpacked,
-        a: &TileAct,
-        t0: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let nb = a.n() / BLOCK;
-        let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
-        let table = f16_table();
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        for b in 0..nb {
-            for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
-                // rows t0..t0+C exist in `a`.
-                unsafe {
-                    let (q, dw) = if UNPACKED {
-                        let u = &*u.add(b * R + r);
-                        (
-                            _mm256_load_si256(u.q.as_ptr().cast()),
-                            _mm256_load_ps(u.d.as_ptr()),
-                        )
-                    } else {
-                        let wb = w.add(r * wrow + b * BYTES);
-                        if C == 1 {
-                            // Decode streams the weights once: ask for them well ahead.
-                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+    fn lanes_avx2(q: __m256i, y: __m256i, bias: __m256i) -> __m256i {
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1));
+        _mm256_sub_epi32(p, bias)
+    }
+
+    /// [`lanes_avx2`] with AVX-VNNI: `vpdpbusd` sums the same four products per lane in one
+    /// instruction, so the integers, and everything after them, are the same.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn lanes_vnni(q: __m256i, y: __m256i, bias: __m256i) -> __m256i {
+        _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, y), bias)
+    }
+
+    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
+    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
+    macro_rules! tile_kernels {
+        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $driver(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
+                let (nb, nt) = (a.n() / BLOCK, a.rows());
+                let wrow = nb * BYTES;
+                let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+                with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
+                    let u = u.as_mut_ptr();
+                    // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
+                    // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
+                    // t..t+C'; `u` holds R·nb blocks when nt > 1.
+                    unsafe {
+                        let mut r = 0;
+                        while r + R <= nr {
+                            let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                            if nt == 1 {
+                                $tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
+                            } else {
+                                unpack::<R>(w, wrow, nb, u);
+                                let mut t = 0;
+                                while t + C <= nt {
+                                    $tile::<R, C, true>(w, wrow, u, a, t, o, nt);
+                                    t += C;
+                                }
+                                while t < nt {
+                                    $tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
+                                    t += 1;
+                                }
+                            }
+                            r += R;
                         }
-                        (nibbles(wb), _mm256_set1_ps(scale_from(table, wb)))
-                    };
-                    for (c, acc) in acc.iter_mut().enumerate() {
-                        let i = (t0 + c) * nb + b;
-                        let y = &*ys.add(i);
-                        let qy = _mm256_load_si256(y.q.as_ptr().cast());
-                        let bias = _mm256_load_si256(y.bias.as_ptr().cast());
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, qy), ones);
-                        let p = _mm256_sub_epi32(p, bias);
-                        let da = if UNPACKED {
-                            _mm256_set1_ps(*ds.add(i))
-                        } else {
-                            _mm256_load_ps((*d8.add(i)).0.as_ptr())
-                        };
-                        let d = _mm256_mul_ps(dw, da);
-                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                        for r in r..nr {
+                            for t in 0..nt {
+                                $tile::<1, 1, false>(
+                                    wp.add(r * wrow),
+                                    wrow,
+                                    u,
+                                    a,
+                                    t,
+                                    op.add(r * nt),
+                                    nt,
+                                );
+                            }
+                        }
+                    }
+                })
+            }
+
+            /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
+            /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:
+            /// i32 lane k holds the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y`
+            /// (`maddubs` of the unsigned nibbles, no saturation possible) minus the activation's
+            /// `8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
+            #[inline]
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $tile<const R: usize, const C: usize, const UNPACKED: bool>(
+                w: *const u8,
+                wrow: usize,
+                u: *const Unpacked,
+                a: &TileAct,
+                t0: usize,
+                out: *mut f32,
+                ldo: usize,
+            ) {
+                let nb = a.n() / BLOCK;
+                let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
+                let table = f16_table();
+                let mut acc = [[_mm256_setzero_ps(); C]; R];
+                for b in 0..nb {
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
+                        // rows t0..t0+C exist in `a`.
+                        unsafe {
+                            let (q, dw) = if UNPACKED {
+                                let u = &*u.add(b * R + r);
+                                (
+                                    _mm256_load_si256(u.q.as_ptr().cast()),
+                                    _mm256_load_ps(u.d.as_ptr()),
+                                )
+                            } else {
+                                let wb = w.add(r * wrow + b * BYTES);
+                                if C == 1 {
+                                    // Decode streams the weights once: ask for them well ahead.
+                                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+                                }
+                                (nibbles(wb), _mm256_set1_ps(scale_from(table, wb)))
+                            };
+                            for (c, acc) in acc.iter_mut().enumerate() {
+                                let i = (t0 + c) * nb + b;
+                                let y = &*ys.add(i);
+                                let qy = _mm256_load_si256(y.q.as_ptr().cast());
+                                let bias = _mm256_load_si256(y.bias.as_ptr().cast());
+                                let p = $lanes(q, qy, bias);
+                                let da = if UNPACKED {
+                                    _mm256_set1_ps(*ds.add(i))
+                                } else {
+                                    _mm256_load_ps((*d8.add(i)).0.as_ptr())
+                                };
+                                let d = _mm256_mul_ps(dw, da);
+                                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                            }
+                        }
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    for (c, &acc) in acc.iter().enumerate() {
+                        // SAFETY: (r, t0 + c) is inside the caller's output.
+                        unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
                     }
                 }
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            for (c, &acc) in acc.iter().enumerate() {
-                // SAFETY: (r, t0 + c) is inside the caller's output.
-                unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
-            }
-        }
+        };
     }
+    tile_kernels!("avx2,fma,f16c", lanes_avx2, vec_dot_tile, tile);
+    tile_kernels!(
+        "avx2,fma,f16c,avxvnni",
+        lanes_vnni,
+        vec_dot_tile_vnni,
+        tile_vnni
+    );
 }
 
 #[cfg(target_arch = "aarch64")]
@@ -452,7 +503,10 @@ mod tests {
             finite_scales(&mut w, BYTES, &[0]);
             let mut a = q8_0::TileAct::default();
             a.quantize(&x, n);
-            q8_0::tests::assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
+            // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
+                q8_0::tests::assert_tile_is_vec_dot(&w, &a, tile, vec_dot, n / BLOCK * BYTES)?;
+            }
         }
 
         #[test]
@@ -466,7 +520,10 @@ mod tests {
             finite_scales(&mut q, A, &[0]);
             let mut a = q8_0::TileAct::default();
             a.load_q8(&q, n);
-            q8_0::tests::assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
+            // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
+                q8_0::tests::assert_tile_is_vec_dot(&w, &a, tile, vec_dot, n / BLOCK * BYTES)?;
+            }
         }
     }
 }

@@ -235,6 +235,13 @@ impl TileAct {
 /// [`vec_dot`], bit for bit, but several rows and tokens at a time (see `q4_0::vec_dot_tile`).
 /// Rows holding a -128 quant go through [`vec_dot`] (the sign trick cannot take them).
 pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
+    tile_with(super::util::use_vnni(), w, a, out)
+}
+
+/// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
+fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = vnni;
     let rb = a.n / BLOCK * BYTES;
     assert!(
         rb > 0 && w.len().is_multiple_of(rb),
@@ -244,8 +251,15 @@ pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
     assert_eq!(out.len(), nr * a.rows, "q8_0 tile: output is rows × tokens");
     #[cfg(target_arch = "x86_64")]
     if simd() == Simd::Avx2 && !a.has_min {
-        // SAFETY: avx2, fma and f16c are present; sizes were checked above.
-        unsafe { x86::vec_dot_tile(w, nr, a, out) };
+        // SAFETY: avx2, fma and f16c are present (and avxvnni where used); sizes were checked
+        // above.
+        unsafe {
+            if vnni && is_x86_feature_detected!("avxvnni") {
+                x86::vec_dot_tile_vnni(w, nr, a, out)
+            } else {
+                x86::vec_dot_tile(w, nr, a, out)
+            }
+        };
         return;
     }
     for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows)) {
@@ -402,45 +416,6 @@ pub(super) mod x86 {
     /// 16 KiB ahead measured best (4 KiB: -10%, 32 KiB: the same) on a 2-core Xeon.
     pub(in crate::quant) const PREFETCH: usize = 16384;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn vec_dot_tile(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
-        let (nb, nt) = (a.n / BLOCK, a.rows);
-        let wrow = nb * BYTES;
-        let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-        with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
-            let u = u.as_mut_ptr();
-            // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
-            // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
-            // t..t+C'; `u` holds R·nb blocks when nt > 1.
-            unsafe {
-                let mut r = 0;
-                while r + R <= nr {
-                    let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                    if nt == 1 {
-                        tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
-                    } else {
-                        unpack::<R>(w, wrow, nb, u);
-                        let mut t = 0;
-                        while t + C <= nt {
-                            tile::<R, C, true>(w, wrow, u, a, t, o, nt);
-                            t += C;
-                        }
-                        while t < nt {
-                            tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
-                            t += 1;
-                        }
-                    }
-                    r += R;
-                }
-                for r in r..nr {
-                    for t in 0..nt {
-                        tile::<1, 1, false>(wp.add(r * wrow), wrow, u, a, t, op.add(r * nt), nt);
-                    }
-                }
-            }
-        })
-    }
-
     /// The R rows at `w` into `u` ([block][row]).
     ///
     /// # Safety
@@ -464,76 +439,148 @@ pub(super) mod x86 {
         }
     }
 
-    /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
-    /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is
-    /// [`super::vec_dot`]'s: the exact i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact
-    /// since no activation quant is -128), one FMA of `d_w * d_a` per block into 8 lanes,
-    /// `hsum_f32x8` at the end.
+    /// The exact 4-product sums `Σ |x|·(y·sign x)` per i32 lane (ggml's sign trick: `|x|` as
+    /// unsigned bytes; exact unless some y is -128, which the caller rules out).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<const R: usize, const C: usize, const UNPACKED: bool>(
-        w: *const u8,
-        wrow: usize,
-        u: *const Unpacked,
-        a: &TileAct,
-        t0: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let nb = a.n / BLOCK;
-        let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
-        let table = f16_table();
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        for b in 0..nb {
-            for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
-                // rows t0..t0+C exist in `a`.
-                unsafe {
-                    let (x, dw) = if UNPACKED {
-                        let u = &*u.add(b * R + r);
-                        (
-                            _mm256_load_si256(u.q.as_ptr().cast()),
-                            _mm256_load_ps(u.d.as_ptr()),
-                        )
-                    } else {
-                        let wb = w.add(r * wrow + b * BYTES);
-                        if C == 1 {
-                            // Decode streams the weights once: ask for them well ahead.
-                            _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+    fn lanes_avx2(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+    }
+
+    /// [`lanes_avx2`] with AVX-VNNI's `vpdpbusd`: the same four products per lane, summed in
+    /// one instruction, so the same integers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn lanes_vnni(ax: __m256i, sy: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy)
+    }
+
+    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
+    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
+    macro_rules! tile_kernels {
+        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
+            #[target_feature(enable = $features)]
+            pub unsafe fn $driver(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
+                let (nb, nt) = (a.n / BLOCK, a.rows);
+                let wrow = nb * BYTES;
+                let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
+                with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
+                    let u = u.as_mut_ptr();
+                    // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
+                    // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
+                    // t..t+C'; `u` holds R·nb blocks when nt > 1.
+                    unsafe {
+                        let mut r = 0;
+                        while r + R <= nr {
+                            let (w, o) = (wp.add(r * wrow), op.add(r * nt));
+                            if nt == 1 {
+                                $tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
+                            } else {
+                                unpack::<R>(w, wrow, nb, u);
+                                let mut t = 0;
+                                while t + C <= nt {
+                                    $tile::<R, C, true>(w, wrow, u, a, t, o, nt);
+                                    t += C;
+                                }
+                                while t < nt {
+                                    $tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
+                                    t += 1;
+                                }
+                            }
+                            r += R;
                         }
-                        (
-                            _mm256_loadu_si256(wb.add(2).cast()),
-                            _mm256_set1_ps(scale_from(table, wb)),
-                        )
-                    };
-                    let ax = _mm256_sign_epi8(x, x);
-                    for (c, acc) in acc.iter_mut().enumerate() {
-                        let i = (t0 + c) * nb + b;
-                        let y = _mm256_load_si256((*ys.add(i)).q.as_ptr().cast());
-                        let p = _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)),
-                            ones,
-                        );
-                        let da = if UNPACKED {
-                            _mm256_set1_ps(*ds.add(i))
-                        } else {
-                            _mm256_load_ps((*d8.add(i)).0.as_ptr())
-                        };
-                        let d = _mm256_mul_ps(dw, da);
-                        *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                        for r in r..nr {
+                            for t in 0..nt {
+                                $tile::<1, 1, false>(
+                                    wp.add(r * wrow),
+                                    wrow,
+                                    u,
+                                    a,
+                                    t,
+                                    op.add(r * nt),
+                                    nt,
+                                );
+                            }
+                        }
+                    }
+                })
+            }
+
+            /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
+            /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is
+            /// [`super::vec_dot`]'s: the exact i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact
+            /// since no activation quant is -128), one FMA of `d_w * d_a` per block into 8 lanes,
+            /// `hsum_f32x8` at the end.
+            #[inline]
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $tile<const R: usize, const C: usize, const UNPACKED: bool>(
+                w: *const u8,
+                wrow: usize,
+                u: *const Unpacked,
+                a: &TileAct,
+                t0: usize,
+                out: *mut f32,
+                ldo: usize,
+            ) {
+                let nb = a.n / BLOCK;
+                let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
+                let table = f16_table();
+                let mut acc = [[_mm256_setzero_ps(); C]; R];
+                for b in 0..nb {
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
+                        // rows t0..t0+C exist in `a`.
+                        unsafe {
+                            let (x, dw) = if UNPACKED {
+                                let u = &*u.add(b * R + r);
+                                (
+                                    _mm256_load_si256(u.q.as_ptr().cast()),
+                                    _mm256_load_ps(u.d.as_ptr()),
+                                )
+                            } else {
+                                let wb = w.add(r * wrow + b * BYTES);
+                                if C == 1 {
+                                    // Decode streams the weights once: ask for them well ahead.
+                                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
+                                }
+                                (
+                                    _mm256_loadu_si256(wb.add(2).cast()),
+                                    _mm256_set1_ps(scale_from(table, wb)),
+                                )
+                            };
+                            let ax = _mm256_sign_epi8(x, x);
+                            for (c, acc) in acc.iter_mut().enumerate() {
+                                let i = (t0 + c) * nb + b;
+                                let y = _mm256_load_si256((*ys.add(i)).q.as_ptr().cast());
+                                let p = $lanes(ax, _mm256_sign_epi8(y, x));
+                                let da = if UNPACKED {
+                                    _mm256_set1_ps(*ds.add(i))
+                                } else {
+                                    _mm256_load_ps((*d8.add(i)).0.as_ptr())
+                                };
+                                let d = _mm256_mul_ps(dw, da);
+                                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                            }
+                        }
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    for (c, &acc) in acc.iter().enumerate() {
+                        // SAFETY: (r, t0 + c) is inside the caller's output.
+                        unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
                     }
                 }
             }
-        }
-        for (r, acc) in acc.iter().enumerate() {
-            for (c, &acc) in acc.iter().enumerate() {
-                // SAFETY: (r, t0 + c) is inside the caller's output.
-                unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
-            }
-        }
+        };
     }
+    tile_kernels!("avx2,fma,f16c", lanes_avx2, vec_dot_tile, tile);
+    tile_kernels!(
+        "avx2,fma,f16c,avxvnni",
+        lanes_vnni,
+        vec_dot_tile_vnni,
+        tile_vnni
+    );
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
@@ -775,7 +822,10 @@ pub(crate) mod tests {
             finite_scales(&mut w, BYTES, &[0]);
             let mut a = TileAct::default();
             a.quantize(&x, n);
-            assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, n / BLOCK * BYTES)?;
+            // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
+            assert_tile_is_vec_dot(&w, &a, tile, vec_dot, n / BLOCK * BYTES)?;
+            }
         }
 
         #[test]
@@ -791,7 +841,10 @@ pub(crate) mod tests {
             finite_scales(&mut q, BYTES, &[0]);
             let mut a = TileAct::default();
             a.load_q8(&q, n);
-            assert_tile_is_vec_dot(&w, &a, vec_dot_tile, vec_dot, rb)?;
+            // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
+            assert_tile_is_vec_dot(&w, &a, tile, vec_dot, rb)?;
+            }
         }
     }
 }

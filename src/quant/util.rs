@@ -245,6 +245,23 @@ pub fn simd() -> Simd {
     Simd::Scalar
 }
 
+/// Whether the tile kernels use AVX-VNNI's `vpdpbusd` (one instruction for the 4-product
+/// integer sums that AVX2 builds from `maddubs` + `madd`; same integers, so same results):
+/// when the CPU has it, unless `PARITY_NO_VNNI` is set (for A/B measurements).
+pub fn use_vnni() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            simd() == Simd::Avx2
+                && is_x86_feature_detected!("avxvnni")
+                && std::env::var_os("PARITY_NO_VNNI").is_none()
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// AVX2 building blocks shared by the 32-element block formats.
 ///
 /// # Safety
