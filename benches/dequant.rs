@@ -157,19 +157,20 @@ fn machine() -> String {
                 .map(|s| s.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into());
-    #[allow(unused_mut)]
-    let mut feats: Vec<String> = Vec::new();
     #[cfg(target_arch = "x86_64")]
-    {
-        macro_rules! f {
-            ($($n:tt),*) => {$(
-                feats.push(format!("{}={}", $n, if is_x86_feature_detected!($n) { "yes" } else { "no" }));
-            )*};
-        }
-        f!("avx2", "fma", "f16c", "avx512f");
-    }
+    let feats: Vec<String> = {
+        let yn = |b: bool| if b { "yes" } else { "no" };
+        vec![
+            format!("avx2={}", yn(is_x86_feature_detected!("avx2"))),
+            format!("fma={}", yn(is_x86_feature_detected!("fma"))),
+            format!("f16c={}", yn(is_x86_feature_detected!("f16c"))),
+            format!("avx512f={}", yn(is_x86_feature_detected!("avx512f"))),
+        ]
+    };
     #[cfg(target_arch = "aarch64")]
-    feats.push("neon=yes".into());
+    let feats: Vec<String> = vec!["neon=yes".into()];
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let feats: Vec<String> = Vec::new();
     let load = std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into());

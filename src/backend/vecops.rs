@@ -97,12 +97,20 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2")]
     fn sum_squares4(x: &[f32], n: usize) -> [f64; 4] {
-        let rows: [&[f32]; 4] = std::array::from_fn(|k| &x[k * n..(k + 1) * n]);
+        let rows = [&x[..n], &x[n..2 * n], &x[2 * n..3 * n], &x[3 * n..4 * n]];
         let mut acc = _mm256_setzero_pd();
         let n4 = n & !3;
         for i in (0..n4).step_by(4) {
-            // SAFETY: i + 4 <= n for every row.
-            let [a, b, c, d] = rows.map(|r| unsafe { _mm_loadu_ps(r.as_ptr().add(i)) });
+            // SAFETY: i + 4 <= n for every row. (No closures here: they may not be inlined
+            // into a target_feature function.)
+            let (a, b, c, d) = unsafe {
+                (
+                    _mm_loadu_ps(rows[0].as_ptr().add(i)),
+                    _mm_loadu_ps(rows[1].as_ptr().add(i)),
+                    _mm_loadu_ps(rows[2].as_ptr().add(i)),
+                    _mm_loadu_ps(rows[3].as_ptr().add(i)),
+                )
+            };
             // 4×4 transpose: column j holds element i + j of each row.
             let ab_lo = _mm_unpacklo_ps(a, b); // a0 b0 a1 b1
             let ab_hi = _mm_unpackhi_ps(a, b); // a2 b2 a3 b3

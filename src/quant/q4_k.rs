@@ -559,9 +559,11 @@ mod avx2 {
                         *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(p, s));
                     }
                 }
-                // SAFETY: 32 readable bytes each.
-                let msum = [0, 1, 2, 3]
-                    .map(|r| min_sums(unsafe { _mm256_loadu_si256(u[r].mins.as_ptr().cast()) }, y));
+                let mut msum = [_mm_setzero_si128(); 4];
+                for (m, u) in msum.iter_mut().zip(u) {
+                    // SAFETY: 32 readable bytes.
+                    *m = min_sums(unsafe { _mm256_loadu_si256(u.mins.as_ptr().cast()) }, y);
+                }
                 *sumf = step4(*sumf, &acc, &msum, xd, xdmin, q8_k::block_d(y));
             }
         }
