@@ -240,7 +240,11 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let threads = super::run::resolve_threads(a.threads);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cpu = cpu_model();
-    let simd = format!("{:?}", crate::quant::util::simd());
+    let simd = format!(
+        "{:?}{}",
+        crate::quant::util::simd(),
+        if crate::quant::util::use_vnni() { "+AVX-VNNI" } else { "" }
+    );
     let ids = prompt_ids(&model, a.prompt_tokens);
     let file_bytes = model.file.bytes().len();
     let wtype = model.main_weight_type();
