@@ -243,7 +243,11 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let simd = format!(
         "{:?}{}",
         crate::quant::util::simd(),
-        if crate::quant::util::use_vnni() { "+AVX-VNNI" } else { "" }
+        if crate::quant::util::use_vnni() {
+            "+AVX-VNNI"
+        } else {
+            ""
+        }
     );
     let ids = prompt_ids(&model, a.prompt_tokens);
     let file_bytes = model.file.bytes().len();

@@ -139,7 +139,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0::x86::{
-        C, PREFETCH, R, Unpacked, f16_at, f16_table, scale_from, with_unpacked,
+        C, PREFETCH, R, Unpacked, f16_at, f16_table, scale_from, tile_driver, with_unpacked,
     };
     use super::super::q8_0::{self, TileAct};
     use super::super::util::x86_b32::*;
@@ -230,52 +230,7 @@ mod x86 {
     /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
     macro_rules! tile_kernels {
         ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
-            #[target_feature(enable = $features)]
-            pub unsafe fn $driver(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
-                let (nb, nt) = (a.n() / BLOCK, a.rows());
-                let wrow = nb * BYTES;
-                let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-                with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
-                    let u = u.as_mut_ptr();
-                    // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
-                    // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
-                    // t..t+C'; `u` holds R·nb blocks when nt > 1.
-                    unsafe {
-                        let mut r = 0;
-                        while r + R <= nr {
-                            let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                            if nt == 1 {
-                                $tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
-                            } else {
-                                unpack::<R>(w, wrow, nb, u);
-                                let mut t = 0;
-                                while t + C <= nt {
-                                    $tile::<R, C, true>(w, wrow, u, a, t, o, nt);
-                                    t += C;
-                                }
-                                while t < nt {
-                                    $tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
-                                    t += 1;
-                                }
-                            }
-                            r += R;
-                        }
-                        for r in r..nr {
-                            for t in 0..nt {
-                                $tile::<1, 1, false>(
-                                    wp.add(r * wrow),
-                                    wrow,
-                                    u,
-                                    a,
-                                    t,
-                                    op.add(r * nt),
-                                    nt,
-                                );
-                            }
-                        }
-                    }
-                })
-            }
+            tile_driver!($features, $driver, $tile);
 
             /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
             /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:

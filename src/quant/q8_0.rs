@@ -455,13 +455,16 @@ pub(super) mod x86 {
         _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy)
     }
 
-    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
-    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
-    macro_rules! tile_kernels {
-        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
+    /// The tile driver shared by the Q4_0 and Q8_0 kernels: groups of R weight rows; for one
+    /// token (decode) straight from the weights, for several (prompt) unpacked once into the
+    /// per-thread buffer and then swept C tokens at a time; tail rows one by one. `$tile` is
+    /// the caller's kernel, compiled for the same `$features`; `BLOCK`, `BYTES` and `unpack`
+    /// are the caller's.
+    macro_rules! tile_driver {
+        ($features:literal, $driver:ident, $tile:ident) => {
             #[target_feature(enable = $features)]
             pub unsafe fn $driver(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
-                let (nb, nt) = (a.n / BLOCK, a.rows);
+                let (nb, nt) = (a.n() / BLOCK, a.rows());
                 let wrow = nb * BYTES;
                 let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
                 with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
@@ -505,6 +508,15 @@ pub(super) mod x86 {
                     }
                 })
             }
+        };
+    }
+    pub(in crate::quant) use tile_driver;
+
+    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
+    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
+    macro_rules! tile_kernels {
+        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
+            tile_driver!($features, $driver, $tile);
 
             /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
             /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is
