@@ -210,20 +210,20 @@ mod x86 {
 
     /// One block against one activation block: i32 lane k holds the exact `Σ (q − 8)·y` over
     /// elements 4k..4k+4, as `Σ q·y` of the unsigned nibbles (`maddubs` + `madd`; no saturation
-    /// possible) minus the activation's `8·Σ y`.
+    /// possible) plus the activation's `−8·Σ y`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn lanes_avx2(q: __m256i, y: __m256i, bias: __m256i) -> __m256i {
+    fn lanes_avx2(q: __m256i, y: __m256i, neg_bias: __m256i) -> __m256i {
         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1));
-        _mm256_sub_epi32(p, bias)
+        _mm256_add_epi32(p, neg_bias)
     }
 
-    /// [`lanes_avx2`] with AVX-VNNI: `vpdpbusd` sums the same four products per lane in one
-    /// instruction, so the integers, and everything after them, are the same.
+    /// [`lanes_avx2`] with AVX-VNNI: `vpdpbusd` adds the same four products per lane to
+    /// `−8·Σ y` in one instruction, so the integers, and everything after them, are the same.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    fn lanes_vnni(q: __m256i, y: __m256i, bias: __m256i) -> __m256i {
-        _mm256_sub_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, y), bias)
+    fn lanes_vnni(q: __m256i, y: __m256i, neg_bias: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(neg_bias, q, y)
     }
 
     /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
@@ -235,8 +235,8 @@ mod x86 {
             /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
             /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:
             /// i32 lane k holds the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y`
-            /// (`maddubs` of the unsigned nibbles, no saturation possible) minus the activation's
-            /// `8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
+            /// (`maddubs` of the unsigned nibbles, no saturation possible) plus the activation's
+            /// `−8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
             #[inline]
             #[target_feature(enable = $features)]
             #[allow(clippy::too_many_arguments)]
@@ -276,8 +276,8 @@ mod x86 {
                                 let i = (t0 + c) * nb + b;
                                 let y = &*ys.add(i);
                                 let qy = _mm256_load_si256(y.q.as_ptr().cast());
-                                let bias = _mm256_load_si256(y.bias.as_ptr().cast());
-                                let p = $lanes(q, qy, bias);
+                                let nb8 = _mm256_load_si256(y.neg_bias.as_ptr().cast());
+                                let p = $lanes(q, qy, nb8);
                                 let da = if UNPACKED {
                                     _mm256_set1_ps(*ds.add(i))
                                 } else {

@@ -117,13 +117,13 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
 }
 
 /// One activation block as the tile kernels read it (64 bytes, one cache line): the 32 quants,
-/// then `8·(q[4k] + … + q[4k+3])` for k in 0..8 (the term that turns Q4_0's unsigned nibbles
-/// into `q − 8`).
+/// then `−8·(q[4k] + … + q[4k+3])` for k in 0..8 (the term that turns Q4_0's unsigned nibbles
+/// into `q − 8`; negative so that it can be `vpdpbusd`'s starting value).
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(64))]
 pub struct TileBlock {
     pub(in crate::quant) q: [i8; 32],
-    pub(in crate::quant) bias: [i32; 8],
+    pub(in crate::quant) neg_bias: [i32; 8],
 }
 
 /// Eight lanes of one f32, 32-byte aligned.
@@ -199,8 +199,8 @@ impl TileAct {
             for (q, &v) in t.q.iter_mut().zip(&b[2..]) {
                 *q = v as i8;
             }
-            for (k, bias) in t.bias.iter_mut().enumerate() {
-                *bias = 8 * t.q[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum::<i32>();
+            for (k, nb) in t.neg_bias.iter_mut().enumerate() {
+                *nb = -8 * t.q[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum::<i32>();
             }
             has_min |= b[2..].contains(&0x80);
         }
@@ -332,7 +332,8 @@ pub(super) mod x86 {
             // SAFETY: `t` is 64 writable bytes (32 of quants, then 8 i32).
             unsafe {
                 _mm256_store_si256(t.q.as_mut_ptr().cast(), y);
-                _mm256_store_si256(t.bias.as_mut_ptr().cast(), _mm256_slli_epi32::<3>(sum4));
+                let neg8 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<3>(sum4));
+                _mm256_store_si256(t.neg_bias.as_mut_ptr().cast(), neg8);
             }
         }
         _mm256_movemask_epi8(min) != 0
