@@ -200,9 +200,11 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 
 /// `out[r * nt + t] = vec_dot(w_r, a_t)` for every Q4_K weight row `w_r` of `w` (whole rows,
 /// back to back) and each of the `nt` Q8_K activation rows of `a`: the same numbers as
-/// [`vec_dot`], bit for bit, computed 4 rows × 4 tokens at a time. Prefill (nt > 1) first
-/// unpacks each group of 4 rows (nibbles, scales and mins spread for the SIMD multiplies) into
-/// a per-thread buffer, so that work is done once per row instead of once per (row, token).
+/// [`vec_dot`], bit for bit, four weight rows at a time with the per-block float step in 4
+/// lanes (one row each). Prefill (nt > 1) first unpacks each group of 4 rows (nibbles, scales
+/// and mins spread for the SIMD multiplies) into a per-thread buffer, so that work is done once
+/// per row instead of once per (row, token), then takes 4 tokens per pass; decode (nt = 1)
+/// reads the rows straight from the weights, prefetching ahead.
 pub fn vec_dot_tile(w: &[u8], a: &[u8], nt: usize, out: &mut [f32]) {
     assert!(
         nt > 0 && a.len().is_multiple_of(nt),
