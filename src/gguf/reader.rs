@@ -99,7 +99,7 @@ impl std::ops::Deref for Storage {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct TensorInfo {
     pub name: String,
-    /// ggml `ne` order: dims[0] is the fastest-varying (row width).
+    /// ggml `ne` order: `dims[0]` is the fastest-varying (row width).
     pub dims: Vec<u64>,
     pub ty: GgmlType,
     /// Offset relative to the start of the data section.
@@ -109,7 +109,7 @@ pub struct TensorInfo {
 }
 
 impl TensorInfo {
-    /// Row width (ne[0]) and number of rows (product of the other dims).
+    /// Row width (`ne[0]`) and number of rows (product of the other dims).
     pub fn rows(&self) -> (usize, usize) {
         let w = self.dims.first().copied().unwrap_or(1) as usize;
         let r = self.dims.iter().skip(1).product::<u64>() as usize;

@@ -25,9 +25,9 @@ pub enum ModelError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RopeType {
-    /// Adjacent pairs (x[2i], x[2i+1]): llama.
+    /// Adjacent pairs (`x[2i]`, `x[2i+1]`): llama.
     Norm,
-    /// Halves (x[i], x[i + n_rot/2]): qwen2 and GPT-NeoX-style models.
+    /// Halves (`x[i]`, `x[i + n_rot/2]`): qwen2 and GPT-NeoX-style models.
     Neox,
 }
 
