@@ -370,23 +370,6 @@ fn llama_python() -> Result<String, String> {
     Err(format!("tried {}", candidates.join(", ")))
 }
 
-fn npy_files(dir: &Path) -> Vec<String> {
-    let mut v = Vec::new();
-    for s in std::fs::read_dir(dir).unwrap().flatten() {
-        if s.path().is_dir() {
-            for f in std::fs::read_dir(s.path()).unwrap().flatten() {
-                v.push(format!(
-                    "{}/{}",
-                    s.file_name().to_string_lossy(),
-                    f.file_name().to_string_lossy()
-                ));
-            }
-        }
-    }
-    v.sort();
-    v
-}
-
 #[test]
 fn goldens_regenerate_byte_for_byte() {
     let py = match llama_python() {

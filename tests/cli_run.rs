@@ -565,20 +565,7 @@ fn dump_taps_filter_keeps_only_those() {
     }
     assert_eq!(names, want);
     // Nothing else was written.
-    let mut on_disk = Vec::new();
-    for s in std::fs::read_dir(&out).unwrap().flatten() {
-        if s.path().is_dir() {
-            for f in std::fs::read_dir(s.path()).unwrap().flatten() {
-                on_disk.push(format!(
-                    "{}/{}",
-                    s.file_name().to_string_lossy(),
-                    f.file_name().to_string_lossy()
-                ));
-            }
-        }
-    }
-    on_disk.sort();
-    assert_eq!(on_disk, want);
+    assert_eq!(npy_files(&out), want);
     // Bad regex: an error naming --taps.
     let o = parity(&[
         "dump",

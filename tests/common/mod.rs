@@ -1,5 +1,5 @@
 //! Helpers shared by the CLI tests: run the real binary from the repository root, find
-//! ../shared, read and write .npy files, copy trace folders.
+//! ../shared, read and write .npy files, list and copy trace folders.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -76,4 +76,23 @@ pub fn write_npy(p: &Path, shape: &[u64], data: &[f32]) {
         .unwrap();
     w.extend(data.iter().copied()).unwrap();
     w.finish().unwrap();
+}
+
+/// The `.npy` files of a trace folder as sorted `step_dir/file` names (one level of step
+/// folders below `dir`).
+pub fn npy_files(dir: &Path) -> Vec<String> {
+    let mut v = Vec::new();
+    for s in std::fs::read_dir(dir).unwrap().flatten() {
+        if s.path().is_dir() {
+            for f in std::fs::read_dir(s.path()).unwrap().flatten() {
+                v.push(format!(
+                    "{}/{}",
+                    s.file_name().to_string_lossy(),
+                    f.file_name().to_string_lossy()
+                ));
+            }
+        }
+    }
+    v.sort();
+    v
 }
