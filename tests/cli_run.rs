@@ -840,3 +840,92 @@ fn bench_reports_both_engines_and_ratios() {
     ]);
     assert_eq!(generated_ids(&out), greedy);
 }
+
+/// The AVX-VNNI tile kernels (Q4_0, Q8_0) change no bit: a fast-backend dump with them and one
+/// with `PARITY_NO_VNNI=1` are byte-identical, tap for tap, and `parity bench` says which ran.
+#[test]
+fn vnni_kernels_change_no_tap() {
+    #[cfg(target_arch = "x86_64")]
+    let has_vnni = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+        && is_x86_feature_detected!("avxvnni");
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_vnni = false;
+    if !has_vnni {
+        eprintln!("note: this CPU has no AVX-VNNI: both runs use the AVX2 kernels");
+    }
+    let run = |args: &[&str], vnni: bool| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
+        c.args(args)
+            .current_dir(root())
+            .env_remove("PARITY_NO_VNNI");
+        if !vnni {
+            c.env("PARITY_NO_VNNI", "1");
+        }
+        c.output().expect("run parity")
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for fixture in ["tiny-llama-q4_0", "tiny-llama-q8_0"] {
+        let model = format!("fixtures/{fixture}.gguf");
+        let mut dirs = Vec::new();
+        for vnni in [true, false] {
+            let out = tmp.path().join(format!("{fixture}-{vnni}"));
+            let o = run(
+                &[
+                    "dump",
+                    &model,
+                    "-p",
+                    "Once upon a time",
+                    "--steps",
+                    "2",
+                    "--backend",
+                    "fast",
+                    "--out",
+                    out.to_str().unwrap(),
+                ],
+                vnni,
+            );
+            assert!(o.status.success(), "{}", show(&o));
+            dirs.push(out);
+        }
+        let files = npy_files(&dirs[0]);
+        assert!(
+            files.len() > 40,
+            "{fixture}: only {} tap files",
+            files.len()
+        );
+        assert_eq!(files, npy_files(&dirs[1]), "{fixture}: different tap sets");
+        for f in &files {
+            let a = std::fs::read(dirs[0].join(f)).unwrap();
+            let b = std::fs::read(dirs[1].join(f)).unwrap();
+            assert!(a == b, "{fixture}: {f} differs with and without AVX-VNNI");
+        }
+
+        let bench = [
+            "bench",
+            &model,
+            "--no-llama",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--gen",
+            "1",
+        ];
+        let with = run(&bench, true);
+        let without = run(&bench, false);
+        assert!(
+            with.status.success() && without.status.success(),
+            "{}",
+            show(&with)
+        );
+        assert_eq!(
+            stdout(&with).contains("+AVX-VNNI"),
+            has_vnni,
+            "{}",
+            show(&with)
+        );
+        assert!(!stdout(&without).contains("AVX-VNNI"), "{}", show(&without));
+    }
+}
