@@ -179,7 +179,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 mod x86 {
     use super::super::q8_0;
     use super::super::util::x86_b32::*;
-    use super::{BLOCK, BYTES, KVALUES};
+    use super::{BYTES, KVALUES};
     use std::arch::x86_64::*;
 
     /// The block's grid values as signed bytes, in element order.
@@ -197,9 +197,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(quants(b), f16c_le(b), y.try_into().unwrap());
-        }
+        dequant_b32!(src, dst, BYTES, offset = false, |b| quants(b));
     }
 
     #[inline]

@@ -62,7 +62,10 @@ fn scale(b: &[u8], ib: usize) -> i32 {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -252,24 +255,22 @@ mod avx2 {
         (lo, hi)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         for (b, y) in src
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let d = f16_le(b);
-            for (ib, (q, y)) in b[QS..]
-                .chunks_exact(16)
-                .zip(y.chunks_exact_mut(32))
-                .enumerate()
-            {
-                let dl = d * scale(b, ib) as f32;
-                let (lo, hi) = levels(q);
-                store_scaled_i8x16(&mut y[..16], lo, dl);
-                store_scaled_i8x16(&mut y[16..], hi, dl);
+            let d = f16c_at(b);
+            let dl: [f32; 8] = std::array::from_fn(|ib| d * scale(b, ib) as f32);
+            let mut q = Staged::new();
+            for (ib, qs) in b[QS..].chunks_exact(16).enumerate() {
+                let (lo, hi) = levels(qs);
+                q.put16(2 * ib, lo);
+                q.put16(2 * ib + 1, hi);
             }
+            scale_groups::<32>(&in_memory(&q).0, in_memory(&dl), y);
         }
     }
 

@@ -20,7 +20,10 @@ const DMIN: usize = 82;
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -194,25 +197,30 @@ mod avx2 {
         _mm256_and_si256(shifted, _mm256_set1_epi8(3))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         for (b, y) in src
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let (d, min) = (f16_le(&b[D..]), f16_le(&b[DMIN..]));
-            for (n, y) in y.chunks_exact_mut(128).enumerate() {
+            // Scale byte i: `ds[i] = d·(s & 15)`, `ms[i] = dmin·(s >> 4)`.
+            let s = load_u8x16(b);
+            let m4 = _mm_set1_epi8(0xf);
+            let ds = scales_x16(_mm_and_si128(s, m4), f16c_at(&b[D..]));
+            let ms = scales_x16(
+                _mm_and_si128(_mm_srli_epi16::<4>(s), m4),
+                f16c_at(&b[DMIN..]),
+            );
+            let (ds, ms) = (in_memory(&ds), in_memory(&ms));
+            let mut q = Staged::new();
+            for n in 0..2 {
                 let q2 = load_u8x32(&b[QS + 32 * n..]);
-                for (j, y) in y.chunks_exact_mut(32).enumerate() {
-                    let q = quants(q2, j);
-                    let (s0, s1) = (b[8 * n + 2 * j], b[8 * n + 2 * j + 1]);
-                    let (d0, m0) = (d * (s0 & 0xf) as f32, min * (s0 >> 4) as f32);
-                    let (d1, m1) = (d * (s1 & 0xf) as f32, min * (s1 >> 4) as f32);
-                    store_affine_i8x16(&mut y[..16], lo128(q), d0, m0);
-                    store_affine_i8x16(&mut y[16..], hi128(q), d1, m1);
+                for j in 0..4 {
+                    q.put(4 * n + j, quants(q2, j));
                 }
             }
+            affine_groups::<16>(&in_memory(&q).0, ds, ms, y);
         }
     }
 

@@ -21,6 +21,7 @@ const D: usize = 108;
 /// The 16 sub-block scales, already minus 32: scale `j` has its low nibble in
 /// `scales[j % 8]` (low nibble for j < 8, high for j ≥ 8) and its top 2 bits at bit
 /// `2·(j / 4)` of `scales[8 + j % 4]`.
+#[inline]
 fn unpack_scales(scales: &[u8]) -> [i8; 16] {
     std::array::from_fn(|j| {
         let lo = if j < 8 {
@@ -37,7 +38,10 @@ fn unpack_scales(scales: &[u8]) -> [i8; 16] {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -271,23 +275,42 @@ mod avx2 {
         (low, _mm256_andnot_si256(set, _mm256_set1_epi8(4)))
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    /// [`unpack_scales`] in 16 bytes by whole-word masks and shifts (a byte loop stores 16
+    /// bytes one by one, and the vector load of them then stalls on store forwarding).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn scales_x16_words(s: &[u8]) -> __m128i {
+        let s: &[u8; 12] = s[..12].try_into().unwrap();
+        let lo = u64::from_le_bytes(s[..8].try_into().unwrap());
+        let w = u32::from_le_bytes(s[8..].try_into().unwrap());
+        const LOW4: u64 = 0x0f0f_0f0f_0f0f_0f0f;
+        // Scale j takes bits 2·(j / 4) of byte 8 + j % 4 as its top two bits.
+        let top = |k: u32| u64::from(((w >> (2 * k)) & 0x0303_0303) << 4);
+        let first = (lo & LOW4) | top(0) | (top(1) << 32);
+        let second = ((lo >> 4) & LOW4) | top(2) | (top(3) << 32);
+        _mm_sub_epi8(
+            _mm_set_epi64x(second as i64, first as i64),
+            _mm_set1_epi8(32),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         for (b, y) in src
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let d = f16_le(&b[D..]);
-            let sc = unpack_scales(&b[SCALES..D]);
+            let dl = scales_x16(scales_x16_words(&b[SCALES..D]), f16c_at(&b[D..]));
+            let dl = in_memory(&dl);
             let hmask = load_u8x32(b);
             let q3 = [load_u8x32(&b[QS..]), load_u8x32(&b[QS + 32..])];
-            for (k, y) in y.chunks_exact_mut(32).enumerate() {
+            let mut q = Staged::new();
+            for k in 0..8 {
                 let (low, sub) = quants(q3[k / 4], hmask, k);
-                let q = _mm256_sub_epi8(low, sub);
-                store_scaled_i8x16(&mut y[..16], lo128(q), d * sc[2 * k] as f32);
-                store_scaled_i8x16(&mut y[16..], hi128(q), d * sc[2 * k + 1] as f32);
+                q.put(k, _mm256_sub_epi8(low, sub));
             }
+            scale_groups::<16>(&in_memory(&q).0, dl, y);
         }
     }
 

@@ -158,9 +158,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(quants(b), f16c_le(b), y.try_into().unwrap());
-        }
+        dequant_b32!(src, dst, BYTES, offset = false, |b| quants(b));
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

@@ -99,7 +99,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 mod x86 {
     use super::super::q8_1;
     use super::super::util::x86_b32::*;
-    use super::{BLOCK, BYTES};
+    use super::BYTES;
     use std::arch::x86_64::*;
 
     #[inline]
@@ -110,10 +110,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            let (d, m) = (f16c_le(b), f16c_le(&b[2..]));
-            store_scaled_offset(quants(b), d, m, y.try_into().unwrap());
-        }
+        dequant_b32!(src, dst, BYTES, offset = true, |b| quants(b));
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

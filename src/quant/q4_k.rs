@@ -28,7 +28,10 @@ fn scales_mins(scales: &[u8]) -> ([u8; 8], [u8; 8]) {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -241,7 +244,7 @@ mod avx2 {
     use crate::quant::util::x86::*;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         let m4 = _mm256_set1_epi8(0xf);
@@ -249,23 +252,20 @@ mod avx2 {
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let (d, min) = (f16_le(&b[0..]), f16_le(&b[2..]));
-            let (sc, m) = scales_mins(&b[SCALES..QS]);
-            for (g, (q, y)) in b[QS..]
-                .chunks_exact(32)
-                .zip(y.chunks_exact_mut(64))
-                .enumerate()
-            {
-                let (d1, m1) = (d * sc[2 * g] as f32, min * m[2 * g] as f32);
-                let (d2, m2) = (d * sc[2 * g + 1] as f32, min * m[2 * g + 1] as f32);
-                let q = load_u8x32(q);
-                let lo = _mm256_and_si256(q, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                store_affine_i8x16(&mut y[0..], lo128(lo), d1, m1);
-                store_affine_i8x16(&mut y[16..], hi128(lo), d1, m1);
-                store_affine_i8x16(&mut y[32..], lo128(hi), d2, m2);
-                store_affine_i8x16(&mut y[48..], hi128(hi), d2, m2);
+            // Bytes 0..8 of `sm` are the scales, 8..16 the mins: `ds[j] = d·sc[j]`,
+            // `ms[8 + j] = dmin·m[j]` (the other halves are not used).
+            let sm = scales_mins_x16(&b[SCALES..QS]);
+            let ds = scales_x16(sm, f16c_at(&b[0..]));
+            let ms = scales_x16(sm, f16c_at(&b[2..]));
+            let (ds, ms) = (in_memory(&ds), in_memory(&ms));
+            // Group g: the low nibbles of bytes 32g..32g+32, then their high nibbles.
+            let mut q = Staged::new();
+            for g in 0..4 {
+                let v = load_u8x32(&b[QS + 32 * g..]);
+                q.put(2 * g, _mm256_and_si256(v, m4));
+                q.put(2 * g + 1, _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4));
             }
+            affine_groups::<32>(&in_memory(&q).0, &ds[..8], &ms[8..], y);
         }
     }
 
@@ -308,24 +308,6 @@ mod avx2 {
             sumf += block_dot(x, y, hsum_i32x8(acc), summs);
         }
         sumf
-    }
-
-    /// The 8 scales (bytes 0..8) and 8 mins (bytes 8..16) of a block's 12 packed bytes, all at
-    /// once: the same values as [`scales_mins`], by whole-word shifts and masks.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn scales_mins_x16(s: &[u8]) -> __m128i {
-        let s = &s[..12];
-        let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
-        let (w0, w1, w2) = (w(0), w(1), w(2));
-        const LOW6: u32 = 0x3f3f_3f3f;
-        const LOW4: u32 = 0x0f0f_0f0f;
-        const TOP2: u32 = 0x0303_0303;
-        let sc_lo = w0 & LOW6;
-        let sc_hi = (w2 & LOW4) | (((w0 >> 6) & TOP2) << 4);
-        let m_lo = w1 & LOW6;
-        let m_hi = ((w2 >> 4) & LOW4) | (((w1 >> 6) & TOP2) << 4);
-        _mm_set_epi32(m_hi as i32, m_lo as i32, sc_hi as i32, sc_lo as i32)
     }
 
     /// The 16 i16 lanes `m[j / 2]` from the 8 mins in i16 lanes: the min that multiplies

@@ -30,7 +30,10 @@ fn scales_mins(scales: &[u8]) -> ([u8; 8], [u8; 8]) {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -239,29 +242,26 @@ mod avx2 {
         (lo, hi)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         for (b, y) in src
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let (d, min) = (f16_le(&b[0..]), f16_le(&b[2..]));
-            let (sc, m) = scales_mins(&b[SCALES..QH]);
+            // As in Q4_K: `ds[j] = d·sc[j]`, `ms[8 + j] = dmin·m[j]`.
+            let sm = scales_mins_x16(&b[SCALES..QH]);
+            let ds = scales_x16(sm, f16c_at(&b[0..]));
+            let ms = scales_x16(sm, f16c_at(&b[2..]));
+            let (ds, ms) = (in_memory(&ds), in_memory(&ms));
             let qh = load_u8x32(&b[QH..]);
-            for (g, (ql, y)) in b[QS..]
-                .chunks_exact(32)
-                .zip(y.chunks_exact_mut(64))
-                .enumerate()
-            {
-                let (d1, m1) = (d * sc[2 * g] as f32, min * m[2 * g] as f32);
-                let (d2, m2) = (d * sc[2 * g + 1] as f32, min * m[2 * g + 1] as f32);
+            let mut q = Staged::new();
+            for (g, ql) in b[QS..].chunks_exact(32).enumerate() {
                 let (lo, hi) = quants(ql, qh, g);
-                store_affine_i8x16(&mut y[0..], lo128(lo), d1, m1);
-                store_affine_i8x16(&mut y[16..], hi128(lo), d1, m1);
-                store_affine_i8x16(&mut y[32..], lo128(hi), d2, m2);
-                store_affine_i8x16(&mut y[48..], hi128(hi), d2, m2);
+                q.put(2 * g, lo);
+                q.put(2 * g + 1, hi);
             }
+            affine_groups::<32>(&in_memory(&q).0, &ds[..8], &ms[8..], y);
         }
     }
 

@@ -21,7 +21,10 @@ const D: usize = 208;
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -249,7 +252,7 @@ mod avx2 {
         ]
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         let m32 = _mm256_set1_epi8(32);
@@ -257,19 +260,15 @@ mod avx2 {
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let d = f16_le(&b[D..]);
-            for (half, y) in y.chunks_exact_mut(128).enumerate() {
-                for (k, (q, y)) in quants(b, half)
-                    .into_iter()
-                    .zip(y.chunks_exact_mut(32))
-                    .enumerate()
-                {
-                    let q = _mm256_sub_epi8(q, m32);
-                    let is = 8 * half + 2 * k;
-                    store_scaled_i8x16(&mut y[..16], lo128(q), d * scale(b, is) as f32);
-                    store_scaled_i8x16(&mut y[16..], hi128(q), d * scale(b, is + 1) as f32);
+            let dl = scales_x16(load_u8x16(&b[SCALES..]), f16c_at(&b[D..]));
+            let dl = in_memory(&dl);
+            let mut q = Staged::new();
+            for half in 0..2 {
+                for (k, v) in quants(b, half).into_iter().enumerate() {
+                    q.put(4 * half + k, _mm256_sub_epi8(v, m32));
                 }
             }
+            scale_groups::<16>(&in_memory(&q).0, dl, y);
         }
     }
 

@@ -348,7 +348,7 @@ pub(super) mod x86 {
     pub(in crate::quant) unsafe fn f16_at(p: *const u8) -> f32 {
         // SAFETY: the caller guarantees 2 readable bytes.
         let bits = unsafe { p.cast::<u16>().read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+        crate::quant::util::x86::f16c_bits(bits)
     }
 
     /// f32 of every f16 bit pattern (256 KiB, built once with F16C). In the one-token tiles a
@@ -597,9 +597,7 @@ pub(super) mod x86 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            store_scaled(load_qs(b), f16c_le(b), y.try_into().unwrap());
-        }
+        dequant_b32!(src, dst, BYTES, offset = false, |b| load_qs(b));
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

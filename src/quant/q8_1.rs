@@ -82,17 +82,15 @@ fn quantize_impl(src: &[f32], dst: &mut [u8], avx: bool) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::util::x86_b32::*;
-    use super::{BLOCK, BYTES};
+    use super::BYTES;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(BLOCK)) {
-            let qs = &b[4..36];
-            // SAFETY: `qs` holds 32 readable bytes; loadu has no alignment requirement.
-            let q = unsafe { _mm256_loadu_si256(qs.as_ptr().cast()) };
-            store_scaled(q, f16c_le(b), y.try_into().unwrap());
-        }
+        // SAFETY: `b[4..36]` holds 32 readable bytes; loadu has no alignment requirement.
+        dequant_b32!(src, dst, BYTES, offset = false, |b| unsafe {
+            _mm256_loadu_si256(b[4..36].as_ptr().cast())
+        });
     }
 }
 

@@ -52,7 +52,10 @@ pub(crate) fn check_dot(w: &[u8], w_block: usize, a: &[u8]) -> usize {
 #[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+    {
         // SAFETY: the CPU supports the features the kernel is compiled for.
         return unsafe { avx2::dequantize(src, dst) };
     }
@@ -119,7 +122,7 @@ mod avx2 {
     use super::{BLOCK_BYTES, QK_K, block_d, block_qs};
     use crate::quant::util::x86::{hi128, lo128, load_u8x32, store_scaled_i8x16};
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
         for (b, y) in src
