@@ -204,8 +204,9 @@ pub mod x86 {
         out
     }
 
-    /// The 8 scales (bytes 0..8) and 8 mins (bytes 8..16) of a block's 12 packed bytes, all at
-    /// once: the same values as Q4_K and Q5_K `scales_mins` (`get_scale_min_k4` for j = 0..8), by whole-word shifts and masks.
+    /// The 8 scales (bytes 0..8) and 8 mins (bytes 8..16) of a Q4_K or Q5_K block's 12 packed
+    /// bytes, all at once: [`super::get_scale_min_k4`] for j = 0..8, by whole-word shifts and
+    /// masks.
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(crate) fn scales_mins_x16(s: &[u8]) -> __m128i {
@@ -657,6 +658,20 @@ pub mod neon_b32 {
 pub mod ktest {
     use super::QK_K;
     use proptest::prelude::*;
+
+    /// The twins' dot products agree: the same bits, or both NaN. On arbitrary bytes a NaN f16
+    /// weight scale can meet a NaN f32 activation scale in one multiply, and which payload
+    /// survives is unspecified in Rust (LLVM may commute the operands, differently per build
+    /// and opt level); finite, infinite and zero results must match to the bit.
+    pub fn same_dot(simd: f32, scalar: f32) -> Result<(), TestCaseError> {
+        prop_assert!(
+            simd.to_bits() == scalar.to_bits() || (simd.is_nan() && scalar.is_nan()),
+            "simd {simd:e} (0x{:08x}) vs scalar {scalar:e} (0x{:08x})",
+            simd.to_bits(),
+            scalar.to_bits()
+        );
+        Ok(())
+    }
 
     /// Arbitrary bytes for a whole number of blocks (f16 scales may be NaN or Inf).
     pub fn blocks(bytes: usize, nblocks: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u8>> {
