@@ -370,14 +370,17 @@ fn llama_python() -> Result<String, String> {
     Err(format!("tried {}", candidates.join(", ")))
 }
 
+/// [`llama_python`], or `None` after printing why the calling test skips.
+fn llama_python_or_skip() -> Option<String> {
+    llama_python()
+        .map_err(|why| eprintln!("skipped: llama_cpp not installed ({why})"))
+        .ok()
+}
+
 #[test]
 fn goldens_regenerate_byte_for_byte() {
-    let py = match llama_python() {
-        Ok(p) => p,
-        Err(why) => {
-            eprintln!("skipped: llama_cpp not installed ({why})");
-            return;
-        }
+    let Some(py) = llama_python_or_skip() else {
+        return;
     };
     let tmp = tempfile::tempdir().unwrap();
     let mut n = 0;
@@ -579,12 +582,8 @@ fn diff_verdict_does_not_depend_on_the_working_directory() {
 /// rounded to f16), and the model still reaches parity.
 #[test]
 fn golden_with_llama_defaults_is_checked_with_different_rounding() {
-    let py = match llama_python() {
-        Ok(p) => p,
-        Err(why) => {
-            eprintln!("skipped: llama_cpp not installed ({why})");
-            return;
-        }
+    let Some(py) = llama_python_or_skip() else {
+        return;
     };
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("g");
