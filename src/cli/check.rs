@@ -157,7 +157,7 @@ pub struct CheckArgs {
 /// Producers known to round matmul inputs as ggml's CPU does. Anything else (the plain
 /// reference, an external engine) is judged with different-rounding tolerances unless
 /// `parity diff --strict` says otherwise.
-fn rounds_like_ggml(producer_backend: &str) -> bool {
+pub(super) fn rounds_like_ggml(producer_backend: &str) -> bool {
     matches!(
         producer_backend,
         "reference:ggml-cpu" | "fast" | "llama.cpp-cpu"
@@ -177,7 +177,7 @@ fn golden_is_tight(g: &Trace) -> bool {
     kv_f32 && no_fa
 }
 
-fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
+pub(super) fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
     let golden_tight = |t: &Trace| {
         t.manifest.producer.name != "llama.cpp"
             || t.manifest
@@ -385,7 +385,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     finish(&comparisons, a.json.as_deref())
 }
 
-fn finish(comparisons: &[Comparison], json: Option<&Path>) -> Result<ExitCode> {
+pub(super) fn finish(comparisons: &[Comparison], json: Option<&Path>) -> Result<ExitCode> {
     if let Some(p) = json {
         let text = serde_json::to_string_pretty(comparisons)?;
         std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))?;
@@ -401,67 +401,4 @@ fn finish(comparisons: &[Comparison], json: Option<&Path>) -> Result<ExitCode> {
         println!("verdict: parity ({} comparisons)", comparisons.len());
         Ok(ExitCode::SUCCESS)
     }
-}
-
-#[derive(Args)]
-pub struct DiffArgs {
-    /// Baseline trace folder (e.g. a llama.cpp golden).
-    baseline: PathBuf,
-    /// Candidate trace folder (e.g. your engine's dump).
-    candidate: PathBuf,
-    /// Weight type of the model's matmul weights, for the tolerances (default: read from the
-    /// model path in the baseline manifest if that file exists, else f32).
-    #[arg(long = "weight-type")]
-    weight_type: Option<String>,
-    /// Hold the candidate to same-rounding tolerances (it emulates ggml's activation rounding).
-    #[arg(long)]
-    strict: bool,
-    /// Compare even if the manifests name different model sha256.
-    #[arg(long)]
-    allow_model_mismatch: bool,
-    #[arg(long)]
-    json: Option<PathBuf>,
-}
-
-/// The model a trace names, if it is here: its path as recorded, else relative to the
-/// repository (goldens record repo-relative paths); only if the sha256 matches.
-fn model_for_trace(t: &Trace) -> Option<Model> {
-    let p = Path::new(&t.manifest.model.path);
-    [p.to_path_buf(), repo_root().join(p)]
-        .iter()
-        .filter(|c| c.exists())
-        .filter_map(|c| Model::open(c).ok())
-        .find(|m| m.sha256() == t.manifest.model.sha256)
-}
-
-pub fn diff(a: DiffArgs) -> Result<ExitCode> {
-    let base = Trace::open(&a.baseline)?;
-    let cand = Trace::open(&a.candidate)?;
-    let wtype = match &a.weight_type {
-        Some(s) => crate::gguf::GgmlType::parse(s)
-            .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
-        None => model_for_trace(&base)
-            .map(|m| m.main_weight_type())
-            .ok_or_else(|| {
-                err(format!(
-                    "the baseline's model {} is not found here (or its sha256 differs): pass --weight-type (e.g. q8_0) so the tolerances fit the model",
-                    base.manifest.model.path
-                ))
-            })?,
-    };
-    let pair = if a.strict {
-        PairKind::SameRounding
-    } else {
-        pair_kind(&base, &cand)
-    };
-    let opt = CompareOptions {
-        pair,
-        weight_type: wtype,
-        require_same_model: !a.allow_model_mismatch,
-    };
-    let c = compare(&base, &cand, &opt)?;
-    println!("== {} vs {}", c.candidate, c.baseline);
-    print!("{}", report::table(&c));
-    println!("{}\n", report::verdict(&c));
-    finish(&[c], a.json.as_deref())
 }

@@ -3,6 +3,7 @@
 
 mod bench;
 mod check;
+mod diff;
 mod inspect;
 mod run;
 
@@ -47,7 +48,7 @@ enum Cmd {
     /// Run backends on a model, compare them with each other and with its llama.cpp golden.
     Check(check::CheckArgs),
     /// Compare two trace folders (e.g. an external engine's dump against a golden).
-    Diff(check::DiffArgs),
+    Diff(diff::DiffArgs),
     /// Benchmark the fast backend against the real llama.cpp on the same model and threads.
     Bench(bench::BenchArgs),
 }
@@ -69,7 +70,7 @@ pub fn main() -> ExitCode {
         Cmd::Dump(a) => run::dump(a),
         Cmd::Golden(a) => check::golden(a),
         Cmd::Check(a) => check::check(a),
-        Cmd::Diff(a) => check::diff(a),
+        Cmd::Diff(a) => diff::diff(a),
         Cmd::Bench(a) => bench::bench(a),
     };
     match result {
