@@ -1,5 +1,6 @@
 //! `parity golden`, `parity check` and `parity diff`.
 
+use super::output::{ReportArgs, finish};
 use super::run::{InputArgs, make_backend, model_ref, producer};
 use super::{Result, err, python, repo_root};
 use crate::backend;
@@ -143,9 +144,8 @@ pub struct CheckArgs {
     /// ./golden, then the goldens that ship with parity).
     #[arg(long)]
     golden: Option<PathBuf>,
-    /// Write every comparison as JSON.
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
     /// Skip the op-by-op comparison (each reference op fed the golden's inputs).
     #[arg(long)]
     no_op_by_op: bool,
@@ -382,23 +382,5 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     if comparisons.is_empty() {
         return Err(err("nothing to compare: one backend and no golden"));
     }
-    finish(&comparisons, a.json.as_deref())
-}
-
-pub(super) fn finish(comparisons: &[Comparison], json: Option<&Path>) -> Result<ExitCode> {
-    if let Some(p) = json {
-        let text = serde_json::to_string_pretty(comparisons)?;
-        std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))?;
-    }
-    let diverged = comparisons.iter().filter(|c| c.diverged()).count();
-    if diverged > 0 {
-        println!(
-            "verdict: {diverged} of {} comparisons diverged",
-            comparisons.len()
-        );
-        Ok(ExitCode::from(1))
-    } else {
-        println!("verdict: parity ({} comparisons)", comparisons.len());
-        Ok(ExitCode::SUCCESS)
-    }
+    finish(&comparisons, &a.report)
 }

@@ -1,6 +1,7 @@
 //! `parity diff`: compare two trace folders (e.g. an external engine's dump against a golden).
 
-use super::check::{finish, pair_kind};
+use super::check::pair_kind;
+use super::output::{ReportArgs, finish};
 use super::{Result, err, repo_root};
 use crate::compare::{CompareOptions, PairKind, compare};
 use crate::model::Model;
@@ -26,8 +27,8 @@ pub struct DiffArgs {
     /// Compare even if the manifests name different model sha256.
     #[arg(long)]
     allow_model_mismatch: bool,
-    #[arg(long)]
-    json: Option<PathBuf>,
+    #[command(flatten)]
+    report: ReportArgs,
 }
 
 /// The model a trace names, if it is here: its path as recorded, else relative to the
@@ -70,5 +71,5 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     println!("== {} vs {}", c.candidate, c.baseline);
     print!("{}", report::table(&c));
     println!("{}\n", report::verdict(&c));
-    finish(&[c], a.json.as_deref())
+    finish(&[c], &a.report)
 }

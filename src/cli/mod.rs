@@ -5,6 +5,7 @@ mod bench;
 mod check;
 mod diff;
 mod inspect;
+mod output;
 mod run;
 
 use clap::{Parser, Subcommand};
