@@ -14,6 +14,7 @@ use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
 use crate::quant;
 use crate::trace::{Sink, Tap, tap_mut};
+use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -65,12 +66,27 @@ impl<'m> Reference<'m> {
     pub(crate) fn matmul(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
+        // Output rows are independent: split them over threads in chunks (rayon), each with
+        // its own row buffer. Every dot is the same f64 sum as single-threaded, so the result
+        // is bit-identical whatever the thread count.
+        const ROWS: usize = 64;
+        let mut by_row = vec![0.0f32; n_out * t];
+        by_row
+            .par_chunks_mut(ROWS * t)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let mut row = vec![0.0f32; n_in];
+                for (k, o) in chunk.chunks_mut(t).enumerate() {
+                    self.model.row(w, c * ROWS + k, &mut row);
+                    for (i, v) in o.iter_mut().enumerate() {
+                        *v = dot(&row, &x[i * n_in..(i + 1) * n_in]);
+                    }
+                }
+            });
         let mut out = vec![0.0f32; t * n_out];
-        let mut row = vec![0.0f32; n_in];
-        for r in 0..n_out {
-            self.model.row(w, r, &mut row);
-            for i in 0..t {
-                out[i * n_out + r] = dot(&row, &x[i * n_in..(i + 1) * n_in]);
+        for (r, o) in by_row.chunks(t).enumerate() {
+            for (i, &v) in o.iter().enumerate() {
+                out[i * n_out + r] = v;
             }
         }
         out
