@@ -9,11 +9,12 @@
 //! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
+use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
 use crate::quant;
-use crate::trace::{Sink, Tap, tap_mut};
+use crate::trace::{Sink, Tap, tap, tap_mut};
 use rayon::prelude::*;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -23,6 +24,8 @@ pub enum Emulation {
     None,
     /// Quantize matmul inputs the way ggml's CPU backend does.
     GgmlCpu,
+    /// Round matmul inputs to f16, as GPU engines that keep activations in f16 do.
+    F16,
 }
 
 impl Emulation {
@@ -30,6 +33,7 @@ impl Emulation {
         match s {
             "none" => Some(Emulation::None),
             "ggml-cpu" => Some(Emulation::GgmlCpu),
+            "f16" => Some(Emulation::F16),
             _ => None,
         }
     }
@@ -44,6 +48,8 @@ pub struct Reference<'m> {
     v_cache: Vec<Vec<f32>>,
     /// The last row's logits of the latest forward.
     last_logits: Vec<f32>,
+    /// A known engine bug to reproduce (`parity dump --mutate`), or none.
+    mutation: Option<Mutation>,
 }
 
 impl<'m> Reference<'m> {
@@ -58,7 +64,80 @@ impl<'m> Reference<'m> {
             k_cache: vec![vec![0.0; kv]; c.n_layer],
             v_cache: vec![vec![0.0; kv]; c.n_layer],
             last_logits: Vec::new(),
+            mutation: None,
         }
+    }
+
+    /// Behave like an engine with bug `m` (see [`Mutation`]); `None` is the correct engine.
+    pub fn with_mutation(mut self, m: Option<Mutation>) -> Self {
+        self.mutation = m;
+        self
+    }
+
+    fn mutated(&self, m: Mutation) -> bool {
+        self.mutation == Some(m)
+    }
+
+    /// A weight matmul as the (possibly mutated) engine does it: [`Self::matmul`] unless the
+    /// decoder-nibble-order bug changes how `w` decodes, or `transposed` reads it transposed.
+    fn project(&self, w: &TensorInfo, x: &[f32], t: usize, transposed: bool) -> Vec<f32> {
+        let nibbles = self.mutated(Mutation::DecoderNibbleOrder) && mutation::swaps_nibbles(w.ty);
+        if !nibbles && !transposed {
+            return self.matmul(w, x, t);
+        }
+        let (n_in, n_out) = w.rows();
+        let x = self.emulate_input(w.ty, x, n_in);
+        let mut flat = vec![0.0f32; n_in * n_out];
+        for (r, row) in flat.chunks_mut(n_in).enumerate() {
+            self.weight_row(w, r, row);
+        }
+        let mut out = vec![0.0f32; t * n_out];
+        let mut col = vec![0.0f32; n_in];
+        for r in 0..n_out {
+            // Transposed: output r reads W_flat[i * n_out + r] instead of W_flat[r * n_in + i].
+            let wr: &[f32] = if transposed {
+                for (i, c) in col.iter_mut().enumerate() {
+                    *c = flat[i * n_out + r];
+                }
+                &col
+            } else {
+                &flat[r * n_in..(r + 1) * n_in]
+            };
+            for i in 0..t {
+                out[i * n_out + r] = dot(wr, &x[i * n_in..(i + 1) * n_in]);
+            }
+        }
+        out
+    }
+
+    /// Row `r` of a weight as the (possibly mutated) engine decodes it.
+    fn weight_row(&self, w: &TensorInfo, r: usize, out: &mut [f32]) {
+        if self.mutated(Mutation::DecoderNibbleOrder) && mutation::swaps_nibbles(w.ty) {
+            let (n_in, _) = w.rows();
+            let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
+            let bytes = mutation::swap_nibbles(w.ty, &self.model.data(w)[r * rb..(r + 1) * rb]);
+            quant::dequantize_row(w.ty, &bytes, out).expect("row length validated at open");
+        } else {
+            self.model.row(w, r, out);
+        }
+    }
+
+    /// RMSNorm as the (possibly mutated) engine does it.
+    fn norm(&self, x: &[f32], w: &TensorInfo) -> Vec<f32> {
+        let c = &self.model.config;
+        let mut weight = self.model.vector(w);
+        if self.mutated(Mutation::NormWeightMissing) {
+            weight.fill(1.0);
+        }
+        if self.mutated(Mutation::NormWeightTwice) {
+            weight.iter_mut().for_each(|v| *v *= *v);
+        }
+        let eps = if self.mutated(Mutation::RmsEps10x) {
+            c.rms_eps * 10.0
+        } else {
+            c.rms_eps
+        };
+        rms_norm(x, &weight, eps)
     }
 
     /// out[t, r] = Σ_i W[r, i] · x[t, i] for the T rows of `x`. `W` is `[n_in, n_out]` in ggml
@@ -94,6 +173,9 @@ impl<'m> Reference<'m> {
 
     /// The activation rounding ggml's CPU applies before a matmul with a `ty` weight.
     fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
+        if self.emulation == Emulation::F16 {
+            return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        }
         let act = quant::vec_dot_type(ty);
         if self.emulation == Emulation::None || act == GgmlType::F32 {
             return x.to_vec();
@@ -192,6 +274,7 @@ impl Backend for Reference<'_> {
         match self.emulation {
             Emulation::None => "reference".into(),
             Emulation::GgmlCpu => "reference:ggml-cpu".into(),
+            Emulation::F16 => "reference:f16".into(),
         }
     }
 
@@ -234,7 +317,7 @@ impl Backend for Reference<'_> {
         // Token embedding: one row of token_embd per token.
         let mut x = vec![0.0f32; t * e];
         for (i, &id) in tokens.iter().enumerate() {
-            m.row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
+            self.weight_row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
         }
         tap_mut(sink, step, None, Tap::Embd, &[t, e], &mut x);
 
@@ -242,12 +325,12 @@ impl Backend for Reference<'_> {
             let ly = Some(l);
 
             // Attention block.
-            let mut xn = rms_norm(&x, &m.vector(&w.attn_norm), c.rms_eps);
+            let mut xn = self.norm(&x, &w.attn_norm);
             tap_mut(sink, step, ly, Tap::AttnNorm, &[t, e], &mut xn);
 
-            let mut q = self.matmul(&w.wq, &xn, t);
-            let mut k = self.matmul(&w.wk, &xn, t);
-            let mut v = self.matmul(&w.wv, &xn, t);
+            let mut q = self.project(&w.wq, &xn, t, false);
+            let mut k = self.project(&w.wk, &xn, t, false);
+            let mut v = self.project(&w.wv, &xn, t, false);
             if let Some(b) = &w.bq {
                 add_bias(&mut q, &m.vector(b));
             }
@@ -257,11 +340,21 @@ impl Backend for Reference<'_> {
             if let Some(b) = &w.bv {
                 add_bias(&mut v, &m.vector(b));
             }
+            if self.mutated(Mutation::QkPermute) {
+                q = mutation::permute_heads(&q, nh, hd);
+                k = mutation::permute_heads(&k, nkv, hd);
+            }
             tap_mut(sink, step, ly, Tap::Q, &[t, nh, hd], &mut q);
             tap_mut(sink, step, ly, Tap::K, &[t, nkv, hd], &mut k);
             tap_mut(sink, step, ly, Tap::V, &[t, nkv, hd], &mut v);
 
-            let (base, scale) = (c.rope_theta, c.rope_freq_scale);
+            let (mut base, scale, mut pairing) = (c.rope_theta, c.rope_freq_scale, c.rope_type);
+            if self.mutated(Mutation::RopeTheta) {
+                base = mutation::wrong_theta(base);
+            }
+            if self.mutated(Mutation::RopeNeox) {
+                pairing = mutation::other_rope(pairing);
+            }
             rope(
                 &mut q,
                 &positions,
@@ -270,7 +363,7 @@ impl Backend for Reference<'_> {
                 c.n_rot,
                 base,
                 scale,
-                c.rope_type,
+                pairing,
             );
             rope(
                 &mut k,
@@ -280,28 +373,49 @@ impl Backend for Reference<'_> {
                 c.n_rot,
                 base,
                 scale,
-                c.rope_type,
+                pairing,
             );
-            tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut q);
+            if self.mutated(Mutation::HeadMajorQRope) {
+                let hm = mutation::to_head_major(&q, t, nh, hd);
+                tap(sink, step, ly, Tap::QRope, &[nh, t, hd], &hm);
+            } else {
+                tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut q);
+            }
             tap_mut(sink, step, ly, Tap::KRope, &[t, nkv, hd], &mut k);
 
-            // Append this step's keys and values to the cache at their positions.
-            self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&k);
-            self.v_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&v);
+            // Append this step's keys and values to the cache at their positions (a decode
+            // step with kv-off-by-one writes them one slot later; past the end, nowhere).
+            let slot = if self.mutated(Mutation::KvOffByOne) && pos0 > 0 {
+                pos0 + 1
+            } else {
+                pos0
+            };
+            if slot + t <= self.n_ctx {
+                self.k_cache[l][slot * ekv..(slot + t) * ekv].copy_from_slice(&k);
+                self.v_cache[l][slot * ekv..(slot + t) * ekv].copy_from_slice(&v);
+            }
             let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
 
             // Causal attention: query i (position pos0+i) sees cache positions 0..=pos0+i.
             // Query head h reads kv head h / (n_head / n_head_kv) (GQA).
             let group = nh / nkv;
+            let kv_head = |h: usize| {
+                if self.mutated(Mutation::GqaModulo) {
+                    h % nkv
+                } else {
+                    h / group
+                }
+            };
+            let no_mask = self.mutated(Mutation::NoCausalMask);
             let kq_scale = 1.0 / (hd as f32).sqrt();
             let mut probs = vec![0.0f32; nh * t * n_kv];
             for h in 0..nh {
                 for i in 0..t {
                     let qv = &q[(i * nh + h) * hd..][..hd];
                     let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
-                    let visible = pos0 + i + 1;
+                    let visible = if no_mask { n_kv } else { pos0 + i + 1 };
                     for j in 0..visible {
-                        p[j] = dot(qv, &kc[j * ekv + (h / group) * hd..][..hd]) * kq_scale;
+                        p[j] = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * kq_scale;
                     }
                     softmax(&mut p[..visible]);
                 }
@@ -312,13 +426,14 @@ impl Backend for Reference<'_> {
             let mut att = vec![0.0f32; t * eq];
             for h in 0..nh {
                 for i in 0..t {
-                    let p = &probs[(h * t + i) * n_kv..][..pos0 + i + 1];
+                    let visible = if no_mask { n_kv } else { pos0 + i + 1 };
+                    let p = &probs[(h * t + i) * n_kv..][..visible];
                     let out = &mut att[i * eq + h * hd..][..hd];
                     for (d, o) in out.iter_mut().enumerate() {
                         let s: f64 = p
                             .iter()
                             .enumerate()
-                            .map(|(j, &pj)| pj as f64 * vc[j * ekv + (h / group) * hd + d] as f64)
+                            .map(|(j, &pj)| pj as f64 * vc[j * ekv + kv_head(h) * hd + d] as f64)
                             .sum();
                         *o = s as f32;
                     }
@@ -326,30 +441,41 @@ impl Backend for Reference<'_> {
             }
             tap_mut(sink, step, ly, Tap::KqvOut, &[t, eq], &mut att);
 
-            let mut attn_out = self.matmul(&w.wo, &att, t);
+            let wo_t = self.mutated(Mutation::TransposedWo);
+            let mut attn_out = self.project(&w.wo, &att, t, wo_t);
             tap_mut(sink, step, ly, Tap::AttnOut, &[t, e], &mut attn_out);
             let mut ffn_inp = add(&x, &attn_out);
             tap_mut(sink, step, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
 
             // Feed-forward block (SwiGLU).
-            let mut xn = rms_norm(&ffn_inp, &m.vector(&w.ffn_norm), c.rms_eps);
+            let mut xn = self.norm(&ffn_inp, &w.ffn_norm);
             tap_mut(sink, step, ly, Tap::FfnNorm, &[t, e], &mut xn);
-            let mut gate = self.matmul(&w.w_gate, &xn, t);
+            let mut gate = self.project(&w.w_gate, &xn, t, false);
             tap_mut(sink, step, ly, Tap::FfnGate, &[t, c.n_ff], &mut gate);
-            let mut up = self.matmul(&w.w_up, &xn, t);
+            let mut up = self.project(&w.w_up, &xn, t, false);
             tap_mut(sink, step, ly, Tap::FfnUp, &[t, c.n_ff], &mut up);
-            let mut act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
+            let mut act: Vec<f32> = if self.mutated(Mutation::SwigluSwap) {
+                gate.iter().zip(&up).map(|(&g, &u)| silu(u) * g).collect()
+            } else {
+                gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect()
+            };
             tap_mut(sink, step, ly, Tap::FfnAct, &[t, c.n_ff], &mut act);
-            let mut ffn_out = self.matmul(&w.w_down, &act, t);
+            let mut ffn_out = self.project(&w.w_down, &act, t, false);
             tap_mut(sink, step, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
 
             x = add(&ffn_inp, &ffn_out);
             tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut x);
         }
 
-        let mut xn = rms_norm(&x, &m.vector(&m.output_norm), c.rms_eps);
+        let mut xn = self.norm(&x, &m.output_norm);
         tap_mut(sink, step, None, Tap::ResultNorm, &[t, e], &mut xn);
-        let mut logits = self.matmul(&m.output, &xn, t);
+        let output = if self.mutated(Mutation::TiedOutput) {
+            &m.token_embd
+        } else {
+            &m.output
+        };
+        let lm_t = self.mutated(Mutation::TransposedLmHead);
+        let mut logits = self.project(output, &xn, t, lm_t);
         tap_mut(sink, step, None, Tap::Logits, &[t, c.n_vocab], &mut logits);
 
         self.last_logits = logits[(t - 1) * c.n_vocab..].to_vec();

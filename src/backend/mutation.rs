@@ -1,0 +1,409 @@
+//! The catalog of known engine bugs, as data. Each [`Mutation`] is one mistake that real
+//! engine authors make (see `../shared/seeds/`); switching it on in the reference backend
+//! (`Reference::with_mutation`) makes parity behave like an engine with that bug, so that
+//! `parity selftest` can check that `diff` finds it at its place and names it.
+//!
+//! Compute mutations change an op inside `Reference::forward` (a small `if` at its place);
+//! token mutations change the ids fed (`dump --mutate`), layout mutations how a tap is
+//! stored. None of them touches `src/quant`: the decoder bug rewrites the raw bytes before
+//! the exact decoder runs.
+
+use crate::gguf::{GgmlType, TensorInfo};
+use crate::model::{Model, RopeType};
+use crate::trace::{Tap, TapKey};
+
+/// One known engine bug. `name()` is its stable, kebab-case identity (CLI, JSON, hypotheses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Mutation {
+    /// RoPE pairs NEOX-style where the model says NORM, and vice versa.
+    RopeNeox,
+    /// RoPE frequency base wrong: 10000 where the model says otherwise, ×10 where it says 10000.
+    RopeTheta,
+    /// Q and K weight rows permuted inside each head (llama.cpp's HF converter permutation
+    /// applied once more).
+    QkPermute,
+    /// Query head h reads kv head h % n_head_kv instead of h / (n_head / n_head_kv).
+    GqaModulo,
+    /// The output matrix read transposed: out[r] = Σ_i W_flat[i·n_out + r]·x[i].
+    TransposedLmHead,
+    /// The attention output matrix (square) read transposed.
+    TransposedWo,
+    /// RMSNorm epsilon ×10.
+    RmsEps10x,
+    /// Every RMSNorm multiplies by its weight twice.
+    NormWeightTwice,
+    /// Every RMSNorm leaves its weight out.
+    NormWeightMissing,
+    /// SwiGLU with its operands swapped: silu(up)·gate.
+    SwigluSwap,
+    /// Decode steps write the new K/V one slot after the position attention reads it at.
+    KvOffByOne,
+    /// Prefill rows attend to later positions too.
+    NoCausalMask,
+    /// 4-bit decoder with the nibbles of each quant byte swapped.
+    DecoderNibbleOrder,
+    /// The output projection uses token_embd although output.weight exists.
+    TiedOutput,
+    /// The BOS token is not prepended.
+    NoBos,
+    /// The BOS token is prepended twice (template plus tokenizer).
+    DoubleBos,
+    /// q_rope stored head-major, `[n_head, T, head_dim]`.
+    HeadMajorQRope,
+}
+
+/// What a mutation changes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MutationKind {
+    /// An op of the forward pass computes something else.
+    Compute,
+    /// The token ids fed differ.
+    Tokens,
+    /// The numbers are right; a tap is stored in another layout.
+    Layout,
+}
+
+impl serde::Serialize for Mutation {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl std::fmt::Display for Mutation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Mutation {
+    pub const ALL: &'static [Mutation] = &[
+        Mutation::RopeNeox,
+        Mutation::RopeTheta,
+        Mutation::QkPermute,
+        Mutation::GqaModulo,
+        Mutation::TransposedLmHead,
+        Mutation::TransposedWo,
+        Mutation::RmsEps10x,
+        Mutation::NormWeightTwice,
+        Mutation::NormWeightMissing,
+        Mutation::SwigluSwap,
+        Mutation::KvOffByOne,
+        Mutation::NoCausalMask,
+        Mutation::DecoderNibbleOrder,
+        Mutation::TiedOutput,
+        Mutation::NoBos,
+        Mutation::DoubleBos,
+        Mutation::HeadMajorQRope,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutation::RopeNeox => "rope-neox",
+            Mutation::RopeTheta => "rope-theta",
+            Mutation::QkPermute => "qk-permute",
+            Mutation::GqaModulo => "gqa-modulo",
+            Mutation::TransposedLmHead => "transposed-lm-head",
+            Mutation::TransposedWo => "transposed-wo",
+            Mutation::RmsEps10x => "rms-eps-10x",
+            Mutation::NormWeightTwice => "norm-weight-twice",
+            Mutation::NormWeightMissing => "norm-weight-missing",
+            Mutation::SwigluSwap => "swiglu-swap",
+            Mutation::KvOffByOne => "kv-off-by-one",
+            Mutation::NoCausalMask => "no-causal-mask",
+            Mutation::DecoderNibbleOrder => "decoder-nibble-order",
+            Mutation::TiedOutput => "tied-output",
+            Mutation::NoBos => "no-bos",
+            Mutation::DoubleBos => "double-bos",
+            Mutation::HeadMajorQRope => "head-major-q-rope",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Mutation> {
+        Self::ALL.iter().copied().find(|m| m.name() == s)
+    }
+
+    /// All names, comma-separated (for error messages).
+    pub fn names() -> String {
+        Self::ALL
+            .iter()
+            .map(|m| m.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// One line a user reads: what the engine does wrong.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Mutation::RopeNeox => {
+                "RoPE pairs the wrong dimensions: halves (NEOX) where the model pairs neighbours (NORM), or the reverse"
+            }
+            Mutation::RopeTheta => {
+                "RoPE uses the wrong frequency base: 10000 where the model says otherwise, 100000 where it says 10000"
+            }
+            Mutation::QkPermute => {
+                "Q and K weight rows are permuted inside each head (the HF-to-GGUF permutation applied once more)"
+            }
+            Mutation::GqaModulo => {
+                "query head h reads kv head h % n_head_kv instead of h / (n_head / n_head_kv)"
+            }
+            Mutation::TransposedLmHead => {
+                "the output matrix is read transposed: out[r] = sum_i W[i*n_vocab + r] * x[i]"
+            }
+            Mutation::TransposedWo => "the attention output matrix (square) is read transposed",
+            Mutation::RmsEps10x => "RMSNorm adds an epsilon 10x the model's",
+            Mutation::NormWeightTwice => "each RMSNorm multiplies by its weight twice",
+            Mutation::NormWeightMissing => "each RMSNorm leaves its weight out",
+            Mutation::SwigluSwap => "SwiGLU swaps its operands: silu(up) * gate",
+            Mutation::KvOffByOne => {
+                "decode steps store the new K/V one position after the one attention reads"
+            }
+            Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
+            Mutation::DecoderNibbleOrder => {
+                "the 4-bit decoder swaps the low and high nibble of each quant byte"
+            }
+            Mutation::TiedOutput => {
+                "the output projection uses token_embd although the model has output.weight"
+            }
+            Mutation::NoBos => "the BOS token is not prepended to the prompt",
+            Mutation::DoubleBos => "the BOS token is prepended twice (template and tokenizer)",
+            Mutation::HeadMajorQRope => "q_rope is stored head-major, [n_head, T, head_dim]",
+        }
+    }
+
+    pub fn kind(self) -> MutationKind {
+        match self {
+            Mutation::NoBos | Mutation::DoubleBos => MutationKind::Tokens,
+            Mutation::HeadMajorQRope => MutationKind::Layout,
+            _ => MutationKind::Compute,
+        }
+    }
+
+    /// Whether the bug can show on this model at all (e.g. GQA needs 1 < n_head_kv < n_head).
+    pub fn applies_to(self, model: &Model) -> bool {
+        let c = &model.config;
+        match self {
+            Mutation::GqaModulo => c.n_head_kv > 1 && c.n_head_kv < c.n_head,
+            Mutation::TransposedWo => c.n_embd_q() == c.n_embd,
+            Mutation::DecoderNibbleOrder => first_nibble_tensor(model).is_some(),
+            Mutation::TiedOutput => !c.tied_embeddings,
+            Mutation::NoBos | Mutation::DoubleBos => bos_id(model).is_some(),
+            Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
+                first_norm_showing(self, model).is_some()
+            }
+            // Rotating nothing, or one pair, leaves NORM and NEOX the same.
+            Mutation::RopeNeox => c.n_rot >= 4,
+            Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
+            _ => true,
+        }
+    }
+
+    /// Where the bug first shows against a golden, in graph order, assuming a prompt of at
+    /// least two tokens and at least one decode step (RoPE is the identity at position 0 and
+    /// the causal mask only matters from the second row on).
+    pub fn first_shows(self, model: &Model) -> TapKey {
+        let l0 = Some(0);
+        match self {
+            Mutation::RopeNeox | Mutation::RopeTheta | Mutation::HeadMajorQRope => {
+                TapKey::new(0, l0, Tap::QRope)
+            }
+            Mutation::QkPermute => TapKey::new(0, l0, Tap::Q),
+            Mutation::GqaModulo | Mutation::NoCausalMask => TapKey::new(0, l0, Tap::KqSoftMax),
+            Mutation::TransposedWo => TapKey::new(0, l0, Tap::AttnOut),
+            Mutation::RmsEps10x => TapKey::new(0, l0, Tap::AttnNorm),
+            Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
+                first_norm_showing(self, model).unwrap_or(TapKey::new(0, l0, Tap::AttnNorm))
+            }
+            Mutation::SwigluSwap => TapKey::new(0, l0, Tap::FfnAct),
+            Mutation::KvOffByOne => TapKey::new(1, l0, Tap::KqSoftMax),
+            Mutation::DecoderNibbleOrder => {
+                first_nibble_tensor(model).unwrap_or(TapKey::new(0, None, Tap::Embd))
+            }
+            Mutation::TransposedLmHead | Mutation::TiedOutput => TapKey::new(0, None, Tap::Logits),
+            Mutation::NoBos | Mutation::DoubleBos => TapKey::new(0, None, Tap::Embd),
+        }
+    }
+}
+
+/// The model's BOS id, if it declares one.
+pub fn bos_id(model: &Model) -> Option<u32> {
+    model
+        .file
+        .get_u64("tokenizer.ggml.bos_token_id")
+        .and_then(|b| u32::try_from(b).ok())
+        .filter(|&b| (b as usize) < model.config.n_vocab)
+}
+
+/// Byte offset and length of the nibble array inside one block of a type whose quants are
+/// stored as nibbles, with the block size in bytes.
+fn nibble_layout(ty: GgmlType) -> Option<(usize, usize, usize)> {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::IQ4_NL => Some((2, 16, 18)),
+        GgmlType::Q4_1 => Some((4, 16, 20)),
+        GgmlType::Q5_0 => Some((6, 16, 22)),
+        GgmlType::Q5_1 => Some((8, 16, 24)),
+        GgmlType::Q4_K => Some((16, 128, 144)),
+        GgmlType::Q5_K => Some((48, 128, 176)),
+        _ => None,
+    }
+}
+
+/// Whether the decoder-nibble-order bug changes how a `ty` weight decodes.
+pub fn swaps_nibbles(ty: GgmlType) -> bool {
+    nibble_layout(ty).is_some()
+}
+
+/// The raw bytes of a row of a nibble type with the two nibbles of every quant byte swapped:
+/// what a decoder that reads them in the wrong order sees.
+pub fn swap_nibbles(ty: GgmlType, bytes: &[u8]) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    if let Some((off, len, block)) = nibble_layout(ty) {
+        for b in out.chunks_exact_mut(block) {
+            for q in &mut b[off..off + len] {
+                *q = q.rotate_left(4);
+            }
+        }
+    }
+    out
+}
+
+/// The first tap, in graph order, that reads a nibble-typed tensor.
+fn first_nibble_tensor(model: &Model) -> Option<TapKey> {
+    let nib = |t: &TensorInfo| swaps_nibbles(t.ty);
+    if nib(&model.token_embd) {
+        return Some(TapKey::new(0, None, Tap::Embd));
+    }
+    for (l, w) in model.layers.iter().enumerate() {
+        let at = |tap| Some(TapKey::new(0, Some(l), tap));
+        if nib(&w.wq) {
+            return at(Tap::Q);
+        }
+        if nib(&w.wk) {
+            return at(Tap::K);
+        }
+        if nib(&w.wv) {
+            return at(Tap::V);
+        }
+        if nib(&w.wo) {
+            return at(Tap::AttnOut);
+        }
+        if nib(&w.w_gate) {
+            return at(Tap::FfnGate);
+        }
+        if nib(&w.w_up) {
+            return at(Tap::FfnUp);
+        }
+        if nib(&w.w_down) {
+            return at(Tap::FfnOut);
+        }
+    }
+    nib(&model.output).then_some(TapKey::new(0, None, Tap::Logits))
+}
+
+/// The first RMSNorm, in graph order, whose output the norm-weight bug changes: a weight
+/// with an element that is not 1 (missing) or not 0 or 1 (twice).
+fn first_norm_showing(m: Mutation, model: &Model) -> Option<TapKey> {
+    let shows = |t: &TensorInfo| {
+        model.vector(t).iter().any(|&w| match m {
+            Mutation::NormWeightTwice => w * w != w,
+            _ => w != 1.0,
+        })
+    };
+    for (l, w) in model.layers.iter().enumerate() {
+        if shows(&w.attn_norm) {
+            return Some(TapKey::new(0, Some(l), Tap::AttnNorm));
+        }
+        if shows(&w.ffn_norm) {
+            return Some(TapKey::new(0, Some(l), Tap::FfnNorm));
+        }
+    }
+    shows(&model.output_norm).then_some(TapKey::new(0, None, Tap::ResultNorm))
+}
+
+/// The RoPE pairing an engine with `rope-neox` uses.
+pub fn other_rope(kind: RopeType) -> RopeType {
+    match kind {
+        RopeType::Norm => RopeType::Neox,
+        RopeType::Neox => RopeType::Norm,
+    }
+}
+
+/// The RoPE base an engine with `rope-theta` uses.
+pub fn wrong_theta(theta: f32) -> f32 {
+    if theta == 10000.0 { 100000.0 } else { 10000.0 }
+}
+
+/// Rows of a `[T, n_heads, head_dim]` projection permuted inside each head as llama.cpp's
+/// `convert_hf_to_gguf.py` permutes Q/K weights: output dim 2i+s takes dim s·head_dim/2 + i.
+pub fn permute_heads(x: &[f32], n_heads: usize, head_dim: usize) -> Vec<f32> {
+    let half = head_dim / 2;
+    let mut out = vec![0.0f32; x.len()];
+    for (src, dst) in x.chunks(head_dim).zip(out.chunks_mut(head_dim)) {
+        for i in 0..half {
+            for s in 0..2 {
+                dst[2 * i + s] = src[s * half + i];
+            }
+        }
+        if head_dim % 2 == 1 {
+            dst[head_dim - 1] = src[head_dim - 1];
+        }
+    }
+    debug_assert_eq!(x.len() % (n_heads * head_dim), 0);
+    out
+}
+
+/// A `[T, n_heads, head_dim]` tensor stored head-major, `[n_heads, T, head_dim]`.
+pub fn to_head_major(x: &[f32], t: usize, n_heads: usize, head_dim: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; x.len()];
+    for i in 0..t {
+        for h in 0..n_heads {
+            out[(h * t + i) * head_dim..][..head_dim]
+                .copy_from_slice(&x[(i * n_heads + h) * head_dim..][..head_dim]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_are_unique() {
+        let mut seen = std::collections::HashSet::new();
+        for &m in Mutation::ALL {
+            assert_eq!(Mutation::parse(m.name()), Some(m));
+            assert!(seen.insert(m.name()), "{m} twice");
+            assert!(!m.describe().is_empty());
+        }
+        assert_eq!(Mutation::parse("rope"), None);
+    }
+
+    #[test]
+    fn nibble_swap_trades_elements_j_and_j_plus_16() {
+        // One Q4_0 block: d = 1.0 (f16 0x3c00), qs[j] = j | (15 - j) << 4.
+        let mut b = vec![0x00, 0x3c];
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut a = vec![0.0f32; 32];
+        let mut s = vec![0.0f32; 32];
+        crate::quant::dequantize_row(GgmlType::Q4_0, &b, &mut a).unwrap();
+        crate::quant::dequantize_row(GgmlType::Q4_0, &swap_nibbles(GgmlType::Q4_0, &b), &mut s)
+            .unwrap();
+        assert_eq!(&s[..16], &a[16..]);
+        assert_eq!(&s[16..], &a[..16]);
+        assert_ne!(a, s);
+    }
+
+    #[test]
+    fn head_major_and_permutation_move_the_right_values() {
+        // T=2, 2 heads, head_dim 4: value = 100 t + 10 h + d.
+        let x: Vec<f32> = (0..16)
+            .map(|k| (100 * (k / 8) + 10 * ((k / 4) % 2) + k % 4) as f32)
+            .collect();
+        let hm = to_head_major(&x, 2, 2, 4);
+        assert_eq!(&hm[4..8], &[100.0, 101.0, 102.0, 103.0]); // head 0, t 1
+        assert_eq!(&hm[8..12], &[10.0, 11.0, 12.0, 13.0]); // head 1, t 0
+        let p = permute_heads(&x, 2, 4);
+        assert_eq!(&p[..4], &[0.0, 2.0, 1.0, 3.0]);
+    }
+}
