@@ -27,6 +27,10 @@ pub struct GoldenArgs {
     /// Decode steps after the prefill (teacher-forced from llama.cpp's greedy continuation).
     #[arg(long, default_value_t = 4)]
     steps: usize,
+    /// Ids to feed at the decode steps instead of llama.cpp's own greedy choice (comma
+    /// separated), e.g. another golden's continuation, so two goldens see the same sequence.
+    #[arg(long, value_delimiter = ',')]
+    forced: Vec<u32>,
     /// Output trace folder.
     #[arg(long)]
     out: PathBuf,
@@ -81,6 +85,10 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         cmd.arg("--no-bos");
     }
     cmd.arg("--steps").arg(a.steps.to_string());
+    if !a.forced.is_empty() {
+        let s: Vec<String> = a.forced.iter().map(|i| i.to_string()).collect();
+        cmd.arg("--forced").arg(s.join(","));
+    }
     cmd.arg("--threads").arg(a.threads.to_string());
     if a.llama_defaults {
         cmd.arg("--llama-defaults");
@@ -302,10 +310,17 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
 
     let mut traces: Vec<Trace> = Vec::new();
     let mut traces_op: Vec<Trace> = Vec::new();
+    // One sequence for every backend: the golden's ids, else the first backend's own greedy
+    // continuation forced into the others (their greedy agreement is a statistic of the
+    // logits comparison, never a divergence of its own).
+    let mut forced = forced;
     for name in &a.backends {
         let mut b = make_backend(name, &model, prompt.len() + steps, a.threads)?;
         let mut sink = MemorySink::new(TapFilter::all());
         let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
+        if forced.is_none() {
+            forced = Some(info.iter().skip(1).flat_map(|s| s.tokens.clone()).collect());
+        }
         traces.push(Trace::from_memory(
             model_ref(&model_path, &model),
             producer(b.as_ref(), serde_json::Value::Null),

@@ -167,7 +167,8 @@ pub struct FixtureArgs {
     /// Architecture: llama or qwen2.
     #[arg(long, default_value = "llama")]
     arch: String,
-    /// Weight type of the matmul weights and token embedding (f32, f16, bf16, q8_0, q4_0, q4_k, …).
+    /// Weight type of the matmul weights and token embedding (f32, f16, bf16, q8_0, q4_0, q4_k, …),
+    /// or q4_k_m: llama-quantize's mix (Q4_K, with Q6_K for output.weight and some attn_v/ffn_down).
     #[arg(long = "type", default_value = "q8_0")]
     weight_type: String,
     #[arg(long, default_value_t = 1)]
@@ -194,9 +195,15 @@ pub struct FixtureArgs {
 }
 
 pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
-    let ty = GgmlType::parse(&a.weight_type)
-        .ok_or_else(|| err(format!("unknown weight type '{}'", a.weight_type)))?;
+    let q4_k_m = a.weight_type.eq_ignore_ascii_case("q4_k_m");
+    let ty = if q4_k_m {
+        GgmlType::Q4_K
+    } else {
+        GgmlType::parse(&a.weight_type)
+            .ok_or_else(|| err(format!("unknown weight type '{}'", a.weight_type)))?
+    };
     let mut spec = FixtureSpec::new(&a.arch, ty, a.seed);
+    spec.q4_k_m = q4_k_m;
     spec.n_embd = a.n_embd;
     spec.n_ff = a.n_ff;
     spec.n_layer = a.n_layer;

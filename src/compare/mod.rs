@@ -51,12 +51,60 @@ pub struct LogitStep {
     pub top5_overlap_mean: f64,
 }
 
+/// How two id sequences differ: the first thing to rule out, since nothing computed from
+/// different ids can be compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenDiff {
+    /// The candidate lacks the baseline's first id (typically BOS).
+    FirstMissing,
+    /// The candidate repeats the first id (BOS added twice: once by a template, once by the
+    /// tokenizer).
+    FirstDoubled,
+    /// The candidate has the baseline's ids inside extra ones (a chat template around the
+    /// prompt).
+    Wrapped,
+    /// The candidate has an extra first id the baseline lacks.
+    FirstExtra,
+    /// Another difference (another tokenizer, other text, another decode continuation).
+    Other,
+}
+
+impl TokenDiff {
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenDiff::FirstMissing => "bos-missing",
+            TokenDiff::FirstDoubled => "bos-doubled",
+            TokenDiff::Wrapped => "template",
+            TokenDiff::FirstExtra => "bos-extra",
+            TokenDiff::Other => "other-ids",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenMismatch {
     pub step: usize,
+    /// First index within the step where the ids differ.
     pub index: usize,
-    pub baseline: Option<u32>,
-    pub candidate: Option<u32>,
+    pub kind: TokenDiff,
+    /// The step's ids on each side.
+    pub baseline_ids: Vec<u32>,
+    pub candidate_ids: Vec<u32>,
+    /// Candidate row = baseline row + offset for the rows that still line up (None: no
+    /// alignment found).
+    pub offset: Option<isize>,
+    /// The ids decoded to text, when the caller has the tokenizer (see [`TokenMismatch::decode_with`]).
+    pub baseline_text: Option<String>,
+    pub candidate_text: Option<String>,
+}
+
+impl TokenMismatch {
+    /// Fill the decoded texts with `decode` (the model's tokenizer).
+    pub fn decode_with(&mut self, decode: impl Fn(&[u32]) -> String) {
+        self.baseline_text = Some(decode(&self.baseline_ids));
+        self.candidate_text = Some(decode(&self.candidate_ids));
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -120,14 +168,26 @@ pub fn compare(
         });
     }
 
-    // Token ids first: if the inputs differ, nothing downstream can be judged.
+    // Token ids first: if the inputs differ, nothing computed from them can be judged. Steps
+    // before the first differing one are compared as usual; in that step only the embedding
+    // rows of ids that line up still mean something (each row depends on its id alone).
     let token_mismatch = first_token_mismatch(base, cand);
+    let cut = token_mismatch.as_ref().map_or(usize::MAX, |m| m.step);
 
-    let common: Vec<TapKey> = base.keys().filter(|k| cand.contains(k)).copied().collect();
-    if common.is_empty() {
+    let common: Vec<TapKey> = base
+        .keys()
+        .filter(|k| k.step < cut && cand.contains(k))
+        .copied()
+        .collect();
+    if common.is_empty() && token_mismatch.is_none() {
         return Err(CompareError::NothingInCommon);
     }
-    let mut results = Vec::with_capacity(common.len());
+    let mut results = Vec::with_capacity(common.len() + 1);
+    if let Some(tm) = &token_mismatch
+        && let Some(r) = aligned_embd(base, cand, tm)?
+    {
+        results.push(r);
+    }
     let mut logits = Vec::new();
     let mut first: Option<usize> = None;
     for key in &common {
@@ -200,25 +260,96 @@ pub fn compare(
 
 fn first_token_mismatch(base: &Trace, cand: &Trace) -> Option<TokenMismatch> {
     let (a, b) = (&base.manifest.steps, &cand.manifest.steps);
-    for s in 0..a.len().max(b.len()) {
-        let ta = a.get(s).map(|x| x.tokens.as_slice()).unwrap_or(&[]);
-        let tb = b.get(s).map(|x| x.tokens.as_slice()).unwrap_or(&[]);
-        // A trace with fewer steps is fine; compare only steps both have.
-        if a.get(s).is_none() || b.get(s).is_none() {
-            break;
+    // A trace with fewer steps is fine; compare only the steps both have.
+    for (sa, sb) in a.iter().zip(b) {
+        let (ta, tb) = (&sa.tokens, &sb.tokens);
+        if ta == tb {
+            continue;
         }
-        for i in 0..ta.len().max(tb.len()) {
-            if ta.get(i) != tb.get(i) {
-                return Some(TokenMismatch {
-                    step: s,
-                    index: i,
-                    baseline: ta.get(i).copied(),
-                    candidate: tb.get(i).copied(),
-                });
+        let index = ta.iter().zip(tb).take_while(|(x, y)| x == y).count();
+        let (kind, offset) = classify(ta, tb);
+        return Some(TokenMismatch {
+            step: sa.step,
+            index,
+            kind,
+            baseline_ids: ta.clone(),
+            candidate_ids: tb.clone(),
+            offset,
+            baseline_text: None,
+            candidate_text: None,
+        });
+    }
+    None
+}
+
+/// Name the difference between two id sequences and the row offset that aligns them.
+fn classify(a: &[u32], b: &[u32]) -> (TokenDiff, Option<isize>) {
+    if !a.is_empty() && b == &a[1..] {
+        return (TokenDiff::FirstMissing, Some(-1));
+    }
+    if !a.is_empty() && b.len() == a.len() + 1 && b[0] == a[0] && &b[1..] == a {
+        return (TokenDiff::FirstDoubled, Some(1));
+    }
+    if !b.is_empty() && &b[1..] == a {
+        return (TokenDiff::FirstExtra, Some(1));
+    }
+    // The baseline's ids (with or without its first, BOS) inside the candidate's.
+    if b.len() > a.len() {
+        for skip in [0, 1] {
+            let core = &a[skip.min(a.len())..];
+            if core.len() >= 2
+                && let Some(p) = b.windows(core.len()).position(|w| w == core)
+            {
+                return (TokenDiff::Wrapped, Some(p as isize - skip as isize));
             }
         }
     }
-    None
+    let offset = (a.len() == b.len()).then_some(0);
+    (TokenDiff::Other, offset)
+}
+
+/// The step's embedding rows compared where the two id sequences line up (same id at
+/// aligned rows), as a tap result of its own; None if there are no such rows.
+fn aligned_embd(
+    base: &Trace,
+    cand: &Trace,
+    tm: &TokenMismatch,
+) -> Result<Option<TapResult>, CompareError> {
+    let key = TapKey::new(tm.step, None, Tap::Embd);
+    let (Some(off), Some(a), Some(b)) = (tm.offset, base.get(&key)?, cand.get(&key)?) else {
+        return Ok(None);
+    };
+    let (na, nb) = (tm.baseline_ids.len(), tm.candidate_ids.len());
+    if na == 0 || nb == 0 || a.len() % na != 0 || b.len() % nb != 0 || a.len() / na != b.len() / nb
+    {
+        return Ok(None);
+    }
+    let w = a.len() / na;
+    let (va, vb): (Vec<f32>, Vec<f32>) = (a.iter().copied().collect(), b.iter().copied().collect());
+    let (mut xa, mut xb) = (Vec::new(), Vec::new());
+    for i in 0..na {
+        let j = i as isize + off;
+        if j < 0 || j as usize >= nb || tm.baseline_ids[i] != tm.candidate_ids[j as usize] {
+            continue;
+        }
+        let j = j as usize;
+        xa.extend_from_slice(&va[i * w..(i + 1) * w]);
+        xb.extend_from_slice(&vb[j * w..(j + 1) * w]);
+    }
+    if xa.is_empty() {
+        return Ok(None);
+    }
+    let rows = xa.len() / w;
+    let a = ndarray::Array2::from_shape_vec((rows, w), xa).expect("whole rows");
+    let b = ndarray::Array2::from_shape_vec((rows, w), xb).expect("whole rows");
+    let m = metrics(&a.into_dyn().view(), &b.into_dyn().view());
+    let threshold = nmse_threshold(PairKind::OpByOp, GgmlType::F32, Tap::Embd);
+    Ok(Some(TapResult {
+        key,
+        pass: !m.non_finite_failure() && m.nmse <= threshold,
+        metrics: m,
+        threshold,
+    }))
 }
 
 fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayD<f32>) -> LogitStep {

@@ -22,6 +22,9 @@ pub struct FixtureSpec {
     pub n_vocab: Option<usize>,
     /// Tie the output projection to the token embedding (no output.weight).
     pub tied: bool,
+    /// llama-quantize's Q4_K_M mix instead of one type: Q6_K for output.weight and for
+    /// attn_v / ffn_down in the layers `use_more_bits` picks, Q4_K elsewhere.
+    pub q4_k_m: bool,
 }
 
 impl FixtureSpec {
@@ -39,6 +42,7 @@ impl FixtureSpec {
             n_ctx: 256,
             n_vocab: None,
             tied: false,
+            q4_k_m: false,
         }
     }
 }
@@ -200,11 +204,26 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     let (e, ff, hd) = (spec.n_embd, spec.n_ff, head_dim);
     let (q, kv) = (spec.n_head * hd, spec.n_head_kv * hd);
     // Uniform weights scaled by 1/sqrt(n_in) keep activations O(1) through the layers.
+    // llama.cpp's use_more_bits(): the first and last eighth of the layers and every third
+    // one between get the bigger type in a _M mix.
+    let n_layer = spec.n_layer;
+    let more_bits = |l: usize| {
+        spec.q4_k_m && (l < n_layer / 8 || l >= 7 * n_layer / 8 || (l - n_layer / 8) % 3 == 2)
+    };
     let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, n_in: usize, n_out: usize| {
         let a = (3.0 / n_in as f32).sqrt();
         let data: Vec<f32> = (0..n_in * n_out).map(|_| rng.uniform(a)).collect();
-        let bytes = quant::quantize_row(wt, &data).expect("whole blocks");
-        w.add_tensor(name, &[n_in as u64, n_out as u64], wt, bytes);
+        let bigger = spec.q4_k_m
+            && (name == "output.weight"
+                || ((name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight"))
+                    && name
+                        .split('.')
+                        .nth(1)
+                        .and_then(|l| l.parse().ok())
+                        .is_some_and(more_bits)));
+        let ty = if bigger { GgmlType::Q6_K } else { wt };
+        let bytes = quant::quantize_row(ty, &data).expect("whole blocks");
+        w.add_tensor(name, &[n_in as u64, n_out as u64], ty, bytes);
     };
     let vector = |w: &mut GgufWriter, rng: &mut Rng, name: &str, n: usize, center: f32, a: f32| {
         let data: Vec<f32> = (0..n).map(|_| center + rng.uniform(a)).collect();
@@ -249,7 +268,7 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         GgmlType::Q5_1 => 9,
         GgmlType::Q2_K => 10,
         GgmlType::Q3_K => 12,
-        GgmlType::Q4_K => 15,
+        GgmlType::Q4_K => 15, // Q4_K_M: what llama-quantize writes for a Q4_K model too
         GgmlType::Q5_K => 17,
         GgmlType::Q6_K => 18,
         GgmlType::IQ4_NL => 25,

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Verdicts at depth: generate deep random-weight models, make a tight llama.cpp golden and one
+# with llama.cpp's defaults forced to the same ids (llama.cpp's own spread), then run
+# `parity check` (every backend, op by op) and `parity diff tight defaults`. Prints one summary
+# line per model; JSON reports stay in OUT for scripts/depth_summary.py (docs/tolerances.md).
+#
+# Usage: scripts/depth_matrix.sh OUT SHAPE TYPE...
+#   SHAPE: tl  (TinyLlama-1.1B: 2048/5632, 22 layers, 32/4 heads, 32000 vocab)
+#          d64 (64 layers, 512/1408, 8/2 heads, 4000 vocab)
+#          d16 (16 layers, 256/512, 4/2 heads, built-in vocab)
+#   TYPE: f32 f16 q8_0 q4_0 q4_k q4_k_m q6_k …
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+P=${PARITY:-$root/target/release/parity}
+out=$1; shape=$2; shift 2
+mkdir -p "$out"
+case $shape in
+  tl) args=(--n-embd 2048 --n-ff 5632 --n-layer 22 --n-head 32 --n-head-kv 4 --n-vocab 32000 --n-ctx 2048)
+      ids=1,450,4996,17354,1701,432,17204,975,278,17366,11203,29889,1576,338,263,1243 ;;
+  d64) args=(--n-embd 512 --n-ff 1408 --n-layer 64 --n-head 8 --n-head-kv 2 --n-vocab 4000 --n-ctx 512)
+      ids=1,450,496,1735,170,432,1720,975,278,1736,1120,2988,1576,338,263,1243 ;;
+  d16) args=(--n-embd 256 --n-ff 512 --n-layer 16 --n-head 4 --n-head-kv 2 --n-ctx 256)
+      ids=1,259,300,273,262,264,324,325,329,333,336,325,342,346,351,259 ;;
+  *) echo "unknown shape $shape" >&2; exit 2 ;;
+esac
+for ty in "$@"; do
+  m=$out/$shape-$ty.gguf
+  [ -f "$m" ] || "$P" fixture --type "$ty" "${args[@]}" --out "$m" >/dev/null
+  g=$out/golden-$shape-$ty
+  [ -f "$g/manifest.json" ] || "$P" golden "$m" --tokens "$ids" --steps 4 --threads 2 --out "$g" >/dev/null 2>&1
+  forced=$(python3 -c "import json,sys;m=json.load(open(sys.argv[1]));print(','.join(str(t) for s in m['steps'][1:] for t in s['tokens']))" "$g/manifest.json")
+  gd=$out/golden-$shape-$ty-defaults
+  [ -f "$gd/manifest.json" ] || "$P" golden "$m" --tokens "$ids" --steps 4 --forced "$forced" --llama-defaults --threads 2 --out "$gd" >/dev/null 2>&1
+  set +e
+  s0=$(date +%s.%N)
+  "$P" check "$m" --golden "$g" --threads 2 --json "$out/check-$shape-$ty.json" > "$out/check-$shape-$ty.txt" 2>&1
+  rc=$?
+  s1=$(date +%s.%N)
+  "$P" diff "$g" "$gd" --json "$out/spread-$shape-$ty.json" > "$out/spread-$shape-$ty.txt" 2>&1
+  rs=$?
+  set -e
+  echo "$shape $ty: check exit $rc ($(tail -1 "$out/check-$shape-$ty.txt")) in $(python3 -c "print(f'{$s1-$s0:.1f}')") s; llama.cpp tight vs defaults: exit $rs"
+done
