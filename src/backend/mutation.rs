@@ -225,6 +225,30 @@ impl Mutation {
     }
 }
 
+impl Mutation {
+    /// Where the bug first shows on a typical model, in words (`first_shows` is exact for a
+    /// given model).
+    pub fn typical_place(self) -> &'static str {
+        match self {
+            Mutation::RopeNeox | Mutation::RopeTheta | Mutation::HeadMajorQRope => {
+                "step 0, layer 0, q_rope"
+            }
+            Mutation::QkPermute => "step 0, layer 0, q",
+            Mutation::GqaModulo | Mutation::NoCausalMask => "step 0, layer 0, kq_soft_max",
+            Mutation::TransposedWo => "step 0, layer 0, attn_out",
+            Mutation::RmsEps10x => "step 0, layer 0, attn_norm",
+            Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
+                "step 0, the first norm whose weight is not all ones"
+            }
+            Mutation::SwigluSwap => "step 0, layer 0, ffn_act",
+            Mutation::KvOffByOne => "step 1 (first decode step), layer 0, kq_soft_max",
+            Mutation::DecoderNibbleOrder => "step 0, the first op reading a 4-bit weight",
+            Mutation::TransposedLmHead | Mutation::TiedOutput => "step 0, logits",
+            Mutation::NoBos | Mutation::DoubleBos => "step 0, the token ids",
+        }
+    }
+}
+
 /// The model's BOS id, if it declares one.
 pub fn bos_id(model: &Model) -> Option<u32> {
     model

@@ -7,6 +7,7 @@ mod diff;
 mod inspect;
 mod output;
 mod run;
+mod selftest;
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -52,6 +53,8 @@ enum Cmd {
     Diff(diff::DiffArgs),
     /// Benchmark the fast backend against the real llama.cpp on the same model and threads.
     Bench(bench::BenchArgs),
+    /// List the catalog of known engine bugs (`--mutate NAME` switches one on).
+    Mutations(selftest::MutationsArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -73,6 +76,7 @@ pub fn main() -> ExitCode {
         Cmd::Check(a) => check::check(a),
         Cmd::Diff(a) => diff::diff(a),
         Cmd::Bench(a) => bench::bench(a),
+        Cmd::Mutations(a) => selftest::mutations(a),
     };
     match result {
         Ok(code) => code,

@@ -1,11 +1,12 @@
 //! `parity tokenize`, `parity generate`, `parity dump`, and the helpers they share with `check`.
 
 use super::{Result, err};
+use crate::backend::mutation::{self, Mutation, MutationKind};
 use crate::backend::{self, Backend, Emulation, Fast, Reference};
 use crate::gguf::GgufFile;
 use crate::model::Model;
 use crate::model::tokenizer::Tokenizer;
-use crate::trace::{ModelRef, Producer, TapFilter, TraceWriter};
+use crate::trace::{ModelRef, Producer, TapFilter, Trace, TraceWriter};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -101,6 +102,73 @@ pub fn make_backend<'m>(
     }
 }
 
+/// `--mutate NAME`: the mutation, refused (one line, exit 2) when unknown or when it cannot
+/// show on this model.
+pub fn parse_mutation(name: &str, model: &Model) -> Result<Mutation> {
+    let m = Mutation::parse(name).ok_or_else(|| {
+        err(format!(
+            "unknown mutation '{name}' (known: {})",
+            Mutation::names()
+        ))
+    })?;
+    if !m.applies_to(model) {
+        let ok: Vec<&str> = Mutation::ALL
+            .iter()
+            .filter(|m| m.applies_to(model))
+            .map(|m| m.name())
+            .collect();
+        return Err(err(format!(
+            "mutation '{name}' does not apply to this model (applicable: {})",
+            ok.join(", ")
+        )));
+    }
+    Ok(m)
+}
+
+/// [`make_backend`] for an engine with bug `m`: compute and layout bugs need the reference
+/// backend (where the catalog's hooks live); token bugs change the ids, not the backend.
+pub fn make_mutated_backend<'m>(
+    name: &str,
+    model: &'m Model,
+    n_ctx: usize,
+    threads: usize,
+    m: Option<Mutation>,
+) -> Result<Box<dyn Backend + 'm>> {
+    let Some(m) = m.filter(|m| m.kind() != MutationKind::Tokens) else {
+        return make_backend(name, model, n_ctx, threads);
+    };
+    let emulation = match name {
+        "reference" => Emulation::None,
+        "reference:ggml-cpu" | "emulated" => Emulation::GgmlCpu,
+        other => {
+            return Err(err(format!(
+                "--mutate {m} needs the reference backend (not '{other}')"
+            )));
+        }
+    };
+    Ok(Box::new(
+        Reference::new(model, emulation, n_ctx).with_mutation(Some(m)),
+    ))
+}
+
+/// The ids an engine with a token bug feeds: BOS dropped or doubled. Refused when the prompt
+/// does not start with the model's BOS (the bug cannot show then).
+pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
+    let bos = mutation::bos_id(model);
+    let starts = bos.is_some() && ids.first().copied() == bos;
+    match m {
+        Mutation::NoBos | Mutation::DoubleBos if !starts => Err(err(format!(
+            "--mutate {m}: the prompt ids do not start with the model's BOS ({bos:?})"
+        ))),
+        Mutation::NoBos if ids.len() < 2 => {
+            Err(err("--mutate no-bos: the prompt is BOS alone".to_string()))
+        }
+        Mutation::NoBos => Ok(ids[1..].to_vec()),
+        Mutation::DoubleBos => Ok([&ids[..1], ids].concat()),
+        _ => Ok(ids.to_vec()),
+    }
+}
+
 /// `--threads 0` means every core.
 pub fn resolve_threads(n: usize) -> usize {
     if n > 0 {
@@ -156,6 +224,9 @@ pub struct GenerateArgs {
     /// Worker threads for the fast backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Behave like an engine with this known bug (see `parity mutations`).
+    #[arg(long, value_name = "NAME")]
+    mutate: Option<String>,
 }
 
 pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
@@ -165,10 +236,19 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
     if !input.given() {
         input.prompt = Some(String::new()); // from BOS alone
     }
-    let (ids, policy) = input.resolve(&model.file)?;
+    let (mut ids, policy) = input.resolve(&model.file)?;
+    let mutate = a
+        .mutate
+        .as_deref()
+        .map(|n| parse_mutation(n, &model))
+        .transpose()?;
+    if let Some(m) = mutate {
+        ids = mutate_ids(&ids, m, &model)?;
+        eprintln!("mutation: {m} — {}", m.describe());
+    }
     eprintln!("prompt ids: {ids:?} — {policy}");
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_backend(&name, &model, ids.len() + a.n, a.threads)?;
+    let mut b = make_mutated_backend(&name, &model, ids.len() + a.n, a.threads, mutate)?;
     let eos = if a.ignore_eos { None } else { tok.eos_id() };
     let out = backend::generate(b.as_mut(), &ids, a.n, eos)?;
     println!("{}", tok.decode(&out));
@@ -205,30 +285,72 @@ pub struct DumpArgs {
     /// Worker threads for the fast backend (0 = all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Replay a golden's ids: its prompt (step 0) and its decode tokens (forced).
+    #[arg(long, conflicts_with_all = ["prompt", "tokens", "forced"])]
+    golden: Option<PathBuf>,
+    /// Write the trace an engine with this known bug would write (see `parity mutations`).
+    /// The manifest does not say so: `diff` must find it blind.
+    #[arg(long, value_name = "NAME")]
+    mutate: Option<String>,
+    /// With a layout mutation: declare the layout in the manifest (`"layouts"`), as an
+    /// engine that knows it stores the tap differently would.
+    #[arg(long, requires = "mutate")]
+    declare_layout: bool,
 }
 
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     let model = Model::open(&a.model)?;
-    if !a.input.given() {
-        return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)"));
+    let (mut ids, policy, forced) = match &a.golden {
+        Some(dir) => {
+            let g = Trace::open(dir)?;
+            let ids = g.manifest.steps.first().map(|s| s.tokens.clone());
+            let ids = ids
+                .filter(|t| !t.is_empty())
+                .ok_or_else(|| err(format!("{}: the golden has no prompt ids", dir.display())))?;
+            let policy = format!("ids replayed from the golden {}", dir.display());
+            (ids, policy, Some(g.manifest.decode_tokens()))
+        }
+        None if !a.input.given() => {
+            return Err(err(
+                "give a prompt (-p TEXT), ids (--tokens 1,2,3) or a golden to replay (--golden DIR)",
+            ));
+        }
+        None => {
+            let (ids, policy) = a.input.resolve(&model.file)?;
+            (ids, policy, a.forced.clone())
+        }
+    };
+    let mutate = a
+        .mutate
+        .as_deref()
+        .map(|n| parse_mutation(n, &model))
+        .transpose()?;
+    if a.declare_layout && mutate.is_some_and(|m| m.kind() != MutationKind::Layout) {
+        return Err(err("--declare-layout goes with a layout mutation (head-major-q-rope)"));
     }
-    let (ids, policy) = a.input.resolve(&model.file)?;
+    if let Some(m) = mutate {
+        ids = mutate_ids(&ids, m, &model)?;
+        eprintln!("mutation: {m} — {}", m.describe());
+    }
     eprintln!("prompt ids: {ids:?} — {policy}");
-    let steps = a.forced.as_ref().map_or(a.steps, |f| f.len());
+    let steps = forced.as_ref().map_or(a.steps, |f| f.len());
     let filter = match &a.taps {
         Some(re) => TapFilter::regex(re).map_err(|e| err(format!("--taps: {e}")))?,
         None => TapFilter::all(),
     };
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_backend(&name, &model, ids.len() + steps, a.threads)?;
+    let mut b = make_mutated_backend(&name, &model, ids.len() + steps, a.threads, mutate)?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
-    let info = backend::run(b.as_mut(), &ids, steps, a.forced.as_deref(), &mut sink)?;
+    let info = backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?;
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args().collect::<Vec<_>>().join(" ") });
     let m = sink.finish(
         model_ref(&a.model, &model),
         producer(b.as_ref(), settings),
         info,
     )?;
+    if a.declare_layout {
+        declare_layout(&a.out, "q_rope", "head-major")?;
+    }
     eprintln!(
         "wrote {} tensors over {} steps to {}",
         m.tensors.len(),
@@ -236,4 +358,21 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         a.out.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Add `"layouts": {tap: layout}` to a written trace's manifest (the key external engines use
+/// to declare a tap stored in another layout; see docs/trace-format.md).
+pub fn declare_layout(dir: &Path, tap: &str, layout: &str) -> Result<()> {
+    let p = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&p)?;
+    let mut v: serde_json::Value = serde_json::from_str(&text)?;
+    let obj = v
+        .as_object_mut()
+        .ok_or_else(|| err(format!("{}: not a JSON object", p.display())))?;
+    let layouts = obj
+        .entry("layouts")
+        .or_insert_with(|| serde_json::json!({}));
+    layouts[tap] = serde_json::Value::String(layout.to_string());
+    std::fs::write(&p, serde_json::to_string_pretty(&v)? + "\n")?;
+    Ok(())
 }
