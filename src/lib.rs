@@ -7,6 +7,7 @@ pub mod backend;
 pub mod cli;
 pub mod compare;
 pub mod gguf;
+pub mod judge;
 pub mod model;
 pub mod quant;
 pub mod report;

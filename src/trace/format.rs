@@ -74,6 +74,10 @@ pub struct Manifest {
     pub producer: Producer,
     pub steps: Vec<StepInfo>,
     pub tensors: Vec<TensorEntry>,
+    /// Taps stored in another layout than the canonical one, by tap name, e.g.
+    /// `{"q_rope": "head-major"}` (see `judge::layout`); aligned on load by the judge.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub layouts: BTreeMap<String, String>,
 }
 
 impl Manifest {
@@ -118,6 +122,7 @@ impl Trace {
                 producer,
                 steps,
                 tensors: entries,
+                layouts: BTreeMap::new(),
             },
             keys,
             source: Source::Memory(tensors),
@@ -368,6 +373,7 @@ impl TraceWriter {
             producer,
             steps,
             tensors: self.entries,
+            layouts: BTreeMap::new(),
         };
         write_manifest(&self.dir, &m)?;
         Ok(m)

@@ -1,0 +1,245 @@
+//! The noise floor of an own error: how far a *correct* engine's op may sit from the
+//! reference's recomputation of it, from the same inputs. Measurements and reasoning:
+//! docs/tolerances.md, section "Own error".
+//!
+//! Each op class has an absolute floor set by f32 arithmetic (summation order, libm ulps), far
+//! below what any real bug moves. Matmuls add the one thing the reference cannot know exactly:
+//! an engine's activation rounding. Under the rounding that reproduces the engine they sit at
+//! ~1e-13; under the best of the roundings parity knows, an engine that rounds otherwise
+//! (another 8-bit scheme, a GPU's tiles) sits at ~1e-5..1e-4 on every matmul alike, so the
+//! matmul floor follows the median matmul own error of the trace (capped: a bug in every
+//! matmul — a decoder — moves NMSE to ~1, far above the cap).
+//!
+//! A key whose inputs the candidate did not dump is judged as the span of ops from the
+//! nearest taps it has; inside a span an activation that sits on a quantization boundary may
+//! round the other way than in the engine (f32 noise upstream decides), so spans through a
+//! rounded matmul carry a flip floor.
+
+use super::replay::Candidate;
+use crate::backend::Emulation;
+use crate::gguf::GgmlType;
+use crate::model::Model;
+use crate::trace::{Tap, TapKey};
+use std::collections::BTreeSet;
+
+/// What kind of arithmetic an op does (its floor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OpClass {
+    /// Embedding rows: decoded exactly.
+    Lookup,
+    Norm,
+    Matmul,
+    Rope,
+    /// Scores, mask and softmax; the probability-weighted sum of V.
+    Attention,
+    /// Residual adds, SwiGLU.
+    Elementwise,
+}
+
+pub fn class(tap: Tap) -> OpClass {
+    match tap {
+        Tap::Embd => OpClass::Lookup,
+        Tap::AttnNorm | Tap::FfnNorm | Tap::ResultNorm => OpClass::Norm,
+        Tap::Q
+        | Tap::K
+        | Tap::V
+        | Tap::AttnOut
+        | Tap::FfnGate
+        | Tap::FfnUp
+        | Tap::FfnOut
+        | Tap::Logits => OpClass::Matmul,
+        Tap::QRope | Tap::KRope => OpClass::Rope,
+        Tap::KqSoftMax | Tap::KqvOut => OpClass::Attention,
+        Tap::FfnInp | Tap::FfnAct | Tap::LOut => OpClass::Elementwise,
+    }
+}
+
+/// Embedding rows: any correct decoder gives the same f32 (or f16-exact) values.
+pub const LOOKUP: f64 = 1e-12;
+/// RMSNorm: the mean of squares in any f32 order; an rms eps off by 10× sits 1-4 orders above.
+pub const NORM: f64 = 1e-11;
+/// Residual adds and SwiGLU (expf ulps).
+pub const ELEMENTWISE: f64 = 1e-10;
+/// RoPE at position 0..16; grows with position (see [`rope_floor`]).
+pub const ROPE: f64 = 1e-10;
+/// Attention: f16 K/V caches and flash attention's f16 accumulation (llama.cpp's defaults)
+/// stay below this; a mask, position, scale or head-map bug sits at 1e-3..1.
+pub const ATTENTION: f64 = 1e-6;
+/// Matmuls under the rounding that reproduces the engine.
+pub const MM_ABS: f64 = 1e-10;
+/// How far above the trace's median matmul own error a matmul may sit.
+pub const MM_FACTOR: f64 = 100.0;
+/// The highest the matmul floor may climb (an 8-bit activation rounding unlike ours).
+pub const MM_CAP: f64 = 1e-3;
+/// How far above its ops' floors a span may sit.
+pub const SPAN_FACTOR: f64 = 10.0;
+/// A span through a matmul whose inputs are rounded: one activation flipping to the next
+/// quantum changes the span's output by up to this much.
+pub const FLIP: f64 = 1e-5;
+/// A candidate tensor stored in f16 (every value f16-exact) carries f16's rounding (~1e-7).
+pub const F16_STORAGE: f64 = 1e-6;
+
+/// RoPE's floor at positions up to `pos_max`: engines compute the rotation angles in f32 in
+/// different ways (powf per dimension, or ggml's repeated multiplication), an angle error
+/// growing like pos · 1e-7.
+pub fn rope_floor(pos_max: usize) -> f64 {
+    ROPE.max(10.0 * (1e-7 * pos_max as f64).powi(2))
+}
+
+/// The keys whose op produced `k` directly (its inputs), in the candidate's steps.
+fn inputs(k: &TapKey, n_layer: usize, steps: &[usize]) -> Vec<TapKey> {
+    let s = k.step;
+    let at = |tap: Tap| TapKey::new(s, k.layer, tap);
+    let l_in = |l: usize| {
+        if l == 0 {
+            TapKey::new(s, None, Tap::Embd)
+        } else {
+            TapKey::new(s, Some(l - 1), Tap::LOut)
+        }
+    };
+    let cached = |tap: Tap| -> Vec<TapKey> {
+        steps
+            .iter()
+            .filter(|&&x| x <= s)
+            .map(|&x| TapKey::new(x, k.layer, tap))
+            .collect()
+    };
+    match k.tap {
+        Tap::Embd => vec![],
+        Tap::AttnNorm => vec![l_in(k.layer.unwrap_or(0))],
+        Tap::Q | Tap::K | Tap::V => vec![at(Tap::AttnNorm)],
+        Tap::QRope => vec![at(Tap::Q)],
+        Tap::KRope => vec![at(Tap::K)],
+        Tap::KqSoftMax => {
+            let mut v = vec![at(Tap::QRope)];
+            v.extend(cached(Tap::KRope));
+            v
+        }
+        Tap::KqvOut => {
+            let mut v = vec![at(Tap::KqSoftMax)];
+            v.extend(cached(Tap::V));
+            v
+        }
+        Tap::AttnOut => vec![at(Tap::KqvOut)],
+        Tap::FfnInp => vec![at(Tap::AttnOut), l_in(k.layer.unwrap_or(0))],
+        Tap::FfnNorm => vec![at(Tap::FfnInp)],
+        Tap::FfnGate | Tap::FfnUp => vec![at(Tap::FfnNorm)],
+        Tap::FfnAct => vec![at(Tap::FfnGate), at(Tap::FfnUp)],
+        Tap::FfnOut => vec![at(Tap::FfnAct)],
+        Tap::LOut => vec![at(Tap::FfnInp), at(Tap::FfnOut)],
+        Tap::ResultNorm => {
+            if n_layer == 0 {
+                vec![TapKey::new(s, None, Tap::Embd)]
+            } else {
+                vec![TapKey::new(s, Some(n_layer - 1), Tap::LOut)]
+            }
+        }
+        Tap::Logits => vec![TapKey::new(s, None, Tap::ResultNorm)],
+    }
+}
+
+/// The ops recomputed to reproduce `k` from the candidate's own taps: `k`'s op and, for each
+/// input the candidate did not dump, that input's span. `{k}` when `k` is judged on its own.
+pub fn span(cand: &Candidate, k: &TapKey) -> BTreeSet<TapKey> {
+    let n_layer = cand.config.n_layer;
+    let steps = cand.steps();
+    let mut out = BTreeSet::new();
+    let mut todo = vec![*k];
+    while let Some(x) = todo.pop() {
+        if !out.insert(x) {
+            continue;
+        }
+        for i in inputs(&x, n_layer, &steps) {
+            if !cand.contains(&i) {
+                todo.push(i);
+            }
+        }
+    }
+    out
+}
+
+/// Whether the reference rounds the inputs of a matmul with weights `ty` under `r`.
+pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
+    match r {
+        Emulation::None => false,
+        Emulation::GgmlCpu => crate::quant::vec_dot_type(ty) != GgmlType::F32,
+        Emulation::F16 => true,
+    }
+}
+
+/// The floor policy for one judgement: the chosen rounding and the trace's matmul noise.
+pub struct Floors {
+    pub rounding: Emulation,
+    /// Median own NMSE of the matmuls judged on their own (None: the trace has none).
+    pub mm_median_own: Option<f64>,
+    /// Median own NMSE of the spans that contain a matmul.
+    pub mm_median_span: Option<f64>,
+    pub flips: bool,
+    pub pos_max: usize,
+}
+
+impl Floors {
+    pub fn new(model: &Model, rounding: Emulation, pos_max: usize) -> Floors {
+        let flips = model
+            .layers
+            .iter()
+            .flat_map(|l| [l.wq.ty, l.w_down.ty])
+            .chain([model.output.ty])
+            .any(|ty| rounds_inputs(rounding, ty));
+        Floors {
+            rounding,
+            mm_median_own: None,
+            mm_median_span: None,
+            flips,
+            pos_max,
+        }
+    }
+
+    pub fn matmul(&self) -> f64 {
+        let med = self.mm_median_own.or(self.mm_median_span).unwrap_or(0.0);
+        MM_ABS.max(MM_CAP.min(MM_FACTOR * med))
+    }
+
+    pub fn op(&self, tap: Tap) -> f64 {
+        match class(tap) {
+            OpClass::Lookup => LOOKUP,
+            OpClass::Norm => NORM,
+            OpClass::Matmul => self.matmul(),
+            OpClass::Rope => rope_floor(self.pos_max),
+            OpClass::Attention => ATTENTION,
+            OpClass::Elementwise => ELEMENTWISE,
+        }
+    }
+
+    /// The floor of a key whose recomputation is `span`.
+    pub fn key(&self, k: &TapKey, span: &BTreeSet<TapKey>) -> f64 {
+        if span.len() <= 1 {
+            return self.op(k.tap);
+        }
+        let ops = span
+            .iter()
+            .map(|x| self.op(x.tap))
+            .fold(0.0f64, f64::max);
+        let has_mm = span.iter().any(|x| class(x.tap) == OpClass::Matmul);
+        let mut f = SPAN_FACTOR * ops;
+        if has_mm && self.flips {
+            f = f.max(FLIP);
+        }
+        if has_mm && self.mm_median_own.is_none() {
+            if let Some(m) = self.mm_median_span {
+                f = f.max(MM_CAP.min(MM_FACTOR * m));
+            }
+        }
+        f
+    }
+}
+
+/// Median of `v` (None when empty).
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Some(v[v.len() / 2])
+}

@@ -1,0 +1,361 @@
+//! Diagnosis by experiment: at the first op out of its floor, re-run that op (or span) under
+//! each hypothesis and name the one that reproduces the candidate within the floor.
+//!
+//! Hypotheses: every catalog bug (`Mutation`, compute kind) that can show in the span, re-run
+//! through `Reference::with_mutation`; other rms eps values; other rope thetas; and layouts of
+//! the candidate's own tensor (tested without re-running). Each replay covers only the window
+//! up to the flagged (step, layer), entering from the candidate's previous l_out when it has
+//! one. Text heuristics (`compare::diagnose`) are used only when nothing reproduces it, and
+//! say so.
+
+use super::floor::{Floors, OpClass, class, span};
+use super::layout::Layout;
+use super::replay::{Candidate, Setup, Window, replay};
+use super::{Finding, JudgeError, OpResult, Tried};
+use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
+use crate::compare::{CompareOptions, PairKind, compare, metrics};
+use crate::model::{Model, RopeType};
+use crate::trace::{ModelRef, Producer, StepInfo, Tap, TapKey, Trace};
+use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// One experiment to run.
+struct Hypothesis {
+    name: String,
+    catalog: Option<Mutation>,
+    setup: Setup,
+}
+
+/// rms eps values engines use (model's own excluded, ×10 left to the catalog).
+fn eps_values(model_eps: f32) -> Vec<f32> {
+    let mut v: Vec<f32> = vec![1e-5, 1e-6, 1e-8, 1e-12, model_eps / 10.0];
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
+    v.retain(|&e| !close(e, model_eps) && !close(e, model_eps * 10.0));
+    v.dedup_by(|a, b| close(*a, *b));
+    v
+}
+
+/// rope thetas engines use (model's own and the catalog's wrong one excluded).
+fn theta_values(model_theta: f32) -> Vec<f32> {
+    let mut v: Vec<f32> = vec![10000.0, 500000.0, 1000000.0, model_theta / 10.0];
+    let wrong = wrong_theta(model_theta);
+    v.retain(|&t| t != model_theta && t != wrong);
+    v.dedup();
+    v
+}
+
+fn fmt_num(x: f32) -> String {
+    if x >= 1.0 && x.fract() == 0.0 {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// Whether catalog bug `m` can change what the span computes.
+fn relevant(m: Mutation, model: &Model, k: &TapKey, classes: &BTreeSet<OpClass>) -> bool {
+    if m.kind() != MutationKind::Compute || !m.applies_to(model) {
+        return false;
+    }
+    let shows = m.first_shows(model);
+    if shows.step > k.step {
+        return false;
+    }
+    match m {
+        Mutation::DecoderNibbleOrder => {
+            classes.contains(&OpClass::Matmul) || classes.contains(&OpClass::Lookup)
+        }
+        _ => classes.contains(&class(shows.tap)),
+    }
+}
+
+pub(super) fn diagnose(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    op: &OpResult,
+    experiments: bool,
+) -> Result<Finding, JudgeError> {
+    let k = op.key;
+    let sp = span(cand, &k);
+    let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
+    let window = Window::for_key(cand, &k);
+    let base = Setup {
+        rounding: floors.rounding,
+        mutation: None,
+        rms_eps: None,
+        rope_theta: None,
+        window,
+    };
+    // The reference's own tensors at the flagged key and at the candidate's keys of the same
+    // (step, layer): layouts are tested on them, the fallback heuristics read them.
+    let keep: BTreeSet<TapKey> = cand
+        .trace
+        .keys()
+        .filter(|x| x.step == k.step && x.layer == k.layer && **x <= k)
+        .copied()
+        .collect();
+    let plain = replay(model, cand, &base, &keep)?;
+
+    let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
+    if experiments {
+        let c = &model.config;
+        let mut hyps: Vec<Hypothesis> = Mutation::ALL
+            .iter()
+            .filter(|&&m| relevant(m, model, &k, &classes))
+            .map(|&m| Hypothesis {
+                name: m.name().to_string(),
+                catalog: Some(m),
+                setup: Setup {
+                    mutation: Some(m),
+                    ..base.clone()
+                },
+            })
+            .collect();
+        if classes.contains(&OpClass::Norm) {
+            for e in eps_values(c.rms_eps) {
+                hyps.push(Hypothesis {
+                    name: format!("rms-eps={}", fmt_num(e)),
+                    catalog: None,
+                    setup: Setup {
+                        rms_eps: Some(e),
+                        ..base.clone()
+                    },
+                });
+            }
+        }
+        if classes.contains(&OpClass::Rope) {
+            for t in theta_values(c.rope_theta) {
+                hyps.push(Hypothesis {
+                    name: format!("rope-theta={}", fmt_num(t)),
+                    catalog: None,
+                    setup: Setup {
+                        rope_theta: Some(t),
+                        ..base.clone()
+                    },
+                });
+            }
+        }
+        for h in hyps {
+            let r = replay(model, cand, &h.setup, &BTreeSet::new())?;
+            if let Some(m) = r.metrics.get(&k) {
+                tried.push((
+                    Tried {
+                        hypothesis: h.name,
+                        nmse: m.nmse,
+                    },
+                    h.catalog,
+                ));
+            }
+        }
+        // Layouts: the candidate's own tensor read in another order, no re-run needed.
+        if let (Some(r), Some(raw), Some(dims)) =
+            (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
+        {
+            let declared = cand.layouts.get(&k.tap).copied();
+            for l in Layout::candidates(k.tap) {
+                if Some(l) == declared {
+                    continue;
+                }
+                let x = l.to_canonical(&raw, dims);
+                let nmse = nmse(r, &x);
+                let catalog = (k.tap == Tap::QRope && l == Layout::SwapOuter)
+                    .then_some(Mutation::HeadMajorQRope);
+                tried.push((
+                    Tried {
+                        hypothesis: format!("layout:{}", l.name(k.tap)),
+                        nmse,
+                    },
+                    catalog,
+                ));
+            }
+        }
+    }
+
+    // Confirmed: within the floor; the lowest NMSE wins (the catalog first on ties).
+    let floor = op.floor;
+    let mut ok: Vec<&(Tried, Option<Mutation>)> =
+        tried.iter().filter(|(t, _)| t.nmse <= floor).collect();
+    ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
+    let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
+    let also: Vec<String> = ok
+        .iter()
+        .skip(1)
+        .map(|(t, _)| t.hypothesis.clone())
+        .collect();
+    let ruled_out: Vec<Tried> = tried
+        .iter()
+        .filter(|(t, _)| t.nmse > floor)
+        .map(|(t, _)| t.clone())
+        .collect();
+
+    // The text.
+    let mut text = format!(
+        "first op out of its noise floor: {k} — own NMSE {:.2e} (floor {:.0e}, cosine {:.6})",
+        op.own_nmse, floor, op.cosine
+    );
+    if sp.len() > 1 {
+        let layers: BTreeSet<Option<usize>> = sp.iter().map(|x| x.layer).collect();
+        text.push_str(&format!(
+            "\n  judged as a span of {} ops (the trace has no taps inside it{}): the bug is in this span, at {} granularity",
+            sp.len(),
+            match window.l0 {
+                0 => String::new(),
+                l => format!("; recomputed from its l_out-{}", l - 1),
+            },
+            if layers.len() > 1 { "multi-layer" } else { "layer" }
+        ));
+    }
+    let mut fallback = false;
+    match &confirmed {
+        Some((t, m)) => {
+            text.push_str(&format!(
+                "\n  confirmed by experiment: {} reproduces your {} at NMSE {:.1e}",
+                t.hypothesis,
+                k.tap,
+                t.nmse
+            ));
+            text.push_str(&format!(" — {}", explain(model, &t.hypothesis, *m, &k)));
+            if !also.is_empty() {
+                text.push_str(&format!("\n  also reproduces it: {}", also.join(", ")));
+            }
+        }
+        None if experiments => {
+            fallback = true;
+            text.push_str("\n  no hypothesis reproduces it");
+            let h = heuristic(model, cand, &plain.kept, &k)?;
+            text.push_str(&format!(
+                "\n  fallback (text heuristics, not an experiment): {h}"
+            ));
+        }
+        None => {
+            fallback = true;
+            let h = heuristic(model, cand, &plain.kept, &k)?;
+            text.push_str(&format!(
+                "\n  fallback (text heuristics; experiments not run): {h}"
+            ));
+        }
+    }
+    if !ruled_out.is_empty() {
+        let list: Vec<String> = ruled_out
+            .iter()
+            .map(|t| format!("{} ({:.0e})", t.hypothesis, t.nmse))
+            .collect();
+        text.push_str(&format!(
+            "\n  ruled out by experiment (NMSE under each): {}",
+            list.join(", ")
+        ));
+    }
+    Ok(Finding {
+        key: k,
+        own_nmse: op.own_nmse,
+        floor,
+        span_ops: sp.len(),
+        confirmed_nmse: confirmed.as_ref().map(|(t, _)| t.nmse),
+        catalog: confirmed.as_ref().and_then(|(_, m)| m.map(|m| m.name().to_string())),
+        confirmed: confirmed.map(|(t, _)| t.hypothesis),
+        also,
+        ruled_out,
+        fallback,
+        text,
+    })
+}
+
+fn nmse(a: &[f32], b: &[f32]) -> f64 {
+    let a = ArrayViewD::from_shape(IxDyn(&[a.len()]), a).expect("1-d");
+    let b = ArrayViewD::from_shape(IxDyn(&[b.len()]), b).expect("1-d");
+    metrics(&a, &b).nmse
+}
+
+/// One sentence on what the confirmed hypothesis means for the engine.
+fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String {
+    let c = &model.config;
+    if let Some(v) = name.strip_prefix("rms-eps=") {
+        return format!(
+            "the engine's RMSNorm adds eps {v}; the model says {:e} (attention.layer_norm_rms_epsilon)",
+            c.rms_eps
+        );
+    }
+    if let Some(v) = name.strip_prefix("rope-theta=") {
+        return format!(
+            "the engine's RoPE frequency base is {v}; the model says {} (rope.freq_base)",
+            c.rope_theta
+        );
+    }
+    if let Some(l) = name.strip_prefix("layout:") {
+        return format!(
+            "the numbers are right, stored {l}: declare it in the trace's manifest.json as \"layouts\": {{\"{}\": \"{l}\"}}, or store it canonical",
+            k.tap
+        );
+    }
+    match m {
+        Some(Mutation::RopeNeox) => format!(
+            "{} (the model pairs {})",
+            Mutation::RopeNeox.describe(),
+            match c.rope_type {
+                RopeType::Norm => "NORM: (2i, 2i+1)",
+                RopeType::Neox => "NEOX: (i, i+n_rot/2)",
+            }
+        ),
+        Some(Mutation::RopeTheta) => format!(
+            "{} (the engine's base {} is what reproduces it; the model says {})",
+            Mutation::RopeTheta.describe(),
+            wrong_theta(c.rope_theta),
+            c.rope_theta
+        ),
+        Some(m) => m.describe().to_string(),
+        None => String::new(),
+    }
+}
+
+/// The comparison heuristics of `compare::diagnose`, run on the reference's recomputation
+/// against the candidate at the flagged (step, layer): a fallback when no experiment
+/// reproduced the candidate.
+fn heuristic(
+    model: &Model,
+    cand: &Candidate,
+    kept: &BTreeMap<TapKey, Vec<f32>>,
+    k: &TapKey,
+) -> Result<String, JudgeError> {
+    let mut ref_t = BTreeMap::new();
+    let mut cand_t = BTreeMap::new();
+    for (key, v) in kept {
+        let (Some(c), Some([a, b, cc])) = (cand.get(key)?, cand.dims(key)) else {
+            continue;
+        };
+        let shape: Vec<usize> = if b == 1 { vec![a, cc] } else { vec![a, b, cc] };
+        ref_t.insert(
+            *key,
+            ArrayD::from_shape_vec(IxDyn(&shape), v.clone()).expect("dims"),
+        );
+        cand_t.insert(
+            *key,
+            ArrayD::from_shape_vec(IxDyn(&shape), c).expect("dims"),
+        );
+    }
+    if !ref_t.contains_key(k) {
+        return Ok("no heuristic applies".into());
+    }
+    let steps: Vec<StepInfo> = cand.trace.manifest.steps.clone();
+    let mref = ModelRef {
+        path: String::new(),
+        sha256: String::new(),
+    };
+    let prod = |b: &str| Producer {
+        name: "parity".into(),
+        backend: b.into(),
+        version: String::new(),
+        settings: serde_json::Value::Null,
+    };
+    let a = Trace::from_memory(mref.clone(), prod("reference/replay"), steps.clone(), ref_t);
+    let b = Trace::from_memory(mref, prod("candidate"), steps, cand_t);
+    let opt = CompareOptions {
+        pair: PairKind::OpByOp,
+        weight_type: model.main_weight_type(),
+        require_same_model: false,
+    };
+    let c = compare(&a, &b, &opt)?;
+    Ok(c.first_divergence
+        .map(|d| d.diagnosis)
+        .unwrap_or_else(|| "no heuristic applies".into()))
+}

@@ -1,0 +1,413 @@
+//! Judging any trace op by op on its own inputs, and naming a bug by experiment.
+//!
+//! The reference replays the candidate (`replay`): at every tap the candidate dumped, it
+//! records what it computes from the candidate's own upstream tensors, then continues from the
+//! candidate's tensor. The NMSE between the two at a key is the candidate's *own error* for the
+//! op (or, where the candidate lacks the inputs, the smallest span of ops its taps bound) that
+//! produced it. Nothing can compound, so each op is judged against its own noise floor
+//! (`floor`) at any depth, and no golden is needed. An absent tap is unknown, never "matched".
+//!
+//! The activation rounding is measured, not taken from the producer's name: the replay runs
+//! under each rounding parity knows and keeps the one that reproduces the candidate's matmuls
+//! best. At the first op that stands out of its floor, `hypothesis` re-runs that op under each
+//! known bug and names the one that reproduces the candidate.
+
+pub mod floor;
+pub mod hypothesis;
+pub mod layout;
+pub mod replay;
+
+use crate::backend::{BackendError, Emulation};
+use crate::compare::{CompareError, Metrics};
+use crate::gguf::GgufError;
+use crate::model::{Model, ModelError};
+use crate::trace::{TapKey, Trace, TraceError};
+use floor::{Floors, OpClass, class, median, span};
+use replay::{Candidate, Setup, Window, replay};
+use serde::Serialize;
+use std::collections::BTreeSet;
+use std::fmt::Write;
+
+#[derive(Debug, thiserror::Error)]
+pub enum JudgeError {
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error("replaying the candidate: {0}")]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Compare(#[from] CompareError),
+    #[error(
+        "{key}: the candidate's tensor has shape {found:?} ({} elements), the model needs {want} elements for this tap",
+        found.iter().product::<usize>()
+    )]
+    Shape {
+        key: TapKey,
+        found: Vec<usize>,
+        want: usize,
+    },
+    #[error("the candidate has tensors for step {0} but its manifest lists no such step")]
+    MissingStep(usize),
+    #[error("manifest layouts: {what}")]
+    BadLayout { what: String },
+    #[error("the candidate has no tap of this model to judge")]
+    Empty,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct JudgeOptions {
+    /// Roundings to try (the best one is kept); default: every rounding parity knows.
+    pub roundings: Vec<Emulation>,
+    /// Run the experiments at the first flagged op.
+    pub hypotheses: bool,
+}
+
+impl Default for JudgeOptions {
+    fn default() -> Self {
+        JudgeOptions {
+            roundings: ROUNDINGS.to_vec(),
+            hypotheses: true,
+        }
+    }
+}
+
+/// The activation roundings parity knows, in order of preference on ties.
+pub const ROUNDINGS: [Emulation; 3] = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
+
+pub fn rounding_name(r: Emulation) -> &'static str {
+    match r {
+        Emulation::None => "plain f32",
+        Emulation::GgmlCpu => "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
+        Emulation::F16 => "f16 (matmul inputs rounded to f16)",
+    }
+}
+
+/// One key's own error.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpResult {
+    pub key: TapKey,
+    /// NMSE of the candidate against the reference's recomputation from the candidate's inputs.
+    pub own_nmse: f64,
+    pub cosine: f64,
+    pub floor: f64,
+    pub pass: bool,
+    /// Ops recomputed for this key: 1 when judged on its own, more when the candidate lacks
+    /// its inputs (a span, e.g. a whole layer from the previous l_out).
+    pub span_ops: usize,
+    pub class: OpClass,
+    /// Whether the candidate stored this tensor in f16 (floor raised to f16's rounding).
+    pub f16_storage: bool,
+}
+
+/// How well one rounding reproduced the candidate's matmuls.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoundingFit {
+    pub rounding: Emulation,
+    /// Median own NMSE over the keys through a matmul in the detection window.
+    pub median_nmse: f64,
+}
+
+/// One experiment at the flagged op.
+#[derive(Clone, Debug, Serialize)]
+pub struct Tried {
+    /// `rope-neox` (a catalog mutation), `rms-eps=1e-5`, `rope-theta=500000`, `layout:head-major`.
+    pub hypothesis: String,
+    /// The candidate's NMSE against the reference under this hypothesis.
+    pub nmse: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    pub key: TapKey,
+    pub own_nmse: f64,
+    pub floor: f64,
+    pub span_ops: usize,
+    /// The hypothesis that reproduces the candidate within the floor (lowest NMSE wins).
+    pub confirmed: Option<String>,
+    pub confirmed_nmse: Option<f64>,
+    /// The catalog mutation (`Mutation::name()`) the confirmed hypothesis is, if it is one.
+    pub catalog: Option<String>,
+    /// Other hypotheses that reproduce it too.
+    pub also: Vec<String>,
+    pub ruled_out: Vec<Tried>,
+    /// Whether the text is the heuristic fallback (no experiment reproduced the candidate).
+    pub fallback: bool,
+    pub text: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Judgement {
+    pub rounding: Emulation,
+    pub fits: Vec<RoundingFit>,
+    /// Matmul floor in use (follows the trace's median matmul own error).
+    pub matmul_floor: f64,
+    pub ops: Vec<OpResult>,
+    pub first: Option<Finding>,
+    /// Declared layouts aligned on load, as `tap: layout`.
+    pub aligned: Vec<String>,
+}
+
+impl Judgement {
+    pub fn passed(&self) -> bool {
+        self.first.is_none()
+    }
+}
+
+/// Median own NMSE over the keys of `r` that go through a matmul.
+fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
+    let v: Vec<f64> = r
+        .metrics
+        .iter()
+        .filter(|(k, _)| span(cand, k).iter().any(|x| class(x.tap) == OpClass::Matmul))
+        .map(|(_, m)| m.nmse)
+        .collect();
+    median(v)
+}
+
+/// Judge `trace` against `model`: own error per key, rounding, first op out of its floor, and
+/// (with `opt.hypotheses`) the bug named by experiment.
+pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
+    let cand = Candidate::new(trace, &model.config)?;
+    let steps = cand.steps();
+    for k in trace.keys() {
+        if !steps.contains(&k.step) {
+            return Err(JudgeError::MissingStep(k.step));
+        }
+        if k.layer.is_some_and(|l| l >= model.config.n_layer) {
+            return Err(JudgeError::Shape {
+                key: *k,
+                found: vec![],
+                want: 0,
+            });
+        }
+    }
+    let s_max = steps.iter().copied().max().ok_or(JudgeError::Empty)?;
+    if trace.keys().next().is_none() {
+        return Err(JudgeError::Empty);
+    }
+    let n_layer = model.config.n_layer;
+    let none = BTreeSet::new();
+
+    // The rounding: the one that reproduces the matmuls of the first step's first two layers
+    // best (the whole trace when those hold none).
+    let mut roundings = opt.roundings.clone();
+    if roundings.is_empty() {
+        roundings = ROUNDINGS.to_vec();
+    }
+    let first_step = steps.iter().copied().min().unwrap_or(0);
+    let detect = Window {
+        s_max: first_step,
+        l0: 0,
+        l_end: n_layer.min(2),
+        end: n_layer <= 2,
+    };
+    let mut fits = Vec::new();
+    let mut best: Option<(Emulation, f64, replay::Replay)> = None;
+    if roundings.len() > 1 {
+        for &r in &roundings {
+            let setup = Setup {
+                rounding: r,
+                mutation: None,
+                rms_eps: None,
+                rope_theta: None,
+                window: detect,
+            };
+            let rep = replay(model, &cand, &setup, &none)?;
+            let f = match fit(&cand, &rep) {
+                Some(f) => f,
+                None => {
+                    let full = Setup {
+                        window: Window::full(n_layer, s_max),
+                        ..setup
+                    };
+                    let rep = replay(model, &cand, &full, &none)?;
+                    let f = fit(&cand, &rep).unwrap_or(0.0);
+                    if best.as_ref().is_none_or(|b| f < b.1) {
+                        best = Some((r, f, rep));
+                    }
+                    fits.push(RoundingFit {
+                        rounding: r,
+                        median_nmse: f,
+                    });
+                    continue;
+                }
+            };
+            fits.push(RoundingFit {
+                rounding: r,
+                median_nmse: f,
+            });
+            if best.as_ref().is_none_or(|b| f < b.1) {
+                best = Some((r, f, rep));
+            }
+        }
+    }
+    let rounding = best.as_ref().map_or(roundings[0], |b| b.0);
+    // The whole trace under the chosen rounding (unless detection already ran it whole).
+    let full = Window::full(n_layer, s_max);
+    let rep = match best {
+        Some((_, _, rep)) if detect == full || fits.is_empty() => rep,
+        _ => {
+            let setup = Setup {
+                rounding,
+                mutation: None,
+                rms_eps: None,
+                rope_theta: None,
+                window: full,
+            };
+            replay(model, &cand, &setup, &none)?
+        }
+    };
+
+    // Floors.
+    let pos_max = trace
+        .manifest
+        .steps
+        .iter()
+        .flat_map(|s| s.positions.iter().copied())
+        .max()
+        .unwrap_or(0);
+    let mut floors = Floors::new(model, rounding, pos_max);
+    let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
+        rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
+    let own_mm: Vec<f64> = spans
+        .iter()
+        .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
+        .map(|(k, _)| rep.metrics[k].nmse)
+        .collect();
+    let span_mm: Vec<f64> = spans
+        .iter()
+        .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
+        .map(|(k, _)| rep.metrics[k].nmse)
+        .collect();
+    floors.mm_median_own = median(own_mm);
+    floors.mm_median_span = median(span_mm);
+
+    let mut ops = Vec::with_capacity(spans.len());
+    for (k, s) in &spans {
+        let m: &Metrics = &rep.metrics[k];
+        let f16 = rep.f16_storage.contains(k);
+        let mut fl = floors.key(k, s);
+        if f16 {
+            fl = fl.max(floor::F16_STORAGE);
+        }
+        let pass = !m.non_finite_failure() && m.nmse <= fl;
+        ops.push(OpResult {
+            key: *k,
+            own_nmse: m.nmse,
+            cosine: m.cosine,
+            floor: fl,
+            pass,
+            span_ops: s.len(),
+            class: class(k.tap),
+            f16_storage: f16,
+        });
+    }
+    let first = match ops.iter().find(|o| !o.pass) {
+        None => None,
+        Some(o) => Some(hypothesis::diagnose(
+            model,
+            &cand,
+            &floors,
+            o,
+            opt.hypotheses,
+        )?),
+    };
+    let aligned = cand
+        .layouts
+        .iter()
+        .map(|(t, l)| format!("{t}: {}", l.name(*t)))
+        .collect();
+    Ok(Judgement {
+        rounding,
+        fits,
+        matmul_floor: floors.matmul(),
+        ops,
+        first,
+        aligned,
+    })
+}
+
+/// The judgement for people: the rounding, a per-step summary, the finding.
+pub fn render(j: &Judgement) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "== own error: each op recomputed by the reference from the candidate's own inputs"
+    );
+    if j.fits.len() > 1 {
+        let fits: Vec<String> = j
+            .fits
+            .iter()
+            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
+            .collect();
+        let _ = writeln!(
+            s,
+            "rounding that reproduces the engine: {} (median matmul own NMSE: {})",
+            rounding_name(j.rounding),
+            fits.join(", ")
+        );
+    } else {
+        let _ = writeln!(s, "rounding (given): {}", rounding_name(j.rounding));
+    }
+    if !j.aligned.is_empty() {
+        let _ = writeln!(s, "declared layouts aligned: {}", j.aligned.join(", "));
+    }
+    let spans = j.ops.iter().filter(|o| o.span_ops > 1).count();
+    let _ = writeln!(
+        s,
+        "{} keys judged ({} on their own, {} as spans of ops the trace has no taps inside); matmul floor {:.0e}",
+        j.ops.len(),
+        j.ops.len() - spans,
+        spans,
+        j.matmul_floor
+    );
+    let mut by_step: std::collections::BTreeMap<usize, (usize, usize, f64, f64)> =
+        Default::default();
+    for o in &j.ops {
+        let e = by_step.entry(o.key.step).or_insert((0, 0, 0.0, 0.0));
+        e.0 += 1;
+        e.1 += !o.pass as usize;
+        // Worst margin: own NMSE / floor.
+        let ratio = if o.floor > 0.0 {
+            o.own_nmse / o.floor
+        } else {
+            0.0
+        };
+        if ratio > e.2 {
+            e.2 = ratio;
+            e.3 = o.own_nmse;
+        }
+    }
+    for (step, (n, bad, ratio, _)) in &by_step {
+        let _ = writeln!(
+            s,
+            "  step {step}: {n} keys, {bad} out of their floor, worst own/floor {}",
+            if *ratio > 0.0 {
+                format!("{ratio:.1e}")
+            } else {
+                "0 (exact)".into()
+            }
+        );
+    }
+    match &j.first {
+        None => {
+            let _ = writeln!(s, "own error: every op within its noise floor");
+        }
+        Some(f) => {
+            let _ = writeln!(s, "{}", f.text);
+        }
+    }
+    s
+}
+
+pub fn short(r: Emulation) -> &'static str {
+    match r {
+        Emulation::None => "plain-f32",
+        Emulation::GgmlCpu => "ggml-cpu",
+        Emulation::F16 => "f16",
+    }
+}

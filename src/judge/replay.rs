@@ -1,0 +1,363 @@
+//! Replaying a candidate trace through the reference: at every tap the candidate has, the
+//! reference records what it computed from the candidate's own upstream tensors, then goes on
+//! from the candidate's tensor (as `trace::ReplaySink`). The difference at a key is the
+//! candidate's own error for the op, or the span of ops, that produced it.
+//!
+//! A replay can be limited to a *window*: decode steps up to `s_max` and layers `l0..=l1`,
+//! entering layer `l0` from the candidate's `l_out` of layer `l0 - 1`. The window runs on a
+//! copy of the model with only those layers (renumbered from 0, mapped back here), so an
+//! experiment at layer 20 does not recompute layers 0–19.
+
+use super::JudgeError;
+use super::layout::{Layout, is_head_tap};
+use crate::backend::mutation::Mutation;
+use crate::backend::{Backend, Emulation, Reference};
+use crate::compare::{Metrics, metrics};
+use crate::gguf::GgufFile;
+use crate::model::{Config, Model};
+use crate::trace::{Sink, Tap, TapKey, Trace};
+use ndarray::ArrayViewD;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// The candidate trace, read in canonical order (declared layouts aligned on load).
+pub struct Candidate<'t> {
+    pub trace: &'t Trace,
+    pub config: Config,
+    pub layouts: HashMap<Tap, Layout>,
+}
+
+impl<'t> Candidate<'t> {
+    pub fn new(trace: &'t Trace, config: &Config) -> Result<Self, JudgeError> {
+        let mut layouts = HashMap::new();
+        for (name, l) in &trace.manifest.layouts {
+            let tap = Tap::parse(name).ok_or_else(|| JudgeError::BadLayout {
+                what: format!("unknown tap '{name}'"),
+            })?;
+            let layout = Layout::parse(tap, l).ok_or_else(|| JudgeError::BadLayout {
+                what: format!(
+                    "'{l}' is not a layout of {tap} (known: {})",
+                    Layout::candidates(tap)
+                        .iter()
+                        .map(|x| x.name(tap))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })?;
+            layouts.insert(tap, layout);
+        }
+        Ok(Candidate {
+            trace,
+            config: config.clone(),
+            layouts,
+        })
+    }
+
+    pub fn contains(&self, k: &TapKey) -> bool {
+        self.trace.contains(k)
+    }
+
+    /// Token count and first position of `step`.
+    pub fn step_shape(&self, step: usize) -> Option<(usize, usize)> {
+        let s = self.trace.manifest.steps.iter().find(|s| s.step == step)?;
+        Some((s.tokens.len(), s.positions.first().copied().unwrap_or(0)))
+    }
+
+    /// The canonical shape of `k` as 3-d `[a, b, c]` (see [`Layout::to_canonical`]).
+    pub fn dims(&self, k: &TapKey) -> Option<[usize; 3]> {
+        let c = &self.config;
+        let (t, pos0) = self.step_shape(k.step)?;
+        Some(match k.tap {
+            Tap::Q | Tap::QRope | Tap::KqvOut => [t, c.n_head, c.head_dim],
+            Tap::K | Tap::V | Tap::KRope => [t, c.n_head_kv, c.head_dim],
+            Tap::KqSoftMax => [c.n_head, t, pos0 + t],
+            Tap::FfnGate | Tap::FfnUp | Tap::FfnAct => [t, 1, c.n_ff],
+            Tap::Logits => [t, 1, c.n_vocab],
+            _ => [t, 1, c.n_embd],
+        })
+    }
+
+    /// The tensor exactly as stored (flattened in its own order).
+    pub fn raw(&self, k: &TapKey) -> Result<Option<Vec<f32>>, JudgeError> {
+        let Some(a) = self.trace.get(k)? else {
+            return Ok(None);
+        };
+        let dims = self.dims(k).ok_or(JudgeError::MissingStep(k.step))?;
+        let want: usize = dims.iter().product();
+        if a.len() != want {
+            return Err(JudgeError::Shape {
+                key: *k,
+                found: a.shape().to_vec(),
+                want,
+            });
+        }
+        Ok(Some(a.iter().copied().collect()))
+    }
+
+    /// The tensor in canonical order (a declared layout undone).
+    pub fn get(&self, k: &TapKey) -> Result<Option<Vec<f32>>, JudgeError> {
+        let Some(v) = self.raw(k)? else {
+            return Ok(None);
+        };
+        match self.layouts.get(&k.tap) {
+            Some(l) if *l != Layout::Canonical => {
+                Ok(Some(l.to_canonical(&v, self.dims(k).expect("checked"))))
+            }
+            _ => Ok(Some(v)),
+        }
+    }
+
+    /// Whether the candidate stores `tap` in a declared non-canonical layout.
+    pub fn declared(&self, tap: Tap) -> Option<Layout> {
+        self.layouts
+            .get(&tap)
+            .copied()
+            .filter(|l| *l != Layout::Canonical || is_head_tap(tap))
+    }
+
+    pub fn steps(&self) -> Vec<usize> {
+        self.trace.manifest.steps.iter().map(|s| s.step).collect()
+    }
+}
+
+/// What a replay runs: an activation rounding, an optional known bug, a model variant (other
+/// rms eps or rope theta), and the window.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    pub rounding: Emulation,
+    pub mutation: Option<Mutation>,
+    pub rms_eps: Option<f32>,
+    pub rope_theta: Option<f32>,
+    pub window: Window,
+}
+
+/// Steps `0..=s_max`, layers `l0..=l1` (`l1 = None`: no layer; `end`: through the output).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub s_max: usize,
+    pub l0: usize,
+    /// Last layer run (exclusive end `l_end`): layers `l0..l_end`.
+    pub l_end: usize,
+    /// Whether result_norm and logits belong to the window (it runs to the model's end).
+    pub end: bool,
+}
+
+impl Window {
+    pub fn full(n_layer: usize, s_max: usize) -> Window {
+        Window {
+            s_max,
+            l0: 0,
+            l_end: n_layer,
+            end: true,
+        }
+    }
+
+    /// The smallest window that recomputes `key`: from the latest layer whose input (the
+    /// previous layer's l_out, at every step up to `key`'s) the candidate has.
+    pub fn for_key(cand: &Candidate, key: &TapKey) -> Window {
+        let n_layer = cand.config.n_layer;
+        let upto = key.layer.unwrap_or(if key.tap == Tap::Embd { 0 } else { n_layer });
+        let steps: Vec<usize> = cand.steps().into_iter().filter(|&s| s <= key.step).collect();
+        let mut l0 = 0;
+        for l in (1..=upto).rev() {
+            if steps
+                .iter()
+                .all(|&s| cand.contains(&TapKey::new(s, Some(l - 1), Tap::LOut)))
+            {
+                l0 = l;
+                break;
+            }
+        }
+        Window {
+            s_max: key.step,
+            l0,
+            l_end: match key.layer {
+                Some(l) => l + 1,
+                None if key.tap == Tap::Embd => 0,
+                None => n_layer,
+            },
+            end: key.layer.is_none() && key.tap != Tap::Embd,
+        }
+    }
+}
+
+/// What a replay leaves: per candidate key in the window, the metrics of the reference's value
+/// against the candidate's; and the reference's own tensors for the keys asked to be kept.
+pub struct Replay {
+    pub metrics: BTreeMap<TapKey, Metrics>,
+    pub kept: BTreeMap<TapKey, Vec<f32>>,
+    /// Keys where the candidate's values are all f16-exact and the reference's are not: the
+    /// engine stored that tensor in f16.
+    pub f16_storage: BTreeSet<TapKey>,
+}
+
+/// A copy of `model` with `Setup`'s hyperparameters and only the window's layers.
+fn variant(model: &Model, s: &Setup) -> Result<Model, JudgeError> {
+    let f = &model.file;
+    let file = if f.path().as_os_str().is_empty() || !f.path().exists() {
+        GgufFile::from_bytes(f.bytes().to_vec())?
+    } else {
+        GgufFile::open(f.path())?
+    };
+    let mut m = Model::from_gguf(file)?;
+    if let Some(e) = s.rms_eps {
+        m.config.rms_eps = e;
+    }
+    if let Some(t) = s.rope_theta {
+        m.config.rope_theta = t;
+    }
+    let w = s.window;
+    m.layers = m.layers[w.l0..w.l_end.max(w.l0)].to_vec();
+    m.config.n_layer = m.layers.len();
+    Ok(m)
+}
+
+/// Replay `cand` under `setup`, keeping the reference's tensors at `keep`.
+pub fn replay(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    keep: &BTreeSet<TapKey>,
+) -> Result<Replay, JudgeError> {
+    let w = setup.window;
+    let plain = w.l0 == 0
+        && w.l_end == model.config.n_layer
+        && setup.rms_eps.is_none()
+        && setup.rope_theta.is_none();
+    let owned;
+    let m: &Model = if plain {
+        model
+    } else {
+        owned = variant(model, setup)?;
+        &owned
+    };
+    let steps: Vec<_> = cand
+        .trace
+        .manifest
+        .steps
+        .iter()
+        .filter(|s| s.step <= w.s_max)
+        .collect();
+    let n_ctx = steps
+        .iter()
+        .map(|s| s.positions.first().copied().unwrap_or(0) + s.tokens.len())
+        .max()
+        .unwrap_or(1)
+        + 1;
+    let mut b = Reference::new(m, setup.rounding, n_ctx).with_mutation(setup.mutation);
+    let mut sink = JudgeSink {
+        cand,
+        window: w,
+        keep,
+        out: Replay {
+            metrics: BTreeMap::new(),
+            kept: BTreeMap::new(),
+            f16_storage: BTreeSet::new(),
+        },
+        pending: None,
+        error: None,
+    };
+    for s in steps {
+        let pos0 = s.positions.first().copied().unwrap_or(0);
+        b.forward(&s.tokens, pos0, s.step, &mut sink)?;
+        if let Some(e) = sink.error.take() {
+            return Err(e);
+        }
+    }
+    Ok(sink.out)
+}
+
+struct JudgeSink<'a, 't> {
+    cand: &'a Candidate<'t>,
+    window: Window,
+    keep: &'a BTreeSet<TapKey>,
+    out: Replay,
+    /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
+    pending: Option<(TapKey, Vec<f32>)>,
+    error: Option<JudgeError>,
+}
+
+impl JudgeSink<'_, '_> {
+    /// The full model's key for a key of the window's model; None outside the window.
+    fn map(&self, k: &TapKey) -> Option<TapKey> {
+        let w = self.window;
+        match (k.tap, k.layer) {
+            (Tap::Embd, _) => (w.l0 == 0).then_some(*k),
+            (_, Some(l)) => Some(TapKey::new(k.step, Some(l + w.l0), k.tap)),
+            (_, None) => w.end.then_some(*k),
+        }
+    }
+
+    fn fail(&mut self, e: JudgeError) {
+        self.error.get_or_insert(e);
+    }
+}
+
+impl Sink for JudgeSink<'_, '_> {
+    fn wants(&self, key: &TapKey) -> bool {
+        self.error.is_none() && self.map(key).is_some_and(|k| self.cand.contains(&k))
+    }
+
+    fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
+        let Some(k) = self.map(&key) else { return };
+        let c = match self.cand.get(&k) {
+            Ok(Some(c)) => c,
+            Ok(None) => return,
+            Err(e) => return self.fail(e),
+        };
+        if c.len() != data.len() {
+            // The reference's own shape is canonical by construction; a mutated one (a layout
+            // bug replayed) stores another element count only if it is broken.
+            return self.fail(JudgeError::Shape {
+                key: k,
+                found: shape.to_vec(),
+                want: c.len(),
+            });
+        }
+        let a = ArrayViewD::from_shape(ndarray::IxDyn(&[data.len()]), data).expect("1-d");
+        let b = ArrayViewD::from_shape(ndarray::IxDyn(&[c.len()]), &c).expect("1-d");
+        self.out.metrics.insert(k, metrics(&a, &b));
+        let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
+        if f16_exact(&c) && !f16_exact(data) {
+            self.out.f16_storage.insert(k);
+        }
+        if self.keep.contains(&k) {
+            self.out.kept.insert(k, data.to_vec());
+        }
+        self.pending = Some((k, c));
+    }
+
+    fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
+        let w = self.window;
+        // Entering the window: the candidate's l_out of the layer before stands in for the
+        // embedding.
+        let src = if key.tap == Tap::Embd && w.l0 > 0 {
+            TapKey::new(key.step, Some(w.l0 - 1), Tap::LOut)
+        } else {
+            match self.map(key) {
+                Some(k) => k,
+                None => return false,
+            }
+        };
+        let v = match self.pending.take() {
+            Some((k, v)) if k == src => v,
+            _ => match self.cand.get(&src) {
+                Ok(Some(v)) => v,
+                Ok(None) => return false,
+                Err(e) => {
+                    self.fail(e);
+                    return false;
+                }
+            },
+        };
+        if v.len() != data.len() {
+            self.fail(JudgeError::Shape {
+                key: src,
+                found: vec![v.len()],
+                want: data.len(),
+            });
+            return false;
+        }
+        data.copy_from_slice(&v);
+        true
+    }
+}
