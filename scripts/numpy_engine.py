@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""An out-of-process inference engine of our own, in numpy, for testing parity on external traces.
+
+It reads a GGUF file with gguf-py, runs a llama or qwen2 model (biases, NORM/NEOX RoPE, GQA, a KV
+cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format.md), exactly as
+an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
+decoded by gguf-py, every op is written again here.
+
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml]
+      [--taps all|sparse] [--mutate NAME] [--no-bos|--double-bos] [--layout head-major [--declare]]
+
+--rounding ggml quantizes each matmul input as ggml's CPU backend does before the dot product
+(Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL weights, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants, f16 for F16;
+the x86 AVX quantizer: 127/amax, round half to even). --mutate switches on one of parity's
+catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+except ImportError as e:  # pragma: no cover - reported to the caller
+    print(f"error: numpy_engine.py needs gguf-py and numpy ({e})", file=sys.stderr)
+    sys.exit(2)
+
+F32, F64 = np.float32, np.float64
+
+COMPUTE_MUTATIONS = [
+    "rope-neox", "rope-theta", "qk-permute", "gqa-modulo", "transposed-lm-head", "transposed-wo",
+    "rms-eps-10x", "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
+    "no-causal-mask", "decoder-nibble-order", "tied-output",
+]
+# (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
+NIBBLES = {
+    Q.Q4_0: (2, 16, 18), Q.IQ4_NL: (2, 16, 18), Q.Q4_1: (4, 16, 20), Q.Q5_0: (6, 16, 22),
+    Q.Q5_1: (8, 16, 24), Q.Q4_K: (16, 128, 144), Q.Q5_K: (48, 128, 176),
+}
+KQUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+
+
+def fail(msg):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+class Model:
+    def __init__(self, path, mutation):
+        self.path = path
+        r = gguf.GGUFReader(path)
+        self.fields = r.fields
+        self.tensors = {t.name: t for t in r.tensors}
+        self.mutation = mutation
+        arch = self.meta("general.architecture")
+        if arch not in ("llama", "qwen2"):
+            fail(f"unsupported architecture '{arch}' (llama, qwen2)")
+        self.arch = arch
+        k = lambda s: f"{arch}.{s}"
+        self.n_embd = int(self.meta(k("embedding_length")))
+        self.n_layer = int(self.meta(k("block_count")))
+        self.n_head = int(self.meta(k("attention.head_count")))
+        self.n_head_kv = int(self.meta(k("attention.head_count_kv"), self.n_head))
+        self.head_dim = int(self.meta(k("attention.key_length"), self.n_embd // self.n_head))
+        self.n_rot = int(self.meta(k("rope.dimension_count"), self.head_dim))
+        self.eps = F32(self.meta(k("attention.layer_norm_rms_epsilon")))
+        self.theta = F32(self.meta(k("rope.freq_base"), 10000.0))
+        self.freq_scale = F32(1.0)
+        if self.meta(k("rope.scaling.type"), "none") == "linear":
+            self.freq_scale = F32(1.0 / float(self.meta(k("rope.scaling.factor"), 1.0)))
+        self.neox = arch == "qwen2"
+        self.bos = self.meta("tokenizer.ggml.bos_token_id", None)
+        self.n_vocab = int(self.tensors["token_embd.weight"].shape[1])
+        self.cache = {}
+
+    def meta(self, key, default=KeyError):
+        f = self.fields.get(key)
+        if f is None:
+            if default is KeyError:
+                fail(f"missing metadata key '{key}'")
+            return default
+        v = f.parts[f.data[0]]
+        if f.types and f.types[0] == gguf.GGUFValueType.STRING:
+            return bytes(v).decode("utf-8")
+        return v[0].item()
+
+    def has(self, name):
+        return name in self.tensors
+
+    def ty(self, name):
+        return self.tensors[name].tensor_type
+
+    def weight(self, name):
+        """The tensor as float32, numpy shape (ggml ne reversed): matrices are [n_out, n_in]."""
+        if name not in self.cache:
+            t = self.tensors[name]
+            data = np.asarray(t.data)
+            if self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES:
+                off, n, block = NIBBLES[t.tensor_type]
+                raw = data.reshape(-1, block).copy()
+                q = raw[:, off:off + n]
+                raw[:, off:off + n] = ((q & 0x0F) << 4) | (q >> 4)
+                data = raw.reshape(data.shape)
+            w = gguf.quants.dequantize(data, t.tensor_type).astype(F32)
+            shape = tuple(int(d) for d in reversed(t.shape))
+            self.cache[name] = w.reshape(shape)
+        return self.cache[name]
+
+
+# ---- ggml's CPU activation rounding -------------------------------------------------------
+
+def q8_0_x86(x):
+    """quantize_row_q8_0 (x86 AVX) then dequantize: blocks of 32, d = f16(amax/127)."""
+    b = x.reshape(-1, 32)
+    amax = np.max(np.abs(b), axis=1).astype(F32)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, F32(127.0) / amax, F32(0.0)).astype(F32)
+    q = np.clip(np.rint(b * idv[:, None]), -128, 127).astype(F32)  # rint: half to even
+    d = (amax / F32(127.0)).astype(np.float16).astype(F32)
+    return (q * d[:, None]).reshape(x.shape).astype(F32)
+
+
+def q8_k(x):
+    """quantize_row_q8_K then dequantize: blocks of 256, iscale = -127/max (signed max)."""
+    b = x.reshape(-1, 256)
+    idx = np.argmax(np.abs(b), axis=1)  # the first of equal |x|, as ggml's strict >
+    mx = b[np.arange(b.shape[0]), idx].astype(F32)
+    out = np.zeros_like(b)
+    nz = mx != 0
+    iscale = (F32(-127.0) / mx[nz]).astype(F32)
+    q = np.minimum(np.rint((iscale[:, None] * b[nz]).astype(F32)), 127).astype(F32)
+    d = (F32(1.0) / iscale).astype(F32)
+    out[nz] = q * d[:, None]
+    return out.reshape(x.shape).astype(F32)
+
+
+def bf16(x):
+    u = x.astype(F32).view(np.uint32)
+    u = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    return u.astype(np.uint32).view(F32)
+
+
+def round_input(ty, x):
+    if ty in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_1, Q.Q5_1):
+        # Q8_1 differs from Q8_0 only in the stored block sum, which the dequantized values
+        # do not carry: the same rounding of x.
+        return q8_0_x86(x)
+    if ty in KQUANTS:
+        return q8_k(x)
+    if ty == Q.F16:
+        return x.astype(np.float16).astype(F32)
+    if ty == Q.BF16:
+        return bf16(x)
+    return x
+
+
+# ---- the forward pass ---------------------------------------------------------------------
+
+class Engine:
+    def __init__(self, m, rounding, mutation, n_ctx):
+        self.m, self.rounding, self.mut = m, rounding, mutation
+        self.n_ctx = n_ctx
+        kv = m.n_head_kv * m.head_dim
+        self.k_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
+        self.v_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
+
+    def matmul(self, name, x, transposed=False):
+        w = self.m.weight(name)
+        if transposed:
+            # out[r] = sum_i W_flat[i * n_out + r] x[i]: the flat data read as [n_in, n_out].
+            n_out, n_in = w.shape
+            w = w.reshape(n_in, n_out).T
+        if self.rounding == "ggml":
+            x = round_input(self.m.ty(name), x)
+        return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
+
+    def norm(self, x, name):
+        w = self.m.weight(name)
+        if self.mut == "norm-weight-missing":
+            w = np.ones_like(w)
+        if self.mut == "norm-weight-twice":
+            w = (w * w).astype(F32)
+        eps = self.m.eps * F32(10.0) if self.mut == "rms-eps-10x" else self.m.eps
+        mean = (np.sum((x * x).astype(F64), axis=1) / x.shape[1]).astype(F32)
+        scale = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
+        return ((x * scale[:, None]).astype(F32) * w).astype(F32)
+
+    def rope(self, x, positions, n_heads):
+        m = self.m
+        neox = m.neox != (self.mut == "rope-neox")
+        base = m.theta
+        if self.mut == "rope-theta":
+            base = F32(100000.0) if base == F32(10000.0) else F32(10000.0)
+        theta_scale = F32(np.power(base, F32(-2.0) / F32(m.n_rot), dtype=F32))
+        x = x.copy()
+        half = m.n_rot // 2
+        for t, pos in enumerate(positions):
+            cos = np.zeros(half, F32)
+            sin = np.zeros(half, F32)
+            theta = F32(pos)
+            for i in range(half):
+                th = F32(m.freq_scale * theta)
+                cos[i], sin[i] = np.cos(th), np.sin(th)
+                theta = F32(theta * theta_scale)
+            v = x[t]  # [n_heads, head_dim]
+            a = np.arange(half) if neox else 2 * np.arange(half)
+            b = a + half if neox else a + 1
+            x0, x1 = v[:, a].copy(), v[:, b].copy()
+            v[:, a] = x0 * cos - x1 * sin
+            v[:, b] = x0 * sin + x1 * cos
+        return x
+
+    def forward(self, tokens, pos0, rec):
+        m, mut = self.m, self.mut
+        T = len(tokens)
+        nh, nkv, hd = m.n_head, m.n_head_kv, m.head_dim
+        positions = list(range(pos0, pos0 + T))
+        n_kv = pos0 + T
+        x = m.weight("token_embd.weight")[np.array(tokens)].astype(F32)
+        rec("embd", None, x)
+        for l in range(m.n_layer):
+            p = f"blk.{l}."
+            xn = self.norm(x, p + "attn_norm.weight")
+            rec("attn_norm", l, xn)
+            q = self.matmul(p + "attn_q.weight", xn)
+            k = self.matmul(p + "attn_k.weight", xn)
+            v = self.matmul(p + "attn_v.weight", xn)
+            for t, name in ((q, "attn_q.bias"), (k, "attn_k.bias"), (v, "attn_v.bias")):
+                if m.has(p + name):
+                    t += m.weight(p + name)
+            q = q.reshape(T, nh, hd)
+            k = k.reshape(T, nkv, hd)
+            v = v.reshape(T, nkv, hd)
+            if mut == "qk-permute":
+                # dim 2i+s takes dim s*hd/2 + i (convert_hf_to_gguf's permute once more)
+                perm = np.array([s * (hd // 2) + i for i in range(hd // 2) for s in range(2)])
+                q, k = q[:, :, perm], k[:, :, perm]
+            rec("q", l, q)
+            rec("k", l, k)
+            rec("v", l, v)
+            q = self.rope(q, positions, nh)
+            k = self.rope(k, positions, nkv)
+            rec("q_rope", l, q)
+            rec("k_rope", l, k)
+            slot = pos0 + 1 if (mut == "kv-off-by-one" and pos0 > 0) else pos0
+            if slot + T <= self.n_ctx:
+                self.k_cache[l][slot:slot + T] = k.reshape(T, -1)
+                self.v_cache[l][slot:slot + T] = v.reshape(T, -1)
+            kc = self.k_cache[l][:n_kv].reshape(n_kv, nkv, hd)
+            vc = self.v_cache[l][:n_kv].reshape(n_kv, nkv, hd)
+            group = nh // nkv
+            kq_scale = F32(1.0 / np.sqrt(F32(hd)))
+            probs = np.zeros((nh, T, n_kv), F32)
+            att = np.zeros((T, nh * hd), F32)
+            for h in range(nh):
+                g = h % nkv if mut == "gqa-modulo" else h // group
+                kh = kc[:, g, :].astype(F64)
+                vh = vc[:, g, :].astype(F64)
+                for i in range(T):
+                    vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
+                    s = (kh[:vis] @ q[i, h].astype(F64)).astype(F32) * kq_scale
+                    e = np.exp(s - s.max()).astype(F32)
+                    pr = e * F32(1.0 / np.sum(e.astype(F64)))
+                    probs[h, i, :vis] = pr
+                    att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vh[:vis]).astype(F32)
+            rec("kq_soft_max", l, probs)
+            rec("kqv_out", l, att)
+            attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
+            rec("attn_out", l, attn_out)
+            ffn_inp = (x + attn_out).astype(F32)
+            rec("ffn_inp", l, ffn_inp)
+            xn = self.norm(ffn_inp, p + "ffn_norm.weight")
+            rec("ffn_norm", l, xn)
+            gate = self.matmul(p + "ffn_gate.weight", xn)
+            rec("ffn_gate", l, gate)
+            up = self.matmul(p + "ffn_up.weight", xn)
+            rec("ffn_up", l, up)
+            silu = lambda z: (z / (F32(1.0) + np.exp(-z))).astype(F32)
+            act = silu(up) * gate if mut == "swiglu-swap" else silu(gate) * up
+            rec("ffn_act", l, act.astype(F32))
+            ffn_out = self.matmul(p + "ffn_down.weight", act.astype(F32))
+            rec("ffn_out", l, ffn_out)
+            x = (ffn_inp + ffn_out).astype(F32)
+            rec("l_out", l, x)
+        xn = self.norm(x, "output_norm.weight")
+        rec("result_norm", None, xn)
+        out = "output.weight" if m.has("output.weight") else "token_embd.weight"
+        if mut == "tied-output":
+            out = "token_embd.weight"
+        logits = self.matmul(out, xn, mut == "transposed-lm-head")
+        rec("logits", None, logits)
+        return logits[-1]
+
+
+SPARSE = {"embd", "l_out", "result_norm", "logits"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--out", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--golden", help="take the prompt and decode ids from this trace's manifest")
+    src.add_argument("--tokens", help="prompt ids, comma-separated (used as given)")
+    ap.add_argument("--forced", help="decode ids to feed, comma-separated (else greedy)")
+    ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
+    ap.add_argument("--taps", choices=["all", "sparse"], default="all")
+    ap.add_argument("--rounding", choices=["none", "ggml"], default="none")
+    ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
+    ap.add_argument("--no-bos", action="store_true", help="drop the leading BOS")
+    ap.add_argument("--double-bos", action="store_true", help="prepend a second BOS")
+    ap.add_argument("--layout", choices=["token-major", "head-major"], default="token-major",
+                    help="how q_rope is stored")
+    ap.add_argument("--declare", action="store_true", help="declare --layout in the manifest")
+    a = ap.parse_args()
+
+    mutation = a.mutate
+    no_bos = a.no_bos or mutation == "no-bos"
+    double_bos = a.double_bos or mutation == "double-bos"
+    layout = "head-major" if mutation == "head-major-q-rope" else a.layout
+    if mutation not in COMPUTE_MUTATIONS:
+        mutation = None
+
+    if not os.path.exists(a.model):
+        fail(f"{a.model}: no such file")
+    m = Model(a.model, mutation)
+    if a.golden:
+        with open(os.path.join(a.golden, "manifest.json")) as f:
+            g = json.load(f)
+        prompt = list(g["steps"][0]["tokens"])
+        forced = [t for s in g["steps"][1:] for t in s["tokens"]]
+    else:
+        prompt = [int(t) for t in a.tokens.split(",")]
+        forced = [int(t) for t in a.forced.split(",")] if a.forced else None
+    if no_bos or double_bos:
+        if m.bos is None or not prompt or prompt[0] != m.bos:
+            fail(f"--no-bos/--double-bos: the prompt does not start with BOS ({m.bos})")
+        prompt = prompt[1:] if no_bos else [m.bos] + prompt
+    if not prompt:
+        fail("no prompt ids")
+    n_steps = len(forced) if forced is not None else a.steps
+
+    os.makedirs(a.out, exist_ok=True)
+    tensors = []
+    cur = {"step": 0}
+
+    def rec(tap, layer, x):
+        if a.taps == "sparse" and tap not in SPARSE:
+            return
+        x = np.ascontiguousarray(x, dtype="<f4")
+        if tap == "q_rope" and layout == "head-major":
+            x = np.ascontiguousarray(x.transpose(1, 0, 2))
+        s = cur["step"]
+        file = f"s{s:03}/{tap}.npy" if layer is None else f"s{s:03}/{tap}-{layer}.npy"
+        os.makedirs(os.path.join(a.out, f"s{s:03}"), exist_ok=True)
+        np.save(os.path.join(a.out, file), x)
+        tensors.append({"step": s, "tap": tap, "layer": layer, "file": file,
+                        "shape": list(x.shape), "dtype": "<f4"})
+
+    eng = Engine(m, a.rounding, mutation, len(prompt) + n_steps)
+    steps = [{"step": 0, "tokens": prompt, "positions": list(range(len(prompt)))}]
+    logits = eng.forward(prompt, 0, rec)
+    pos = len(prompt)
+    for s in range(1, n_steps + 1):
+        tok = forced[s - 1] if forced is not None else int(np.argmax(logits))
+        cur["step"] = s
+        logits = eng.forward([tok], pos, rec)
+        steps.append({"step": s, "tokens": [tok], "positions": [pos], "forced": True})
+        pos += 1
+
+    with open(a.model, "rb") as f:
+        sha = hashlib.sha256(f.read()).hexdigest()
+    manifest = {
+        "format": "parity-trace", "version": 1,
+        "model": {"path": a.model, "sha256": sha},
+        "producer": {"name": "numpy-engine", "backend": "numpy", "version": "0.1",
+                     "settings": {"rounding": a.rounding, "taps": a.taps,
+                                  "numpy": np.__version__}},
+        "steps": steps, "tensors": tensors,
+    }
+    if a.declare and layout != "token-major":
+        manifest["layouts"] = {"q_rope": layout}
+    with open(os.path.join(a.out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    print(f"wrote {len(tensors)} tensors over {len(steps)} steps to {a.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
