@@ -1,12 +1,11 @@
 //! `parity golden`, `parity check` and `parity diff`.
 
-use super::output::{ReportArgs, finish};
+use super::output::{ReportArgs, finish_with, run_info, show};
 use super::run::{InputArgs, make_backend, model_ref, producer};
 use super::{Result, err, python, repo_root};
 use crate::backend;
 use crate::compare::{CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
-use crate::report;
 use crate::trace::{MemorySink, ReplaySink, TapFilter, Trace};
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -364,15 +363,12 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             require_same_model: true,
         };
         let c = compare(base, cand, &opt)?;
-        if base.manifest.producer.name == "llama.cpp" {
-            println!("== {} vs golden ({})", c.candidate, c.baseline);
+        let header = if base.manifest.producer.name == "llama.cpp" {
+            format!("== {} vs golden ({})", c.candidate, c.baseline)
         } else {
-            println!("== {} vs {}", c.candidate, c.baseline);
-        }
-        if table || a.verbose || c.diverged() {
-            print!("{}", report::table(&c));
-        }
-        println!("{}\n", report::verdict(&c));
+            format!("== {} vs {}", c.candidate, c.baseline)
+        };
+        show(&c, &header, table || a.verbose || c.diverged(), &a.report);
         comparisons.push(c);
         Ok(())
     };
@@ -397,5 +393,6 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     if comparisons.is_empty() {
         return Err(err("nothing to compare: one backend and no golden"));
     }
-    finish(&comparisons, &a.report)
+    let info = run_info(golden.iter().map(|(_, g)| g).chain(&traces_op).chain(&traces));
+    finish_with(&comparisons, &info, &a.report)
 }

@@ -1,33 +1,226 @@
-//! What a comparison run leaves behind: the JSON report, the verdict line and the exit code.
-//! `check` and `diff` both end here, so every output format renders the same comparisons.
+//! What a comparison run leaves behind: the terminal text, the JSON report, the HTML page, the CI
+//! snapshot and gate, the verdict line and the exit code. `check` and `diff` both end here, so
+//! every output format renders the same comparisons.
 
-use super::{Result, err};
+use super::{Result, err, repo_root};
 use crate::compare::Comparison;
+use crate::gguf::GgufFile;
+use crate::model::sha256_hex;
+use crate::model::tokenizer::Tokenizer;
+use crate::report::{self, RunInfo, snapshot};
+use crate::trace::Trace;
+use anstyle::{AnsiColor, Style};
 use clap::Args;
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Args, Clone, Default)]
 pub struct ReportArgs {
-    /// Write every comparison as JSON.
-    #[arg(long)]
+    /// Write the report as JSON (schema: docs/report-json.md); `-` writes it to stdout and moves
+    /// the human-readable text to stderr.
+    #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write a self-contained HTML report: error curves, heat maps, diagnosis, tokens, settings.
+    #[arg(long, value_name = "FILE")]
+    pub html: Option<PathBuf>,
+    /// Write a CI snapshot: per layer and tap kind, the NMSE as a decade bucket; the verdicts and
+    /// first divergences (an insta-compatible .snap file; see docs/ci.md).
+    #[arg(long, value_name = "FILE")]
+    pub snapshot: Option<PathBuf>,
+    /// Fail (exit 1) when the numerics moved out of their buckets in this snapshot, printing what
+    /// moved, and write FILE.new beside it (`cargo insta review` can accept it).
+    #[arg(long, value_name = "FILE")]
+    pub against: Option<PathBuf>,
+    /// Print the verdict line only.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
-pub fn finish(comparisons: &[Comparison], out: &ReportArgs) -> Result<ExitCode> {
+impl ReportArgs {
+    fn json_to_stdout(&self) -> bool {
+        self.json.as_deref() == Some(Path::new("-"))
+    }
+}
+
+/// Print one comparison for people: a header, the per-layer table when `with_table`, the verdict
+/// paragraph. Nothing with `--quiet`; on stderr when stdout carries the JSON.
+pub fn show(c: &Comparison, header: &str, with_table: bool, out: &ReportArgs) {
+    if out.quiet {
+        return;
+    }
+    let text = format!(
+        "{header}\n{}{}\n",
+        if with_table {
+            report::table_styled(
+                c,
+                if out.json_to_stdout() {
+                    anstream::AutoStream::choice(&std::io::stderr()) != anstream::ColorChoice::Never
+                } else {
+                    report::colour_stdout()
+                },
+            )
+        } else {
+            String::new()
+        },
+        report::verdict(c)
+    );
+    if out.json_to_stdout() {
+        eprintln!("{text}");
+    } else {
+        println!("{text}");
+    }
+}
+
+/// The traces' manifests, for the reports' run settings and token ids.
+pub fn run_info<'a>(traces: impl IntoIterator<Item = &'a Trace>) -> RunInfo {
+    RunInfo::from_traces(traces)
+}
+
+/// The model file a manifest names, as recorded or relative to the repository (goldens record
+/// repo-relative paths), if it is here and its sha256 matches the recorded one.
+fn model_file(path: &str, sha256: &str) -> Option<GgufFile> {
+    let p = Path::new(path);
+    [p.to_path_buf(), repo_root().join(p)]
+        .into_iter()
+        .filter(|c| c.is_file())
+        .filter_map(|c| GgufFile::open(&c).ok())
+        .find(|f| sha256.is_empty() || sha256_hex(f.bytes()) == sha256)
+}
+
+/// Decode every trace's ids with its model's own tokenizer, where the model file is at hand.
+fn decode_texts(info: &mut RunInfo) {
+    let mut cache: HashMap<(String, String), Option<Tokenizer>> = HashMap::new();
+    for t in &mut info.traces {
+        let key = (t.model.path.clone(), t.model.sha256.clone());
+        let tok = cache.entry(key).or_insert_with(|| {
+            model_file(&t.model.path, &t.model.sha256).and_then(|f| Tokenizer::from_gguf(&f).ok())
+        });
+        if let Some(tok) = tok {
+            t.text = Some(t.steps.iter().map(|s| tok.decode(&s.tokens)).collect());
+        }
+    }
+}
+
+fn write_file(p: &Path, text: &str) -> Result<()> {
+    std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))
+}
+
+/// The command for the snapshot header: `parity check`, `parity diff`.
+fn command() -> String {
+    match std::env::args().nth(1) {
+        Some(sub) => format!("parity {sub}"),
+        None => "parity".into(),
+    }
+}
+
+/// Write the requested reports, run the gate, print the verdict line; exit 1 when a comparison
+/// diverged or the gate found numerics that moved.
+pub fn finish_with(
+    comparisons: &[Comparison],
+    info: &RunInfo,
+    out: &ReportArgs,
+) -> Result<ExitCode> {
+    // Read the gate's snapshot before anything is written (it may be the --snapshot path too).
+    let old = match &out.against {
+        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
+            err(format!(
+                "{}: {e} (write one first with --snapshot {})",
+                p.display(),
+                p.display()
+            ))
+        })?),
+        None => None,
+    };
+    let mut info = info.clone();
+    if out.html.is_some() || out.json.is_some() {
+        decode_texts(&mut info);
+    }
     if let Some(p) = &out.json {
-        let text = serde_json::to_string_pretty(comparisons)?;
-        std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))?;
+        let text = serde_json::to_string_pretty(&report::json::report(comparisons, &info))? + "\n";
+        if out.json_to_stdout() {
+            let mut so = std::io::stdout().lock();
+            so.write_all(text.as_bytes())
+                .and_then(|_| so.flush())
+                .map_err(|e| err(format!("stdout: {e}")))?;
+        } else {
+            write_file(p, &text)?;
+        }
+    }
+    if let Some(p) = &out.html {
+        let page = report::html::page(comparisons, &info).map_err(err)?;
+        write_file(p, &page)?;
+    }
+    if let Some(p) = &out.snapshot {
+        write_file(p, &snapshot::file(comparisons, &command()))?;
+    }
+    // Human text goes to stderr when stdout carries the JSON.
+    let say = |line: String| {
+        if out.json_to_stdout() {
+            eprintln!("{line}")
+        } else {
+            println!("{line}")
+        }
+    };
+    let colour = !out.json_to_stdout() && report::colour_stdout();
+    let paint = |s: &str, c: AnsiColor| {
+        if colour {
+            let st = Style::new().fg_color(Some(c.into())).bold();
+            format!("{st}{s}{st:#}")
+        } else {
+            s.to_string()
+        }
+    };
+    let mut moved_any = false;
+    if let (Some(p), Some(old)) = (&out.against, &old) {
+        let moved = snapshot::against(comparisons, old)
+            .map_err(|e| err(format!("{}: {e}", p.display())))?;
+        if moved.is_empty() {
+            say(format!(
+                "gate: {} within the snapshot {} (no NMSE left its bucket)",
+                paint("numerics", AnsiColor::Green),
+                p.display()
+            ));
+        } else {
+            moved_any = true;
+            let new = PathBuf::from(format!("{}.new", p.display()));
+            write_file(&new, &snapshot::file(comparisons, &command()))?;
+            say(format!(
+                "gate: {} {} moved against {}:",
+                paint("FAILED", AnsiColor::Red),
+                moved.len(),
+                p.display()
+            ));
+            for m in &moved {
+                say(format!("  {m}"));
+            }
+            say(format!(
+                "gate: the new snapshot is {} (review: `cargo insta review`, or `mv {} {}` to accept)",
+                new.display(),
+                new.display(),
+                p.display()
+            ));
+        }
     }
     let diverged = comparisons.iter().filter(|c| c.diverged()).count();
     if diverged > 0 {
-        println!(
-            "verdict: {diverged} of {} comparisons diverged",
+        say(format!(
+            "verdict: {} of {} comparisons diverged",
+            diverged,
             comparisons.len()
-        );
+        ));
         Ok(ExitCode::from(1))
     } else {
-        println!("verdict: parity ({} comparisons)", comparisons.len());
-        Ok(ExitCode::SUCCESS)
+        say(format!(
+            "verdict: {} ({} comparisons)",
+            paint("parity", AnsiColor::Green),
+            comparisons.len()
+        ));
+        Ok(if moved_any {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        })
     }
 }

@@ -1,13 +1,23 @@
-//! Renders a Comparison for people (a per-layer table and a one-paragraph verdict) and for
-//! machines (JSON via serde). Knows compare and trace only.
+//! Renders comparisons: for people (a per-layer table coloured by closeness to the threshold, a
+//! one-paragraph verdict, an HTML page), for machines (a versioned JSON schema) and for CI (a
+//! bucketed snapshot and the gate against it). Knows compare and trace only.
+
+pub mod html;
+pub mod info;
+pub mod json;
+pub mod progress;
+pub mod snapshot;
+
+pub use info::{RunInfo, TraceInfo};
 
 use crate::compare::Comparison;
 use crate::trace::Tap;
+use anstyle::{AnsiColor, Style};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// Short column headers for the per-layer table, in graph order.
-const COLUMNS: [(Tap, &str); 16] = [
+pub(crate) const COLUMNS: [(Tap, &str); 16] = [
     (Tap::AttnNorm, "a_norm"),
     (Tap::Q, "q"),
     (Tap::K, "k"),
@@ -26,7 +36,7 @@ const COLUMNS: [(Tap, &str); 16] = [
     (Tap::LOut, "l_out"),
 ];
 
-/// log10 of an NMSE for a table cell: `-13.2`, `  0` for exact, `inf`.
+/// log10 of an NMSE for a table cell: `-13.2`, `exact`, `inf`, with `!` when over threshold.
 fn cell(nmse: f64, fail: bool) -> String {
     let s = if nmse == 0.0 {
         "exact".to_string()
@@ -38,16 +48,63 @@ fn cell(nmse: f64, fail: bool) -> String {
     if fail { format!("{s}!") } else { s }
 }
 
-/// The per-layer table: worst NMSE over all steps for each (layer, tap), as log10.
+/// Whether stdout takes colour: a terminal, and neither NO_COLOR nor CLICOLOR=0 set
+/// (CLICOLOR_FORCE forces it), as anstream decides.
+pub fn colour_stdout() -> bool {
+    anstream::AutoStream::choice(&std::io::stdout()) != anstream::ColorChoice::Never
+}
+
+/// The style of a value by how close it sits to its threshold: red over it, yellow within a
+/// factor 10, plain within 1000, green further below, dim green when bit-identical.
+pub fn closeness_style(nmse: f64, threshold: f64, fail: bool) -> Style {
+    let ratio = nmse / threshold;
+    if fail || !ratio.is_finite() && nmse != 0.0 {
+        Style::new().fg_color(Some(AnsiColor::Red.into())).bold()
+    } else if nmse == 0.0 {
+        Style::new()
+            .fg_color(Some(AnsiColor::Green.into()))
+            .dimmed()
+    } else if ratio > 0.1 {
+        Style::new().fg_color(Some(AnsiColor::Yellow.into()))
+    } else if ratio > 1e-3 {
+        Style::new()
+    } else {
+        Style::new().fg_color(Some(AnsiColor::Green.into()))
+    }
+}
+
+/// `text` right-aligned in `width`, wrapped in `style`'s escape codes when `colour`.
+fn paint(text: &str, width: usize, style: Style, colour: bool) -> String {
+    if colour {
+        format!("{style}{text:>width$}{style:#}")
+    } else {
+        format!("{text:>width$}")
+    }
+}
+
+/// The per-layer table, coloured when stdout takes colour ([`colour_stdout`]).
 pub fn table(c: &Comparison) -> String {
-    let mut worst: BTreeMap<(Option<usize>, Tap), (f64, bool)> = BTreeMap::new();
+    table_styled(c, colour_stdout())
+}
+
+/// The per-layer table: worst NMSE over all steps for each (layer, tap), as log10; with
+/// `colour`, each cell coloured by [`closeness_style`].
+pub fn table_styled(c: &Comparison, colour: bool) -> String {
+    // (layer, tap) -> (worst NMSE, its threshold, any step failed)
+    let mut worst: BTreeMap<(Option<usize>, Tap), (f64, f64, bool)> = BTreeMap::new();
     for r in &c.results {
         let e = worst
             .entry((r.key.layer, r.key.tap))
-            .or_insert((0.0, false));
-        e.0 = e.0.max(r.metrics.nmse);
-        e.1 |= !r.pass;
+            .or_insert((0.0, r.threshold, false));
+        if r.metrics.nmse > e.0 {
+            e.0 = r.metrics.nmse;
+            e.1 = r.threshold;
+        }
+        e.2 |= !r.pass;
     }
+    let show = |&(e, t, f): &(f64, f64, bool), width: usize| {
+        paint(&cell(e, f), width, closeness_style(e, t, f), colour)
+    };
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -63,24 +120,24 @@ pub fn table(c: &Comparison) -> String {
         v.dedup();
         v
     };
-    if let Some(&(e, f)) = worst.get(&(None, Tap::Embd)) {
-        let _ = writeln!(out, "{:>7} embd {}", "-", cell(e, f));
+    if let Some(w) = worst.get(&(None, Tap::Embd)) {
+        let _ = writeln!(out, "{:>7} embd {}", "-", show(w, 0));
     }
     for l in layers {
         let _ = write!(out, "{l:>7}");
         for (tap, _) in COLUMNS {
             let s = match worst.get(&(Some(l), tap)) {
-                Some(&(e, f)) => cell(e, f),
-                None => "-".into(),
+                Some(w) => show(w, 6),
+                None => format!("{:>6}", "-"),
             };
-            let _ = write!(out, " {s:>6}");
+            let _ = write!(out, " {s}");
         }
         out.push('\n');
     }
     let mut tail = Vec::new();
     for tap in [Tap::ResultNorm, Tap::Logits] {
-        if let Some(&(e, f)) = worst.get(&(None, tap)) {
-            tail.push(format!("{tap} {}", cell(e, f)));
+        if let Some(w) = worst.get(&(None, tap)) {
+            tail.push(format!("{tap} {}", show(w, 0)));
         }
     }
     if !tail.is_empty() {
@@ -97,9 +154,15 @@ pub fn table(c: &Comparison) -> String {
             .map(|l| l.top5_overlap_mean * l.rows as f64)
             .sum::<f64>()
             / rows.max(1) as f64;
+        let kld = paint(
+            &format!("{kld_mean:.2e}"),
+            0,
+            closeness_style(kld_mean, c.kld_threshold, kld_mean > c.kld_threshold),
+            colour,
+        );
         let _ = writeln!(
             out,
-            "logits over {} steps: KLD mean ≤ {kld_mean:.2e} (max {kld_max:.2e}, threshold {:.0e}), top-1 agree {top1}/{rows}, top-5 overlap {top5:.2}/5",
+            "logits over {} steps: KLD mean ≤ {kld} (max {kld_max:.2e}, threshold {:.0e}), top-1 agree {top1}/{rows}, top-5 overlap {top5:.2}/5",
             c.logits.len(),
             c.kld_threshold
         );
@@ -111,10 +174,7 @@ pub fn table(c: &Comparison) -> String {
 pub fn verdict(c: &Comparison) -> String {
     let who = format!("{} vs {}", c.candidate, c.baseline);
     if let Some(t) = &c.token_mismatch {
-        return format!(
-            "DIVERGED ({who}): the token ids differ before any tensor is compared — step {} index {}: baseline {:?}, candidate {:?}. Both runs must see the same ids (BOS policy, chat template, tokenizer); compare the ids first.",
-            t.step, t.index, t.baseline, t.candidate
-        );
+        return token_verdict(c, t, &who);
     }
     let n = c.results.len();
     let steps = c
@@ -194,6 +254,92 @@ pub fn verdict(c: &Comparison) -> String {
             )
         }
     }
+}
+
+/// Different ids are the finding: name the difference, show both sequences, and say what
+/// was still compared.
+fn token_verdict(c: &Comparison, t: &crate::compare::TokenMismatch, who: &str) -> String {
+    use crate::compare::TokenDiff;
+    let first = t.baseline_ids.first().copied().unwrap_or_default();
+    let cause = match t.kind {
+        TokenDiff::FirstMissing => format!(
+            "the candidate lacks the first id {first} (BOS): the engine does not add BOS, or its chat template drops it"
+        ),
+        TokenDiff::FirstDoubled => format!(
+            "the candidate starts with id {first} twice (BOS doubled): a template or prompt that already has BOS, tokenized with add_bos on"
+        ),
+        TokenDiff::FirstExtra => format!(
+            "the candidate has an extra first id {} the baseline lacks (BOS added where the model's add_bos_token says not to)",
+            t.candidate_ids.first().copied().unwrap_or_default()
+        ),
+        TokenDiff::Wrapped => format!(
+            "the candidate wraps the baseline's ids in {} extra ones: a chat template (or system prompt) applied on one side only",
+            t.candidate_ids.len().saturating_sub(t.baseline_ids.len())
+        ),
+        TokenDiff::Other if t.step > 0 => format!(
+            "decode step {} fed another id: teacher-force the golden's decode ids (its manifest lists them) instead of sampling",
+            t.step
+        ),
+        TokenDiff::Other => {
+            "other ids: another tokenizer or pre-tokenizer, other text, or another BOS/EOS policy"
+                .into()
+        }
+    };
+    let ids = |v: &[u32]| {
+        let s: Vec<String> = v.iter().take(24).map(|x| x.to_string()).collect();
+        if v.len() > 24 {
+            format!("[{} … ({} ids)]", s.join(" "), v.len())
+        } else {
+            format!("[{}]", s.join(" "))
+        }
+    };
+    let text = |x: &Option<String>| x.as_ref().map(|s| format!(" {s:?}")).unwrap_or_default();
+    let aligned = c
+        .results
+        .iter()
+        .find(|r| r.key.step == t.step && r.key.tap == crate::trace::Tap::Embd)
+        .map(|r| {
+            if r.pass {
+                format!(
+                    " The embedding rows of the ids that line up match ({}).",
+                    if r.metrics.nmse == 0.0 {
+                        "bit-identical".to_string()
+                    } else {
+                        format!("NMSE {:.1e}", r.metrics.nmse)
+                    }
+                )
+            } else {
+                format!(
+                    " Even the embedding rows of the ids that line up differ (NMSE {:.1e}).",
+                    r.metrics.nmse
+                )
+            }
+        })
+        .unwrap_or_default();
+    let earlier = if t.step > 0 {
+        format!(
+            " Steps before {} were compared: {} taps, {}.",
+            t.step,
+            c.results.iter().filter(|r| r.key.step < t.step).count(),
+            if c.first_divergence.is_some() {
+                "with a divergence (see the table)"
+            } else {
+                "all within tolerance"
+            }
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "DIVERGED ({who}): token ids differ ({}) at step {} index {} — {cause}.\n  baseline  {}{}\n  candidate {}{}\nNothing computed from different ids is compared.{aligned}{earlier}",
+        t.kind.name(),
+        t.step,
+        t.index,
+        ids(&t.baseline_ids),
+        text(&t.baseline_text),
+        ids(&t.candidate_ids),
+        text(&t.candidate_text),
+    )
 }
 
 fn pair_name(c: &Comparison) -> &'static str {

@@ -1,6 +1,7 @@
 //! Tap names, the Sink a backend writes to, and the on-disk trace format (npy + manifest.json).
 //! See docs/trace-format.md.
 
+pub mod api;
 mod format;
 mod taps;
 
