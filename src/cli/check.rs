@@ -184,7 +184,7 @@ fn golden_is_tight(g: &Trace) -> bool {
     kv_f32 && no_fa
 }
 
-pub(super) fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
+fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
     let golden_tight = |t: &Trace| {
         t.manifest.producer.name != "llama.cpp"
             || t.manifest

@@ -37,18 +37,25 @@ fn class(w: GgmlType) -> usize {
 }
 
 /// NMSE threshold for `tap` when the model's matmul weights are `w`.
-/// Floors measured on the committed fixtures and ../shared models (docs/tolerances.md);
-/// thresholds sit 10–100× above the largest floor seen.
+///
+/// End to end (same or different rounding) the thresholds hold at any depth: measured on
+/// generated 16-, 22- and 64-layer models against fresh llama.cpp goldens
+/// (scripts/depth_matrix.sh, docs/tolerances.md), rounding noise does not grow without bound
+/// but saturates after a few layers (quantized: NMSE ~1e-3 at ffn_out from layer ~5 on, the
+/// same at 22 and at 64 layers). Each threshold sits above llama.cpp's own spread — the same
+/// model under llama.cpp's defaults (F16 KV cache, flash attention) against the tight golden
+/// — so no engine is blamed for less than llama.cpp itself allows. Small real bugs are the
+/// op-by-op and own-error judgements' job, at the f32 floor.
 pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
     // [F32, F16/BF16, quantized]
     let base: [f64; 3] = match pair {
-        // Quantized same-rounding pairs agree to ~1e-14 until an activation that sits on a
-        // rounding boundary flips by one quantum in one side (f32 noise upstream decides which
-        // way); one flip costs ~1e-7..1e-6 locally and random-weight models amplify it to
-        // ~1e-4 at the logits of a one-token decode step, so the end-to-end threshold leaves
-        // room for that. The op-by-op comparison, where no flip can happen, carries 1e-10.
-        PairKind::SameRounding => [1e-10, 1e-5, 1e-3],
-        PairKind::DifferentRounding => [1e-10, 1e-5, 1e-2],
+        // Both sides known to round activations like ggml's CPU with an f32 KV cache (parity's
+        // own emulating backends against a tight golden). Worst clean value seen at depth:
+        // F32 2.3e-12, F16 2.6e-6, quantized 2.5e-3 (64 layers).
+        PairKind::SameRounding => [1e-10, 1e-4, 2e-2],
+        // Anything else: llama.cpp's own spread is F32 2.1e-7 (an F16 KV cache), F16 6.6e-6,
+        // quantized 2.9e-3.
+        PairKind::DifferentRounding => [1e-5, 1e-4, 2e-2],
         PairKind::OpByOp => [1e-10, 1e-10, 1e-10],
     };
     match tap {
@@ -58,16 +65,14 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
     }
 }
 
-/// Mean KL divergence of the logits above which the run diverges (llama-perplexity's KLD of
-/// a good Q8_0 vs F16 model is ~1e-4; same-rounding pairs sit many orders below).
+/// Mean KL divergence of the logits above which the run diverges. Above llama.cpp's own
+/// spread (defaults vs tight, at 64 layers: F32 6.3e-7, F16 1.4e-6, quantized 6.2e-4).
 pub fn kld_threshold(pair: PairKind, w: GgmlType) -> f64 {
     match (pair, class(w)) {
         (PairKind::OpByOp, _) => 1e-9,
         (PairKind::SameRounding, 0) => 1e-9,
-        (PairKind::SameRounding, 1) => 1e-5,
-        (PairKind::SameRounding, _) => 1e-3,
-        (PairKind::DifferentRounding, 0) => 1e-9,
-        (PairKind::DifferentRounding, 1) => 1e-5,
-        (PairKind::DifferentRounding, _) => 1e-2,
+        (PairKind::DifferentRounding, 0) => 1e-5,
+        (_, 1) => 1e-4,
+        (_, _) => 1e-2,
     }
 }
