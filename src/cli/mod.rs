@@ -55,6 +55,9 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// List the catalog of known engine bugs (`--mutate NAME` switches one on).
     Mutations(selftest::MutationsArgs),
+    /// Check parity on itself: the clean run passes, and each catalog bug written as an external
+    /// engine's trace is found by `diff` at its place and named.
+    Selftest(selftest::SelftestArgs),
 }
 
 pub fn main() -> ExitCode {
@@ -77,6 +80,7 @@ pub fn main() -> ExitCode {
         Cmd::Diff(a) => diff::diff(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Mutations(a) => selftest::mutations(a),
+        Cmd::Selftest(a) => selftest::selftest(a),
     };
     match result {
         Ok(code) => code,

@@ -5,6 +5,7 @@
 use super::Result;
 use crate::backend::mutation::{Mutation, MutationKind};
 use crate::model::Model;
+use crate::trace::Trace;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,4 +84,446 @@ pub fn place(k: &crate::trace::TapKey) -> String {
         Some(l) => format!("step {}, layer {l}, {}", k.step, k.tap),
         None => format!("step {}, {}", k.step, k.tap),
     }
+}
+
+// ---- parity selftest ---------------------------------------------------------------------
+
+#[derive(Args)]
+pub struct SelftestArgs {
+    /// GGUF model (default: the committed fixtures/tiny-llama-q8_0.gguf).
+    model: Option<PathBuf>,
+    /// The model's llama.cpp golden (default: found by sha256 under ./golden or the
+    /// repository's golden/).
+    #[arg(long)]
+    golden: Option<PathBuf>,
+    /// Which engine writes the traces: parity's reference (`parity dump --mutate`, run as a
+    /// separate process), the numpy engine (scripts/numpy_engine.py), or both.
+    #[arg(long, default_value = "parity", value_parser = ["parity", "numpy", "both"])]
+    engine: String,
+    /// Activation rounding of the engine: none (plain f32), ggml (as ggml's CPU), or both.
+    #[arg(long, default_value = "both", value_parser = ["none", "ggml", "both"])]
+    rounding: String,
+    /// Dump only embd, l_out per layer, result_norm and logits (what engine authors dump
+    /// first); the bug must then be found at the right layer.
+    #[arg(long)]
+    sparse: bool,
+    /// Only these mutations (comma-separated names; the clean run always runs).
+    #[arg(long, value_delimiter = ',')]
+    only: Option<Vec<String>>,
+    /// Print the rows as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Keep the traces in this folder instead of a temporary one.
+    #[arg(long)]
+    keep: Option<PathBuf>,
+}
+
+/// One case: the clean engine, or one bug, through one engine configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Case {
+    Clean,
+    Bug(Mutation),
+    /// A layout bug whose manifest declares the layout: must be aligned (pass) or named.
+    Declared(Mutation),
+}
+
+impl Case {
+    fn label(self) -> String {
+        match self {
+            Case::Clean => "clean".into(),
+            Case::Bug(m) => m.name().into(),
+            Case::Declared(m) => format!("{m} (declared)"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Engine {
+    Parity,
+    Numpy,
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    case: String,
+    engine: Engine,
+    rounding: &'static str,
+    sparse: bool,
+    /// Where the bug must be found (none for the clean run).
+    expected: Option<String>,
+    expected_name: Option<String>,
+    /// Whether a divergence was found (exit 1 from `diff`).
+    diverged: bool,
+    found: Option<String>,
+    /// The name the diagnosis gave (confirmed hypothesis, or the token difference's kind).
+    named: Option<String>,
+    ok: bool,
+    why: String,
+}
+
+/// What `diff` concluded about a candidate, in the terms selftest checks.
+struct Outcome {
+    diverged: bool,
+    /// The verdict's place: the token difference's step, else the first op out of its own
+    /// noise floor, else the first end-to-end divergence.
+    place: Option<crate::trace::TapKey>,
+    named: Option<String>,
+}
+
+fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Outcome> {
+    use crate::compare::{CompareOptions, PairKind, compare};
+    use crate::judge::{JudgeOptions, judge};
+    use crate::trace::{Tap, TapKey};
+    // The verdict `parity diff` gives when it has the model (cli/diff.rs): token ids first,
+    // then each op judged on the candidate's own inputs; the end-to-end comparison is only
+    // the picture of drift and does not decide.
+    let c = compare(
+        golden,
+        cand,
+        &CompareOptions {
+            pair: PairKind::DifferentRounding,
+            weight_type: model.main_weight_type(),
+            require_same_model: true,
+        },
+    )?;
+    let j = judge(model, cand, &JudgeOptions::default())?;
+    if let Some(tm) = &c.token_mismatch {
+        return Ok(Outcome {
+            diverged: true,
+            place: Some(TapKey::new(tm.step, None, Tap::Embd)),
+            named: Some(tm.kind.name().to_string()),
+        });
+    }
+    Ok(Outcome {
+        diverged: !j.passed(),
+        place: j.first.as_ref().map(|f| f.key),
+        named: j
+            .first
+            .as_ref()
+            .and_then(|f| f.catalog.clone().or(f.confirmed.clone())),
+    })
+}
+
+/// The name the diagnosis must give for `m`: the catalog name, or for token bugs the kind of
+/// token difference `compare` names.
+fn expected_name(m: Mutation) -> &'static str {
+    match m {
+        Mutation::NoBos => "bos-missing",
+        Mutation::DoubleBos => "bos-doubled",
+        _ => m.name(),
+    }
+}
+
+/// Whether `found` is where `m` must show: exactly, or in a sparse trace at the same step and
+/// layer (the tap within the layer is not dumped).
+fn same_place(expected: &crate::trace::TapKey, found: &crate::trace::TapKey, sparse: bool) -> bool {
+    if !sparse || expected.layer.is_none() {
+        return expected == found;
+    }
+    expected.step == found.step && expected.layer == found.layer
+}
+
+/// A golden for `model`: its sha256 in the manifest, under ./golden or the repository's golden/.
+fn find_golden(model: &Model) -> Option<PathBuf> {
+    let roots = [PathBuf::from("golden"), super::repo_root().join("golden")];
+    roots
+        .iter()
+        .filter_map(|r| std::fs::read_dir(r).ok())
+        .flat_map(|d| d.flatten())
+        .map(|e| e.path())
+        .filter(|p| p.join("manifest.json").exists())
+        .find(|p| Trace::open(p).is_ok_and(|t| t.manifest.model.sha256 == model.sha256()))
+}
+
+const SPARSE_TAPS: &str = r"^(embd|l_out-\d+|result_norm|logits)$";
+
+/// Write the case's trace into `dir` by running the engine as a separate process, as an
+/// external engine's dump would be made.
+#[allow(clippy::too_many_arguments)]
+fn write_trace(
+    engine: Engine,
+    model_path: &std::path::Path,
+    golden: &std::path::Path,
+    case: Case,
+    ggml: bool,
+    sparse: bool,
+    dir: &std::path::Path,
+) -> Result<()> {
+    let mut cmd = match engine {
+        Engine::Parity => {
+            let mut c = std::process::Command::new(std::env::current_exe()?);
+            c.arg("dump").arg(model_path).arg("--golden").arg(golden);
+            c.args(["--emulate", if ggml { "ggml-cpu" } else { "none" }]);
+            if sparse {
+                c.args(["--taps", SPARSE_TAPS]);
+            }
+            match case {
+                Case::Clean => {}
+                Case::Bug(m) => {
+                    c.args(["--mutate", m.name()]);
+                }
+                Case::Declared(m) => {
+                    c.args(["--mutate", m.name(), "--declare-layout"]);
+                }
+            }
+            c.arg("--force").arg("--out").arg(dir);
+            c
+        }
+        Engine::Numpy => {
+            let mut c = std::process::Command::new(super::python());
+            c.arg(super::repo_root().join("scripts/numpy_engine.py"));
+            c.arg(model_path).arg("--golden").arg(golden);
+            c.args(["--rounding", if ggml { "ggml" } else { "none" }]);
+            c.args(["--taps", if sparse { "sparse" } else { "all" }]);
+            match case {
+                Case::Clean => {}
+                Case::Bug(m) => {
+                    c.args(["--mutate", m.name()]);
+                }
+                Case::Declared(m) => {
+                    c.args(["--mutate", m.name(), "--declare"]);
+                }
+            }
+            c.arg("--out").arg(dir);
+            c
+        }
+    };
+    let out = cmd.output()?;
+    if !out.status.success() {
+        let msg = String::from_utf8_lossy(&out.stderr);
+        let last = msg.lines().last().unwrap_or("").trim();
+        return Err(super::err(format!(
+            "{} engine failed on {}: {last}",
+            match engine {
+                Engine::Parity => "parity dump",
+                Engine::Numpy => "numpy",
+            },
+            case.label()
+        )));
+    }
+    Ok(())
+}
+
+pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
+    let model_path = a
+        .model
+        .clone()
+        .unwrap_or_else(|| super::repo_root().join("fixtures/tiny-llama-q8_0.gguf"));
+    let model = Model::open(&model_path)?;
+    let golden_dir = match &a.golden {
+        Some(g) => g.clone(),
+        None => find_golden(&model).ok_or_else(|| {
+            super::err(format!(
+                "no golden for {} (sha256 {}…) under ./golden or the repository's golden/: make one with `parity golden` and pass --golden DIR",
+                model_path.display(),
+                &model.sha256()[..12]
+            ))
+        })?,
+    };
+    let golden = Trace::open(&golden_dir)?;
+    if golden.manifest.model.sha256 != model.sha256() {
+        return Err(super::err(format!(
+            "{}: the golden is for another model (sha256 {}…)",
+            golden_dir.display(),
+            golden
+                .manifest
+                .model
+                .sha256
+                .chars()
+                .take(12)
+                .collect::<String>()
+        )));
+    }
+    let prompt_len = golden.manifest.steps.first().map_or(0, |s| s.tokens.len());
+    if prompt_len < 2 || golden.manifest.steps.len() < 2 {
+        return Err(super::err(format!(
+            "{}: selftest needs a golden with a prompt of 2+ ids and 1+ decode steps",
+            golden_dir.display()
+        )));
+    }
+    let mut cases = vec![Case::Clean];
+    for &m in Mutation::ALL {
+        if let Some(only) = &a.only
+            && !only.iter().any(|n| n == m.name())
+        {
+            continue;
+        }
+        if !m.applies_to(&model) {
+            continue;
+        }
+        if a.sparse && m.kind() == MutationKind::Layout {
+            continue; // a sparse trace has no q_rope to store differently
+        }
+        cases.push(Case::Bug(m));
+        if m.kind() == MutationKind::Layout {
+            cases.push(Case::Declared(m));
+        }
+    }
+    if let Some(only) = &a.only
+        && let Some(bad) = only.iter().find(|n| Mutation::parse(n).is_none())
+    {
+        return Err(super::err(format!(
+            "unknown mutation '{bad}' (known: {})",
+            Mutation::names()
+        )));
+    }
+    let engines: Vec<Engine> = match a.engine.as_str() {
+        "parity" => vec![Engine::Parity],
+        "numpy" => vec![Engine::Numpy],
+        _ => vec![Engine::Parity, Engine::Numpy],
+    };
+    let roundings: Vec<bool> = match a.rounding.as_str() {
+        "none" => vec![false],
+        "ggml" => vec![true],
+        _ => vec![false, true],
+    };
+    let tmp = match &a.keep {
+        Some(k) => k.clone(),
+        None => std::env::temp_dir().join(format!("parity-selftest-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&tmp)?;
+
+    let mut rows = Vec::new();
+    let result = (|| -> Result<()> {
+        for &engine in &engines {
+            for &ggml in &roundings {
+                for &case in &cases {
+                    let dir = tmp.join(format!(
+                        "{}-{}-{}",
+                        serde_json::to_value(engine)?.as_str().unwrap_or(""),
+                        if ggml { "ggml" } else { "none" },
+                        case.label().replace([' ', '(', ')'], "")
+                    ));
+                    write_trace(engine, &model_path, &golden_dir, case, ggml, a.sparse, &dir)?;
+                    let cand = Trace::open(&dir)?;
+                    let o = outcome(&golden, &cand, &model)?;
+                    let row = judge_row(case, engine, ggml, a.sparse, &model, &o);
+                    if !a.json {
+                        print_row(&row, rows.is_empty());
+                    }
+                    rows.push(row);
+                }
+            }
+        }
+        Ok(())
+    })();
+    if a.keep.is_none() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result?;
+    let failed = rows.iter().filter(|r| !r.ok).count();
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        println!(
+            "selftest: {} of {} rows ok on {} (golden {}){}",
+            rows.len() - failed,
+            rows.len(),
+            model_path.display(),
+            golden_dir.display(),
+            if a.sparse { ", sparse traces" } else { "" }
+        );
+    }
+    Ok(if failed > 0 {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn judge_row(
+    case: Case,
+    engine: Engine,
+    ggml: bool,
+    sparse: bool,
+    model: &Model,
+    o: &Outcome,
+) -> Row {
+    let found = o.place.as_ref().map(place);
+    let base = Row {
+        case: case.label(),
+        engine,
+        rounding: if ggml { "ggml" } else { "none" },
+        sparse,
+        expected: None,
+        expected_name: None,
+        diverged: o.diverged,
+        found,
+        named: o.named.clone(),
+        ok: false,
+        why: String::new(),
+    };
+    match case {
+        Case::Clean => {
+            let ok = !o.diverged;
+            Row {
+                ok,
+                why: if ok {
+                    "clean run passes".into()
+                } else {
+                    "false alarm on the clean run".into()
+                },
+                ..base
+            }
+        }
+        Case::Bug(m) | Case::Declared(m) => {
+            let exp = m.first_shows(model);
+            let name = expected_name(m);
+            let at = o.place.is_some_and(|p| same_place(&exp, &p, sparse));
+            let named = o.named.as_deref() == Some(name);
+            let (ok, why) = if matches!(case, Case::Declared(_)) {
+                // Declared layouts are aligned (no divergence) or named as layout.
+                match (o.diverged, at && named) {
+                    (false, _) => (true, "declared layout aligned: no divergence".to_string()),
+                    (true, true) => (true, "declared layout named".to_string()),
+                    (true, false) => (
+                        false,
+                        "declared layout reported as a numeric bug".to_string(),
+                    ),
+                }
+            } else if !o.diverged {
+                (false, "not found: diff passed".to_string())
+            } else if !at {
+                (false, "found at the wrong place".to_string())
+            } else if !named {
+                (false, "not named".to_string())
+            } else {
+                (true, "found at its place and named".to_string())
+            };
+            Row {
+                expected: Some(place(&exp)),
+                expected_name: Some(name.to_string()),
+                ok,
+                why,
+                ..base
+            }
+        }
+    }
+}
+
+fn print_row(r: &Row, header: bool) {
+    if header {
+        println!(
+            "{:<30} {:<7} {:<5} {:<30} {:<30} {:<22} ok",
+            "mutation", "engine", "round", "expected", "found", "named"
+        );
+    }
+    println!(
+        "{:<30} {:<7} {:<5} {:<30} {:<30} {:<22} {}",
+        r.case,
+        serde_json::to_value(r.engine)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default(),
+        r.rounding,
+        r.expected.as_deref().unwrap_or("-"),
+        r.found.as_deref().unwrap_or("-"),
+        r.named.as_deref().unwrap_or("-"),
+        if r.ok {
+            "ok".to_string()
+        } else {
+            format!("FAIL: {}", r.why)
+        }
+    );
 }
