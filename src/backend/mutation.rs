@@ -186,7 +186,12 @@ impl Mutation {
             Mutation::GqaModulo => c.n_head_kv > 1 && c.n_head_kv < c.n_head,
             Mutation::TransposedWo => c.n_embd_q() == c.n_embd,
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model).is_some(),
-            Mutation::TiedOutput => !c.tied_embeddings,
+            // A file may store output.weight as a copy of token_embd (llama2.c exports do).
+            Mutation::TiedOutput => {
+                !c.tied_embeddings
+                    && (model.output.ty != model.token_embd.ty
+                        || model.data(&model.output) != model.data(&model.token_embd))
+            }
             Mutation::NoBos | Mutation::DoubleBos => bos_id(model).is_some(),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
                 first_norm_showing(self, model).is_some()
