@@ -202,7 +202,7 @@ fn diff_json(tmp: &Path, dir: &Path, extra: &[&str]) -> (Output, serde_json::Val
         &std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{e}\n{}", show(&o))),
     )
     .unwrap();
-    let arr = j.as_array().expect("a list of comparisons");
+    let arr = j["comparisons"].as_array().expect("a list of comparisons");
     assert_eq!(arr.len(), 1);
     (o, arr[0].clone())
 }

@@ -692,7 +692,7 @@ fn numpy_example_trace_diffs() {
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let key = &j[0]["first_divergence"]["at"]["key"];
+    let key = &j["comparisons"][0]["first_divergence"]["at"]["key"];
     assert_eq!(
         key,
         &serde_json::json!({"step": 1, "layer": 0, "tap": "l_out"}),

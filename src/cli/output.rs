@@ -176,15 +176,19 @@ pub fn finish_with(
     if let (Some(p), Some(old)) = (&out.against, &old) {
         let moved = snapshot::against(comparisons, old)
             .map_err(|e| err(format!("{}: {e}", p.display())))?;
+        let new = PathBuf::from(format!("{}.new", p.display()));
         if moved.is_empty() {
+            // A pending snapshot left by an earlier failure is stale now.
+            let _ = std::fs::remove_file(&new);
+        }
+        if moved.is_empty() && !out.quiet {
             say(format!(
                 "gate: {} within the snapshot {} (no NMSE left its bucket)",
                 paint("numerics", AnsiColor::Green),
                 p.display()
             ));
-        } else {
+        } else if !moved.is_empty() {
             moved_any = true;
-            let new = PathBuf::from(format!("{}.new", p.display()));
             write_file(&new, &snapshot::file(comparisons, &command()))?;
             say(format!(
                 "gate: {} {} moved against {}:",

@@ -1,0 +1,126 @@
+//! The JSON report's schema: the committed docs/report.schema.json is the one the types generate,
+//! and real reports (`check --json -`, `diff --json FILE` of a divergence) validate against it.
+//!
+//! After changing the report types: `PARITY_UPDATE_SCHEMA=1 cargo test --test report_json`, then
+//! update docs/report-json.md (and bump the schema version if a field changed meaning).
+
+mod common;
+use common::*;
+
+fn committed_schema() -> serde_json::Value {
+    let p = root().join("docs/report.schema.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{e}"))).unwrap()
+}
+
+#[test]
+fn committed_schema_is_the_generated_one() {
+    let generated = parity::report::json::schema();
+    let p = root().join("docs/report.schema.json");
+    if std::env::var_os("PARITY_UPDATE_SCHEMA").is_some() {
+        std::fs::write(&p, &generated).unwrap();
+    }
+    let committed = std::fs::read_to_string(&p).unwrap_or_default();
+    assert!(
+        committed == generated,
+        "docs/report.schema.json is not what the report types generate: run PARITY_UPDATE_SCHEMA=1 cargo test --test report_json and document the change in docs/report-json.md"
+    );
+}
+
+fn validate(report: &serde_json::Value, what: &str) {
+    let schema = committed_schema();
+    let v = jsonschema::validator_for(&schema).expect("a valid JSON Schema");
+    let errors: Vec<String> = v
+        .iter_errors(report)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .collect();
+    assert!(errors.is_empty(), "{what}: {errors:#?}");
+}
+
+#[test]
+fn a_clean_check_report_on_stdout_validates() {
+    let o = parity(&["check", "--json", "-"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // stdout is the JSON alone; the human text went to stderr.
+    let j: serde_json::Value =
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}\n{}", show(&o)));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("verdict: parity"),
+        "{}",
+        show(&o)
+    );
+    validate(&j, "check --json -");
+    assert_eq!(j["schema_version"], 1);
+    assert_eq!(j["verdict"], "parity");
+    assert_eq!(j["diverged"], 0);
+    let comps = j["comparisons"].as_array().unwrap();
+    assert_eq!(comps.len(), 8, "3 backends, 2 op by op, 3 pairs");
+    // The golden is there with its llama.cpp version, and its ids decoded by the model's tokenizer.
+    let golden = j["traces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["label"] == "llama.cpp/llama.cpp-cpu")
+        .expect("the golden's trace");
+    assert_eq!(
+        golden["producer"]["settings"]["llama_cpp_commit"],
+        "0c1e570-dirty"
+    );
+    assert_eq!(
+        golden["steps"][0]["text"],
+        " Once upon a time there was a little girl named Lily"
+    );
+    // Bit-identical taps have an SQNR of +inf, written as null.
+    let fast = comps
+        .iter()
+        .find(|c| c["candidate"] == "parity/fast" && c["baseline"] == "llama.cpp/llama.cpp-cpu")
+        .unwrap();
+    let embd = &fast["results"][0];
+    assert_eq!(embd["key"]["tap"], "embd");
+    assert_eq!(embd["metrics"]["nmse"], 0.0);
+    assert!(embd["metrics"]["sqnr_db"].is_null());
+}
+
+#[test]
+fn a_divergence_report_validates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("t");
+    copy_dir(&root().join("golden/tiny-llama-q8_0"), &dir);
+    let p = dir.join("s001/ffn_out-0.npy");
+    let (shape, mut data) = read_npy(&p);
+    data[5] = f32::NAN;
+    data[7] *= 3.0;
+    write_npy(&p, &shape, &data);
+    let json = tmp.path().join("r.json");
+    let o = parity(&[
+        "diff",
+        "golden/tiny-llama-q8_0",
+        dir.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    validate(&j, "diff --json FILE");
+    assert_eq!(j["verdict"], "diverged");
+    let c = &j["comparisons"][0];
+    assert_eq!(c["verdict"], "diverged");
+    assert_eq!(
+        c["first_divergence"]["at"]["key"],
+        serde_json::json!({"step": 1, "layer": 0, "tap": "ffn_out"})
+    );
+}
+
+#[test]
+fn the_schema_refuses_what_it_should() {
+    // The validator is not vacuous: a report missing its version, or with an unknown verdict, fails.
+    let o = parity(&["check", "--json", "-", "-q"]);
+    let mut j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let v = jsonschema::validator_for(&committed_schema()).unwrap();
+    assert!(v.is_valid(&j));
+    j["verdict"] = "maybe".into();
+    assert!(!v.is_valid(&j));
+    j["verdict"] = "parity".into();
+    j.as_object_mut().unwrap().remove("schema_version");
+    assert!(!v.is_valid(&j));
+}
