@@ -4,6 +4,7 @@
 pub mod fast;
 pub mod mutation;
 pub mod reference;
+pub mod registry;
 pub mod vecops;
 
 use crate::trace::{NullSink, Sink, StepInfo};
@@ -19,7 +20,7 @@ pub enum BackendError {
     ContextOverflow { end: usize, n_ctx: usize },
     #[error("nothing to run: no tokens")]
     Empty,
-    #[error("unknown backend '{0}' (available: reference, fast)")]
+    #[error("unknown backend '{0}' (available: {names})", names = registry::names())]
     Unknown(String),
 }
 

@@ -2,7 +2,7 @@
 
 use super::{Result, err};
 use crate::backend::mutation::{self, Mutation, MutationKind};
-use crate::backend::{self, Backend, Emulation, Fast, Reference};
+use crate::backend::{self, Backend, Emulation, Reference};
 use crate::gguf::GgufFile;
 use crate::model::Model;
 use crate::model::tokenizer::Tokenizer;
@@ -84,22 +84,14 @@ impl InputArgs {
     }
 }
 
-/// Backend names: `reference` (plain f32), `reference:ggml-cpu` (emulating ggml's CPU
-/// activation rounding).
+/// A backend by its registry name (`backend::registry`).
 pub fn make_backend<'m>(
     name: &str,
     model: &'m Model,
     n_ctx: usize,
     threads: usize,
 ) -> Result<Box<dyn Backend + 'm>> {
-    match name {
-        "fast" => Ok(Box::new(Fast::new(model, n_ctx, resolve_threads(threads)))),
-        "reference" => Ok(Box::new(Reference::new(model, Emulation::None, n_ctx))),
-        "reference:ggml-cpu" | "emulated" => {
-            Ok(Box::new(Reference::new(model, Emulation::GgmlCpu, n_ctx)))
-        }
-        other => Err(backend::BackendError::Unknown(other.to_string()).into()),
-    }
+    Ok(backend::registry::find(name)?.build(model, n_ctx, threads))
 }
 
 /// `--mutate NAME`: the mutation, refused (one line, exit 2) when unknown or when it cannot
@@ -171,11 +163,7 @@ pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
 
 /// `--threads 0` means every core.
 pub fn resolve_threads(n: usize) -> usize {
-    if n > 0 {
-        n
-    } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    }
+    backend::registry::resolve_threads(n)
 }
 
 /// The backend name for `--backend B --emulate E`.
