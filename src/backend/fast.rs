@@ -25,7 +25,7 @@
 //!   it, so results are bit-for-bit the same for any thread count.
 
 use super::vecops::{self, rms_norm};
-use super::{Backend, BackendError};
+use super::{Backend, BackendError, Emulation};
 use crate::gguf::{GgmlType, TensorInfo};
 use crate::model::{Model, RopeType};
 use crate::quant::{self, q4_0, q8_0, q8_0::TileAct};
@@ -360,6 +360,10 @@ fn swiglu(pool: &Pool, gate: &mut [f32], up: &[f32]) {
 impl Backend for Fast<'_> {
     fn name(&self) -> String {
         "fast".into()
+    }
+
+    fn rounding(&self) -> Emulation {
+        Emulation::GgmlCpu
     }
 
     fn reset(&mut self) {

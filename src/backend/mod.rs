@@ -40,6 +40,10 @@ pub trait Backend {
 
     /// Forget the KV cache.
     fn reset(&mut self);
+
+    /// The activation rounding this backend applies before matmuls (recorded in the manifests
+    /// of its traces as `producer.settings.rounding`).
+    fn rounding(&self) -> Emulation;
 }
 
 /// Index of the largest logit; the first one on ties (as llama.cpp's greedy sampler).

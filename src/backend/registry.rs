@@ -5,30 +5,11 @@
 use super::{Backend, BackendError, Emulation, Fast, Reference};
 use crate::model::Model;
 
-/// How a producer rounds matmul inputs (recorded in trace manifests as `settings.rounding`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Rounding {
-    /// f32 activations throughout.
-    PlainF32,
-    /// As ggml's CPU backend: matmul inputs quantized to the weight's vec_dot type.
-    GgmlCpu,
-}
-
-impl Rounding {
-    pub fn name(self) -> &'static str {
-        match self {
-            Rounding::PlainF32 => "plain-f32",
-            Rounding::GgmlCpu => "ggml-cpu",
-        }
-    }
-}
-
 pub struct Entry {
     pub name: &'static str,
     /// Other names accepted on the command line.
     pub aliases: &'static [&'static str],
-    pub rounding: Rounding,
+    pub rounding: Emulation,
     /// Every tap goes through `tap_mut`, so the backend can be fed a baseline's tensors
     /// (op by op).
     pub replayable: bool,
@@ -39,7 +20,12 @@ pub struct Entry {
 impl Entry {
     /// A backend over `model` with room for `n_ctx` positions; `threads` (0 = all cores) is
     /// for backends that use their own pool.
-    pub fn build<'m>(&self, model: &'m Model, n_ctx: usize, threads: usize) -> Box<dyn Backend + 'm> {
+    pub fn build<'m>(
+        &self,
+        model: &'m Model,
+        n_ctx: usize,
+        threads: usize,
+    ) -> Box<dyn Backend + 'm> {
         (self.build)(model, n_ctx, threads)
     }
 }
@@ -48,14 +34,18 @@ impl Entry {
 /// 100000 threads helps nobody and may not start).
 pub fn resolve_threads(n: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if n == 0 { cores } else { n.min(cores.max(1) * 4) }
+    if n == 0 {
+        cores
+    } else {
+        n.min(cores.max(1) * 4)
+    }
 }
 
 pub const BACKENDS: &[Entry] = &[
     Entry {
         name: "reference",
         aliases: &[],
-        rounding: Rounding::PlainF32,
+        rounding: Emulation::None,
         replayable: true,
         about: "plain f32, readable: the forward pass as written",
         build: |m, n_ctx, _| Box::new(Reference::new(m, Emulation::None, n_ctx)),
@@ -63,7 +53,7 @@ pub const BACKENDS: &[Entry] = &[
     Entry {
         name: "reference:ggml-cpu",
         aliases: &["emulated"],
-        rounding: Rounding::GgmlCpu,
+        rounding: Emulation::GgmlCpu,
         replayable: true,
         about: "the reference rounding matmul inputs as ggml's CPU backend does",
         build: |m, n_ctx, _| Box::new(Reference::new(m, Emulation::GgmlCpu, n_ctx)),
@@ -71,7 +61,7 @@ pub const BACKENDS: &[Entry] = &[
     Entry {
         name: "fast",
         aliases: &[],
-        rounding: Rounding::GgmlCpu,
+        rounding: Emulation::GgmlCpu,
         replayable: true,
         about: "SIMD and threads, ggml's CPU rounding",
         build: |m, n_ctx, threads| Box::new(Fast::new(m, n_ctx, resolve_threads(threads))),
@@ -88,7 +78,11 @@ pub fn find(name: &str) -> Result<&'static Entry, BackendError> {
 
 /// All names, for messages: `reference, reference:ggml-cpu, fast`.
 pub fn names() -> String {
-    BACKENDS.iter().map(|e| e.name).collect::<Vec<_>>().join(", ")
+    BACKENDS
+        .iter()
+        .map(|e| e.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -98,7 +92,7 @@ mod tests {
     #[test]
     fn names_and_aliases_resolve_to_their_rows() {
         assert_eq!(find("emulated").unwrap().name, "reference:ggml-cpu");
-        assert_eq!(find("fast").unwrap().rounding, Rounding::GgmlCpu);
+        assert_eq!(find("fast").unwrap().rounding, Emulation::GgmlCpu);
         let e = find("gpu").err().unwrap().to_string();
         assert!(e.contains("unknown backend 'gpu'"), "{e}");
         assert!(e.contains("reference, reference:ggml-cpu, fast"), "{e}");

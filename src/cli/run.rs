@@ -176,12 +176,19 @@ pub fn backend_name(backend: &str, emulate: &str) -> Result<String> {
     }
 }
 
+/// The producer of a trace made by `backend`; its activation rounding is recorded in the
+/// settings so that no reader has to guess it from the backend's name.
 pub fn producer(backend: &dyn Backend, settings: serde_json::Value) -> Producer {
+    let mut settings = match settings {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    };
+    settings.insert("rounding".into(), backend.rounding().name().into());
     Producer {
         name: "parity".into(),
         backend: backend.name(),
         version: env!("CARGO_PKG_VERSION").into(),
-        settings,
+        settings: settings.into(),
     }
 }
 
@@ -314,7 +321,9 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         .map(|n| parse_mutation(n, &model))
         .transpose()?;
     if a.declare_layout && mutate.is_some_and(|m| m.kind() != MutationKind::Layout) {
-        return Err(err("--declare-layout goes with a layout mutation (head-major-q-rope)"));
+        return Err(err(
+            "--declare-layout goes with a layout mutation (head-major-q-rope)",
+        ));
     }
     if let Some(m) = mutate {
         ids = mutate_ids(&ids, m, &model)?;
