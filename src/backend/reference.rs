@@ -29,6 +29,15 @@ pub enum Emulation {
 }
 
 impl Emulation {
+    /// The name `parse` reads and manifests record.
+    pub fn name(self) -> &'static str {
+        match self {
+            Emulation::None => "none",
+            Emulation::GgmlCpu => "ggml-cpu",
+            Emulation::F16 => "f16",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Emulation> {
         match s {
             "none" => Some(Emulation::None),
@@ -50,6 +59,10 @@ pub struct Reference<'m> {
     last_logits: Vec<f32>,
     /// A known engine bug to reproduce (`parity dump --mutate`), or none.
     mutation: Option<Mutation>,
+    /// The bug acts from this layer on (and on the output ops); 0: everywhere.
+    mutation_from: usize,
+    /// The layer `forward` is in (the embedding counts as layer 0; None after the layers).
+    layer_now: Option<usize>,
 }
 
 impl<'m> Reference<'m> {
@@ -65,6 +78,8 @@ impl<'m> Reference<'m> {
             v_cache: vec![vec![0.0; kv]; c.n_layer],
             last_logits: Vec::new(),
             mutation: None,
+            mutation_from: 0,
+            layer_now: None,
         }
     }
 
@@ -74,8 +89,15 @@ impl<'m> Reference<'m> {
         self
     }
 
+    /// Let the bug act only from `layer` on (and on the output norm and projection), so that
+    /// a test can place it deep in the model.
+    pub fn mutation_from_layer(mut self, layer: usize) -> Self {
+        self.mutation_from = layer;
+        self
+    }
+
     fn mutated(&self, m: Mutation) -> bool {
-        self.mutation == Some(m)
+        self.mutation == Some(m) && self.layer_now.is_none_or(|l| l >= self.mutation_from)
     }
 
     /// A weight matmul as the (possibly mutated) engine does it: [`Self::matmul`] unless the
@@ -285,6 +307,10 @@ impl Backend for Reference<'_> {
         }
     }
 
+    fn rounding(&self) -> Emulation {
+        self.emulation
+    }
+
     fn reset(&mut self) {
         for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
             c.fill(0.0);
@@ -322,6 +348,7 @@ impl Backend for Reference<'_> {
         let n_kv = pos0 + t;
 
         // Token embedding: one row of token_embd per token.
+        self.layer_now = Some(0);
         let mut x = vec![0.0f32; t * e];
         for (i, &id) in tokens.iter().enumerate() {
             self.weight_row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
@@ -330,6 +357,7 @@ impl Backend for Reference<'_> {
 
         for (l, w) in m.layers.iter().enumerate() {
             let ly = Some(l);
+            self.layer_now = ly;
 
             // Attention block.
             let mut xn = self.norm(&x, &w.attn_norm);
@@ -362,26 +390,8 @@ impl Backend for Reference<'_> {
             if self.mutated(Mutation::RopeNeox) {
                 pairing = mutation::other_rope(pairing);
             }
-            rope(
-                &mut q,
-                &positions,
-                nh,
-                hd,
-                c.n_rot,
-                base,
-                scale,
-                pairing,
-            );
-            rope(
-                &mut k,
-                &positions,
-                nkv,
-                hd,
-                c.n_rot,
-                base,
-                scale,
-                pairing,
-            );
+            rope(&mut q, &positions, nh, hd, c.n_rot, base, scale, pairing);
+            rope(&mut k, &positions, nkv, hd, c.n_rot, base, scale, pairing);
             if self.mutated(Mutation::HeadMajorQRope) {
                 let hm = mutation::to_head_major(&q, t, nh, hd);
                 tap(sink, step, ly, Tap::QRope, &[nh, t, hd], &hm);
@@ -474,6 +484,7 @@ impl Backend for Reference<'_> {
             tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut x);
         }
 
+        self.layer_now = None;
         let mut xn = self.norm(&x, &m.output_norm);
         tap_mut(sink, step, None, Tap::ResultNorm, &[t, e], &mut xn);
         let output = if self.mutated(Mutation::TiedOutput) {
