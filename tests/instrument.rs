@@ -1,0 +1,143 @@
+//! Instrumenting an engine: the Rust example (examples/trace_engine.rs, a toy forward using
+//! `parity::trace::api::TraceWriter`) and the numpy writer (scripts/parity_trace.py) produce
+//! traces that `parity diff` accepts against the committed goldens; the Hugging Face adapter
+//! (scripts/hf_trace.py) runs when PARITY_HF_PYTHON names a Python with torch and transformers.
+
+mod common;
+use common::*;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The example binary `cargo test` built beside this test (target/<profile>/examples/).
+fn example() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap().parent().unwrap().join("examples");
+    let p = dir.join("trace_engine");
+    assert!(
+        p.exists(),
+        "{} not built: cargo test builds examples (cargo build --examples)",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn rust_example_engine_traces_pass_diff_against_goldens() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["tiny-llama-q8_0", "tiny-llama-f32", "tiny-qwen2-q4_k"] {
+        let out = tmp.path().join(name);
+        let model = root().join(format!("fixtures/{name}.gguf"));
+        let golden = root().join(format!("golden/{name}"));
+        let o = Command::new(example())
+            .args([&model, &golden, &out])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", show(&o));
+        assert!(stdout(&o).contains("5 steps, 175 taps"), "{}", show(&o));
+        let o = parity(&[
+            "diff",
+            golden.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(j["verdict"], "parity");
+        // The manifest names the engine and the model file by sha256.
+        let cand = &j["traces"][1];
+        assert_eq!(cand["label"], "toy-engine/cpu-f32");
+        assert_eq!(cand["model"]["sha256"], j["traces"][0]["model"]["sha256"]);
+    }
+}
+
+#[test]
+fn rust_example_refuses_bad_arguments() {
+    let o = Command::new(example()).arg("x").output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("usage"));
+}
+
+fn python_with(modules: &str) -> Option<PathBuf> {
+    let py = std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    let ok = Command::new(&py)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    ok.then_some(py)
+}
+
+#[test]
+fn numpy_writer_round_trips_a_golden_and_refuses_bad_taps() {
+    let Some(py) = python_with("numpy") else {
+        eprintln!("skipped: no Python with numpy (.venv or PARITY_PYTHON)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("copy");
+    let o = Command::new(&py)
+        .arg(root().join("scripts/parity_trace.py"))
+        .arg(root().join("golden/tiny-llama-q8_0"))
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let o = parity(&["diff", "golden/tiny-llama-q8_0", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // The writer's own checks, as an engine author meets them.
+    let script = format!(
+        r#"
+import sys; sys.path.insert(0, {scripts:?})
+import numpy as np
+from parity_trace import TraceWriter, TraceError
+w = TraceWriter({out:?})
+w.step([1, 2], [0, 1])
+bad = [lambda: w.tap(0, "embd", np.zeros((2, 4))), lambda: w.tap(None, "q", np.zeros((2, 4))),
+       lambda: w.tap(0, "qq", np.zeros((2, 4))), lambda: w.tap(0, "l_out", np.zeros((3, 4))),
+       lambda: w.tap(0, "l_out", np.zeros(8), shape=[2, 3])]
+w.tap(0, "l_out", np.zeros((2, 4)))
+bad.append(lambda: w.tap(0, "l_out", np.zeros((2, 4))))
+for b in bad:
+    try:
+        b(); print("accepted")
+    except TraceError as e:
+        print("refused:", e)
+"#,
+        scripts = root().join("scripts").display().to_string(),
+        out = tmp.path().join("bad").display().to_string()
+    );
+    let o = Command::new(&py).args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let s = stdout(&o);
+    assert_eq!(s.matches("refused:").count(), 6, "{s}");
+    assert!(!s.contains("accepted"), "{s}");
+}
+
+/// The HF checkpoint of TinyStories-656K is the F16 GGUF before conversion: its trace says parity
+/// against that GGUF's llama.cpp golden. Needs PARITY_HF_PYTHON (torch + transformers) and ../shared.
+#[test]
+fn hf_adapter_trace_passes_against_the_f16_golden() {
+    let Some(py) = std::env::var_os("PARITY_HF_PYTHON").map(PathBuf::from) else {
+        eprintln!(
+            "skipped: PARITY_HF_PYTHON not set (a Python with torch and transformers); docs/instrument.md records this run"
+        );
+        return;
+    };
+    let Some(hf) = shared("models/hf/TinyStories-656K") else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("hf");
+    let o = Command::new(&py)
+        .arg(root().join("scripts/hf_trace.py"))
+        .arg(&hf)
+        .arg(root().join("golden/TinyStories-656K.f16"))
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let o = parity(&["diff", "golden/TinyStories-656K.f16", out.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}
