@@ -1,0 +1,81 @@
+//! The terminal report: colour by closeness to threshold only on a colour terminal (forced here
+//! with CLICOLOR_FORCE, off with NO_COLOR and on pipes), and `--quiet` printing the verdict only.
+
+mod common;
+use common::*;
+
+const ESC: &str = "\x1b[";
+
+#[test]
+fn colour_only_when_the_terminal_takes_it() {
+    // A pipe: plain text.
+    let o = parity(&["check", "-v"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(!stdout(&o).contains(ESC), "{}", show(&o));
+    // Forced colour: the table's cells are coloured; bit-identical ones dim green (2;32).
+    let o = parity_env(&["check", "-v"], &[("CLICOLOR_FORCE", "1")]);
+    let s = stdout(&o);
+    assert!(s.contains(ESC), "{}", show(&o));
+    assert!(s.contains("\x1b[2m\x1b[32m exact"), "{s}");
+    // Stripping the escapes gives back the plain text (less the timing line, which varies).
+    let plain = stdout(&parity(&["check", "-v"]));
+    let re = regex::Regex::new("\x1b\\[[0-9;]*m").unwrap();
+    let untimed = |t: &str| {
+        t.lines()
+            .filter(|l| !l.starts_with("backends:"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(untimed(&re.replace_all(&s, "")), untimed(&plain));
+    // NO_COLOR wins over CLICOLOR_FORCE.
+    let o = parity_env(
+        &["check", "-v"],
+        &[("CLICOLOR_FORCE", "1"), ("NO_COLOR", "1")],
+    );
+    assert!(!stdout(&o).contains(ESC), "{}", show(&o));
+}
+
+#[test]
+fn a_divergence_is_red() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("t");
+    copy_dir(&root().join("golden/tiny-llama-q8_0"), &dir);
+    let p = dir.join("s000/embd.npy");
+    let (shape, mut data) = read_npy(&p);
+    data.iter_mut().for_each(|x| *x *= 1.5);
+    write_npy(&p, &shape, &data);
+    let o = parity_env(
+        &["diff", "golden/tiny-llama-q8_0", dir.to_str().unwrap()],
+        &[("CLICOLOR_FORCE", "1")],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    // Bold red over the threshold.
+    assert!(stdout(&o).contains("\x1b[1m\x1b[31m"), "{}", show(&o));
+}
+
+#[test]
+fn quiet_prints_the_verdict_only() {
+    let o = parity(&["check", "--quiet"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(stdout(&o), "verdict: parity (8 comparisons)\n");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("t");
+    copy_dir(&root().join("golden/tiny-llama-q8_0"), &dir);
+    let p = dir.join("s001/ffn_out-0.npy");
+    let (shape, mut data) = read_npy(&p);
+    data[5] = f32::NAN;
+    write_npy(&p, &shape, &data);
+    let o = parity(&[
+        "diff",
+        "-q",
+        "golden/tiny-llama-q8_0",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert_eq!(
+        stdout(&o),
+        "verdict: 1 of 1 comparisons diverged\n",
+        "{}",
+        show(&o)
+    );
+}
