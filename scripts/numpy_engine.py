@@ -50,8 +50,9 @@ def fail(msg):
 
 
 class Model:
-    def __init__(self, path, mutation):
+    def __init__(self, path, mutation, from_layer=0):
         self.path = path
+        self.from_layer = from_layer
         r = gguf.GGUFReader(path)
         self.fields = r.fields
         self.tensors = {t.name: t for t in r.tensors}
@@ -88,6 +89,12 @@ class Model:
             return bytes(v).decode("utf-8")
         return v[0].item()
 
+    def bug_in(self, name):
+        """Whether a bug acting from layer `from_layer` on reaches this tensor."""
+        if name.startswith("blk."):
+            return int(name.split(".")[1]) >= self.from_layer
+        return name != "token_embd.weight" or self.from_layer == 0
+
     def has(self, name):
         return name in self.tensors
 
@@ -99,7 +106,8 @@ class Model:
         if name not in self.cache:
             t = self.tensors[name]
             data = np.asarray(t.data)
-            if self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES:
+            if (self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES
+                    and self.bug_in(name)):
                 off, n, block = NIBBLES[t.tensor_type]
                 raw = data.reshape(-1, block).copy()
                 q = raw[:, off:off + n]
@@ -178,22 +186,22 @@ class Engine:
             x = round_input(self.m.ty(name), x)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
 
-    def norm(self, x, name):
+    def norm(self, x, name, mut):
         w = self.m.weight(name)
-        if self.mut == "norm-weight-missing":
+        if mut == "norm-weight-missing":
             w = np.ones_like(w)
-        if self.mut == "norm-weight-twice":
+        if mut == "norm-weight-twice":
             w = (w * w).astype(F32)
-        eps = self.m.eps * F32(10.0) if self.mut == "rms-eps-10x" else self.m.eps
+        eps = self.m.eps * F32(10.0) if mut == "rms-eps-10x" else self.m.eps
         mean = (np.sum((x * x).astype(F64), axis=1) / x.shape[1]).astype(F32)
         scale = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
         return ((x * scale[:, None]).astype(F32) * w).astype(F32)
 
-    def rope(self, x, positions, n_heads):
+    def rope(self, x, positions, n_heads, mut):
         m = self.m
-        neox = m.neox != (self.mut == "rope-neox")
+        neox = m.neox != (mut == "rope-neox")
         base = m.theta
-        if self.mut == "rope-theta":
+        if mut == "rope-theta":
             base = F32(100000.0) if base == F32(10000.0) else F32(10000.0)
         theta_scale = F32(np.power(base, F32(-2.0) / F32(m.n_rot), dtype=F32))
         x = x.copy()
@@ -215,7 +223,7 @@ class Engine:
         return x
 
     def forward(self, tokens, pos0, rec):
-        m, mut = self.m, self.mut
+        m = self.m
         T = len(tokens)
         nh, nkv, hd = m.n_head, m.n_head_kv, m.head_dim
         positions = list(range(pos0, pos0 + T))
@@ -224,7 +232,9 @@ class Engine:
         rec("embd", None, x)
         for l in range(m.n_layer):
             p = f"blk.{l}."
-            xn = self.norm(x, p + "attn_norm.weight")
+            # A bug placed deep (--mutate-from-layer) acts from that layer on.
+            mut = self.mut if l >= m.from_layer else None
+            xn = self.norm(x, p + "attn_norm.weight", mut)
             rec("attn_norm", l, xn)
             q = self.matmul(p + "attn_q.weight", xn)
             k = self.matmul(p + "attn_k.weight", xn)
@@ -242,8 +252,8 @@ class Engine:
             rec("q", l, q)
             rec("k", l, k)
             rec("v", l, v)
-            q = self.rope(q, positions, nh)
-            k = self.rope(k, positions, nkv)
+            q = self.rope(q, positions, nh, mut)
+            k = self.rope(k, positions, nkv, mut)
             rec("q_rope", l, q)
             rec("k_rope", l, k)
             slot = pos0 + 1 if (mut == "kv-off-by-one" and pos0 > 0) else pos0
@@ -273,7 +283,7 @@ class Engine:
             rec("attn_out", l, attn_out)
             ffn_inp = (x + attn_out).astype(F32)
             rec("ffn_inp", l, ffn_inp)
-            xn = self.norm(ffn_inp, p + "ffn_norm.weight")
+            xn = self.norm(ffn_inp, p + "ffn_norm.weight", mut)
             rec("ffn_norm", l, xn)
             gate = self.matmul(p + "ffn_gate.weight", xn)
             rec("ffn_gate", l, gate)
@@ -286,7 +296,8 @@ class Engine:
             rec("ffn_out", l, ffn_out)
             x = (ffn_inp + ffn_out).astype(F32)
             rec("l_out", l, x)
-        xn = self.norm(x, "output_norm.weight")
+        mut = self.mut
+        xn = self.norm(x, "output_norm.weight", mut)
         rec("result_norm", None, xn)
         out = "output.weight" if m.has("output.weight") else "token_embd.weight"
         if mut == "tied-output":
@@ -311,6 +322,8 @@ def main():
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
     ap.add_argument("--rounding", choices=["none", "ggml"], default="none")
     ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
+    ap.add_argument("--mutate-from-layer", type=int, default=0,
+                    help="the bug acts from this layer on (and on the output norm and projection)")
     ap.add_argument("--no-bos", action="store_true", help="drop the leading BOS")
     ap.add_argument("--double-bos", action="store_true", help="prepend a second BOS")
     ap.add_argument("--layout", choices=["token-major", "head-major"], default="token-major",
@@ -327,7 +340,7 @@ def main():
 
     if not os.path.exists(a.model):
         fail(f"{a.model}: no such file")
-    m = Model(a.model, mutation)
+    m = Model(a.model, mutation, a.mutate_from_layer)
     if a.golden:
         with open(os.path.join(a.golden, "manifest.json")) as f:
             g = json.load(f)

@@ -185,7 +185,7 @@ impl Mutation {
         match self {
             Mutation::GqaModulo => c.n_head_kv > 1 && c.n_head_kv < c.n_head,
             Mutation::TransposedWo => c.n_embd_q() == c.n_embd,
-            Mutation::DecoderNibbleOrder => first_nibble_tensor(model).is_some(),
+            Mutation::DecoderNibbleOrder => first_nibble_tensor(model, 0).is_some(),
             // A file may store output.weight as a copy of token_embd (llama2.c exports do).
             Mutation::TiedOutput => {
                 !c.tied_embeddings
@@ -194,7 +194,7 @@ impl Mutation {
             }
             Mutation::NoBos | Mutation::DoubleBos => bos_id(model).is_some(),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
-                first_norm_showing(self, model).is_some()
+                first_norm_showing(self, model, 0).is_some()
             }
             // Rotating nothing, or one pair, leaves NORM and NEOX the same.
             Mutation::RopeNeox => c.n_rot >= 4,
@@ -207,25 +207,36 @@ impl Mutation {
     /// least two tokens and at least one decode step (RoPE is the identity at position 0 and
     /// the causal mask only matters from the second row on).
     pub fn first_shows(self, model: &Model) -> TapKey {
-        let l0 = Some(0);
+        // Only a bug that does not apply (`applies_to`) cannot show: embd stands for "nowhere".
+        self.first_shows_from(model, 0)
+            .unwrap_or(TapKey::new(0, None, Tap::Embd))
+    }
+
+    /// [`Self::first_shows`] for the bug acting only from layer `from` on (and on the output
+    /// norm and projection; `Reference::mutation_from_layer`). None when it cannot show then.
+    pub fn first_shows_from(self, model: &Model, from: usize) -> Option<TapKey> {
+        if from >= model.config.n_layer && from > 0 {
+            return None;
+        }
+        let at = |step, tap| Some(TapKey::new(step, Some(from), tap));
         match self {
             Mutation::RopeNeox | Mutation::RopeTheta | Mutation::HeadMajorQRope => {
-                TapKey::new(0, l0, Tap::QRope)
+                at(0, Tap::QRope)
             }
-            Mutation::QkPermute => TapKey::new(0, l0, Tap::Q),
-            Mutation::GqaModulo | Mutation::NoCausalMask => TapKey::new(0, l0, Tap::KqSoftMax),
-            Mutation::TransposedWo => TapKey::new(0, l0, Tap::AttnOut),
-            Mutation::RmsEps10x => TapKey::new(0, l0, Tap::AttnNorm),
+            Mutation::QkPermute => at(0, Tap::Q),
+            Mutation::GqaModulo | Mutation::NoCausalMask => at(0, Tap::KqSoftMax),
+            Mutation::TransposedWo => at(0, Tap::AttnOut),
+            Mutation::RmsEps10x => at(0, Tap::AttnNorm),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
-                first_norm_showing(self, model).unwrap_or(TapKey::new(0, l0, Tap::AttnNorm))
+                first_norm_showing(self, model, from)
             }
-            Mutation::SwigluSwap => TapKey::new(0, l0, Tap::FfnAct),
-            Mutation::KvOffByOne => TapKey::new(1, l0, Tap::KqSoftMax),
-            Mutation::DecoderNibbleOrder => {
-                first_nibble_tensor(model).unwrap_or(TapKey::new(0, None, Tap::Embd))
+            Mutation::SwigluSwap => at(0, Tap::FfnAct),
+            Mutation::KvOffByOne => at(1, Tap::KqSoftMax),
+            Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
+            Mutation::TransposedLmHead | Mutation::TiedOutput => {
+                Some(TapKey::new(0, None, Tap::Logits))
             }
-            Mutation::TransposedLmHead | Mutation::TiedOutput => TapKey::new(0, None, Tap::Logits),
-            Mutation::NoBos | Mutation::DoubleBos => TapKey::new(0, None, Tap::Embd),
+            Mutation::NoBos | Mutation::DoubleBos => Some(TapKey::new(0, None, Tap::Embd)),
         }
     }
 }
@@ -296,13 +307,13 @@ pub fn swap_nibbles(ty: GgmlType, bytes: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The first tap, in graph order, that reads a nibble-typed tensor.
-fn first_nibble_tensor(model: &Model) -> Option<TapKey> {
+/// The first tap, in graph order, that reads a nibble-typed tensor (from layer `from` on).
+fn first_nibble_tensor(model: &Model, from: usize) -> Option<TapKey> {
     let nib = |t: &TensorInfo| swaps_nibbles(t.ty);
-    if nib(&model.token_embd) {
+    if from == 0 && nib(&model.token_embd) {
         return Some(TapKey::new(0, None, Tap::Embd));
     }
-    for (l, w) in model.layers.iter().enumerate() {
+    for (l, w) in model.layers.iter().enumerate().skip(from) {
         let at = |tap| Some(TapKey::new(0, Some(l), tap));
         if nib(&w.wq) {
             return at(Tap::Q);
@@ -330,15 +341,15 @@ fn first_nibble_tensor(model: &Model) -> Option<TapKey> {
 }
 
 /// The first RMSNorm, in graph order, whose output the norm-weight bug changes: a weight
-/// with an element that is not 1 (missing) or not 0 or 1 (twice).
-fn first_norm_showing(m: Mutation, model: &Model) -> Option<TapKey> {
+/// with an element that is not 1 (missing) or not 0 or 1 (twice), from layer `from` on.
+fn first_norm_showing(m: Mutation, model: &Model, from: usize) -> Option<TapKey> {
     let shows = |t: &TensorInfo| {
         model.vector(t).iter().any(|&w| match m {
             Mutation::NormWeightTwice => w * w != w,
             _ => w != 1.0,
         })
     };
-    for (l, w) in model.layers.iter().enumerate() {
+    for (l, w) in model.layers.iter().enumerate().skip(from) {
         if shows(&w.attn_norm) {
             return Some(TapKey::new(0, Some(l), Tap::AttnNorm));
         }

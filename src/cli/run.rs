@@ -125,6 +125,7 @@ pub fn make_mutated_backend<'m>(
     n_ctx: usize,
     threads: usize,
     m: Option<Mutation>,
+    from_layer: usize,
 ) -> Result<Box<dyn Backend + 'm>> {
     let Some(m) = m.filter(|m| m.kind() != MutationKind::Tokens) else {
         return make_backend(name, model, n_ctx, threads);
@@ -139,7 +140,9 @@ pub fn make_mutated_backend<'m>(
         }
     };
     Ok(Box::new(
-        Reference::new(model, emulation, n_ctx).with_mutation(Some(m)),
+        Reference::new(model, emulation, n_ctx)
+            .with_mutation(Some(m))
+            .mutation_from_layer(from_layer),
     ))
 }
 
@@ -243,7 +246,7 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
     }
     eprintln!("prompt ids: {ids:?} — {policy}");
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_mutated_backend(&name, &model, ids.len() + a.n, a.threads, mutate)?;
+    let mut b = make_mutated_backend(&name, &model, ids.len() + a.n, a.threads, mutate, 0)?;
     let eos = if a.ignore_eos { None } else { tok.eos_id() };
     let out = backend::generate(b.as_mut(), &ids, a.n, eos)?;
     println!("{}", tok.decode(&out));
@@ -291,6 +294,10 @@ pub struct DumpArgs {
     /// engine that knows it stores the tap differently would.
     #[arg(long, requires = "mutate")]
     declare_layout: bool,
+    /// The bug acts only from this layer on (and on the output norm and projection): a bug
+    /// placed deep in the model.
+    #[arg(long, requires = "mutate", default_value_t = 0)]
+    mutate_from_layer: usize,
 }
 
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
@@ -326,6 +333,12 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         ));
     }
     if let Some(m) = mutate {
+        if m.first_shows_from(&model, a.mutate_from_layer).is_none() {
+            return Err(err(format!(
+                "--mutate {m} cannot show from layer {} of this {}-layer model",
+                a.mutate_from_layer, model.config.n_layer
+            )));
+        }
         ids = mutate_ids(&ids, m, &model)?;
         eprintln!("mutation: {m} — {}", m.describe());
     }
@@ -336,7 +349,14 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         None => TapFilter::all(),
     };
     let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_mutated_backend(&name, &model, ids.len() + steps, a.threads, mutate)?;
+    let mut b = make_mutated_backend(
+        &name,
+        &model,
+        ids.len() + steps,
+        a.threads,
+        mutate,
+        a.mutate_from_layer,
+    )?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
     let info = backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?;
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args().collect::<Vec<_>>().join(" ") });

@@ -107,6 +107,10 @@ pub struct SelftestArgs {
     /// first); the bug must then be found at the right layer.
     #[arg(long)]
     sparse: bool,
+    /// Place each compute bug deep: it acts from this layer on (and on the output norm and
+    /// projection), so it must be found at this layer with every layer before it clean.
+    #[arg(long, default_value_t = 0)]
+    from_layer: usize,
     /// Only these mutations (comma-separated names; the clean run always runs).
     #[arg(long, value_delimiter = ',')]
     only: Option<Vec<String>>,
@@ -254,6 +258,7 @@ fn write_trace(
     case: Case,
     ggml: bool,
     sparse: bool,
+    from_layer: usize,
     dir: &std::path::Path,
 ) -> Result<()> {
     let mut cmd = match engine {
@@ -268,6 +273,9 @@ fn write_trace(
                 Case::Clean => {}
                 Case::Bug(m) => {
                     c.args(["--mutate", m.name()]);
+                    if from_layer > 0 {
+                        c.arg("--mutate-from-layer").arg(from_layer.to_string());
+                    }
                 }
                 Case::Declared(m) => {
                     c.args(["--mutate", m.name(), "--declare-layout"]);
@@ -286,6 +294,9 @@ fn write_trace(
                 Case::Clean => {}
                 Case::Bug(m) => {
                     c.args(["--mutate", m.name()]);
+                    if from_layer > 0 {
+                        c.arg("--mutate-from-layer").arg(from_layer.to_string());
+                    }
                 }
                 Case::Declared(m) => {
                     c.args(["--mutate", m.name(), "--declare"]);
@@ -348,6 +359,12 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
             golden_dir.display()
         )));
     }
+    if a.from_layer >= model.config.n_layer {
+        return Err(super::err(format!(
+            "--from-layer {}: the model has {} layers",
+            a.from_layer, model.config.n_layer
+        )));
+    }
     let mut cases = vec![Case::Clean];
     for &m in Mutation::ALL {
         if let Some(only) = &a.only
@@ -360,6 +377,12 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         }
         if a.sparse && m.kind() == MutationKind::Layout {
             continue; // a sparse trace has no q_rope to store differently
+        }
+        if a.from_layer > 0
+            && (m.kind() != MutationKind::Compute
+                || m.first_shows_from(&model, a.from_layer).is_none())
+        {
+            continue; // token and layout bugs have no depth
         }
         cases.push(Case::Bug(m));
         if m.kind() == MutationKind::Layout {
@@ -401,10 +424,19 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
                         if ggml { "ggml" } else { "none" },
                         case.label().replace([' ', '(', ')'], "")
                     ));
-                    write_trace(engine, &model_path, &golden_dir, case, ggml, a.sparse, &dir)?;
+                    write_trace(
+                        engine,
+                        &model_path,
+                        &golden_dir,
+                        case,
+                        ggml,
+                        a.sparse,
+                        a.from_layer,
+                        &dir,
+                    )?;
                     let cand = Trace::open(&dir)?;
                     let o = outcome(&golden, &cand, &model)?;
-                    let row = judge_row(case, engine, ggml, a.sparse, &model, &o);
+                    let row = judge_row(case, engine, ggml, a.sparse, a.from_layer, &model, &o);
                     if !a.json {
                         print_row(&row, rows.is_empty());
                     }
@@ -423,12 +455,17 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         println!(
-            "selftest: {} of {} rows ok on {} (golden {}){}",
+            "selftest: {} of {} rows ok on {} (golden {}){}{}",
             rows.len() - failed,
             rows.len(),
             model_path.display(),
             golden_dir.display(),
-            if a.sparse { ", sparse traces" } else { "" }
+            if a.sparse { ", sparse traces" } else { "" },
+            if a.from_layer > 0 {
+                format!(", bugs from layer {}", a.from_layer)
+            } else {
+                String::new()
+            }
         );
     }
     Ok(if failed > 0 {
@@ -443,6 +480,7 @@ fn judge_row(
     engine: Engine,
     ggml: bool,
     sparse: bool,
+    from_layer: usize,
     model: &Model,
     o: &Outcome,
 ) -> Row {
@@ -475,7 +513,9 @@ fn judge_row(
             }
         }
         Case::Bug(m) | Case::Declared(m) => {
-            let exp = m.first_shows(model);
+            let exp = m
+                .first_shows_from(model, from_layer)
+                .unwrap_or_else(|| m.first_shows(model));
             let name = expected_name(m);
             let at = o.place.is_some_and(|p| same_place(&exp, &p, sparse));
             // From a sparse trace, bugs that compute the same layer output cannot be told
