@@ -4,6 +4,7 @@
 //! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `quant` → `gguf`.
 
 pub mod backend;
+pub mod check;
 pub mod cli;
 pub mod compare;
 pub mod gguf;

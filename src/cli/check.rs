@@ -1,22 +1,18 @@
-//! `parity golden`, `parity check` and `parity diff`.
+//! `parity golden` and `parity check` (the terminal side of `crate::check`).
 
 use super::output::{ReportArgs, finish_with, run_info, show};
-use super::run::{InputArgs, make_backend, model_ref, producer};
+use super::run::InputArgs;
 use super::{Result, err, python, repo_root};
-use crate::backend;
-use crate::compare::{CompareOptions, Comparison, PairKind, compare};
+use crate::check::{CheckOptions, Event};
+use crate::compare::PairKind;
 use crate::model::Model;
-use crate::trace::{MemorySink, ReplaySink, TapFilter, Trace};
+use crate::report::progress::Progress;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 /// The committed default: `parity check` with no MODEL runs this fixture against its golden.
 pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
-
-/// Backends whose every tap can take the baseline's tensor (`trace::tap_mut`), so they can be
-/// compared op by op.
-const OP_BY_OP: [&str; 2] = ["reference:ggml-cpu", "fast"];
 
 #[derive(Args)]
 pub struct GoldenArgs {
@@ -105,28 +101,6 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
 }
 
-/// Trace folders under `dir` (or `dir` itself) whose model sha256 is `sha`.
-fn find_goldens(dir: &Path, sha: &str) -> Result<Vec<(PathBuf, Trace)>> {
-    if dir.join("manifest.json").exists() {
-        return Ok(vec![(dir.to_path_buf(), Trace::open(dir)?)]);
-    }
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Ok(out);
-    };
-    let mut paths: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
-    paths.sort();
-    for p in paths {
-        if p.join("manifest.json").exists() {
-            let t = Trace::open(&p)?;
-            if t.manifest.model.sha256 == sha {
-                out.push((p, t));
-            }
-        }
-    }
-    Ok(out)
-}
-
 #[derive(Args)]
 pub struct CheckArgs {
     /// GGUF model (default: the committed fixture fixtures/tiny-llama-q8_0.gguf).
@@ -161,48 +135,28 @@ pub struct CheckArgs {
     verbose: bool,
 }
 
-/// Producers known to round matmul inputs as ggml's CPU does. Anything else (the plain
-/// reference, an external engine) is judged with different-rounding tolerances unless
-/// `parity diff --strict` says otherwise.
-pub(super) fn rounds_like_ggml(producer_backend: &str) -> bool {
-    matches!(
-        producer_backend,
-        "reference:ggml-cpu" | "fast" | "llama.cpp-cpu"
-    )
-}
-
-/// A llama.cpp golden made with the tight settings (F32 KV cache, no flash attention).
-fn golden_is_tight(g: &Trace) -> bool {
-    let s = &g.manifest.producer.settings;
-    let kv_f32 = s
-        .get("type_k")
-        .and_then(|v| v.as_str())
-        .is_none_or(|k| k == "f32");
-    let no_fa = s
-        .get("flash_attn")
-        .is_none_or(|v| v.as_bool() == Some(false) || v.as_str() == Some("disabled"));
-    kv_f32 && no_fa
-}
-
-fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
-    let golden_tight = |t: &Trace| {
-        t.manifest.producer.name != "llama.cpp"
-            || t.manifest
-                .producer
-                .settings
-                .get("type_k")
-                .and_then(|v| v.as_str())
-                .is_none_or(|k| k == "f32")
-    };
-    if rounds_like_ggml(&a.manifest.producer.backend)
-        && rounds_like_ggml(&b.manifest.producer.backend)
-        && golden_tight(a)
-        && golden_tight(b)
-    {
-        PairKind::SameRounding
-    } else {
-        PairKind::DifferentRounding
+/// Where goldens are looked for when `--golden` is not given: ./golden (where `parity
+/// golden --out golden/NAME` puts them), the user's golden folder, then the goldens that ship
+/// with parity.
+fn golden_dirs() -> Vec<PathBuf> {
+    let mut v = vec![PathBuf::from("golden")];
+    if let Some(d) = user_golden_dir() {
+        v.push(d);
     }
+    v.push(repo_root().join("golden"));
+    v
+}
+
+/// `$PARITY_GOLDEN_DIR`, else `$XDG_DATA_HOME/parity/golden`, else
+/// `~/.local/share/parity/golden`.
+pub fn user_golden_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("PARITY_GOLDEN_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
+        return Some(PathBuf::from(d).join("parity/golden"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/parity/golden"))
 }
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
@@ -213,186 +167,123 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     if !model_path.exists() {
         return Err(err(format!("{}: no such file", model_path.display())));
     }
-    let model = Model::open(&model_path)?;
-    let sha = model.sha256().to_string();
-    // Default: ./golden (where `parity golden --out golden/NAME` puts them), then the goldens
-    // committed with parity itself.
-    let golden_dir = a.golden.clone().unwrap_or_else(|| {
-        let local = PathBuf::from("golden");
-        let has_match = find_goldens(&local, &sha).is_ok_and(|g| !g.is_empty());
-        if has_match {
-            local
-        } else {
-            repo_root().join("golden")
-        }
-    });
-    let mut goldens = find_goldens(&golden_dir, &sha)?;
-    if a.golden.is_some() && goldens.len() == 1 && goldens[0].1.manifest.model.sha256 != sha {
-        return Err(err(format!(
-            "golden {} was made for another model (sha256 {}…), not {} (sha256 {}…)",
-            goldens[0].0.display(),
-            &goldens[0]
-                .1
-                .manifest
-                .model
-                .sha256
-                .chars()
-                .take(12)
-                .collect::<String>(),
-            model_path.display(),
-            &sha[..12]
-        )));
-    }
-
-    // The ids: from the user if given (and then the golden must be for the same ids), else
-    // from the golden (prompt and forced decode tokens).
-    let (prompt, forced, steps) = if a.input.given() {
+    let model = Progress::stage("loading the model", a.report.quiet, || {
+        Model::open(&model_path)
+    })?;
+    let prompt = if a.input.given() {
         let (ids, policy) = a.input.resolve(&model.file)?;
-        eprintln!("prompt ids: {ids:?} — {policy}");
-        let wanted_steps = a.steps;
-        goldens.retain(|(_, g)| g.manifest.steps.first().is_some_and(|s| s.tokens == ids));
-        if goldens.is_empty() && find_goldens(&golden_dir, &sha)?.len() == 1 && a.golden.is_some() {
-            let g = Trace::open(&golden_dir)?;
-            return Err(err(format!(
-                "golden {} was made for other token ids {:?}, not {:?}: make one with `parity golden {} -p ... --out DIR`",
-                golden_dir.display(),
-                g.manifest
-                    .steps
-                    .first()
-                    .map(|s| s.tokens.clone())
-                    .unwrap_or_default(),
-                ids,
-                model_path.display()
-            )));
+        if !a.report.quiet {
+            eprintln!("prompt ids: {ids:?} — {policy}");
         }
-        match goldens.first() {
-            Some((_, g)) => {
-                let forced: Vec<u32> = g.manifest.decode_tokens();
-                let n = wanted_steps.unwrap_or(forced.len()).min(forced.len());
-                (ids, Some(forced[..n].to_vec()), n)
-            }
-            None => (ids, None, wanted_steps.unwrap_or(4)),
-        }
+        Some(ids)
     } else {
-        match goldens.first() {
-            Some((_, g)) => {
-                let ids = g
-                    .manifest
-                    .steps
-                    .first()
-                    .map(|s| s.tokens.clone())
-                    .unwrap_or_default();
-                let forced: Vec<u32> = g.manifest.decode_tokens();
-                let n = a.steps.unwrap_or(forced.len()).min(forced.len());
-                eprintln!("prompt ids: {ids:?} — from the golden");
-                (ids, Some(forced[..n].to_vec()), n)
+        None
+    };
+    let opt = CheckOptions {
+        backends: a.backends.clone(),
+        threads: a.threads,
+        steps: a.steps,
+        op_by_op: !a.no_op_by_op,
+        golden: a.golden.clone(),
+        golden_dirs: golden_dirs(),
+        prompt,
+    };
+    // One bar per backend pass (a tick per forward call), then one for the comparisons.
+    let quiet = a.report.quiet;
+    let mut bar: Option<Progress> = None;
+    let mut on_event = |e: Event| match e {
+        Event::PassStart {
+            backend,
+            op_by_op,
+            forwards,
+        } => {
+            let what = if op_by_op {
+                format!("{backend} op by op")
+            } else {
+                backend.to_string()
+            };
+            bar = Some(Progress::bar(&what, forwards as u64, quiet));
+        }
+        Event::Forward => {
+            if let Some(b) = &bar {
+                b.inc(1)
             }
-            None => {
-                return Err(err(format!(
-                    "no golden for {} (sha256 {}…) in {}: give a prompt (-p TEXT) to compare backends only, or make a golden with `parity golden`",
-                    model_path.display(),
-                    &sha[..12],
-                    golden_dir.display()
-                )));
+        }
+        Event::PassEnd => bar = None,
+        Event::Comparing { n } => bar = Some(Progress::bar("comparing", n as u64, quiet)),
+        Event::Compared => {
+            if let Some(b) = &bar {
+                b.inc(1)
             }
         }
     };
-    let golden = goldens.into_iter().next();
-    match &golden {
-        Some((p, _)) => eprintln!("golden: {}", p.display()),
-        None => eprintln!(
-            "golden: none for sha256 {}… in {} — comparing backends with each other only",
-            &sha[..12],
-            golden_dir.display()
-        ),
-    }
-
-    let mut traces: Vec<Trace> = Vec::new();
-    let mut traces_op: Vec<Trace> = Vec::new();
-    // One sequence for every backend: the golden's ids, else the first backend's own greedy
-    // continuation forced into the others (their greedy agreement is a statistic of the
-    // logits comparison, never a divergence of its own).
-    let mut forced = forced;
-    for name in &a.backends {
-        let mut b = make_backend(name, &model, prompt.len() + steps, a.threads)?;
-        let mut sink = MemorySink::new(TapFilter::all());
-        let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
-        if forced.is_none() {
-            forced = Some(info.iter().skip(1).flat_map(|s| s.tokens.clone()).collect());
+    let r = crate::check::run(&model, &model_path, &opt, &mut on_event)?;
+    if !quiet {
+        if prompt_from_golden(&r) {
+            eprintln!("prompt ids: {:?} — {}", r.prompt, r.ids_from);
         }
-        traces.push(Trace::from_memory(
-            model_ref(&model_path, &model),
-            producer(b.as_ref(), serde_json::Value::Null),
-            info,
-            sink.tensors,
-        ));
-    }
-
-    let wtype = model.main_weight_type();
-    let mut comparisons: Vec<Comparison> = Vec::new();
-    // Op by op: each backend that rounds like ggml's CPU, fed the golden's tensor at every tap
-    // (ReplaySink), so each op is judged on identical inputs.
-    if let Some((_, g)) = golden
-        .as_ref()
-        .filter(|(_, g)| !a.no_op_by_op && golden_is_tight(g))
-    {
-        let forced: Vec<u32> = g.manifest.decode_tokens();
-        let ids = &g.manifest.steps[0].tokens;
-        for name in a.backends.iter().filter(|n| OP_BY_OP.contains(&n.as_str())) {
-            let mut b = make_backend(name, &model, ids.len() + forced.len(), a.threads)?;
-            let mut sink = ReplaySink::new(g);
-            let info = backend::run(b.as_mut(), ids, forced.len(), Some(&forced), &mut sink)?;
-            if let Some(e) = sink.error {
-                return Err(e.into());
-            }
-            let mut p = producer(b.as_ref(), serde_json::Value::Null);
-            p.backend = format!("{}/op-by-op", p.backend);
-            traces_op.push(Trace::from_memory(
-                model_ref(&model_path, &model),
-                p,
-                info,
-                sink.inner.tensors,
-            ));
+        match &r.golden {
+            Some((p, _)) => eprintln!("golden: {}", p.display()),
+            None => eprintln!(
+                "golden: none for sha256 {}… in {} — comparing backends with each other only (all fed the first one's greedy continuation)",
+                &model.sha256()[..12],
+                opt.golden_dirs
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         }
     }
-    // Compare, print the verdict (and the per-layer table when asked or when it diverged).
-    let mut run = |base: &Trace, cand: &Trace, pair: PairKind, table: bool| -> Result<()> {
-        let opt = CompareOptions {
-            pair,
-            weight_type: wtype,
-            require_same_model: true,
-        };
-        let c = compare(base, cand, &opt)?;
-        let header = if base.manifest.producer.name == "llama.cpp" {
+    let mut comparisons = Vec::with_capacity(r.comparisons.len());
+    for j in r.comparisons {
+        let c = j.comparison;
+        let header = if j.against_golden {
             format!("== {} vs golden ({})", c.candidate, c.baseline)
         } else {
             format!("== {} vs {}", c.candidate, c.baseline)
         };
-        show(&c, &header, table || a.verbose || c.diverged(), &a.report);
+        // The end-to-end comparisons against the golden always show their table: it is the
+        // picture of drift along the layers.
+        let end_to_end = j.against_golden && c.pair != PairKind::OpByOp;
+        show(
+            &c,
+            &header,
+            end_to_end || a.verbose || c.diverged(),
+            &a.report,
+        );
         comparisons.push(c);
-        Ok(())
-    };
-    if let Some((_, g)) = &golden {
-        for t in &traces_op {
-            run(g, t, PairKind::OpByOp, false)?;
+    }
+    if !quiet {
+        let mut line = String::from("backends:");
+        for p in &r.passes {
+            line.push_str(&format!(
+                " {}{} {:.2} s{};",
+                p.backend,
+                if p.op_by_op { " op by op" } else { "" },
+                p.seconds,
+                p.peak_rss_bytes
+                    .map(|b| format!(" (peak RSS {:.0} MiB)", b as f64 / (1 << 20) as f64))
+                    .unwrap_or_default()
+            ));
         }
-        for t in &traces {
-            run(g, t, pair_kind(g, t), true)?;
+        line.pop();
+        if a.report.json.as_deref() == Some(Path::new("-")) {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
         }
     }
-    for i in 0..traces.len() {
-        for j in i + 1..traces.len() {
-            run(
-                &traces[i],
-                &traces[j],
-                pair_kind(&traces[i], &traces[j]),
-                false,
-            )?;
-        }
-    }
-    if comparisons.is_empty() {
-        return Err(err("nothing to compare: one backend and no golden"));
-    }
-    let info = run_info(golden.iter().map(|(_, g)| g).chain(&traces_op).chain(&traces));
+    let info = run_info(
+        r.golden
+            .iter()
+            .map(|(_, g)| g)
+            .chain(&r.traces_op)
+            .chain(&r.traces),
+    );
     finish_with(&comparisons, &info, &a.report)
+}
+
+fn prompt_from_golden(r: &crate::check::CheckReport) -> bool {
+    r.ids_from == "from the golden"
 }

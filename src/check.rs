@@ -1,0 +1,503 @@
+//! `parity check` as a library call: find the model's golden, settle the ids, run every
+//! backend (end to end, and op by op on the golden's inputs), and compare each against the
+//! golden and against each other. The terminal, JSON, HTML and snapshot printers all render
+//! the [`CheckReport`] this returns; nothing here prints.
+
+use crate::backend::{self, BackendError, registry};
+use crate::compare::{CompareError, CompareOptions, Comparison, PairKind, compare};
+use crate::model::Model;
+use crate::trace::{
+    MemorySink, ModelRef, Producer, ReplaySink, Sink, Tap, TapFilter, TapKey, Trace, TraceError,
+};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error(
+        "no golden for {model} (sha256 {sha}…) in {searched}: give a prompt (-p TEXT) to compare backends only, or make a golden with `parity golden`"
+    )]
+    NoGolden {
+        model: String,
+        sha: String,
+        searched: String,
+    },
+    #[error(
+        "golden {golden} was made for another model (sha256 {golden_sha}…), not {model} (sha256 {sha}…)"
+    )]
+    GoldenOtherModel {
+        golden: String,
+        golden_sha: String,
+        model: String,
+        sha: String,
+    },
+    #[error(
+        "golden {golden} was made for other token ids {golden_ids:?}, not {ids:?}: make one with `parity golden MODEL -p ... --out DIR`"
+    )]
+    GoldenOtherIds {
+        golden: String,
+        golden_ids: Vec<u32>,
+        ids: Vec<u32>,
+    },
+    #[error("golden {0}: no such folder")]
+    GoldenMissing(String),
+    #[error("nothing to compare: one backend and no golden")]
+    NothingToCompare,
+    #[error(
+        "--steps {steps}: golden {golden} has only {has} decode steps (make a longer one with `parity golden --steps {steps}`)"
+    )]
+    StepsPastGolden {
+        steps: usize,
+        golden: String,
+        has: usize,
+    },
+    #[error("no backend to run (give --backends)")]
+    NoBackend,
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Compare(#[from] CompareError),
+}
+
+/// What a check runs and where it looks for goldens.
+#[derive(Clone, Debug)]
+pub struct CheckOptions {
+    /// Registry names (`backend::registry`), run in this order; the first one's greedy
+    /// continuation is forced into the others when there is no golden.
+    pub backends: Vec<String>,
+    /// Threads for backends with their own pool (0 = all cores).
+    pub threads: usize,
+    /// Decode steps (None: as many as the golden has, else 4). More than the golden has is
+    /// refused rather than silently capped.
+    pub steps: Option<usize>,
+    /// Also run each replayable backend op by op on a tight golden's inputs.
+    pub op_by_op: bool,
+    /// A golden folder given explicitly: it must be for this model (and these ids).
+    pub golden: Option<PathBuf>,
+    /// Folders searched, in order, for a golden whose model sha256 matches.
+    pub golden_dirs: Vec<PathBuf>,
+    /// Prompt ids given by the user (None: take them from the golden).
+    pub prompt: Option<Vec<u32>>,
+}
+
+/// What a check is doing, for progress displays.
+pub enum Event {
+    /// A backend pass starts: `forwards` forward calls (prefill + decode steps) follow.
+    PassStart {
+        backend: &'static str,
+        op_by_op: bool,
+        forwards: usize,
+    },
+    /// One forward call (prefill or decode step) finished.
+    Forward,
+    PassEnd,
+    /// Comparing starts: `n` comparisons.
+    Comparing {
+        n: usize,
+    },
+    Compared,
+}
+
+/// One backend run: its time and the process's peak resident memory after it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Pass {
+    pub backend: String,
+    pub op_by_op: bool,
+    pub seconds: f64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// One comparison and its role in the report.
+pub struct Judged {
+    pub comparison: Comparison,
+    /// Against the llama.cpp golden (as opposed to between two backends).
+    pub against_golden: bool,
+}
+
+pub struct CheckReport {
+    pub prompt: Vec<u32>,
+    /// Decode ids every backend was fed.
+    pub forced: Vec<u32>,
+    /// Where the prompt ids came from, in words.
+    pub ids_from: String,
+    pub golden: Option<(PathBuf, Trace)>,
+    /// The end-to-end traces, one per backend, then the op-by-op ones.
+    pub traces: Vec<Trace>,
+    pub traces_op: Vec<Trace>,
+    pub comparisons: Vec<Judged>,
+    pub passes: Vec<Pass>,
+}
+
+impl CheckReport {
+    pub fn diverged(&self) -> bool {
+        self.comparisons.iter().any(|j| j.comparison.diverged())
+    }
+}
+
+/// Trace folders under `dir` (or `dir` itself) whose model sha256 is `sha`. A folder that
+/// does not exist holds none.
+pub fn find_goldens(dir: &Path, sha: &str) -> Result<Vec<(PathBuf, Trace)>, TraceError> {
+    if dir.join("manifest.json").exists() {
+        return Ok(vec![(dir.to_path_buf(), Trace::open(dir)?)]);
+    }
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Ok(out);
+    };
+    let mut paths: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
+    paths.sort();
+    for p in paths {
+        if p.join("manifest.json").exists() {
+            // A folder that is not a readable trace is not this model's golden.
+            if let Ok(t) = Trace::open(&p)
+                && t.manifest.model.sha256 == sha
+            {
+                out.push((p, t));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A llama.cpp golden made with the tight settings (F32 KV cache, no flash attention).
+pub fn golden_is_tight(g: &Trace) -> bool {
+    let s = &g.manifest.producer.settings;
+    let kv_f32 = s
+        .get("type_k")
+        .and_then(|v| v.as_str())
+        .is_none_or(|k| k == "f32");
+    let no_fa = s
+        .get("flash_attn")
+        .is_none_or(|v| v.as_bool() == Some(false) || v.as_str() == Some("disabled"));
+    kv_f32 && no_fa
+}
+
+/// How two traces made or read by this check round activations. Only what the check knows
+/// counts: a golden made by llama.cpp's CPU with the tight settings, and parity's own
+/// backends by their registry row; never a name an external trace gives itself.
+fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
+    let ggml_like = |t: &Trace| match t.manifest.producer.name.as_str() {
+        "llama.cpp" => golden_is_tight(t),
+        "parity" => registry::find(&t.manifest.producer.backend)
+            .is_ok_and(|e| e.rounding == backend::Emulation::GgmlCpu),
+        _ => false,
+    };
+    if ggml_like(a) && ggml_like(b) {
+        PairKind::SameRounding
+    } else {
+        PairKind::DifferentRounding
+    }
+}
+
+/// Peak resident set size of this process so far (Linux: getrusage's ru_maxrss in KiB).
+pub fn peak_rss_bytes() -> Option<u64> {
+    #[cfg(unix)]
+    {
+        // SAFETY: getrusage writes into the struct we pass and nothing else.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } == 0 {
+            let kib = ru.ru_maxrss.max(0) as u64;
+            return Some(if cfg!(target_os = "macos") {
+                kib
+            } else {
+                kib * 1024
+            });
+        }
+    }
+    None
+}
+
+/// The golden (if any), the prompt ids, the golden's decode ids, and where the ids came from.
+type Selected = (Option<(PathBuf, Trace)>, Vec<u32>, Vec<u32>, String);
+
+/// Settle the golden and the ids.
+fn select_golden(
+    model: &Model,
+    model_path: &Path,
+    opt: &CheckOptions,
+) -> Result<Selected, CheckError> {
+    let sha = model.sha256().to_string();
+    let short = |s: &str| s.chars().take(12).collect::<String>();
+    let mut goldens = match &opt.golden {
+        Some(dir) => {
+            if !dir.is_dir() {
+                return Err(CheckError::GoldenMissing(dir.display().to_string()));
+            }
+            let found = find_goldens(dir, &sha)?;
+            if dir.join("manifest.json").exists() {
+                let g = &found[0].1;
+                if g.manifest.model.sha256 != sha {
+                    return Err(CheckError::GoldenOtherModel {
+                        golden: dir.display().to_string(),
+                        golden_sha: short(&g.manifest.model.sha256),
+                        model: model_path.display().to_string(),
+                        sha: short(&sha),
+                    });
+                }
+            }
+            found
+        }
+        None => {
+            let mut found = Vec::new();
+            for d in &opt.golden_dirs {
+                found = find_goldens(d, &sha)?;
+                if !found.is_empty() {
+                    break;
+                }
+            }
+            found
+        }
+    };
+    let searched = || match &opt.golden {
+        Some(d) => d.display().to_string(),
+        None => opt
+            .golden_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+    };
+    let prompt_of = |g: &Trace| {
+        g.manifest
+            .steps
+            .first()
+            .map(|s| s.tokens.clone())
+            .unwrap_or_default()
+    };
+    match &opt.prompt {
+        Some(ids) => {
+            let all = goldens.len();
+            goldens.retain(|(_, g)| &prompt_of(g) == ids);
+            if let Some(dir) = opt
+                .golden
+                .as_ref()
+                .filter(|_| goldens.is_empty() && all == 1)
+            {
+                let g = &find_goldens(dir, &sha)?[0];
+                return Err(CheckError::GoldenOtherIds {
+                    golden: g.0.display().to_string(),
+                    golden_ids: prompt_of(&g.1),
+                    ids: ids.clone(),
+                });
+            }
+            let golden = goldens.into_iter().next();
+            let forced = golden
+                .as_ref()
+                .map(|(_, g)| g.manifest.decode_tokens())
+                .unwrap_or_default();
+            Ok((golden, ids.clone(), forced, "given".into()))
+        }
+        None => match goldens.into_iter().next() {
+            Some((p, g)) => {
+                let (ids, forced) = (prompt_of(&g), g.manifest.decode_tokens());
+                Ok((Some((p, g)), ids, forced, "from the golden".into()))
+            }
+            None => Err(CheckError::NoGolden {
+                model: model_path.display().to_string(),
+                sha: short(&sha),
+                searched: searched(),
+            }),
+        },
+    }
+}
+
+/// Run the check. `events` hears about progress (pass `&mut |_| {}` for none).
+pub fn run(
+    model: &Model,
+    model_path: &Path,
+    opt: &CheckOptions,
+    events: &mut dyn FnMut(Event),
+) -> Result<CheckReport, CheckError> {
+    if opt.backends.is_empty() {
+        return Err(CheckError::NoBackend);
+    }
+    let entries = opt
+        .backends
+        .iter()
+        .map(|n| registry::find(n))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (golden, prompt, golden_forced, ids_from) = select_golden(model, model_path, opt)?;
+    if prompt.is_empty() {
+        return Err(BackendError::Empty.into());
+    }
+    // Steps: the golden's, or fewer if asked; more than it has cannot be compared.
+    let steps = match (&golden, opt.steps) {
+        (Some((p, _)), Some(n)) if n > golden_forced.len() => {
+            return Err(CheckError::StepsPastGolden {
+                steps: n,
+                golden: p.display().to_string(),
+                has: golden_forced.len(),
+            });
+        }
+        (Some(_), n) => n.unwrap_or(golden_forced.len()),
+        (None, n) => n.unwrap_or(4),
+    };
+    let n_ctx = prompt.len() + steps;
+    if n_ctx > model.config.n_ctx_train {
+        return Err(BackendError::ContextOverflow {
+            end: n_ctx,
+            n_ctx: model.config.n_ctx_train,
+        }
+        .into());
+    }
+    let model_ref = ModelRef {
+        path: model_path.display().to_string(),
+        sha256: model.sha256().to_string(),
+    };
+    let producer = |b: &dyn backend::Backend, suffix: &str| Producer {
+        name: "parity".into(),
+        backend: format!("{}{suffix}", b.name()),
+        version: env!("CARGO_PKG_VERSION").into(),
+        settings: serde_json::json!({ "rounding": b.rounding().name() }),
+    };
+
+    let mut passes = Vec::new();
+    let mut traces = Vec::new();
+    // One sequence for every backend: the golden's ids, else the first backend's own greedy
+    // continuation forced into the others (their greedy agreement is a statistic of the
+    // logits comparison, never a divergence of its own).
+    let mut forced: Option<Vec<u32>> = golden.as_ref().map(|_| golden_forced[..steps].to_vec());
+    for e in &entries {
+        events(Event::PassStart {
+            backend: e.name,
+            op_by_op: false,
+            forwards: steps + 1,
+        });
+        let t0 = Instant::now();
+        let mut b = e.build(model, n_ctx, opt.threads);
+        let mut sink = Counting {
+            inner: MemorySink::new(TapFilter::all()),
+            events: &mut *events,
+        };
+        let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
+        let tensors = sink.inner.tensors;
+        events(Event::PassEnd);
+        if forced.is_none() {
+            forced = Some(info.iter().skip(1).flat_map(|s| s.tokens.clone()).collect());
+        }
+        passes.push(Pass {
+            backend: e.name.into(),
+            op_by_op: false,
+            seconds: t0.elapsed().as_secs_f64(),
+            peak_rss_bytes: peak_rss_bytes(),
+        });
+        traces.push(Trace::from_memory(
+            model_ref.clone(),
+            producer(b.as_ref(), ""),
+            info,
+            tensors,
+        ));
+    }
+
+    // Op by op: each replayable backend that rounds like ggml's CPU, fed the golden's tensor
+    // at every tap (ReplaySink), so each op is judged on identical inputs.
+    let mut traces_op = Vec::new();
+    if let Some((_, g)) = golden
+        .as_ref()
+        .filter(|(_, g)| opt.op_by_op && golden_is_tight(g))
+    {
+        let forced: Vec<u32> = g.manifest.decode_tokens()[..steps].to_vec();
+        for e in entries
+            .iter()
+            .filter(|e| e.replayable && e.rounding == backend::Emulation::GgmlCpu)
+        {
+            events(Event::PassStart {
+                backend: e.name,
+                op_by_op: true,
+                forwards: steps + 1,
+            });
+            let t0 = Instant::now();
+            let mut b = e.build(model, n_ctx, opt.threads);
+            let mut sink = Counting {
+                inner: ReplaySink::new(g),
+                events: &mut *events,
+            };
+            let info = backend::run(b.as_mut(), &prompt, steps, Some(&forced), &mut sink)?;
+            let sink = sink.inner;
+            events(Event::PassEnd);
+            if let Some(err) = sink.error {
+                return Err(err.into());
+            }
+            passes.push(Pass {
+                backend: e.name.into(),
+                op_by_op: true,
+                seconds: t0.elapsed().as_secs_f64(),
+                peak_rss_bytes: peak_rss_bytes(),
+            });
+            traces_op.push(Trace::from_memory(
+                model_ref.clone(),
+                producer(b.as_ref(), "/op-by-op"),
+                info,
+                sink.inner.tensors,
+            ));
+        }
+    }
+
+    // Every trace against the golden (op by op first: it is the tight verdict), then every
+    // pair of backends.
+    let wtype = model.main_weight_type();
+    let mut todo: Vec<(&Trace, &Trace, PairKind, bool)> = Vec::new();
+    if let Some((_, g)) = &golden {
+        todo.extend(traces_op.iter().map(|t| (g, t, PairKind::OpByOp, true)));
+        todo.extend(traces.iter().map(|t| (g, t, pair_kind(g, t), true)));
+    }
+    for i in 0..traces.len() {
+        for j in i + 1..traces.len() {
+            let (a, b) = (&traces[i], &traces[j]);
+            todo.push((a, b, pair_kind(a, b), false));
+        }
+    }
+    if todo.is_empty() {
+        return Err(CheckError::NothingToCompare);
+    }
+    events(Event::Comparing { n: todo.len() });
+    let mut comparisons = Vec::with_capacity(todo.len());
+    for (base, cand, pair, against_golden) in todo {
+        let opt = CompareOptions {
+            pair,
+            weight_type: wtype,
+            require_same_model: true,
+        };
+        comparisons.push(Judged {
+            comparison: compare(base, cand, &opt)?,
+            against_golden,
+        });
+        events(Event::Compared);
+    }
+    Ok(CheckReport {
+        prompt,
+        forced: forced.unwrap_or_default(),
+        ids_from,
+        golden,
+        traces,
+        traces_op,
+        comparisons,
+        passes,
+    })
+}
+
+/// A sink that reports each finished forward call (the logits are its last tap) and
+/// otherwise does what its inner sink does.
+struct Counting<'e, S> {
+    inner: S,
+    events: &'e mut dyn FnMut(Event),
+}
+
+impl<S: Sink> Sink for Counting<'_, S> {
+    fn wants(&self, key: &TapKey) -> bool {
+        self.inner.wants(key) || key.tap == Tap::Logits
+    }
+    fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
+        if key.tap == Tap::Logits {
+            (self.events)(Event::Forward);
+        }
+        if self.inner.wants(&key) {
+            self.inner.record(key, shape, data);
+        }
+    }
+    fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
+        self.inner.substitute(key, data)
+    }
+}
