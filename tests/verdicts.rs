@@ -28,7 +28,10 @@ fn golden_ids() -> (Vec<u32>, Vec<u32>) {
 }
 
 fn join(v: &[u32]) -> String {
-    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// An engine's trace (parity's emulating reference, written to disk) fed `prompt` and the
@@ -60,12 +63,18 @@ fn a_trace_without_bos_is_a_named_finding() {
     let o = diff_with_prompt(tmp.path(), &ids[1..]);
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
-    assert!(out.contains("token ids differ (bos-missing) at step 0"), "{out}");
+    assert!(
+        out.contains("token ids differ (bos-missing) at step 0"),
+        "{out}"
+    );
     assert!(out.contains("lacks the first id 1 (BOS)"), "{out}");
     // Both sequences are shown, and the rows that still line up are compared.
     assert!(out.contains(&format!("baseline  [{}", ids[0])), "{out}");
     assert!(out.contains(&format!("candidate [{}", ids[1])), "{out}");
-    assert!(out.contains("embedding rows of the ids that line up match (bit-identical)"), "{out}");
+    assert!(
+        out.contains("embedding rows of the ids that line up match (bit-identical)"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -76,7 +85,11 @@ fn a_doubled_bos_is_a_named_finding() {
     doubled.extend_from_slice(&ids);
     let o = diff_with_prompt(tmp.path(), &doubled);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
-    assert!(stdout(&o).contains("token ids differ (bos-doubled)"), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("token ids differ (bos-doubled)"),
+        "{}",
+        show(&o)
+    );
 }
 
 #[test]
@@ -91,7 +104,10 @@ fn a_chat_template_around_the_prompt_is_a_named_finding() {
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     assert!(out.contains("token ids differ (template)"), "{out}");
-    assert!(out.contains("wraps the baseline's ids in 5 extra ones"), "{out}");
+    assert!(
+        out.contains("wraps the baseline's ids in 5 extra ones"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -116,8 +132,14 @@ fn another_decode_id_is_named_after_the_steps_before_it_were_compared() {
     let o = parity(&["diff", "golden/tiny-llama-q8_0", out.to_str().unwrap()]);
     let text = stdout(&o);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
-    assert!(text.contains("token ids differ (other-ids) at step 2"), "{text}");
-    assert!(text.contains("teacher-force the golden's decode ids"), "{text}");
+    assert!(
+        text.contains("token ids differ (other-ids) at step 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("teacher-force the golden's decode ids"),
+        "{text}"
+    );
     assert!(text.contains("Steps before 2 were compared"), "{text}");
 }
 
