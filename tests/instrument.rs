@@ -8,16 +8,30 @@ use common::*;
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The example binary `cargo test` built beside this test (target/<profile>/examples/).
+/// The example binary beside this test (target/<profile>/examples/): `cargo test` builds it;
+/// a `cargo test --test instrument` alone does not, so then it is built here.
 fn example() -> PathBuf {
+    static BUILD: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().unwrap().parent().unwrap().join("examples");
-    let p = dir.join("trace_engine");
-    assert!(
-        p.exists(),
-        "{} not built: cargo test builds examples (cargo build --examples)",
-        p.display()
-    );
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    let p = profile_dir.join("examples/trace_engine");
+    BUILD.call_once(|| {
+        if !p.exists() {
+            let mut c = Command::new(env!("CARGO"));
+            c.args(["build", "--example", "trace_engine"])
+                .current_dir(root());
+            if profile_dir.file_name().is_some_and(|n| n == "release") {
+                c.arg("--release");
+            }
+            let o = c.output().expect("run cargo");
+            assert!(
+                o.status.success(),
+                "cargo build --example trace_engine\n{}",
+                show(&o)
+            );
+        }
+    });
+    assert!(p.exists(), "{} not built", p.display());
     p
 }
 
