@@ -42,4 +42,5 @@ for p in sorted(glob.glob(os.path.join(out, "check-*.json"))):
             continue
         nmse, thr, where, kld, kthr = w
         verdict = "diverged" if c.get("verdict", "") == "diverged" or c.get("first_divergence") or c.get("token_mismatch") else "parity"
-        print(f"| {name} | {label} | {nmse:.1e} ({where}) | {nmse / thr:.2f} | {kld:.1e} | {kld / kthr:.2f} | {verdict} |")
+        ratio = lambda x, t: f"{x / t:.2f}" if t else "-"
+        print(f"| {name} | {label} | {nmse:.1e} ({where}) | {ratio(nmse, thr)} | {kld:.1e} | {ratio(kld, kthr)} | {verdict} |")

@@ -53,9 +53,9 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
         // own emulating backends against a tight golden). Worst clean value seen at depth:
         // F32 2.3e-12, F16 2.6e-6, quantized 2.5e-3 (64 layers).
         PairKind::SameRounding => [1e-10, 1e-4, 2e-2],
-        // Anything else: llama.cpp's own spread is F32 2.1e-7 (an F16 KV cache), F16 6.6e-6,
-        // quantized 2.9e-3.
-        PairKind::DifferentRounding => [1e-5, 1e-4, 2e-2],
+        // Anything else: llama.cpp's own spread (its F16 KV cache, at 64 layers) reaches F32
+        // 3.6e-6, F16 6.6e-6, quantized 5.2e-3.
+        PairKind::DifferentRounding => [1e-4, 1e-4, 2e-2],
         PairKind::OpByOp => [1e-10, 1e-10, 1e-10],
     };
     match tap {
@@ -66,7 +66,7 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
 }
 
 /// Mean KL divergence of the logits above which the run diverges. Above llama.cpp's own
-/// spread (defaults vs tight, at 64 layers: F32 6.3e-7, F16 1.4e-6, quantized 6.2e-4).
+/// spread (defaults vs tight, at 64 layers: F32 6.3e-7, F16 1.4e-6, quantized 1.1e-3).
 pub fn kld_threshold(pair: PairKind, w: GgmlType) -> f64 {
     match (pair, class(w)) {
         (PairKind::OpByOp, _) => 1e-9,
