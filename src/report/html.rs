@@ -205,7 +205,7 @@ fn curve(c: &Comparison, g: &Grid) -> Result<String, String> {
             chart
                 .draw_series(std::iter::once(Text::new(
                     format!("threshold {t:.0e}"),
-                    ((nl - 0.5).max(0.0) - 0.05 * nl.max(1.0), y + 0.25),
+                    ((nl - 0.5).max(0.0) - 0.05 * nl.max(1.0), y + 0.55),
                     ("sans-serif", 13).into_font().color(&red),
                 )))
                 .map_err(e)?;
@@ -257,7 +257,8 @@ fn curve(c: &Comparison, g: &Grid) -> Result<String, String> {
                 chart
                     .draw_series(std::iter::once(Text::new(
                         tap.name().to_string(),
-                        (p.0 - 0.1, p.1 + 0.9),
+                        // Stagger the labels of the two markers that share the "out" column.
+                        (p.0 - 0.1, p.1 + 0.9 + 0.9 * (shape as f64 - 1.0).max(0.0)),
                         ("sans-serif", 11).into_font().color(&col),
                     )))
                     .map_err(e)?;
