@@ -369,3 +369,38 @@ fn selftest_refuses_bad_input_with_one_line() {
     assert!(err.contains("another model"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+#[test]
+fn generate_with_a_mutation_generates_what_the_buggy_engine_would() {
+    let ids = |extra: &[&str]| -> String {
+        let mut args = vec![
+            "generate",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "-p",
+            "Once upon a time",
+            "-n",
+            "12",
+            "--ignore-eos",
+        ];
+        args.extend_from_slice(extra);
+        let o = parity(&args);
+        assert!(o.status.success(), "{}", show(&o));
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        out.lines()
+            .find(|l| l.starts_with("ids:"))
+            .unwrap()
+            .to_string()
+    };
+    let clean = ids(&[]);
+    assert_ne!(clean, ids(&["--mutate", "no-causal-mask"]));
+    assert_ne!(clean, ids(&["--mutate", "swiglu-swap"]));
+    // A layout bug changes how a tap is stored, not what is generated.
+    assert_eq!(clean, ids(&["--mutate", "head-major-q-rope"]));
+    let o = parity(&[
+        "generate",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--mutate",
+        "swiglu",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+}

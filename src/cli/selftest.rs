@@ -306,7 +306,13 @@ fn write_trace(
             c
         }
     };
-    let out = cmd.output()?;
+    let out = cmd.output().map_err(|e| {
+        super::err(format!(
+            "running {} for {}: {e}",
+            cmd.get_program().to_string_lossy(),
+            case.label()
+        ))
+    })?;
     if !out.status.success() {
         let msg = String::from_utf8_lossy(&out.stderr);
         let last = msg.lines().last().unwrap_or("").trim();
