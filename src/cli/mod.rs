@@ -1,6 +1,7 @@
 //! The command line: one subcommand per job. Errors become one line on stderr and exit code 2;
 //! a divergence found is exit code 1.
 
+mod assets;
 mod bench;
 mod check;
 mod diff;
@@ -68,6 +69,23 @@ pub fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    #[cfg(unix)]
+    on_sigbus_explain();
+    // println! panics when stdout cannot be written (`> /dev/full`): say so in one line, exit 2.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| info.payload().downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if let Some(rest) = msg.strip_prefix("failed printing to stdout: ") {
+            eprintln!("error: cannot write to stdout: {rest}");
+            std::process::exit(2);
+        }
+        default_hook(info)
+    }));
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::inspect(a),
@@ -93,9 +111,34 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// The repository root this binary was built from (fixtures/, golden/, scripts/ live there).
+/// A model file truncated while it is mapped makes the next read of a lost page raise SIGBUS
+/// (Linux, macOS): there is no way to resume, but the user gets one line naming the cause and
+/// exit code 2 instead of "Bus error" and 135.
+#[cfg(unix)]
+fn on_sigbus_explain() {
+    extern "C" fn handler(_: libc::c_int) {
+        const MSG: &[u8] = b"error: a mapped file shrank while parity was reading it (SIGBUS): \
+was the model truncated or rewritten during the run?\n";
+        // SAFETY: write(2) and _exit(2) are async-signal-safe.
+        unsafe {
+            libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            libc::_exit(2);
+        }
+    }
+    // SAFETY: installing a handler that only calls async-signal-safe functions, before any
+    // thread starts.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = handler as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+    }
+}
+
+/// Where fixtures/, golden/ and scripts/ are: the checkout this binary was built from, or the
+/// copy it unpacks from itself when installed elsewhere (`assets`).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    assets::root()
 }
 
 /// The Python that runs scripts/ (goldens, the llama.cpp side of `bench`): $PARITY_PYTHON, else
@@ -104,7 +147,8 @@ pub fn python() -> PathBuf {
     if let Ok(p) = std::env::var("PARITY_PYTHON") {
         return PathBuf::from(p);
     }
-    let venv = repo_root().join(".venv/bin/python");
+    // The checkout's venv (where .ci/run and the README put llama-cpp-python), if any.
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
     if venv.exists() {
         venv
     } else {

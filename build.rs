@@ -1,0 +1,57 @@
+//! Embeds what the `parity` binary needs at run time besides itself — the default fixture, its
+//! llama.cpp golden and the Python scripts — so that an installed binary (`cargo install
+//! --path .`) works away from its source checkout (src/cli/assets.rs unpacks them on first use).
+
+use std::fmt::Write;
+use std::path::{Path, PathBuf};
+
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    v.sort();
+    for p in v {
+        if p.is_dir() {
+            files(&p, out);
+        } else {
+            out.push(p);
+        }
+    }
+}
+
+fn main() {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let mut list = vec![root.join("fixtures/tiny-llama-q8_0.gguf")];
+    files(&root.join("golden/tiny-llama-q8_0"), &mut list);
+    for s in [
+        "llama_golden.py",
+        "llama_bench.py",
+        "numpy_engine.py",
+        "parity_trace.py",
+    ] {
+        list.push(root.join("scripts").join(s));
+    }
+    let mut code = String::from(
+        "/// (path relative to the repository, contents)\npub static ASSETS: &[(&str, &[u8])] = &[\n",
+    );
+    for p in &list {
+        let rel = p
+            .strip_prefix(&root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        writeln!(
+            code,
+            "    ({rel:?}, include_bytes!({:?})),",
+            p.display().to_string()
+        )
+        .unwrap();
+        println!("cargo:rerun-if-changed={}", p.display());
+    }
+    code.push_str("];\n");
+    println!("cargo:rerun-if-changed=golden/tiny-llama-q8_0");
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap()).join("assets.rs");
+    std::fs::write(out, code).unwrap();
+}

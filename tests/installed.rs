@@ -1,0 +1,75 @@
+//! An installed binary (`cargo install --path .`) works away from its source checkout: it
+//! unpacks the default fixture, its golden and the Python scripts from itself
+//! (src/cli/assets.rs). `PARITY_NO_CHECKOUT=1` makes the binary behave as if the checkout were
+//! gone.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn installed(
+    args: &[&str],
+    cwd: &std::path::Path,
+    cache: &std::path::Path,
+) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_parity"))
+        .args(args)
+        .current_dir(cwd)
+        .env("PARITY_NO_CHECKOUT", "1")
+        .env("XDG_CACHE_HOME", cache)
+        .output()
+        .expect("run parity")
+}
+
+#[test]
+fn the_default_check_runs_away_from_the_checkout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let o = installed(&["check"], tmp.path(), &cache);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("verdict: parity (8 comparisons)"),
+        "{}",
+        show(&o)
+    );
+    let unpacked = cache
+        .join("parity")
+        .join(env!("CARGO_PKG_VERSION"))
+        .join("fixtures/tiny-llama-q8_0.gguf");
+    assert_eq!(
+        std::fs::read(&unpacked).unwrap(),
+        std::fs::read(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap()
+    );
+}
+
+#[test]
+fn golden_runs_away_from_the_checkout() {
+    let py = root().join(".venv/bin/python");
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let out = tmp.path().join("g");
+    let o = installed(
+        &[
+            "golden",
+            model.to_str().unwrap(),
+            "-p",
+            "Once upon a time",
+            "--steps",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        tmp.path(),
+        &tmp.path().join("cache"),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(out.join("manifest.json").exists());
+}
