@@ -124,3 +124,41 @@ fn the_schema_refuses_what_it_should() {
     j.as_object_mut().unwrap().remove("schema_version");
     assert!(!v.is_valid(&j));
 }
+
+#[test]
+fn a_token_mismatch_report_validates_with_both_texts_decoded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("nobos");
+    let o = parity(&[
+        "dump",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--golden",
+        "golden/tiny-llama-q8_0",
+        "--mutate",
+        "no-bos",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = parity(&[
+        "diff",
+        "golden/tiny-llama-q8_0",
+        dir.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    validate(&j, "diff of a trace without BOS");
+    let t = &j["comparisons"][0]["token_mismatch"];
+    assert_eq!(t["kind"], "bos-missing");
+    assert_eq!(t["baseline_ids"][0], 1);
+    assert_eq!(
+        t["baseline_text"],
+        " Once upon a time there was a little girl named Lily"
+    );
+    assert_eq!(
+        t["candidate_text"],
+        "Once upon a time there was a little girl named Lily"
+    );
+}

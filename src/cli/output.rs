@@ -8,13 +8,14 @@ use crate::gguf::GgufFile;
 use crate::model::sha256_hex;
 use crate::model::tokenizer::Tokenizer;
 use crate::report::{self, RunInfo, snapshot};
-use crate::trace::Trace;
+use crate::trace::{ModelRef, Trace};
 use anstyle::{AnsiColor, Style};
 use clap::Args;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::rc::Rc;
 
 #[derive(Args, Clone, Default)]
 pub struct ReportArgs {
@@ -89,18 +90,39 @@ fn model_file(path: &str, sha256: &str) -> Option<GgufFile> {
         .find(|f| sha256.is_empty() || sha256_hex(f.bytes()) == sha256)
 }
 
-/// Decode every trace's ids with its model's own tokenizer, where the model file is at hand.
-fn decode_texts(info: &mut RunInfo) {
-    let mut cache: HashMap<(String, String), Option<Tokenizer>> = HashMap::new();
+/// Decode every trace's ids with its model's own tokenizer, where the model file is at hand, and
+/// the ids of token mismatches that the comparison left undecoded.
+fn decode_texts(info: &mut RunInfo, comparisons: &[Comparison]) -> Vec<Comparison> {
+    let mut cache: HashMap<(String, String), Option<Rc<Tokenizer>>> = HashMap::new();
+    let mut tokenizer = |m: &ModelRef| -> Option<Rc<Tokenizer>> {
+        cache
+            .entry((m.path.clone(), m.sha256.clone()))
+            .or_insert_with(|| {
+                model_file(&m.path, &m.sha256)
+                    .and_then(|f| Tokenizer::from_gguf(&f).ok())
+                    .map(Rc::new)
+            })
+            .clone()
+    };
     for t in &mut info.traces {
-        let key = (t.model.path.clone(), t.model.sha256.clone());
-        let tok = cache.entry(key).or_insert_with(|| {
-            model_file(&t.model.path, &t.model.sha256).and_then(|f| Tokenizer::from_gguf(&f).ok())
-        });
-        if let Some(tok) = tok {
+        if let Some(tok) = tokenizer(&t.model) {
             t.text = Some(t.steps.iter().map(|s| tok.decode(&s.tokens)).collect());
         }
     }
+    let mut out = comparisons.to_vec();
+    for c in &mut out {
+        // A derived comparison (e.g. against the candidate's own inputs) names no trace: any
+        // trace's model will do, all of a run's traces are of one model.
+        let (b, k) = info.sides(c);
+        let model = b.or(k).or(info.traces.first()).map(|t| t.model.clone());
+        if let (Some(tm), Some(m)) = (c.token_mismatch.as_mut(), model)
+            && tm.baseline_text.is_none()
+            && let Some(tok) = tokenizer(&m)
+        {
+            tm.decode_with(|ids| tok.decode(ids));
+        }
+    }
+    out
 }
 
 fn write_file(p: &Path, text: &str) -> Result<()> {
@@ -134,9 +156,13 @@ pub fn finish_with(
         None => None,
     };
     let mut info = info.clone();
-    if out.html.is_some() || out.json.is_some() {
-        decode_texts(&mut info);
-    }
+    let decoded;
+    let comparisons = if out.html.is_some() || out.json.is_some() {
+        decoded = decode_texts(&mut info, comparisons);
+        &decoded[..]
+    } else {
+        comparisons
+    };
     if let Some(p) = &out.json {
         let text = serde_json::to_string_pretty(&report::json::report(comparisons, &info))? + "\n";
         if out.json_to_stdout() {
