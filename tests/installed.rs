@@ -73,3 +73,54 @@ fn golden_runs_away_from_the_checkout() {
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(out.join("manifest.json").exists());
 }
+
+/// `parity golden MODEL` without --out keeps the golden in the user's golden folder (never the
+/// repository's golden/), and `parity check MODEL` finds it there by sha256.
+#[test]
+fn a_user_golden_goes_to_the_user_folder_and_check_finds_it() {
+    let py = root().join(".venv/bin/python");
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("mine.gguf");
+    let gd = tmp.path().join("goldens");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_parity"))
+            .args(args)
+            .current_dir(tmp.path())
+            .env("PARITY_GOLDEN_DIR", &gd)
+            .output()
+            .unwrap()
+    };
+    let o = run(&["fixture", "--seed", "9", "--out", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = run(&[
+        "golden",
+        m.to_str().unwrap(),
+        "-p",
+        "Once upon a time",
+        "--steps",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let made: Vec<_> = std::fs::read_dir(&gd).unwrap().flatten().collect();
+    assert_eq!(made.len(), 1);
+    assert!(
+        made[0].file_name().to_string_lossy().starts_with("mine-"),
+        "{:?}",
+        made[0].file_name()
+    );
+    let o = run(&["check", m.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(&format!("golden: {}", gd.display())),
+        "{}",
+        show(&o)
+    );
+}

@@ -16,31 +16,106 @@ pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
 
 #[derive(Args)]
 pub struct GoldenArgs {
+    /// GGUF model file (UTF-8 path: the golden's manifest records it as text).
     model: PathBuf,
     #[command(flatten)]
     input: InputArgs,
-    /// Decode steps after the prefill (teacher-forced from llama.cpp's greedy continuation).
-    #[arg(long, default_value_t = 4)]
-    steps: usize,
+    /// Decode steps after the prefill (teacher-forced from llama.cpp's greedy continuation);
+    /// default 4, or as many as --forced gives. Prompt + steps must fit the model's context.
+    #[arg(long)]
+    steps: Option<usize>,
     /// Ids to feed at the decode steps instead of llama.cpp's own greedy choice (comma
     /// separated), e.g. another golden's continuation, so two goldens see the same sequence.
     #[arg(long, value_delimiter = ',')]
     forced: Vec<u32>,
-    /// Output trace folder.
+    /// Output trace folder (written under a temporary name beside it, moved into place at the
+    /// end; UTF-8 path). Default: the user's golden folder ($PARITY_GOLDEN_DIR, else
+    /// ~/.local/share/parity/golden), one subfolder per model file.
     #[arg(long)]
-    out: PathBuf,
+    out: Option<PathBuf>,
     /// Keep llama.cpp's default settings (F16 KV cache, flash attention auto) instead of the
     /// tight ones (F32 KV cache, flash attention off, no weight repacking).
     #[arg(long)]
     llama_defaults: bool,
+    /// llama.cpp threads.
     #[arg(long, default_value_t = 1)]
     threads: usize,
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
+    /// Show llama.cpp's own log and the script's full error output.
+    #[arg(long)]
+    verbose: bool,
+}
+
+/// A path handed to the Python side and recorded in a manifest: it must be text.
+fn utf8_path<'p>(p: &'p Path, what: &str) -> Result<&'p str> {
+    p.to_str().ok_or_else(|| {
+        err(format!(
+            "{what} {}: the path is not valid UTF-8 (a golden records it as text): rename it or use a link",
+            p.display()
+        ))
+    })
 }
 
 pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
+    // Everything parity can check is checked before llama.cpp starts: the paths, the model
+    // (the same reader as every other command), the ids, the context, the output folder.
+    let model_s = utf8_path(&a.model, "model")?;
+    let model = Model::open(&a.model)?;
+    let out_dir = match &a.out {
+        Some(d) => d.clone(),
+        None => default_golden_out(&a.model)?,
+    };
+    let out_s = utf8_path(&out_dir, "--out")?;
+    if !a.input.given() {
+        return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)"));
+    }
+    // parity tokenizes (as llama.cpp does) and hands llama.cpp ids: its tokenizer aborts the
+    // whole process on some inputs (an emoji on a vocabulary without byte tokens).
+    let (ids, policy) = a.input.resolve(&model.file)?;
+    let n_vocab = model.config.n_vocab;
+    if let Some(&t) = ids
+        .iter()
+        .chain(&a.forced)
+        .find(|&&t| t as usize >= n_vocab)
+    {
+        return Err(err(format!(
+            "token id {t} is out of range (the vocabulary has {n_vocab})"
+        )));
+    }
+    let steps = match (a.steps, a.forced.len()) {
+        (Some(s), f) if f > 0 && s != f => {
+            return Err(err(format!(
+                "--steps {s} disagrees with --forced ({f} ids): give one of them"
+            )));
+        }
+        (Some(s), _) => s,
+        (None, 0) => 4,
+        (None, f) => f,
+    };
+    let n_ctx = model.config.n_ctx_train;
+    if ids.len() + steps > n_ctx {
+        return Err(err(format!(
+            "{} prompt ids + --steps {steps} exceed the model's context of {n_ctx} positions",
+            ids.len()
+        )));
+    }
+    if a.threads == 0 {
+        return Err(err("--threads must be at least 1"));
+    }
+    match std::fs::metadata(&out_dir) {
+        Ok(m) if !m.is_dir() => {
+            return Err(err(format!("--out {out_s}: exists and is not a folder")));
+        }
+        Ok(_) if !a.force && std::fs::read_dir(&out_dir)?.next().is_some() => {
+            return Err(err(format!(
+                "--out {out_s}: output folder is not empty (pass --force to overwrite)"
+            )));
+        }
+        _ => {}
+    }
+    drop(model);
     let script = repo_root().join("scripts/llama_golden.py");
     if !script.exists() {
         return Err(err(format!("{} not found", script.display())));
@@ -64,25 +139,16 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
             )));
         }
     }
+    eprintln!("prompt ids: {} — {policy}", join_ids(&ids));
     let mut cmd = Command::new(&py);
-    cmd.arg(&script).arg(&a.model).arg("--out").arg(&a.out);
-    match (&a.input.prompt, &a.input.tokens) {
-        (Some(p), _) => {
-            cmd.arg("--prompt").arg(p);
-        }
-        (None, Some(t)) => {
-            let s: Vec<String> = t.iter().map(|i| i.to_string()).collect();
-            cmd.arg("--tokens").arg(s.join(","));
-        }
-        (None, None) => return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)")),
+    cmd.arg(&script).arg(model_s).arg("--out").arg(out_s);
+    cmd.arg("--tokens").arg(join_ids(&ids));
+    if let Some(p) = &a.input.prompt {
+        cmd.arg("--prompt-text").arg(p);
     }
-    if a.input.no_bos {
-        cmd.arg("--no-bos");
-    }
-    cmd.arg("--steps").arg(a.steps.to_string());
+    cmd.arg("--steps").arg(steps.to_string());
     if !a.forced.is_empty() {
-        let s: Vec<String> = a.forced.iter().map(|i| i.to_string()).collect();
-        cmd.arg("--forced").arg(s.join(","));
+        cmd.arg("--forced").arg(join_ids(&a.forced));
     }
     cmd.arg("--threads").arg(a.threads.to_string());
     if a.llama_defaults {
@@ -91,14 +157,61 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     if a.force {
         cmd.arg("--force");
     }
-    let status = cmd
-        .status()
-        .map_err(|e| err(format!("running {}: {e}", py.display())))?;
-    match status.code() {
-        Some(0) => Ok(ExitCode::SUCCESS),
-        Some(1) => Ok(ExitCode::from(1)),
-        _ => Ok(ExitCode::from(2)),
+    if a.verbose {
+        cmd.arg("--verbose");
+    } else {
+        cmd.stderr(std::process::Stdio::piped());
     }
+    let out = cmd
+        .spawn()
+        .and_then(|c| c.wait_with_output())
+        .map_err(|e| err(format!("running {}: {e}", py.display())))?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        eprint!("{log}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Any failure of the Python side is an error making the golden (exit 2), never a
+    // divergence (exit 1): one line, the script's own message or a traceback's last line.
+    let last = log
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(|l| l.strip_prefix("llama_golden: ").unwrap_or(l).to_string());
+    let why = match (out.status.code(), last) {
+        (_, Some(l)) if log.contains("Traceback (most recent call last)") => {
+            format!("the llama.cpp script failed: {l}")
+        }
+        (_, Some(l)) => l,
+        (Some(c), None) => format!("the llama.cpp script exited with code {c}"),
+        (None, None) => "the llama.cpp script was killed by a signal".to_string(),
+    };
+    let hint = if a.verbose {
+        ""
+    } else {
+        " (rerun with --verbose for llama.cpp's log)"
+    };
+    let signal = {
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::ExitStatusExt;
+            out.status
+                .signal()
+                .map(|s| format!(" (killed by signal {s})"))
+                .unwrap_or_default()
+        }
+        #[cfg(not(unix))]
+        String::new()
+    };
+    Err(err(format!("golden: {why}{signal}{hint}")))
+}
+
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[derive(Args)]
@@ -145,6 +258,25 @@ fn golden_dirs() -> Vec<PathBuf> {
     }
     v.push(repo_root().join("golden"));
     v
+}
+
+/// Where `parity golden` writes when no --out is given: the user's golden folder, one
+/// subfolder per model file and content (`stem-sha12`).
+fn default_golden_out(model: &Path) -> Result<PathBuf> {
+    let dir = user_golden_dir().ok_or_else(|| {
+        err("no home folder to keep goldens in: pass --out DIR (or set PARITY_GOLDEN_DIR)")
+    })?;
+    let file = std::fs::File::open(model).map_err(|e| err(format!("{}: {e}", model.display())))?;
+    // SAFETY: read-only map of a file we only hash; a concurrent truncation is the same
+    // hazard as in every GGUF read.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| err(format!("{}: {e}", model.display())))?;
+    let sha = crate::model::sha256_hex(&map);
+    let stem = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    Ok(dir.join(format!("{stem}-{}", &sha[..12])))
 }
 
 /// `$PARITY_GOLDEN_DIR`, else `$XDG_DATA_HOME/parity/golden`, else
