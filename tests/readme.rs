@@ -1,0 +1,138 @@
+//! The README's walkthrough runs as written: every `parity …` line of its "Using it on your
+//! model and your engine" block, on a freshly generated model, with the placeholders filled in
+//! (model.gguf, DIR/GOLDEN = the golden `parity golden` made, t/ and YOUR_TRACE = the dump).
+//! Then the same walkthrough with an engine that doubles BOS ends in a named finding.
+
+mod common;
+use common::*;
+use std::path::Path;
+use std::process::Command;
+
+fn readme_commands() -> Vec<String> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let start = readme
+        .find("## Using it on your model and your engine")
+        .expect("README has the walkthrough section");
+    let block = &readme[start..];
+    let open = block.find("```\n").unwrap() + 4;
+    let close = open + block[open..].find("```").unwrap();
+    block[open..close]
+        .lines()
+        .map(|l| l.split(" # ").next().unwrap().trim().to_string())
+        .filter(|l| l.starts_with("parity "))
+        .collect()
+}
+
+fn run(line: &str, dir: &Path, golden_dir: &Path) -> std::process::Output {
+    let args = shell_words(line);
+    Command::new(env!("CARGO_BIN_EXE_parity"))
+        .args(&args[1..])
+        .current_dir(dir)
+        .env("PARITY_GOLDEN_DIR", golden_dir)
+        .output()
+        .unwrap()
+}
+
+/// Split on spaces, keeping "double-quoted words" together (enough for the README).
+fn shell_words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    for ch in line.chars() {
+        match ch {
+            '"' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                }
+            }
+            c => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+fn llama_cpp() -> bool {
+    let py = root().join(".venv/bin/python");
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+    }
+    ok
+}
+
+#[test]
+fn the_readme_walkthrough_runs_as_written() {
+    if !llama_cpp() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let gd = dir.join("goldens");
+    let o = run(
+        "parity fixture --type q4_k --seed 3 --n-layer 3 --out model.gguf",
+        dir,
+        &gd,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let cmds = readme_commands();
+    assert!(cmds.len() >= 10, "{cmds:?}");
+    let mut golden = String::new();
+    let mut ran = 0;
+    for c in &cmds {
+        // bench times llama.cpp on a real model (scripts/bench.sh does that); selftest and
+        // fixture run elsewhere in the suite.
+        if c.starts_with("parity bench") || c.starts_with("parity selftest") {
+            continue;
+        }
+        let line = c
+            .replace("DIR", &golden)
+            .replace("GOLDEN", &golden)
+            .replace("YOUR_TRACE", "t/");
+        let o = run(&line, dir, &gd);
+        assert_eq!(o.status.code(), Some(0), "`{line}`\n{}", show(&o));
+        if c.starts_with("parity golden") {
+            let made: Vec<_> = std::fs::read_dir(&gd).unwrap().flatten().collect();
+            assert_eq!(made.len(), 1, "one golden in the user folder");
+            golden = made[0].path().display().to_string();
+        }
+        ran += 1;
+    }
+    assert!(ran >= 12, "{ran} commands ran");
+    assert!(dir.join("r.html").exists() && dir.join("parity.snap").exists());
+
+    // The same engine, but it adds BOS to a prompt that already has it.
+    let m: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(Path::new(&golden).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let ids: Vec<String> = m["steps"][0]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let forced: Vec<String> = m["steps"].as_array().unwrap()[1..]
+        .iter()
+        .map(|s| s["tokens"][0].to_string())
+        .collect();
+    let doubled = format!("{},{}", ids[0], ids.join(","));
+    let o = run(
+        &format!(
+            "parity dump model.gguf --tokens {doubled} --forced {} --out bad/",
+            forced.join(",")
+        ),
+        dir,
+        &gd,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = run(&format!("parity diff {golden} bad/"), dir, &gd);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(stdout(&o).contains("bos-doubled"), "{}", show(&o));
+}
