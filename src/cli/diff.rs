@@ -1,10 +1,15 @@
-//! `parity diff`: compare two trace folders (e.g. an external engine's dump against a golden).
+//! `parity diff`: judge a trace (an external engine's dump, one of ours, a golden) against a
+//! golden. Token ids first; then, when the model is at hand, every op of the candidate
+//! recomputed by the reference from the candidate's own inputs (`crate::judge`): the first op
+//! out of its noise floor is the verdict, named by experiment. The end-to-end table stays as
+//! the picture of drift. Without the model only the end-to-end comparison can be made.
 
-use super::check::pair_kind;
-use super::output::{ReportArgs, finish};
+use super::output::{ReportArgs, finish_with, run_info, show};
 use super::{Result, err, repo_root};
-use crate::compare::{CompareOptions, PairKind, compare};
-use crate::model::Model;
+use crate::backend::Emulation;
+use crate::compare::{CompareOptions, Comparison, Divergence, PairKind, TapResult, compare};
+use crate::judge::{self, JudgeOptions, Judgement};
+use crate::model::{Model, sha256_hex};
 use crate::report;
 use crate::trace::Trace;
 use clap::Args;
@@ -17,50 +22,191 @@ pub struct DiffArgs {
     baseline: PathBuf,
     /// Candidate trace folder (e.g. your engine's dump).
     candidate: PathBuf,
-    /// Weight type of the model's matmul weights, for the tolerances (default: read from the
-    /// model path in the baseline manifest if that file exists, else f32).
+    /// The GGUF model the traces were made from: with it, each op of the candidate is judged on
+    /// its own inputs (default: the model path in the candidate's or the baseline's manifest,
+    /// else a file with the recorded sha256 in ., fixtures/ or ../shared/models).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Weight type for the end-to-end tolerances when the model is not at hand (e.g. q8_0).
     #[arg(long = "weight-type")]
     weight_type: Option<String>,
-    /// Hold the candidate to same-rounding tolerances (it emulates ggml's activation rounding).
+    /// Hold the candidate to same-rounding end-to-end tolerances.
     #[arg(long)]
     strict: bool,
-    /// Compare even if the manifests name different model sha256.
+    /// Compare even if the manifests (or --model) name different model sha256.
     #[arg(long)]
     allow_model_mismatch: bool,
+    /// Judge under this activation rounding only (none, ggml-cpu, f16) instead of measuring
+    /// which one reproduces the engine.
+    #[arg(long)]
+    rounding: Option<String>,
+    /// Skip the experiments at the first op out of its floor (name it by text heuristics only).
+    #[arg(long)]
+    no_experiments: bool,
     #[command(flatten)]
     report: ReportArgs,
 }
 
-/// The model a trace names, if it is here: its path as recorded, else relative to the
-/// repository (goldens record repo-relative paths); only if the sha256 matches.
-fn model_for_trace(t: &Trace) -> Option<Model> {
-    let p = Path::new(&t.manifest.model.path);
+/// A model file at `p` (as written, or relative to the repository) whose sha256 is `sha`
+/// (any, when `sha` is empty).
+fn open_if(p: &Path, sha: &str) -> Option<Model> {
     [p.to_path_buf(), repo_root().join(p)]
         .iter()
-        .filter(|c| c.exists())
+        .filter(|c| c.is_file())
         .filter_map(|c| Model::open(c).ok())
-        .find(|m| m.sha256() == t.manifest.model.sha256)
+        .find(|m| sha.is_empty() || m.sha256() == sha)
+}
+
+/// The model a trace pair was made from: the manifests' paths, else a file with the recorded
+/// sha256 among ./*.gguf, the repository's fixtures/ and ../shared/models.
+fn find_model(base: &Trace, cand: &Trace) -> Option<(PathBuf, Model)> {
+    let (cm, bm) = (&cand.manifest.model, &base.manifest.model);
+    for r in [cm, bm] {
+        if r.path.is_empty() {
+            continue;
+        }
+        let sha = if r.sha256.is_empty() {
+            // An engine that records a path but no sha256: trust it only if the other side's
+            // sha256 (when known) agrees.
+            &bm.sha256
+        } else {
+            &r.sha256
+        };
+        if let Some(m) = open_if(Path::new(&r.path), sha) {
+            return Some((PathBuf::from(&r.path), m));
+        }
+    }
+    let sha = if cm.sha256.is_empty() {
+        &bm.sha256
+    } else {
+        &cm.sha256
+    };
+    if sha.is_empty() {
+        return None;
+    }
+    let root = repo_root();
+    for dir in [
+        PathBuf::from("."),
+        root.join("fixtures"),
+        root.join("../shared/models"),
+    ] {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut files: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+            .collect();
+        files.sort();
+        for f in files {
+            let Ok(bytes) = std::fs::read(&f) else {
+                continue;
+            };
+            if sha256_hex(&bytes) == *sha
+                && let Ok(m) = Model::open(&f)
+            {
+                return Some((f, m));
+            }
+        }
+    }
+    None
+}
+
+/// The judgement as a comparison (own errors against the floors), so every report format and
+/// the exit code render it; the token-id finding of the end-to-end comparison comes first.
+fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Comparison {
+    let results: Vec<TapResult> = j
+        .ops
+        .iter()
+        .map(|o| TapResult {
+            key: o.key,
+            metrics: o.metrics,
+            threshold: o.floor,
+            pass: o.pass,
+        })
+        .collect();
+    let first_divergence = j.first.as_ref().map(|f| {
+        let i = results
+            .iter()
+            .position(|r| r.key == f.flagged)
+            .expect("finding is a judged key");
+        let mut matched_before: Vec<TapResult> = results[..i]
+            .iter()
+            .rev()
+            .filter(|r| r.pass)
+            .take(3)
+            .cloned()
+            .collect();
+        matched_before.reverse();
+        Divergence {
+            at: results[i].clone(),
+            matched_before,
+            diagnosis: f.text.replace("\n  ", "; "),
+        }
+    });
+    Comparison {
+        baseline: format!("own inputs/{}", judge::short(j.rounding)),
+        candidate: cand_label.to_string(),
+        pair: PairKind::OpByOp,
+        weight_type: e2e.weight_type,
+        token_mismatch: e2e.token_mismatch.clone(),
+        results,
+        logits: Vec::new(),
+        kld_threshold: 0.0,
+        first_divergence,
+        only_in_baseline: 0,
+        only_in_candidate: 0,
+    }
 }
 
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
-    let wtype = match &a.weight_type {
-        Some(s) => crate::gguf::GgmlType::parse(s)
-            .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
-        None => model_for_trace(&base)
-            .map(|m| m.main_weight_type())
-            .ok_or_else(|| {
-                err(format!(
-                    "the baseline's model {} is not found here (or its sha256 differs): pass --weight-type (e.g. q8_0) so the tolerances fit the model",
-                    base.manifest.model.path
-                ))
-            })?,
+    let found = match &a.model {
+        Some(p) => {
+            if !p.is_file() {
+                return Err(err(format!("{}: no such file", p.display())));
+            }
+            let m = Model::open(p)?;
+            let want = &cand.manifest.model.sha256;
+            if !a.allow_model_mismatch && !want.is_empty() && m.sha256() != want {
+                return Err(err(format!(
+                    "--model {} has sha256 {}…, the candidate was made from {}…: pass the same GGUF file (or --allow-model-mismatch)",
+                    p.display(),
+                    &m.sha256()[..12],
+                    want.chars().take(12).collect::<String>()
+                )));
+            }
+            Some((p.clone(), m))
+        }
+        None => find_model(&base, &cand),
     };
+    let wtype = match (&found, &a.weight_type) {
+        (_, Some(s)) => crate::gguf::GgmlType::parse(s)
+            .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
+        (Some((_, m)), None) => m.main_weight_type(),
+        (None, None) => {
+            return Err(err(format!(
+                "the model {} is not found here (nor a file with its sha256 in ., fixtures/ or ../shared/models): pass --model FILE to judge each op, or --weight-type (e.g. q8_0) to compare end to end only",
+                base.manifest.model.path
+            )));
+        }
+    };
+    let rounding = match &a.rounding {
+        None => None,
+        Some(s) => Some(Emulation::parse(s).ok_or_else(|| {
+            err(format!(
+                "unknown rounding '{s}' (known: none, ggml-cpu, f16)"
+            ))
+        })?),
+    };
+    // A manifest says what its producer calls itself, not how it rounds: end to end, any
+    // candidate is held to the tolerance that covers llama.cpp's own spread, unless --strict.
     let pair = if a.strict {
         PairKind::SameRounding
     } else {
-        pair_kind(&base, &cand)
+        PairKind::DifferentRounding
     };
     let opt = CompareOptions {
         pair,
@@ -68,8 +214,60 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         require_same_model: !a.allow_model_mismatch,
     };
     let c = compare(&base, &cand, &opt)?;
-    println!("== {} vs {}", c.candidate, c.baseline);
-    print!("{}", report::table(&c));
-    println!("{}\n", report::verdict(&c));
-    finish(&[c], &a.report)
+    let info = run_info([&base, &cand]);
+    let Some((model_path, model)) = found else {
+        show(
+            &c,
+            &format!(
+                "== {} vs {} (end to end only: without the model, parity cannot recompute the candidate's ops; pass --model FILE)",
+                c.candidate, c.baseline
+            ),
+            true,
+            &a.report,
+        );
+        return finish_with(&[c], &info, &a.report);
+    };
+
+    let to_stderr = a.report.json.as_deref() == Some(Path::new("-"));
+    let say = |s: &str| {
+        if a.report.quiet {
+        } else if to_stderr {
+            eprintln!("{s}")
+        } else {
+            println!("{s}")
+        }
+    };
+    say(&format!(
+        "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}",
+        c.candidate,
+        c.baseline,
+        report::table_styled(&c, !to_stderr && report::colour_stdout())
+    ));
+    let jopt = JudgeOptions {
+        roundings: rounding.map_or(judge::ROUNDINGS.to_vec(), |r| vec![r]),
+        hypotheses: !a.no_experiments,
+    };
+    let t0 = std::time::Instant::now();
+    let j = judge::judge(&model, &cand, &jopt)?;
+    say(&format!(
+        "model: {} ({}, judged in {:.1} s)\n{}",
+        model_path.display(),
+        model.main_weight_type(),
+        t0.elapsed().as_secs_f64(),
+        judge::render(&j)
+    ));
+    let label = format!(
+        "{}/{}",
+        cand.manifest.producer.name, cand.manifest.producer.backend
+    );
+    let jc = as_comparison(&j, &c, &label);
+    show(&jc, "== verdict", false, &a.report);
+    // The logits' agreement end to end, as a statistic beside the verdict.
+    if let Some(l) = c.logits.last() {
+        say(&format!(
+            "end to end at the last step: mean logit KLD {:.2e}, top-1 agreement {}/{}",
+            l.kld_mean, l.top1_agree, l.rows
+        ));
+    }
+    finish_with(&[jc], &info, &a.report)
 }

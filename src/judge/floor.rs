@@ -63,20 +63,28 @@ pub const NORM: f64 = 1e-11;
 pub const ELEMENTWISE: f64 = 1e-10;
 /// RoPE at position 0..16; grows with position (see [`rope_floor`]).
 pub const ROPE: f64 = 1e-10;
-/// Attention: f16 K/V caches and flash attention's f16 accumulation (llama.cpp's defaults)
-/// stay below this; a mask, position, scale or head-map bug sits at 1e-3..1.
-pub const ATTENTION: f64 = 1e-6;
+/// Attention: f16 K/V caches and flash attention's f16 accumulation (llama.cpp's defaults:
+/// kqv_out at up to 8e-7) stay below this; a mask, position, scale or head-map bug sits at
+/// 1e-3..1.
+pub const ATTENTION: f64 = 1e-5;
 /// Matmuls under the rounding that reproduces the engine.
 pub const MM_ABS: f64 = 1e-10;
 /// How far above the trace's median matmul own error a matmul may sit.
 pub const MM_FACTOR: f64 = 100.0;
 /// The highest the matmul floor may climb (an 8-bit activation rounding unlike ours).
 pub const MM_CAP: f64 = 1e-3;
-/// How far above its ops' floors a span may sit.
-pub const SPAN_FACTOR: f64 = 10.0;
 /// A span through a matmul whose inputs are rounded: one activation flipping to the next
 /// quantum changes the span's output by up to this much.
 pub const FLIP: f64 = 1e-5;
+/// Spans through a rounded matmul also follow the trace's own span noise: an engine whose
+/// attention is less exact than the reference's (llama.cpp's defaults: f16 K/V cache, flash
+/// attention accumulating in f16; kqv_out ~8e-7) feeds the next quantized matmul inputs that
+/// round the other way far more often, and its l_out spans sit at 3e-5..1.1e-4 against 1e-6
+/// for the tight golden. The floor climbs to `SPAN_ADAPT` × the median span error, at most
+/// `SPAN_CAP`; a bug in every layer that moves each span by more than that is still found
+/// (wrong rope theta: 7e-3; GQA head map: 0.5).
+pub const SPAN_ADAPT: f64 = 30.0;
+pub const SPAN_CAP: f64 = 1e-3;
 /// A candidate tensor stored in f16 (every value f16-exact) carries f16's rounding (~1e-7).
 pub const F16_STORAGE: f64 = 1e-6;
 
@@ -217,19 +225,25 @@ impl Floors {
         if span.len() <= 1 {
             return self.op(k.tap);
         }
-        let ops = span
-            .iter()
-            .map(|x| self.op(x.tap))
-            .fold(0.0f64, f64::max);
+        let ops = span.iter().map(|x| self.op(x.tap)).fold(0.0f64, f64::max);
         let has_mm = span.iter().any(|x| class(x.tap) == OpClass::Matmul);
-        let mut f = SPAN_FACTOR * ops;
+        // A span's noise is its ops' noise carried through (each floor already sits 10× or
+        // more above what a correct engine shows), plus flips where it rounds activations.
+        let mut f = ops;
         if has_mm && self.flips {
             f = f.max(FLIP);
-        }
-        if has_mm && self.mm_median_own.is_none() {
             if let Some(m) = self.mm_median_span {
-                f = f.max(MM_CAP.min(MM_FACTOR * m));
+                f = f.max(SPAN_CAP.min(SPAN_ADAPT * m));
             }
+        }
+        if has_mm
+            && !self.flips
+            && self.mm_median_own.is_none()
+            && let Some(m) = self.mm_median_span
+        {
+            // No matmul judged on its own and no rounding that explains the engine: the
+            // span noise is the rounding mismatch itself.
+            f = f.max(MM_CAP.min(MM_FACTOR * m));
         }
         f
     }

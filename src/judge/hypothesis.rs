@@ -28,11 +28,16 @@ struct Hypothesis {
 
 /// rms eps values engines use (model's own excluded, ×10 left to the catalog).
 fn eps_values(model_eps: f32) -> Vec<f32> {
-    let mut v: Vec<f32> = vec![1e-5, 1e-6, 1e-8, 1e-12, model_eps / 10.0];
+    let v: Vec<f32> = vec![1e-5, 1e-6, 1e-8, 1e-12, model_eps / 10.0];
     let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
-    v.retain(|&e| !close(e, model_eps) && !close(e, model_eps * 10.0));
-    v.dedup_by(|a, b| close(*a, *b));
-    v
+    let mut out: Vec<f32> = Vec::new();
+    for e in v {
+        if !close(e, model_eps) && !close(e, model_eps * 10.0) && !out.iter().any(|&o| close(o, e))
+        {
+            out.push(e);
+        }
+    }
+    out
 }
 
 /// rope thetas engines use (model's own and the catalog's wrong one excluded).
@@ -74,6 +79,7 @@ pub(super) fn diagnose(
     cand: &Candidate,
     floors: &Floors,
     op: &OpResult,
+    ops: &[OpResult],
     experiments: bool,
 ) -> Result<Finding, JudgeError> {
     let k = op.key;
@@ -98,6 +104,8 @@ pub(super) fn diagnose(
     let plain = replay(model, cand, &base, &keep)?;
 
     let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
+    // The setups of the re-run hypotheses, by name (layouts need none).
+    let mut setups: BTreeMap<String, Setup> = BTreeMap::new();
     if experiments {
         let c = &model.config;
         let mut hyps: Vec<Hypothesis> = Mutation::ALL
@@ -138,6 +146,7 @@ pub(super) fn diagnose(
         }
         for h in hyps {
             let r = replay(model, cand, &h.setup, &BTreeSet::new())?;
+            setups.insert(h.name.clone(), h.setup);
             if let Some(m) = r.metrics.get(&k) {
                 tried.push((
                     Tried {
@@ -149,8 +158,7 @@ pub(super) fn diagnose(
             }
         }
         // Layouts: the candidate's own tensor read in another order, no re-run needed.
-        if let (Some(r), Some(raw), Some(dims)) =
-            (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
+        if let (Some(r), Some(raw), Some(dims)) = (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
         {
             let declared = cand.layouts.get(&k.tap).copied();
             for l in Layout::candidates(k.tap) {
@@ -183,6 +191,13 @@ pub(super) fn diagnose(
         .skip(1)
         .map(|(t, _)| t.hypothesis.clone())
         .collect();
+    let located = match &confirmed {
+        Some((t, _)) => match setups.get(&t.hypothesis) {
+            Some(setup) => locate(model, cand, setup, ops, &k)?,
+            None => None,
+        },
+        None => None,
+    };
     let ruled_out: Vec<Tried> = tried
         .iter()
         .filter(|(t, _)| t.nmse > floor)
@@ -194,6 +209,12 @@ pub(super) fn diagnose(
         "first op out of its noise floor: {k} — own NMSE {:.2e} (floor {:.0e}, cosine {:.6})",
         op.own_nmse, floor, op.cosine
     );
+    if let Some((e, plain_e, hyp_e)) = located {
+        let fe = ops.iter().find(|o| o.key == e).map_or(0.0, |o| o.floor);
+        text.push_str(&format!(
+            "\n  placed by experiment at {e}: the hypothesis confirmed below reproduces it there too (own NMSE {plain_e:.1e}, {hyp_e:.1e} under it), below that key's floor {fe:.0e} — the bug shows from there on"
+        ));
+    }
     if sp.len() > 1 {
         let layers: BTreeSet<Option<usize>> = sp.iter().map(|x| x.layer).collect();
         text.push_str(&format!(
@@ -211,13 +232,19 @@ pub(super) fn diagnose(
         Some((t, m)) => {
             text.push_str(&format!(
                 "\n  confirmed by experiment: {} reproduces your {} at NMSE {:.1e}",
-                t.hypothesis,
-                k.tap,
-                t.nmse
+                t.hypothesis, k.tap, t.nmse
             ));
             text.push_str(&format!(" — {}", explain(model, &t.hypothesis, *m, &k)));
             if !also.is_empty() {
-                text.push_str(&format!("\n  also reproduces it: {}", also.join(", ")));
+                text.push_str(&format!(
+                    "\n  also reproduces it: {} (this trace cannot tell these apart{})",
+                    also.join(", "),
+                    if sp.len() > 1 {
+                        "; dump the taps inside the span to separate them"
+                    } else {
+                        ""
+                    }
+                ));
             }
         }
         None if experiments => {
@@ -247,12 +274,15 @@ pub(super) fn diagnose(
         ));
     }
     Ok(Finding {
-        key: k,
+        key: located.map_or(k, |l| l.0),
+        flagged: k,
         own_nmse: op.own_nmse,
         floor,
         span_ops: sp.len(),
         confirmed_nmse: confirmed.as_ref().map(|(t, _)| t.nmse),
-        catalog: confirmed.as_ref().and_then(|(_, m)| m.map(|m| m.name().to_string())),
+        catalog: confirmed
+            .as_ref()
+            .and_then(|(_, m)| m.map(|m| m.name().to_string())),
         confirmed: confirmed.map(|(t, _)| t.hypothesis),
         also,
         ruled_out,
@@ -358,4 +388,50 @@ fn heuristic(
     Ok(c.first_divergence
         .map(|d| d.diagnosis)
         .unwrap_or_else(|| "no heuristic applies".into()))
+}
+
+/// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
+/// own error, under its floor but clearly above f32 noise, the hypothesis removes (÷100). A
+/// span through rounded matmuls can hide a small bug in every layer (an rms eps ×10 moves a
+/// layer's output by ~1e-5, inside such a span's noise); the hypothesis finds it there anyway.
+fn locate(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    ops: &[OpResult],
+    k: &TapKey,
+) -> Result<Option<(TapKey, f64, f64)>, JudgeError> {
+    /// Below this an own error is f32 noise, nothing to explain.
+    const VISIBLE: f64 = 1e-12;
+    let earlier: Vec<&OpResult> = ops
+        .iter()
+        .filter(|o| o.key < *k && o.key.step <= k.step && o.own_nmse > VISIBLE)
+        .collect();
+    if earlier.is_empty() {
+        return Ok(None);
+    }
+    let n_layer = model.config.n_layer;
+    let window = Window {
+        s_max: k.step,
+        l0: 0,
+        l_end: k.layer.map_or(n_layer, |l| l + 1),
+        end: k.layer.is_none() && k.tap != Tap::Embd,
+    };
+    let r = replay(
+        model,
+        cand,
+        &Setup {
+            window,
+            ..setup.clone()
+        },
+        &BTreeSet::new(),
+    )?;
+    for o in earlier {
+        if let Some(m) = r.metrics.get(&o.key)
+            && m.nmse * 100.0 <= o.own_nmse
+        {
+            return Ok(Some((o.key, o.own_nmse, m.nmse)));
+        }
+    }
+    Ok(None)
 }

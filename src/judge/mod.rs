@@ -49,6 +49,8 @@ pub enum JudgeError {
         found: Vec<usize>,
         want: usize,
     },
+    #[error("{key}: the model has only {n_layer} layers")]
+    NoSuchLayer { key: TapKey, n_layer: usize },
     #[error("the candidate has tensors for step {0} but its manifest lists no such step")]
     MissingStep(usize),
     #[error("manifest layouts: {what}")]
@@ -75,6 +77,10 @@ impl Default for JudgeOptions {
     }
 }
 
+/// A rounding whose median matmul own NMSE is this low reproduces the engine (f32 summation
+/// noise is ~1e-14; the nearest other rounding sits at ~1e-8 for f16, ~1e-5 for 8-bit).
+pub const EXACT_FIT: f64 = 1e-11;
+
 /// The activation roundings parity knows, in order of preference on ties.
 pub const ROUNDINGS: [Emulation; 3] = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
 
@@ -93,6 +99,8 @@ pub struct OpResult {
     /// NMSE of the candidate against the reference's recomputation from the candidate's inputs.
     pub own_nmse: f64,
     pub cosine: f64,
+    /// All metrics of the candidate against the reference's recomputation.
+    pub metrics: Metrics,
     pub floor: f64,
     pub pass: bool,
     /// Ops recomputed for this key: 1 when judged on its own, more when the candidate lacks
@@ -122,7 +130,12 @@ pub struct Tried {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Finding {
+    /// Where the bug first shows: the first key out of its floor, or an earlier one where the
+    /// confirmed hypothesis removes an own error that sat under its floor (placed by
+    /// experiment).
     pub key: TapKey,
+    /// The first key out of its noise floor.
+    pub flagged: TapKey,
     pub own_nmse: f64,
     pub floor: f64,
     pub span_ops: usize,
@@ -157,15 +170,52 @@ impl Judgement {
     }
 }
 
-/// Median own NMSE over the keys of `r` that go through a matmul.
+/// How well a replay reproduced the candidate's matmuls: the median own NMSE over the matmuls
+/// judged on their own, else over the spans through a matmul.
 fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
-    let v: Vec<f64> = r
-        .metrics
-        .iter()
-        .filter(|(k, _)| span(cand, k).iter().any(|x| class(x.tap) == OpClass::Matmul))
-        .map(|(_, m)| m.nmse)
-        .collect();
-    median(v)
+    let (mut own, mut spans) = (Vec::new(), Vec::new());
+    for (k, m) in &r.metrics {
+        let s = span(cand, k);
+        if s.len() == 1 && class(k.tap) == OpClass::Matmul {
+            own.push(m.nmse);
+        } else if s.iter().any(|x| class(x.tap) == OpClass::Matmul) {
+            spans.push(m.nmse);
+        }
+    }
+    median(own).or(median(spans))
+}
+
+/// Where the rounding is measured: around the trace's first matmul judged on its own (two
+/// layers from it, or the output projection alone when only result_norm and logits are
+/// dumped), else the first step's first two layers.
+fn detection_window(cand: &Candidate, first_step: usize) -> Window {
+    let n_layer = cand.config.n_layer;
+    let own_mm = cand
+        .trace
+        .keys()
+        .find(|k| class(k.tap) == OpClass::Matmul && span(cand, k).len() == 1);
+    match own_mm {
+        Some(k) => {
+            let w = Window::for_key(cand, k);
+            match k.layer {
+                Some(l) => {
+                    let l_end = (l + 2).min(n_layer);
+                    Window {
+                        l_end,
+                        end: l_end == n_layer,
+                        ..w
+                    }
+                }
+                None => w,
+            }
+        }
+        None => Window {
+            s_max: first_step,
+            l0: 0,
+            l_end: n_layer.min(2),
+            end: n_layer <= 2,
+        },
+    }
 }
 
 /// Judge `trace` against `model`: own error per key, rounding, first op out of its floor, and
@@ -178,10 +228,9 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
             return Err(JudgeError::MissingStep(k.step));
         }
         if k.layer.is_some_and(|l| l >= model.config.n_layer) {
-            return Err(JudgeError::Shape {
+            return Err(JudgeError::NoSuchLayer {
                 key: *k,
-                found: vec![],
-                want: 0,
+                n_layer: model.config.n_layer,
             });
         }
     }
@@ -192,21 +241,40 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let n_layer = model.config.n_layer;
     let none = BTreeSet::new();
 
-    // The rounding: the one that reproduces the matmuls of the first step's first two layers
-    // best (the whole trace when those hold none).
+    // The rounding: the one that reproduces the candidate's matmuls best, measured in a small
+    // window (`detection_window`). ggml-cpu first (what most engines that match llama.cpp do); skipped when it rounds no
+    // weight of this model (F32: the same arithmetic as plain f32, reported as plain).
     let mut roundings = opt.roundings.clone();
     if roundings.is_empty() {
         roundings = ROUNDINGS.to_vec();
     }
+    if roundings.len() > 1 {
+        let ggml_rounds = model
+            .layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    l.wq.ty,
+                    l.wk.ty,
+                    l.wv.ty,
+                    l.wo.ty,
+                    l.w_gate.ty,
+                    l.w_up.ty,
+                    l.w_down.ty,
+                ]
+            })
+            .chain([model.output.ty])
+            .any(|ty| floor::rounds_inputs(Emulation::GgmlCpu, ty));
+        roundings.retain(|&r| r != Emulation::GgmlCpu);
+        if ggml_rounds {
+            roundings.insert(0, Emulation::GgmlCpu);
+        }
+    }
     let first_step = steps.iter().copied().min().unwrap_or(0);
-    let detect = Window {
-        s_max: first_step,
-        l0: 0,
-        l_end: n_layer.min(2),
-        end: n_layer <= 2,
-    };
+    let detect = detection_window(&cand, first_step);
     let mut fits = Vec::new();
-    let mut best: Option<(Emulation, f64, replay::Replay)> = None;
+    // (rounding, fit, its replay, whether that replay covered the whole trace)
+    let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
     if roundings.len() > 1 {
         for &r in &roundings {
             let setup = Setup {
@@ -217,23 +285,16 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
                 window: detect,
             };
             let rep = replay(model, &cand, &setup, &none)?;
-            let f = match fit(&cand, &rep) {
-                Some(f) => f,
+            let (f, rep, whole) = match fit(&cand, &rep) {
+                Some(f) => (f, rep, detect == Window::full(n_layer, s_max)),
                 None => {
+                    // Nothing through a matmul in the window: measure on the whole trace.
                     let full = Setup {
                         window: Window::full(n_layer, s_max),
                         ..setup
                     };
                     let rep = replay(model, &cand, &full, &none)?;
-                    let f = fit(&cand, &rep).unwrap_or(0.0);
-                    if best.as_ref().is_none_or(|b| f < b.1) {
-                        best = Some((r, f, rep));
-                    }
-                    fits.push(RoundingFit {
-                        rounding: r,
-                        median_nmse: f,
-                    });
-                    continue;
+                    (fit(&cand, &rep).unwrap_or(0.0), rep, true)
                 }
             };
             fits.push(RoundingFit {
@@ -241,7 +302,11 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
                 median_nmse: f,
             });
             if best.as_ref().is_none_or(|b| f < b.1) {
-                best = Some((r, f, rep));
+                best = Some((r, f, rep, whole));
+            }
+            // A rounding that reproduces the matmuls to f32 summation noise cannot be beaten.
+            if f <= EXACT_FIT {
+                break;
             }
         }
     }
@@ -249,7 +314,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     // The whole trace under the chosen rounding (unless detection already ran it whole).
     let full = Window::full(n_layer, s_max);
     let rep = match best {
-        Some((_, _, rep)) if detect == full || fits.is_empty() => rep,
+        Some((_, _, rep, true)) => rep,
         _ => {
             let setup = Setup {
                 rounding,
@@ -299,6 +364,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
             key: *k,
             own_nmse: m.nmse,
             cosine: m.cosine,
+            metrics: *m,
             floor: fl,
             pass,
             span_ops: s.len(),
@@ -313,6 +379,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
             &cand,
             &floors,
             o,
+            &ops,
             opt.hypotheses,
         )?),
     };
@@ -338,7 +405,7 @@ pub fn render(j: &Judgement) -> String {
         s,
         "== own error: each op recomputed by the reference from the candidate's own inputs"
     );
-    if j.fits.len() > 1 {
+    if !j.fits.is_empty() {
         let fits: Vec<String> = j
             .fits
             .iter()
@@ -346,9 +413,14 @@ pub fn render(j: &Judgement) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "rounding that reproduces the engine: {} (median matmul own NMSE: {})",
+            "rounding that reproduces the engine: {} (median matmul own NMSE: {}{})",
             rounding_name(j.rounding),
-            fits.join(", ")
+            fits.join(", "),
+            if j.fits.last().is_some_and(|f| f.median_nmse <= EXACT_FIT) {
+                "; an exact fit ends the search"
+            } else {
+                ""
+            }
         );
     } else {
         let _ = writeln!(s, "rounding (given): {}", rounding_name(j.rounding));

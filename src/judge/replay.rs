@@ -155,8 +155,14 @@ impl Window {
     /// previous layer's l_out, at every step up to `key`'s) the candidate has.
     pub fn for_key(cand: &Candidate, key: &TapKey) -> Window {
         let n_layer = cand.config.n_layer;
-        let upto = key.layer.unwrap_or(if key.tap == Tap::Embd { 0 } else { n_layer });
-        let steps: Vec<usize> = cand.steps().into_iter().filter(|&s| s <= key.step).collect();
+        let upto = key
+            .layer
+            .unwrap_or(if key.tap == Tap::Embd { 0 } else { n_layer });
+        let steps: Vec<usize> = cand
+            .steps()
+            .into_iter()
+            .filter(|&s| s <= key.step)
+            .collect();
         let mut l0 = 0;
         for l in (1..=upto).rev() {
             if steps
