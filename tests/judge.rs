@@ -11,7 +11,7 @@ use parity::backend::{self, Emulation, Reference};
 use parity::judge::{self, JudgeOptions, Judgement};
 use parity::model::Model;
 use parity::trace::{MemorySink, ModelRef, Producer, Tap, TapFilter, TapKey, Trace};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Committed fixtures with their goldens, and the shared models' goldens when ../shared exists.
 fn model_goldens() -> Vec<(PathBuf, PathBuf)> {
@@ -356,14 +356,35 @@ fn cli_diff_without_model_says_end_to_end_only() {
     assert!(stdout(&o).contains("end to end only"), "{}", show(&o));
 }
 
+/// A trace whose manifest names a path that is not here still finds its model by sha256 among
+/// the repository's fixtures; `--model` with another file is refused (exit 2, one line).
+#[test]
+fn cli_diff_finds_the_model_by_sha256() {
+    let tmp = tempdir("judge-sha");
+    let g = tmp.join("g");
+    copy_dir(&root().join("golden/tiny-llama-q4_0"), &g);
+    let mp = g.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m["model"]["path"] = "/somewhere/else/model.gguf".into();
+    std::fs::write(&mp, m.to_string()).unwrap();
+    let gs = g.to_str().unwrap();
+    let o = parity(&["diff", gs, gs]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("fixtures/tiny-llama-q4_0.gguf"),
+        "{}",
+        show(&o)
+    );
+    let o = parity(&["diff", gs, gs, "--model", "fixtures/tiny-llama-q8_0.gguf"]);
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("sha256") && err.lines().count() == 1, "{err}");
+}
+
 fn tempdir(name: &str) -> PathBuf {
     let p = std::env::temp_dir().join(format!("parity-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&p);
     std::fs::create_dir_all(&p).unwrap();
     p
-}
-
-#[allow(dead_code)]
-fn exists(p: &Path) -> bool {
-    p.exists()
 }
