@@ -382,6 +382,56 @@ fn cli_diff_finds_the_model_by_sha256() {
     assert!(err.contains("sha256") && err.lines().count() == 1, "{err}");
 }
 
+/// An external engine (scripts/numpy_engine.py, plain f32 activations) whose manifest calls
+/// itself "fast": nothing switches to same-rounding tolerances; the judge measures plain f32
+/// and passes it. Its sparse dump passes too.
+#[test]
+fn cli_diff_measures_rounding_not_the_producer_name() {
+    let py = std::env::var("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| root().join(".venv/bin/python"));
+    let has = std::process::Command::new(&py)
+        .args(["-c", "import numpy, gguf"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has {
+        eprintln!("skipped: {} cannot import numpy and gguf", py.display());
+        return;
+    }
+    let tmp = tempdir("judge-numpy");
+    let g = "golden/tiny-llama-q4_k";
+    for taps in ["all", "sparse"] {
+        let out = tmp.join(taps);
+        let o = std::process::Command::new(&py)
+            .arg(root().join("scripts/numpy_engine.py"))
+            .args([
+                "fixtures/tiny-llama-q4_k.gguf",
+                "--golden",
+                g,
+                "--rounding",
+                "none",
+            ])
+            .args(["--taps", taps, "--out"])
+            .arg(&out)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let mp = out.join("manifest.json");
+        let mut m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+        m["producer"]["backend"] = "fast".into();
+        std::fs::write(&mp, m.to_string()).unwrap();
+        let o = parity(&["diff", g, out.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(0), "{taps}: {}", show(&o));
+        let s = stdout(&o);
+        assert!(
+            s.contains("rounding that reproduces the engine: plain f32"),
+            "{taps}: {s}"
+        );
+    }
+}
+
 fn tempdir(name: &str) -> PathBuf {
     let p = std::env::temp_dir().join(format!("parity-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&p);
