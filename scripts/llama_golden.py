@@ -19,10 +19,12 @@ trace format says (residual sums, SwiGLU, RoPE norm preservation, causal
 softmax over positions, softmax(q.k)·v == kqv_out, logits == llama_get_logits)
 and exits 1 if a check fails in the default tight mode (--no-check skips them).
 
-Exit codes: 0 ok, 1 a self-check failed, 2 bad input / llama_cpp missing.
+Exit codes: 0 ok, 1 a self-check failed (nothing written), 2 bad input / llama_cpp missing.
+The trace is written under a temporary name beside DIR and moved into place at the end.
 """
 
 import argparse
+import atexit
 import ctypes
 import hashlib
 import json
@@ -66,6 +68,39 @@ UNNAMED_RE = re.compile(r"^(node_\d+)?$")
 
 
 _KEEP_ALIVE = []
+_STAGING = []   # the temporary output folder, removed at exit unless published
+
+
+def _remove_staging():
+    for d in _STAGING:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+atexit.register(_remove_staging)
+
+
+def publish(staging, out):
+    """Move the finished trace from `staging` to `out`: a rename when `out` is absent or empty,
+    else (--force) the old trace's entries are removed, never other files, and the new ones
+    moved in, manifest.json last."""
+    if not os.path.isdir(out):
+        os.rename(staging, out)
+        return
+    if not os.listdir(out):
+        os.rmdir(out)
+        os.rename(staging, out)
+        return
+    for e in os.listdir(out):
+        p = os.path.join(out, e)
+        if e == "manifest.json" or (re.fullmatch(r"s\d+", e) and os.path.isdir(p)):
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            else:
+                os.remove(p)
+    names = sorted(os.listdir(staging), key=lambda n: n == "manifest.json")
+    for n in names:
+        os.rename(os.path.join(staging, n), os.path.join(out, n))
+    os.rmdir(staging)
 
 
 def die(msg, code=2):
@@ -430,80 +465,87 @@ class Checker:
             self.failures.append(f"{what}: max|diff| {err:.3g} (scale {scale:.3g})")
 
 
-def run_checks(steps_taps, steps_pos, steps_rope, n_head, n_head_kv, logits_api, tight, np):
-    ck = Checker(np)
-    # tolerances: exact for pure copies/adds, float-rounding level for recomputed ops
-    r_exact = 0.0 if tight else 1e-6
-    r_op = 2e-5 if tight else 5e-3
-    group = None
-    k_all, v_all = {}, {}   # layer -> list of per-step arrays (positions in order)
-    for s, taps in enumerate(steps_taps):
-        pos = steps_pos[s]
+class StepChecks:
+    """The self-checks, one step at a time (the trace is written step by step, not held)."""
+
+    def __init__(self, n_head, n_head_kv, tight, np):
+        self.ck = Checker(np)
+        self.np = np
+        self.n_head, self.n_head_kv = n_head, n_head_kv
+        # tolerances: exact for pure copies/adds, float-rounding level for recomputed ops
+        self.r_exact = 0.0 if tight else 1e-6
+        self.r_op = 2e-5 if tight else 5e-3
+        self.k_all, self.v_all = {}, {}   # layer -> list of per-step arrays (positions in order)
+
+    def step(self, s, taps, positions, rope, lg_api):
+        np = self.np
+        r_exact, r_op = self.r_exact, self.r_op
+        group = None
+        pos = positions
         layers = sorted({l for (_, l) in taps if l is not None})
         prev = taps.get(("embd", None))
         for il in layers:
             g = lambda tap: taps.get((tap, il))
             lin = prev
             if lin is not None and g("ffn_inp") is not None and g("attn_out") is not None:
-                ck.close(f"ffn_inp=l_in+attn_out s{s} L{il}", g("ffn_inp"), lin + g("attn_out"), r_exact)
+                self.ck.close(f"ffn_inp=l_in+attn_out s{s} L{il}", g("ffn_inp"), lin + g("attn_out"), r_exact)
             if all(x is not None for x in (g("l_out"), g("ffn_inp"), g("ffn_out"))):
-                ck.close(f"l_out=ffn_inp+ffn_out s{s} L{il}", g("l_out"), g("ffn_inp") + g("ffn_out"), r_exact)
+                self.ck.close(f"l_out=ffn_inp+ffn_out s{s} L{il}", g("l_out"), g("ffn_inp") + g("ffn_out"), r_exact)
             if taps.get(("_ffn_out_second", il)) is not None and g("l_out") is not None:
-                ck.close(f"ffn_out#2=l_out s{s} L{il}", taps[("_ffn_out_second", il)], g("l_out"), r_exact)
+                self.ck.close(f"ffn_out#2=l_out s{s} L{il}", taps[("_ffn_out_second", il)], g("l_out"), r_exact)
             if all(x is not None for x in (g("ffn_act"), g("ffn_gate"), g("ffn_up"))):
                 gate = g("ffn_gate").astype(np.float64)
-                ck.close(f"ffn_act=silu(gate)*up s{s} L{il}", g("ffn_act"),
+                self.ck.close(f"ffn_act=silu(gate)*up s{s} L{il}", g("ffn_act"),
                          gate / (1.0 + np.exp(-gate)) * g("ffn_up"), r_op)
             for pre, post in (("q", "q_rope"), ("k", "k_rope")):
                 a, b = g(pre), g(post)
                 if a is not None and b is not None:
                     # RoPE is a rotation: per-head norms are preserved; position 0 is the identity
-                    ck.close(f"|{post}|=|{pre}| s{s} L{il}", np.linalg.norm(b, axis=-1),
+                    self.ck.close(f"|{post}|=|{pre}| s{s} L{il}", np.linalg.norm(b, axis=-1),
                              np.linalg.norm(a.astype(np.float64), axis=-1), r_op)
                     if pos[0] == 0:
-                        ck.close(f"{post}@pos0={pre} s{s} L{il}", b[0], a[0], r_op)
+                        self.ck.close(f"{post}@pos0={pre} s{s} L{il}", b[0], a[0], r_op)
                     node = ("Qcur" if pre == "q" else "Kcur") + f"-{il}"
-                    rp = steps_rope[s].get(node)
+                    rp = rope.get(node)
                     if rp is not None and not rp[1]:
                         rpd = rope_decode(rp[0])
                         if rpd["ext_factor"] == 0.0 and rpd["mode"] in (0, 2):
-                            ck.close(f"{post}=rope_{'neox' if rpd['mode'] else 'norm'}({pre}) s{s} L{il}",
+                            self.ck.close(f"{post}=rope_{'neox' if rpd['mode'] else 'norm'}({pre}) s{s} L{il}",
                                      b, rope_ref(a, pos, rpd, np), r_op * 10)
             # attention: softmax(scale q.k + causal mask) and P.V == kqv_out
             if g("k_rope") is not None:
-                k_all.setdefault(il, []).append(g("k_rope"))
+                self.k_all.setdefault(il, []).append(g("k_rope"))
             if g("v") is not None:
-                v_all.setdefault(il, []).append(g("v"))
+                self.v_all.setdefault(il, []).append(g("v"))
             P = g("kq_soft_max")
             if P is not None:
                 nkv = P.shape[-1]
-                ck.close(f"kq_soft_max rows sum to 1 s{s} L{il}", P.astype(np.float64).sum(-1),
+                self.ck.close(f"kq_soft_max rows sum to 1 s{s} L{il}", P.astype(np.float64).sum(-1),
                          np.ones(P.shape[:2]), r_op)
                 mask = np.arange(nkv)[None, :] > np.asarray(pos)[:, None]    # [T, n_kv]
-                ck.close(f"kq_soft_max causal zeros s{s} L{il}", np.where(mask[None], P, 0.0),
+                self.ck.close(f"kq_soft_max causal zeros s{s} L{il}", np.where(mask[None], P, 0.0),
                          np.zeros(P.shape), 0.0, atol=0.0)
                 q = g("q_rope")
-                if q is not None and il in k_all and sum(x.shape[0] for x in k_all[il]) == nkv:
-                    K = np.concatenate(k_all[il]).astype(np.float64)        # [n_kv, n_kv_head, hd]
-                    group = n_head // n_head_kv
+                if q is not None and il in self.k_all and sum(x.shape[0] for x in self.k_all[il]) == nkv:
+                    K = np.concatenate(self.k_all[il]).astype(np.float64)        # [n_kv, n_kv_head, hd]
+                    group = self.n_head // self.n_head_kv
                     Kx = np.repeat(K, group, axis=1)                          # [n_kv, n_head, hd]
                     sc = np.einsum("thd,jhd->htj", q.astype(np.float64), Kx) / np.sqrt(q.shape[-1])
                     sc = np.where(mask[None], -np.inf, sc)
                     sc -= sc.max(-1, keepdims=True)
                     e = np.exp(sc)
-                    ck.close(f"kq_soft_max=softmax(q.k/sqrt(d)) s{s} L{il}", P, e / e.sum(-1, keepdims=True), r_op * 10)
-                if g("kqv_out") is not None and il in v_all and sum(x.shape[0] for x in v_all[il]) == nkv:
-                    V = np.concatenate(v_all[il]).astype(np.float64)
-                    group = n_head // n_head_kv
+                    self.ck.close(f"kq_soft_max=softmax(q.k/sqrt(d)) s{s} L{il}", P, e / e.sum(-1, keepdims=True), r_op * 10)
+                if g("kqv_out") is not None and il in self.v_all and sum(x.shape[0] for x in self.v_all[il]) == nkv:
+                    V = np.concatenate(self.v_all[il]).astype(np.float64)
+                    group = self.n_head // self.n_head_kv
                     Vx = np.repeat(V, group, axis=1)                          # [n_kv, n_head, hd]
                     o = np.einsum("htj,jhd->thd", P.astype(np.float64), Vx)
-                    ck.close(f"kqv_out=P.V s{s} L{il}", g("kqv_out"), o.reshape(o.shape[0], -1), r_op)
+                    self.ck.close(f"kqv_out=P.V s{s} L{il}", g("kqv_out"), o.reshape(o.shape[0], -1), r_op)
             if g("l_out") is not None:
                 prev = g("l_out")
         lg = taps.get(("logits", None))
         if lg is not None:
-            ck.close(f"logits=llama_get_logits s{s}", lg, logits_api[s], 0.0)
-    return ck
+            self.ck.close(f"logits=llama_get_logits s{s}", lg, lg_api, 0.0)
 
 
 # --------------------------------------------------------------------------
@@ -518,6 +560,8 @@ def main(argv=None):
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, tokenized by llama.cpp's own tokenizer")
     src.add_argument("--tokens", help="comma-separated prompt token ids, used as given (no BOS added)")
+    ap.add_argument("--prompt-text", help="with --tokens: the text the ids were made from "
+                                          "(recorded in the manifest only)")
     ap.add_argument("--steps", type=int, default=None,
                     help="number of decode steps after the prefill (default 0, or len(--forced))")
     ap.add_argument("--forced", help="comma-separated token ids to feed at the decode steps "
@@ -571,16 +615,21 @@ def main(argv=None):
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         die(f"--out {out} exists and is not a folder")
-    if os.path.isdir(out) and os.listdir(out):
-        if not args.force:
-            die(f"--out {out} is not empty (use --force to overwrite)")
-        for e in os.listdir(out):
-            p = os.path.join(out, e)
-            if e == "manifest.json" or (re.fullmatch(r"s\d{3}", e) and os.path.isdir(p)):
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-                else:
-                    os.remove(p)
+    if os.path.isdir(out) and os.listdir(out) and not args.force:
+        die(f"--out {out} is not empty (use --force to overwrite)")
+    # The trace is written under a temporary name beside --out and moved into place at the
+    # end: a failure leaves no half-written golden (and --force keeps the old one until then).
+    out_abs = os.path.abspath(out)
+    staging = os.path.join(os.path.dirname(out_abs),
+                           f".{os.path.basename(out_abs)}.partial-{os.getpid()}")
+    try:
+        os.makedirs(os.path.dirname(out_abs), exist_ok=True)
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+        os.makedirs(staging)
+    except OSError as e:
+        die(f"--out {out}: cannot write there: {e.strerror or e}")
+    _STAGING.append(staging)
 
     ggml = Ggml(libggml)
 
@@ -667,8 +716,29 @@ def main(argv=None):
     else:
         fa = bool(getattr(cp, "flash_attn", False))
 
-    steps_taps, steps_pos, steps_tokens, logits_api, all_notes = [], [], [], [], {}
-    steps_rope = []
+    steps_pos, steps_tokens, all_notes = [], [], {}
+    checks = None if args.no_check else StepChecks(n_head, n_head_kv, not args.llama_defaults, np)
+    order = [(t, None) for t in GLOBAL_FIRST] + \
+            [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
+            [(t, None) for t in GLOBAL_LAST]
+    tensors = []
+    nbytes_total = 0
+
+    def write_step(s, taps):
+        """Each step goes to disk as soon as it is recorded: memory stays one step's taps (and
+        the K/V the attention checks need), whatever the number of steps."""
+        nonlocal nbytes_total
+        os.makedirs(os.path.join(staging, f"s{s:03}"), exist_ok=True)
+        for tap, il in order:
+            a = taps.get((tap, il))
+            if a is None:
+                continue
+            a = np.ascontiguousarray(a, dtype="<f4")
+            rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"
+            np.save(os.path.join(staging, rel), a, allow_pickle=False)
+            nbytes_total += a.nbytes
+            tensors.append({"step": s, "tap": tap, "layer": il, "file": rel,
+                            "shape": list(a.shape), "dtype": "<f4"})
     listing = []
 
     def decode(tokens, pos0, step):
@@ -699,11 +769,15 @@ def main(argv=None):
             all_notes[given] = f"unnamed node {real!r} (MUL_MAT consuming kqv_out) taken as {given}"
         if args.list_nodes and step <= 1:
             listing.append((step, list(capture.seen), source, dict(capture.synthetic_src)))
-        steps_taps.append(taps)
-        steps_rope.append(dict(capture.rope_params))
-        steps_pos.append(list(range(pos0, pos0 + nt)))
+        positions = list(range(pos0, pos0 + nt))
+        if checks is not None:
+            checks.step(step, taps, positions, dict(capture.rope_params), lg)
+        try:
+            write_step(step, taps)
+        except OSError as e:
+            die(f"--out {out}: writing step {step} failed: {e.strerror or e}")
+        steps_pos.append(positions)
         steps_tokens.append(list(tokens))
-        logits_api.append(lg)
         return lg
 
     t0 = time.time()
@@ -758,11 +832,10 @@ def main(argv=None):
         print(f"fed:    {gtxt!r}", file=sys.stderr)
         print(f"text:   {(ptxt + gtxt).strip()}", file=sys.stderr)
 
-    # self-checks
+    # self-checks (run step by step in decode)
     check_summary = None
-    if not args.no_check:
-        ck = run_checks(steps_taps, steps_pos, steps_rope, n_head, n_head_kv, logits_api,
-                        tight=not args.llama_defaults, np=np)
+    if checks is not None:
+        ck = checks.ck
         check_summary = {"checks": ck.n, "failed": len(ck.failures),
                          "worst_rel_err": {k: float(f"{v:.3g}") for k, v in sorted(ck.worst.items())}}
         if ck.failures:
@@ -770,27 +843,6 @@ def main(argv=None):
                 print(f"llama_golden: check failed: {f}", file=sys.stderr)
             if len(ck.failures) > 20:
                 print(f"llama_golden: ... {len(ck.failures) - 20} more", file=sys.stderr)
-
-    # write
-    os.makedirs(out, exist_ok=True)
-    order = [(t, None) for t in GLOBAL_FIRST] + \
-            [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
-            [(t, None) for t in GLOBAL_LAST]
-    tensors = []
-    nbytes_total = 0
-    for s, taps in enumerate(steps_taps):
-        d = os.path.join(out, f"s{s:03}")
-        os.makedirs(d, exist_ok=True)
-        for tap, il in order:
-            a = taps.get((tap, il))
-            if a is None:
-                continue
-            a = np.ascontiguousarray(a, dtype="<f4")
-            rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"
-            np.save(os.path.join(out, rel), a, allow_pickle=False)
-            nbytes_total += a.nbytes
-            tensors.append({"step": s, "tap": tap, "layer": il, "file": rel,
-                            "shape": list(a.shape), "dtype": "<f4"})
 
     settings = {
         "llama_cpp_python": L.__version__,
@@ -808,7 +860,7 @@ def main(argv=None):
         "llama_defaults": args.llama_defaults,
         "bos": bos_added,
         "add_special": (not args.no_bos) if args.prompt is not None else False,
-        "prompt": args.prompt,
+        "prompt": args.prompt if args.prompt is not None else args.prompt_text,
         "decode": "forced" if forced is not None else "greedy",
         "next_token": next_token,
         "command": command,
@@ -816,7 +868,7 @@ def main(argv=None):
     if check_summary is not None:
         settings["self_check"] = check_summary
     steps = []
-    for s in range(len(steps_taps)):
+    for s in range(len(steps_tokens)):
         e = {"step": s, "tokens": steps_tokens[s], "positions": steps_pos[s]}
         if s > 0:
             e["forced"] = True
@@ -830,9 +882,19 @@ def main(argv=None):
         "steps": steps,
         "tensors": tensors,
     }
-    with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
+    failed = check_summary is not None and check_summary["failed"] and not args.llama_defaults
+    if failed:
+        die(f"{check_summary['failed']} of {check_summary['checks']} self-checks failed: the "
+            f"tensors taken from llama.cpp are not what the trace format says, so no golden "
+            f"was written (--no-check to write it anyway)", 1)
+    try:
+        with open(os.path.join(staging, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+        publish(staging, out)
+    except OSError as e:
+        die(f"--out {out}: {e.strerror or e}")
+    _STAGING.remove(staging)
 
     L.llama_free(ctx)
     L.llama_model_free(model)
@@ -842,10 +904,8 @@ def main(argv=None):
     if check_summary is not None:
         chk = f", self-check {check_summary['checks'] - check_summary['failed']}/{check_summary['checks']} ok"
     print(f"llama_golden: wrote {len(tensors)} tensors ({nbytes_total / 1e6:.2f} MB) for "
-          f"{len(steps_taps)} steps (prefill {T} tokens + {n_steps} decode), {n_fed} tokens, "
+          f"{len(steps_tokens)} steps (prefill {T} tokens + {n_steps} decode), {n_fed} tokens, "
           f"to {out} in {time.time() - t_start:.2f}s (llama.cpp {t_run:.2f}s){chk}")
-    if check_summary is not None and check_summary["failed"] and not args.llama_defaults:
-        sys.exit(1)
     return 0
 
 

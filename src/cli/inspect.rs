@@ -5,6 +5,7 @@ use crate::gguf::{GgmlType, GgufFile, Value};
 use crate::model::Config;
 use crate::model::fixture::{FixtureSpec, build};
 use clap::Args;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -30,7 +31,11 @@ fn json_value(v: &Value) -> serde_json::Value {
 }
 
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
+    crate::model::check_model_path(&a.model)?;
     let f = GgufFile::open(&a.model)?;
+    // Everything goes to a String first, then to stdout in one write whose error (a full disk,
+    // a closed file) is reported like any other.
+    let mut o = String::new();
     let config = Config::from_gguf(&f);
     let tok_model = f.get_str("tokenizer.ggml.model");
     let n_tokens = f.get_array("tokenizer.ggml.tokens").map(|t| t.len());
@@ -64,11 +69,12 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             })).collect::<Vec<_>>(),
             "tensor_bytes": total_bytes,
         });
-        println!("{}", serde_json::to_string_pretty(&j)?);
-        return Ok(ExitCode::SUCCESS);
+        writeln!(o, "{}", serde_json::to_string_pretty(&j)?)?;
+        return emit(&o);
     }
 
-    println!(
+    writeln!(
+        o,
         "{}: GGUF v{}, {} bytes, {} metadata keys, {} tensors, alignment {}",
         a.model.display(),
         f.version,
@@ -76,14 +82,15 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
         f.metadata.len(),
         f.tensors.len(),
         f.alignment
-    );
-    println!("architecture: {}", f.architecture().unwrap_or("(none)"));
+    )?;
+    writeln!(o, "architecture: {}", f.architecture().unwrap_or("(none)"))?;
     if let Some(name) = f.get_str("general.name") {
-        println!("name: {name}");
+        writeln!(o, "name: {name}")?;
     }
     match &config {
         Ok(c) => {
-            println!(
+            writeln!(
+                o,
                 "hyperparameters: n_vocab {} n_embd {} n_layer {} n_head {} n_head_kv {} head_dim {} n_ff {} n_ctx_train {}",
                 c.n_vocab,
                 c.n_embd,
@@ -93,8 +100,9 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
                 c.head_dim,
                 c.n_ff,
                 c.n_ctx_train
-            );
-            println!(
+            )?;
+            writeln!(
+                o,
                 "  rms_eps {:e} rope {:?} theta {} n_rot {} freq_scale {} tied_embeddings {} qkv_bias {}",
                 c.rms_eps,
                 c.rope_type,
@@ -103,36 +111,40 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
                 c.rope_freq_scale,
                 c.tied_embeddings,
                 c.has_qkv_bias
-            );
+            )?;
         }
-        Err(e) if !f.tensors.is_empty() => println!("hyperparameters: not a runnable model: {e}"),
-        Err(_) => println!("hyperparameters: none (vocab-only file)"),
+        Err(e) if !f.tensors.is_empty() => {
+            writeln!(o, "hyperparameters: not a runnable model: {e}")?
+        }
+        Err(_) => writeln!(o, "hyperparameters: none (vocab-only file)")?,
     }
     match tok_model {
-        Some(m) => println!(
-            "tokenizer: {m}{} with {} tokens, bos {:?} eos {:?} add_bos {:?}",
+        Some(m) => writeln!(
+            o,
+            "tokenizer: {m}{} with {} tokens, bos {} eos {} add_bos {}",
             f.get_str("tokenizer.ggml.pre")
                 .map(|p| format!(" (pre {p})"))
                 .unwrap_or_default(),
             n_tokens.unwrap_or(0),
-            f.get_u64("tokenizer.ggml.bos_token_id"),
-            f.get_u64("tokenizer.ggml.eos_token_id"),
-            f.get_bool("tokenizer.ggml.add_bos_token"),
-        ),
-        None => println!("tokenizer: none"),
+            or_none(f.get_u64("tokenizer.ggml.bos_token_id")),
+            or_none(f.get_u64("tokenizer.ggml.eos_token_id")),
+            or_none(f.get_bool("tokenizer.ggml.add_bos_token")),
+        )?,
+        None => writeln!(o, "tokenizer: none")?,
     }
     if a.metadata {
-        println!("metadata:");
+        writeln!(o, "metadata:")?;
         for (k, v) in &f.metadata {
-            println!("  {k} = {}", v.summary());
+            writeln!(o, "  {k} = {}", v.summary())?;
         }
     }
     let types: Vec<String> = by_type.iter().map(|(t, n)| format!("{n} {t}")).collect();
-    println!(
+    writeln!(
+        o,
         "tensors: {} ({} bytes of data)",
         types.join(", "),
         total_bytes
-    );
+    )?;
     if !f.tensors.is_empty() {
         let w = f
             .tensors
@@ -141,21 +153,38 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             .max()
             .unwrap_or(4)
             .max(4);
-        println!(
+        writeln!(
+            o,
             "  {:<w$}  {:<6}  {:>20}  {:>12}",
             "name", "type", "shape", "bytes"
-        );
+        )?;
         for t in &f.tensors {
             let shape = format!("{:?}", t.shape());
-            println!(
+            writeln!(
+                o,
                 "  {:<w$}  {:<6}  {:>20}  {:>12}",
                 t.name,
                 t.ty.name(),
                 shape,
                 t.n_bytes
-            );
+            )?;
         }
     }
+    emit(&o)
+}
+
+/// An optional metadata value as a person reads it: the value, or "unset".
+fn or_none<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "unset".to_string(), |v| v.to_string())
+}
+
+/// Write `text` to stdout; a failure is an error like any other (exit 2), not a panic.
+pub(super) fn emit(text: &str) -> Result<ExitCode> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(|e| err(format!("cannot write to stdout: {e}")))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -192,6 +221,66 @@ pub struct FixtureArgs {
     /// No output.weight: the output projection reuses token_embd.weight.
     #[arg(long)]
     tied: bool,
+    /// Overwrite OUT if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+/// Largest fixture written (tensor data): generated deep models for tests stay far below.
+const MAX_FIXTURE_BYTES: u64 = 4 << 30;
+
+/// Refuse, before building anything, sizes that are zero, do not fit the GGUF fields, or would
+/// make a file over [`MAX_FIXTURE_BYTES`].
+fn check_fixture_sizes(a: &FixtureArgs, ty: GgmlType) -> Result<()> {
+    for (name, v) in [
+        ("--n-embd", a.n_embd),
+        ("--n-ff", a.n_ff),
+        ("--n-layer", a.n_layer),
+        ("--n-head", a.n_head),
+        ("--n-head-kv", a.n_head_kv),
+        ("--n-ctx", a.n_ctx),
+    ] {
+        if v == 0 {
+            return Err(err(format!("{name} must be at least 1")));
+        }
+        if v > u32::MAX as usize {
+            return Err(err(format!(
+                "{name} {v} does not fit in GGUF's 32-bit field"
+            )));
+        }
+    }
+    if !a.n_embd.is_multiple_of(a.n_head) || !(a.n_embd / a.n_head).is_multiple_of(2) {
+        return Err(err(format!(
+            "--n-embd {} must be --n-head {} times an even head size (RoPE rotates pairs)",
+            a.n_embd, a.n_head
+        )));
+    }
+    let n_vocab = a.n_vocab.unwrap_or(0).max(512) as u64;
+    let (e, ff, l) = (a.n_embd as u64, a.n_ff as u64, a.n_layer as u64);
+    let kv = e / a.n_head as u64 * a.n_head_kv as u64;
+    let row = |width: u64, rows: u64| -> u64 {
+        ty.bytes_for(width)
+            .unwrap_or(width.saturating_mul(4))
+            .saturating_mul(rows)
+    };
+    let per_layer = row(e, e)
+        .saturating_add(row(e, kv).saturating_mul(2))
+        .saturating_add(row(e, e))
+        .saturating_add(row(e, ff).saturating_mul(2))
+        .saturating_add(row(ff, e));
+    let embd = row(e, n_vocab).saturating_mul(if a.tied { 1 } else { 2 });
+    let total = per_layer.saturating_mul(l).saturating_add(embd);
+    if total > MAX_FIXTURE_BYTES {
+        return Err(err(format!(
+            "a fixture of --n-embd {} --n-ff {} --n-layer {} in {ty} would hold about {:.1} GiB of weights; the limit is {} GiB",
+            a.n_embd,
+            a.n_ff,
+            a.n_layer,
+            total as f64 / (1u64 << 30) as f64,
+            MAX_FIXTURE_BYTES >> 30
+        )));
+    }
+    Ok(())
 }
 
 pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
@@ -202,6 +291,13 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
         GgmlType::parse(&a.weight_type)
             .ok_or_else(|| err(format!("unknown weight type '{}'", a.weight_type)))?
     };
+    check_fixture_sizes(&a, ty)?;
+    if !a.force && std::fs::symlink_metadata(&a.out).is_ok() {
+        return Err(err(format!(
+            "{} exists (pass --force to overwrite)",
+            a.out.display()
+        )));
+    }
     let mut spec = FixtureSpec::new(&a.arch, ty, a.seed);
     spec.q4_k_m = q4_k_m;
     spec.n_embd = a.n_embd;
@@ -213,8 +309,14 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.n_vocab = a.n_vocab;
     spec.tied = a.tied;
     let w = build(&spec).map_err(err)?;
-    let bytes = w.to_bytes();
-    std::fs::write(&a.out, &bytes).map_err(|e| err(format!("{}: {e}", a.out.display())))?;
+    // Read it back as a model before writing: a fixture parity cannot open is refused here.
+    let file = GgufFile::from_bytes(w.to_bytes())
+        .map_err(|e| err(format!("the fixture would not read back: {e}")))?;
+    drop(w);
+    let model = crate::model::Model::from_gguf(file)
+        .map_err(|e| err(format!("the fixture would not open as a model: {e}")))?;
+    let bytes = model.file.bytes();
+    write_atomically(&a.out, bytes)?;
     println!(
         "wrote {} ({} bytes, {} {}, seed {})",
         a.out.display(),
@@ -224,4 +326,23 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
         spec.seed
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Write `bytes` to a temporary name beside `path`, then rename: an interrupted or failed
+/// write never leaves a half file under the final name.
+fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    let shown = path.display();
+    let Some(name) = path.file_name() else {
+        return Err(err(format!("{shown}: not a file name")));
+    };
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".partial-{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(format!("{shown}: {e}")));
+    }
+    Ok(())
 }

@@ -13,6 +13,10 @@ pub enum ModelError {
     BadKey { key: String, what: String },
     #[error("missing tensor '{0}'")]
     MissingTensor(String),
+    #[error(
+        "vocab-only file: no tensors (a tokenizer's vocabulary, not a model: use it with `parity tokenize`)"
+    )]
+    VocabOnly,
     #[error("tensor '{name}': expected dims {expected:?} (ggml ne order), found {found:?}")]
     BadShape {
         name: String,

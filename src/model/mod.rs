@@ -47,15 +47,40 @@ pub enum OpenError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error("{0}: is a directory, not a GGUF file")]
+    Directory(String),
+    /// A malformed file, named (the reader's own messages say what, not which file).
+    #[error("{path}: {source}")]
+    Malformed { path: String, source: GgufError },
+}
+
+/// Refuse what cannot be a model file before mapping it (mmap of a folder fails with the
+/// cryptic "No such device").
+pub fn check_model_path(path: &Path) -> Result<(), OpenError> {
+    if path.is_dir() {
+        return Err(OpenError::Directory(path.display().to_string()));
+    }
+    Ok(())
 }
 
 impl Model {
     pub fn open(path: impl AsRef<Path>) -> Result<Model, OpenError> {
-        let file = GgufFile::open(path)?;
+        let path = path.as_ref();
+        check_model_path(path)?;
+        let file = GgufFile::open(path).map_err(|e| match e {
+            e @ GgufError::Io { .. } => OpenError::Gguf(e),
+            source => OpenError::Malformed {
+                path: path.display().to_string(),
+                source,
+            },
+        })?;
         Ok(Self::from_gguf(file)?)
     }
 
     pub fn from_gguf(file: GgufFile) -> Result<Model, ModelError> {
+        if file.tensors.is_empty() {
+            return Err(ModelError::VocabOnly);
+        }
         let c = Config::from_gguf(&file)?;
         let get = |name: &str, dims: &[usize]| -> Result<TensorInfo, ModelError> {
             let t = file

@@ -102,6 +102,9 @@ pub struct Trace {
     pub manifest: Manifest,
     keys: BTreeMap<TapKey, usize>,
     source: Source,
+    /// Manifest entries whose tap is not one of the known names: kept (an engine may record
+    /// more than parity compares) and reported as not compared.
+    pub extra: Vec<TensorEntry>,
 }
 
 impl Trace {
@@ -126,6 +129,7 @@ impl Trace {
             },
             keys,
             source: Source::Memory(tensors),
+            extra: Vec::new(),
         }
     }
 
@@ -151,9 +155,23 @@ impl Trace {
                 manifest.version
             )));
         }
+        for s in &manifest.steps {
+            if s.positions.len() != s.tokens.len() {
+                return Err(bad(format!(
+                    "step {} has {} tokens but {} positions (one position per token)",
+                    s.step,
+                    s.tokens.len(),
+                    s.positions.len()
+                )));
+            }
+        }
         let mut keys = BTreeMap::new();
+        let mut extra = Vec::new();
         for (i, t) in manifest.tensors.iter().enumerate() {
-            let tap = Tap::parse(&t.tap).ok_or_else(|| bad(format!("unknown tap '{}'", t.tap)))?;
+            let Some(tap) = Tap::parse(&t.tap) else {
+                extra.push(t.clone());
+                continue;
+            };
             if tap.per_layer() != t.layer.is_some() {
                 return Err(bad(format!(
                     "tap '{}' {} a layer",
@@ -180,7 +198,20 @@ impl Trace {
             manifest,
             keys,
             source: Source::Dir(dir.to_path_buf()),
+            extra,
         })
+    }
+
+    /// The names of the taps this trace records that parity does not know (not compared),
+    /// each once, in manifest order.
+    pub fn not_compared(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for e in &self.extra {
+            if !names.contains(&e.tap) {
+                names.push(e.tap.clone());
+            }
+        }
+        names
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &TapKey> {
@@ -228,32 +259,97 @@ fn entry(k: &TapKey, shape: &[usize]) -> TensorEntry {
     }
 }
 
-fn prepare_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
-    if dir.exists() {
-        let non_empty = std::fs::read_dir(dir)
-            .map_err(io_err(dir))?
-            .next()
-            .is_some();
-        if non_empty && !force {
-            return Err(TraceError::NotEmpty(dir.display().to_string()));
-        }
-        if non_empty {
-            // Only clear what a trace consists of, never arbitrary user files.
-            if dir.join("manifest.json").exists() {
-                for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
-                    let p = e.path();
-                    let name = e.file_name().to_string_lossy().to_string();
-                    if p.is_dir()
-                        && name.starts_with('s')
-                        && name[1..].chars().all(|c| c.is_ascii_digit())
-                    {
-                        std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
-                    }
-                }
+/// Refuse a non-empty output folder unless `force` (checked before any work is done).
+fn check_out_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
+    match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => Err(TraceError::Io {
+            path: dir.display().to_string(),
+            source: std::io::Error::other("exists and is not a folder"),
+        }),
+        Ok(_) => {
+            let non_empty = std::fs::read_dir(dir)
+                .map_err(io_err(dir))?
+                .next()
+                .is_some();
+            if non_empty && !force {
+                return Err(TraceError::NotEmpty(dir.display().to_string()));
             }
+            Ok(())
+        }
+        Err(_) => Ok(()),
+    }
+}
+
+/// Is `name` one of the entries a trace consists of (`manifest.json`, `sNNN/`)?
+fn is_trace_entry(name: &std::ffi::OsStr) -> bool {
+    let name = name.to_string_lossy();
+    name == "manifest.json"
+        || (name.len() > 1
+            && name.starts_with('s')
+            && name[1..].chars().all(|c| c.is_ascii_digit()))
+}
+
+/// A sibling of `dir` (same parent, so a rename is atomic) where the trace is written until it
+/// is complete: `.NAME.partial-PID`.
+fn staging_dir(dir: &Path) -> Result<PathBuf, TraceError> {
+    let abs = if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir().map_err(io_err(dir))?.join(dir)
+    };
+    // `trace/.` or `..`: name the folder by its canonical path when it already exists.
+    let abs = match abs.file_name() {
+        Some(_) => abs,
+        None => abs.canonicalize().map_err(io_err(dir))?,
+    };
+    let (Some(parent), Some(name)) = (abs.parent(), abs.file_name()) else {
+        return Err(TraceError::Io {
+            path: dir.display().to_string(),
+            source: std::io::Error::other("cannot write a trace at the file system root"),
+        });
+    };
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".partial-{}", std::process::id()));
+    Ok(parent.join(tmp))
+}
+
+/// Move the finished trace in `tmp` to `dir`: a plain rename when `dir` is absent or empty;
+/// otherwise (`--force`) the old trace's entries are removed, never other files, and the new
+/// ones moved in, `manifest.json` last.
+fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
+    let empty = match std::fs::read_dir(dir) {
+        Ok(mut it) => it.next().is_none(),
+        Err(_) => {
+            return std::fs::rename(tmp, dir).map_err(io_err(dir));
+        }
+    };
+    if empty {
+        std::fs::remove_dir(dir).map_err(io_err(dir))?;
+        return std::fs::rename(tmp, dir).map_err(io_err(dir));
+    }
+    for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
+        let p = e.path();
+        if !is_trace_entry(&e.file_name()) {
+            continue;
+        }
+        if p.is_dir() {
+            std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
+        } else {
+            std::fs::remove_file(&p).map_err(io_err(&p))?;
         }
     }
-    std::fs::create_dir_all(dir).map_err(io_err(dir))
+    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(tmp)
+        .map_err(io_err(tmp))?
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    names.sort_by_key(|n| n == "manifest.json");
+    for n in names {
+        let (from, to) = (tmp.join(&n), dir.join(&n));
+        std::fs::rename(&from, &to).map_err(io_err(&to))?;
+    }
+    std::fs::remove_dir(tmp).map_err(io_err(tmp))
 }
 
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TraceError> {
@@ -279,7 +375,8 @@ pub fn write_npy(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Trace
     w.finish().map_err(io_err(path))
 }
 
-/// Read a .npy file of f32, f64 or f16 (C or Fortran order) as an f32 tensor.
+/// Read a .npy file of f32, f16 or f64, either byte order, C or Fortran order, as an f32
+/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf).
 pub fn read_npy(path: &Path) -> Result<ArrayD<f32>, TraceError> {
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
@@ -288,45 +385,87 @@ pub fn read_npy(path: &Path) -> Result<ArrayD<f32>, TraceError> {
     let bytes = std::fs::read(path).map_err(io_err(path))?;
     let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad(format!("not a .npy file: {e}")))?;
     let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
-    let n: usize = shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad("absurd shape".into()))?;
-    if n.saturating_mul(2) > bytes.len() {
-        return Err(bad(format!(
-            "shape {shape:?} does not fit in {} bytes",
-            bytes.len()
-        )));
-    }
     let fortran = npy.order() == npyz::Order::Fortran;
     let descr = npy
         .dtype()
         .descr()
         .trim_matches(|c| c == '\'' || c == '"')
         .to_string();
-    let data: Vec<f32> = match descr.as_str() {
-        "<f4" | ">f4" => npy.into_vec::<f32>(),
-        "<f8" | ">f8" => npy
-            .into_vec::<f64>()
-            .map(|v| v.into_iter().map(|x| x as f32).collect()),
-        "<f2" | ">f2" => npy.into_vec::<u16>().map(|v| {
-            v.into_iter()
-                .map(|b| half::f16::from_bits(b).to_f32())
-                .collect()
-        }),
+    // What follows the header is the data, element after element.
+    let data_bytes: &[u8] = npy.into_inner();
+    let (size, big) = match descr.as_str() {
+        "<f4" => (4, false),
+        ">f4" => (4, true),
+        "<f2" => (2, false),
+        ">f2" => (2, true),
+        "<f8" => (8, false),
+        ">f8" => (8, true),
         other => {
             return Err(bad(format!(
-                "dtype {other} is not a float type (use float32)"
+                "dtype {other} is not a float type (use float32, float16 or float64)"
             )));
         }
-    }
-    .map_err(|e| bad(e.to_string()))?;
-    if data.len() != n {
+    };
+    let shape_txt = shape
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let n: usize = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| bad(format!("shape [{shape_txt}] is too large")))?;
+    let want = n
+        .checked_mul(size)
+        .ok_or_else(|| bad(format!("shape [{shape_txt}] is too large")))?;
+    if data_bytes.len() < want {
         return Err(bad(format!(
-            "holds {} values for shape {shape:?}",
-            data.len()
+            "truncated ({} of {want} bytes of {descr} data for shape [{shape_txt}])",
+            data_bytes.len()
         )));
     }
+    if data_bytes.len() > want {
+        return Err(bad(format!(
+            "{} bytes of data after the header, shape [{shape_txt}] of {descr} needs {want}",
+            data_bytes.len()
+        )));
+    }
+    let data: Vec<f32> = match size {
+        2 => data_bytes
+            .chunks_exact(2)
+            .map(|c| {
+                let b = [c[0], c[1]];
+                let bits = if big {
+                    u16::from_be_bytes(b)
+                } else {
+                    u16::from_le_bytes(b)
+                };
+                half::f16::from_bits(bits).to_f32()
+            })
+            .collect(),
+        4 => data_bytes
+            .chunks_exact(4)
+            .map(|c| {
+                let b = [c[0], c[1], c[2], c[3]];
+                if big {
+                    f32::from_be_bytes(b)
+                } else {
+                    f32::from_le_bytes(b)
+                }
+            })
+            .collect(),
+        _ => data_bytes
+            .chunks_exact(8)
+            .map(|c| {
+                let b: [u8; 8] = c.try_into().expect("chunks of 8");
+                (if big {
+                    f64::from_be_bytes(b)
+                } else {
+                    f64::from_le_bytes(b)
+                }) as f32
+            })
+            .collect(),
+    };
     let sh = if fortran {
         IxDyn(&shape).f()
     } else {
@@ -336,25 +475,41 @@ pub fn read_npy(path: &Path) -> Result<ArrayD<f32>, TraceError> {
 }
 
 /// A sink that streams wanted taps straight to a trace folder (low memory for big models).
+/// The trace is written under a temporary name beside the output folder and moved into place
+/// by [`TraceWriter::finish`]; dropped unfinished (an error, a panic), it leaves nothing behind.
 pub struct TraceWriter {
     dir: PathBuf,
+    /// Where the tensors go until `finish`.
+    tmp: PathBuf,
     filter: TapFilter,
     entries: Vec<TensorEntry>,
     error: Option<TraceError>,
+    done: bool,
 }
 
 impl TraceWriter {
     pub fn create(dir: &Path, filter: TapFilter, force: bool) -> Result<Self, TraceError> {
-        prepare_dir(dir, force)?;
+        check_out_dir(dir, force)?;
+        let tmp = staging_dir(dir)?;
+        if let Some(parent) = tmp.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+        }
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+        }
+        std::fs::create_dir(&tmp).map_err(io_err(dir))?;
         Ok(TraceWriter {
             dir: dir.to_path_buf(),
+            tmp,
             filter,
             entries: Vec::new(),
             error: None,
+            done: false,
         })
     }
 
-    /// Write the manifest. Reports the first write error met while recording.
+    /// Write the manifest and move the trace into place. Reports the first write error met
+    /// while recording.
     pub fn finish(
         mut self,
         model: ModelRef,
@@ -364,19 +519,30 @@ impl TraceWriter {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        self.entries
-            .sort_by_key(|e| TapKey::new(e.step, e.layer, Tap::parse(&e.tap).expect("own tap")));
-        let m = Manifest {
+        let entries = std::mem::take(&mut self.entries);
+        let mut m = Manifest {
             format: FORMAT.into(),
             version: VERSION,
             model,
             producer,
             steps,
-            tensors: self.entries,
+            tensors: entries,
             layouts: BTreeMap::new(),
         };
-        write_manifest(&self.dir, &m)?;
+        m.tensors
+            .sort_by_key(|e| TapKey::new(e.step, e.layer, Tap::parse(&e.tap).expect("own tap")));
+        write_manifest(&self.tmp, &m)?;
+        publish(&self.tmp, &self.dir)?;
+        self.done = true;
         Ok(m)
+    }
+}
+
+impl Drop for TraceWriter {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
     }
 }
 
@@ -385,7 +551,7 @@ impl Sink for TraceWriter {
         self.error.is_none() && self.filter.matches(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
-        match write_npy(&self.dir.join(key.file()), shape, data) {
+        match write_npy(&self.tmp.join(key.file()), shape, data) {
             Ok(()) => self.entries.push(entry(&key, shape)),
             Err(e) => self.error = Some(e),
         }

@@ -1,0 +1,876 @@
+//! The adversarial CLI suite: every bad input a user can hand parity, as a table row: the crafted
+//! input (made in a temporary folder), the command, the exit code, the words the one error line
+//! must hold, and, where it applies, a check that nothing half-written was left behind.
+//!
+//! Bad input is answered with one line on stderr and exit code 2: never a panic (101), an abort
+//! (134), a signal, a Python traceback, or exit 1 (which means "divergence found").
+//! Rows that need ../shared or llama.cpp (the repository's .venv) skip with a message.
+
+mod common;
+
+use common::{copy_dir, root, shared};
+use std::ffi::{OsStr, OsString};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const FIX: &str = "fixtures/tiny-llama-q8_0.gguf";
+const GOLDEN: &str = "golden/tiny-llama-q8_0";
+
+/// What a row needs beyond the repository.
+#[derive(Clone, Copy, PartialEq)]
+enum Need {
+    /// A path under ../shared.
+    Shared(&'static str),
+    /// A Python with llama_cpp and numpy (as `parity golden` picks it).
+    Llama,
+}
+
+struct Case {
+    name: &'static str,
+    needs: &'static [Need],
+    /// Crafts the input in the temp folder and returns the arguments.
+    args: fn(&Path) -> Vec<OsString>,
+    /// Extra environment.
+    env: &'static [(&'static str, &'static str)],
+    /// Send stdout to this file instead of a pipe (`/dev/full`).
+    stdout_to: Option<&'static str>,
+    code: i32,
+    /// Words the stderr's error line must contain (exit 2), or stdout+stderr (exit 0).
+    words: &'static [&'static str],
+    /// Afterwards: what must (not) be in the temp folder. Returns a complaint.
+    after: Option<fn(&Path) -> Option<String>>,
+}
+
+fn os(v: &[&dyn AsRef<OsStr>]) -> Vec<OsString> {
+    v.iter().map(|s| s.as_ref().to_os_string()).collect()
+}
+
+fn fix() -> PathBuf {
+    root().join(FIX)
+}
+
+/// A non-UTF-8 file name inside `dir`.
+fn non_utf8(dir: &Path, stem: &str) -> PathBuf {
+    let mut b = stem.as_bytes().to_vec();
+    b.extend_from_slice(b"-\xff\xfe");
+    dir.join(OsStr::from_bytes(&b))
+}
+
+/// Nothing half-written: no temporary `.NAME.partial-PID` left in `dir`, and none of `names`.
+fn clean(dir: &Path, names: &[&str]) -> Option<String> {
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let n = e.file_name().to_string_lossy().to_string();
+        if n.contains(".partial-") {
+            return Some(format!("left behind: {n}"));
+        }
+        if names.contains(&n.as_str()) {
+            return Some(format!("left behind: {n}"));
+        }
+    }
+    None
+}
+
+fn truncated_copy(dir: &Path, src: &Path, keep: usize) -> PathBuf {
+    let b = std::fs::read(src).unwrap();
+    let p = dir.join("truncated.gguf");
+    std::fs::write(&p, &b[..keep.min(b.len())]).unwrap();
+    p
+}
+
+/// A .npy file image (format 1.0) with the given dtype descr, C order.
+fn npy_image(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape_txt = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
+    let mut h = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_txt}, }}");
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    out.extend_from_slice(h.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// Copy the committed golden to `dir/name`, with its model reference made unknown (so that
+/// `diff` compares end to end with --weight-type, without the judge) and `edit` applied to
+/// its manifest and files.
+fn trace_copy(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&Path, &mut serde_json::Value),
+) -> PathBuf {
+    let d = dir.join(name);
+    copy_dir(&root().join(GOLDEN), &d);
+    let mp = d.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m["model"]["path"] = "elsewhere/model.gguf".into();
+    m["model"]["sha256"] = "0".repeat(64).into();
+    edit(&d, &mut m);
+    std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    d
+}
+
+/// Rewrite the trace's logits as `descr` (`<f2` or `<f8`).
+fn logits_as(d: &Path, descr: &str) {
+    let p = d.join("s000/logits.npy");
+    let (shape, data) = common::read_npy(&p);
+    let shape: Vec<usize> = shape.iter().map(|&x| x as usize).collect();
+    let bytes: Vec<u8> = match descr {
+        "<f2" => data
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+            .collect(),
+        "<f8" => data
+            .iter()
+            .flat_map(|&x| (x as f64).to_le_bytes())
+            .collect(),
+        _ => unreachable!(),
+    };
+    std::fs::write(&p, npy_image(descr, &shape, &bytes)).unwrap();
+}
+
+/// A Python stand-in for `parity golden`: passes the llama_cpp probe, then fails the way a
+/// crashing script does (a traceback, exit 1).
+fn fake_python(dir: &Path) -> PathBuf {
+    let p = dir.join("fake-python");
+    std::fs::write(
+        &p,
+        "#!/bin/sh\nif [ \"$1\" = -c ]; then exit 0; fi\n\
+         echo 'Traceback (most recent call last):' >&2\n\
+         echo '  File \"llama_golden.py\", line 1, in <module>' >&2\n\
+         echo 'MemoryError' >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        // ---- dump: paths as OsStr, traces written under a temporary name and renamed
+        Case {
+            name: "dump to a non-UTF-8 folder",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--out",
+                    &non_utf8(d, "trace"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote"],
+            after: Some(|d| {
+                let t = non_utf8(d, "trace");
+                if !t.join("manifest.json").is_file() {
+                    return Some("no manifest.json in the non-UTF-8 folder".into());
+                }
+                clean(d, &[])
+            }),
+        },
+        Case {
+            name: "dump past the context leaves nothing",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"100000",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["context"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "dump --force over a trace keeps other files",
+            needs: &[],
+            args: |d| {
+                let t = d.join("t");
+                copy_dir(&root().join(GOLDEN), &t);
+                std::fs::write(t.join("notes.txt"), "mine").unwrap();
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--out",
+                    &t,
+                    &"--force",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote"],
+            after: Some(|d| {
+                let t = d.join("t");
+                if std::fs::read_to_string(t.join("notes.txt")).ok().as_deref() != Some("mine") {
+                    return Some("--force removed a file that is not part of a trace".into());
+                }
+                let m = std::fs::read_to_string(t.join("manifest.json")).unwrap();
+                if !m.contains("\"parity\"") {
+                    return Some("the manifest is not the new trace's".into());
+                }
+                if t.join("s004").exists() {
+                    return Some("the old trace's step 4 is still there".into());
+                }
+                clean(d, &[])
+            }),
+        },
+        Case {
+            name: "dump into a non-empty folder without --force",
+            needs: &[],
+            args: |d| {
+                std::fs::create_dir(d.join("t")).unwrap();
+                std::fs::write(d.join("t/x"), "x").unwrap();
+                os(&[&"dump", &fix(), &"-p", &"hi", &"--out", &d.join("t")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["not empty", "--force"],
+            after: Some(|d| clean(d, &[])),
+        },
+        // ---- limits
+        Case {
+            name: "generate --threads 100000 (capped)",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"generate",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"-n",
+                    &"2",
+                    &"--backend",
+                    &"fast",
+                    &"--threads",
+                    &"100000",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["ids:"],
+            after: None,
+        },
+        Case {
+            name: "inspect --json > /dev/full",
+            needs: &[],
+            args: |_| os(&[&"inspect", &"--json", &fix()]),
+            env: &[],
+            stdout_to: Some("/dev/full"),
+            code: 2,
+            words: &["cannot write to stdout", "No space left"],
+            after: None,
+        },
+        Case {
+            name: "tokenize > /dev/full",
+            needs: &[],
+            args: |_| os(&[&"tokenize", &fix(), &"hi"]),
+            env: &[],
+            stdout_to: Some("/dev/full"),
+            code: 2,
+            words: &["cannot write to stdout"],
+            after: None,
+        },
+        Case {
+            name: "fixture --n-embd 1000000 --n-layer 100",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"fixture",
+                    &"--n-embd",
+                    &"1000000",
+                    &"--n-layer",
+                    &"100",
+                    &"-o",
+                    &d.join("big.gguf"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["GiB", "limit"],
+            after: Some(|d| clean(d, &["big.gguf"])),
+        },
+        Case {
+            name: "fixture --n-embd 0",
+            needs: &[],
+            args: |d| os(&[&"fixture", &"--n-embd", &"0", &"-o", &d.join("z.gguf")]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--n-embd", "at least 1"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
+            name: "fixture with an odd head size",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"fixture",
+                    &"--n-embd",
+                    &"96",
+                    &"--n-head",
+                    &"32",
+                    &"--type",
+                    &"f32",
+                    &"-o",
+                    &d.join("z.gguf"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["even head size"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
+            name: "fixture over an existing file",
+            needs: &[],
+            args: |d| {
+                std::fs::write(d.join("mine.gguf"), "precious").unwrap();
+                os(&[&"fixture", &"-o", &d.join("mine.gguf")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["exists", "--force"],
+            after: Some(|d| {
+                (std::fs::read_to_string(d.join("mine.gguf")).unwrap() != "precious")
+                    .then(|| "the existing file was overwritten".to_string())
+            }),
+        },
+        // ---- models
+        Case {
+            name: "a directory as model (inspect)",
+            needs: &[],
+            args: |d| os(&[&"inspect", &d]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["is a directory"],
+            after: None,
+        },
+        Case {
+            name: "a directory as model (check)",
+            needs: &[],
+            args: |d| os(&[&"check", &d, &"-p", &"hi"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["is a directory"],
+            after: None,
+        },
+        Case {
+            name: "a vocab-only GGUF as model",
+            needs: &[Need::Shared("vocab/ggml-vocab-llama-spm.gguf")],
+            args: |_| {
+                let v = shared("vocab/ggml-vocab-llama-spm.gguf").unwrap();
+                os(&[&"generate", &v, &"-p", &"hi", &"-n", &"1"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["vocab-only file: no tensors"],
+            after: None,
+        },
+        Case {
+            name: "a vocab-only GGUF of another architecture",
+            needs: &[Need::Shared("vocab/ggml-vocab-baichuan.gguf")],
+            args: |_| {
+                let v = shared("vocab/ggml-vocab-baichuan.gguf").unwrap();
+                os(&[&"check", &v, &"-p", &"hi"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["vocab-only file: no tensors"],
+            after: None,
+        },
+        Case {
+            name: "a truncated model (check)",
+            needs: &[],
+            args: |d| {
+                let len = std::fs::metadata(fix()).unwrap().len() as usize;
+                let p = truncated_copy(d, &fix(), len - 1000);
+                os(&[&"check", &p, &"-p", &"hi"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["past the end of the file"],
+            after: None,
+        },
+        // ---- golden: everything parity can check, up front; the Python side in one line
+        Case {
+            name: "golden --steps 100000",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"100000",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["exceed the model's context of 256"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden to a non-UTF-8 folder",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--out",
+                    &non_utf8(d, "g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["not valid UTF-8"],
+            after: Some(|d| clean(d, &[])),
+        },
+        Case {
+            name: "golden of a truncated model",
+            needs: &[],
+            args: |d| {
+                let p = truncated_copy(d, &fix(), 300);
+                os(&[&"golden", &p, &"-p", &"hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["truncated.gguf"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden of a GGUF v1 model",
+            needs: &[Need::Shared("legacy/stories260k-gguf-v1.gguf")],
+            args: |d| {
+                let p = shared("legacy/stories260k-gguf-v1.gguf").unwrap();
+                os(&[&"golden", &p, &"-p", &"hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["version 1"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden of a vocab-only file",
+            needs: &[Need::Shared("vocab/ggml-vocab-llama-spm.gguf")],
+            args: |d| {
+                let p = shared("vocab/ggml-vocab-llama-spm.gguf").unwrap();
+                os(&[&"golden", &p, &"-p", &"hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["vocab-only file: no tensors"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden: the Python side's traceback",
+            needs: &[],
+            args: |d| {
+                let py = fake_python(d);
+                // The environment is per row; the fake Python is passed through it below.
+                std::fs::write(d.join("PARITY_PYTHON"), py.as_os_str().as_bytes()).unwrap();
+                os(&[&"golden", &fix(), &"-p", &"hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["the llama.cpp script failed: MemoryError", "--verbose"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden --verbose (the flag the hint names exists)",
+            needs: &[],
+            args: |d| {
+                let py = fake_python(d);
+                std::fs::write(d.join("PARITY_PYTHON"), py.as_os_str().as_bytes()).unwrap();
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--out",
+                    &d.join("g"),
+                    &"--verbose",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["golden: the llama.cpp script exited with code 1"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden into an unwritable place",
+            needs: &[Need::Llama],
+            args: |_| os(&[&"golden", &fix(), &"-p", &"hi", &"--out", &"/proc/parity-golden"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["/proc/parity-golden", "cannot write there"],
+            after: None,
+        },
+        Case {
+            // llama.cpp's own tokenizer aborts the process on this (no byte token for 0xF0 in
+            // this vocabulary); parity tokenizes first and says so.
+            name: "golden with an emoji prompt on a vocabulary without byte tokens",
+            needs: &[Need::Shared("models/TinyStories-656K-Q8_0.gguf")],
+            args: |d| {
+                let m = shared("models/TinyStories-656K-Q8_0.gguf").unwrap();
+                os(&[&"golden", &m, &"-p", &"😀 hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["no byte token for byte 0xF0"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden from a prompt: parity's ids, llama.cpp's run",
+            needs: &[
+                Need::Llama,
+                Need::Shared("models/TinyStories-656K-Q8_0.gguf"),
+            ],
+            args: |d| {
+                let m = shared("models/TinyStories-656K-Q8_0.gguf").unwrap();
+                os(&[
+                    &"golden",
+                    &m,
+                    &"-p",
+                    &"Once upon a time",
+                    &"--steps",
+                    &"2",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote", "prompt ids: 1,"],
+            after: Some(|d| {
+                let Ok(m) = std::fs::read_to_string(d.join("g/manifest.json")) else {
+                    return Some("no golden written".into());
+                };
+                if !m.contains("\"prompt\": \"Once upon a time\"") {
+                    return Some("the manifest does not record the prompt text".into());
+                }
+                clean(d, &[])
+            }),
+        },
+        // ---- traces as an engine author writes them
+        Case {
+            name: "f16 .npy accepted",
+            needs: &[],
+            args: |d| {
+                let a = trace_copy(d, "a", |p, _| logits_as(p, "<f2"));
+                let b = trace_copy(d, "b", |p, _| logits_as(p, "<f2"));
+                os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["PARITY"],
+            after: None,
+        },
+        Case {
+            name: "f64 .npy accepted",
+            needs: &[],
+            args: |d| {
+                let a = trace_copy(d, "a", |p, _| logits_as(p, "<f8"));
+                let b = trace_copy(d, "b", |p, _| logits_as(p, "<f8"));
+                os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["PARITY"],
+            after: None,
+        },
+        Case {
+            name: "a truncated .npy",
+            needs: &[],
+            args: |d| {
+                let a = trace_copy(d, "a", |_, _| {});
+                let b = trace_copy(d, "b", |p, _| {
+                    let f = p.join("s000/logits.npy");
+                    let bytes = std::fs::read(&f).unwrap();
+                    std::fs::write(&f, &bytes[..bytes.len() - 100]).unwrap();
+                });
+                os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["s000/logits.npy: truncated (", "bytes"],
+            after: None,
+        },
+        Case {
+            name: "a tap parity does not know is kept, not compared",
+            needs: &[],
+            args: |d| {
+                let a = trace_copy(d, "a", |_, _| {});
+                let b = trace_copy(d, "b", |p, m| {
+                    std::fs::copy(p.join("s000/embd.npy"), p.join("s000/my_probe.npy")).unwrap();
+                    let e = m["tensors"][0].clone();
+                    let mut e = e;
+                    e["tap"] = "my_probe".into();
+                    e["file"] = "s000/my_probe.npy".into();
+                    m["tensors"].as_array_mut().unwrap().push(e);
+                });
+                os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["Not compared", "1 only in the candidate"],
+            after: None,
+        },
+        Case {
+            name: "positions not one per token",
+            needs: &[],
+            args: |d| {
+                let a = trace_copy(d, "a", |_, _| {});
+                let b = trace_copy(d, "b", |_, m| {
+                    m["steps"][0]["positions"].as_array_mut().unwrap().pop();
+                });
+                os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["step 0 has", "positions"],
+            after: None,
+        },
+    ]
+}
+
+/// A Python with llama_cpp and numpy, as `parity golden` picks it.
+fn llama_python() -> Option<PathBuf> {
+    let py = std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    ok.then_some(py)
+}
+
+struct Outcome {
+    name: &'static str,
+    result: Result<(), String>,
+}
+
+fn run_case(c: &Case) -> Option<Outcome> {
+    for n in c.needs {
+        match n {
+            Need::Shared(sub) => shared(sub)?,
+            Need::Llama => {
+                if llama_python().is_none() {
+                    eprintln!("skipped: {} (llama_cpp not installed)", c.name);
+                    return None;
+                }
+                PathBuf::new()
+            }
+        };
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let args = (c.args)(d);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_parity"));
+    cmd.args(&args).current_dir(root());
+    for (k, v) in c.env {
+        cmd.env(k, v);
+    }
+    if let Ok(py) = std::fs::read(d.join("PARITY_PYTHON")) {
+        cmd.env("PARITY_PYTHON", OsStr::from_bytes(&py));
+    }
+    // Goldens made by a row go to the temp folder, never the user's.
+    cmd.env("PARITY_GOLDEN_DIR", d.join("user-goldens"));
+    match c.stdout_to {
+        Some(f) => cmd.stdout(std::fs::OpenOptions::new().write(true).open(f).unwrap()),
+        None => cmd.stdout(Stdio::piped()),
+    };
+    cmd.stderr(Stdio::piped());
+    let o = cmd.output().expect("run parity");
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    let shown = format!(
+        "exit {:?}\n--- stdout (tail)\n{}\n--- stderr\n{}",
+        o.status.code(),
+        stdout
+            .lines()
+            .rev()
+            .take(8)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n"),
+        stderr
+    );
+    let result = (|| {
+        if o.status.code() != Some(c.code) {
+            return Err(format!("expected exit {}, got:\n{shown}", c.code));
+        }
+        // --verbose asks for the Python side's whole output.
+        let verbose = args.iter().any(|a| a == "--verbose");
+        for bad in ["panicked", "RUST_BACKTRACE", "Traceback", "Some(", "None"] {
+            if stderr.contains(bad) && !(verbose && bad == "Traceback") {
+                return Err(format!("stderr holds '{bad}':\n{shown}"));
+            }
+        }
+        let haystack = if c.code == 2 {
+            let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+            if errors.len() != 1 {
+                return Err(format!(
+                    "expected exactly one error line, got {}:\n{shown}",
+                    errors.len()
+                ));
+            }
+            errors[0].to_string()
+        } else {
+            format!("{stdout}\n{stderr}")
+        };
+        for w in c.words {
+            if !haystack.contains(w) {
+                return Err(format!("'{w}' not found in:\n{haystack}\n\n{shown}"));
+            }
+        }
+        if let Some(after) = c.after
+            && let Some(why) = after(d)
+        {
+            return Err(format!("{why}\n{shown}"));
+        }
+        Ok(())
+    })();
+    Some(Outcome {
+        name: c.name,
+        result,
+    })
+}
+
+#[test]
+fn every_bad_input_one_line_exit_2() {
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for c in cases() {
+        let Some(out) = run_case(&c) else { continue };
+        ran += 1;
+        match out.result {
+            Ok(()) => eprintln!("ok    {}", out.name),
+            Err(why) => {
+                eprintln!("FAIL  {}\n{why}\n", out.name);
+                failed.push(out.name);
+            }
+        }
+    }
+    eprintln!("{ran} rows run, {} failed", failed.len());
+    assert!(failed.is_empty(), "failed rows: {failed:?}");
+}
+
+/// The f16 and f64 readers convert exactly what they should (the CLI rows above only show that
+/// such files are accepted).
+#[test]
+fn npy_f16_f64_big_endian_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let vals = [1.0f32, -2.5, 0.000061035156, 65504.0];
+    let cases: [(&str, Vec<u8>); 4] = [
+        (
+            "<f2",
+            vals.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+                .collect(),
+        ),
+        (
+            ">f2",
+            vals.iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_bits().to_be_bytes())
+                .collect(),
+        ),
+        (
+            "<f8",
+            vals.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
+        ),
+        (
+            ">f4",
+            vals.iter().flat_map(|&x| x.to_be_bytes()).collect(),
+        ),
+    ];
+    // A one-tensor trace: step 0 of two tokens, its `embd` as [2, 2].
+    let t = dir.path();
+    std::fs::create_dir(t.join("s000")).unwrap();
+    let manifest = serde_json::json!({
+        "format": "parity-trace", "version": 1,
+        "model": {"path": "m.gguf", "sha256": ""},
+        "producer": {"name": "test", "backend": "cpu", "version": ""},
+        "steps": [{"step": 0, "tokens": [1, 2], "positions": [0, 1]}],
+        "tensors": [{"step": 0, "tap": "embd", "layer": null, "file": "s000/embd.npy",
+                     "shape": [2, 2], "dtype": "<f4"}],
+    });
+    std::fs::write(t.join("manifest.json"), manifest.to_string()).unwrap();
+    let key = parity::trace::TapKey::new(0, None, parity::trace::Tap::parse("embd").unwrap());
+    let read = || parity::trace::Trace::open(t).and_then(|tr| tr.get(&key));
+    for (descr, data) in cases {
+        std::fs::write(t.join("s000/embd.npy"), npy_image(descr, &[2, 2], &data)).unwrap();
+        let a = read()
+            .unwrap_or_else(|e| panic!("{descr}: {e}"))
+            .expect("embd is in the trace");
+        assert_eq!(a.shape(), &[2, 2], "{descr}");
+        assert_eq!(a.iter().copied().collect::<Vec<_>>(), vals, "{descr}");
+    }
+    // Integers are refused by name.
+    std::fs::write(t.join("s000/embd.npy"), npy_image("<i4", &[2, 2], &[0; 16])).unwrap();
+    let e = read().unwrap_err().to_string();
+    assert!(e.contains("<i4") && e.contains("not a float type"), "{e}");
+}
