@@ -359,7 +359,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     )?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
     let info = backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?;
-    let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args().collect::<Vec<_>>().join(" ") });
+    let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ") });
     let m = sink.finish(
         model_ref(&a.model, &model),
         producer(b.as_ref(), settings),

@@ -253,8 +253,9 @@ pub fn compare(
         logits,
         kld_threshold: kld_threshold(opt.pair, opt.weight_type),
         first_divergence,
-        only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count(),
-        only_in_candidate: cand.keys().filter(|k| !base.contains(k)).count(),
+        // Taps outside parity's names are kept by `Trace::open` and counted here as not compared.
+        only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count() + base.extra.len(),
+        only_in_candidate: cand.keys().filter(|k| !base.contains(k)).count() + cand.extra.len(),
     })
 }
 
