@@ -21,8 +21,65 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
+/// Does `python -c code` succeed?
+fn python_can(python: &Path, code: &str) -> bool {
+    std::process::Command::new(python)
+        .args(["-c", code])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// What the test suite can use on this machine, as cfgs: a test that cannot run is marked
+/// `#[cfg_attr(not(parity_llama_cpp), ignore = "…")]` and shows as ignored, with its reason,
+/// instead of passing without having run. `.ci/run` installs everything, so nothing is ignored
+/// in CI.
+fn probe_test_tools(root: &Path) {
+    for cfg in [
+        "parity_llama_cpp",
+        "parity_numpy",
+        "parity_gguf_py",
+        "parity_shared",
+    ] {
+        println!("cargo::rustc-check-cfg=cfg({cfg})");
+    }
+    println!("cargo:rerun-if-env-changed=PARITY_PYTHON");
+    let venv = root.join(".venv/bin/python");
+    // Packages installed into the venv change the answer. A venv made after the last build is
+    // not seen (watching a missing path would rebuild every time): tests/tools_probe.rs says
+    // so and asks for `touch build.rs`.
+    if root.join(".venv").exists() {
+        println!(
+            "cargo:rerun-if-changed={}",
+            root.join(".venv/lib").display()
+        );
+    }
+    let python = std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            if venv.exists() {
+                venv
+            } else {
+                PathBuf::from("python3")
+            }
+        });
+    if python_can(&python, "import llama_cpp, numpy") {
+        println!("cargo:rustc-cfg=parity_llama_cpp");
+    }
+    if python_can(&python, "import numpy") {
+        println!("cargo:rustc-cfg=parity_numpy");
+    }
+    if python_can(&python, "import numpy, gguf") {
+        println!("cargo:rustc-cfg=parity_gguf_py");
+    }
+    let shared = root.join("../shared/models");
+    if shared.is_dir() {
+        println!("cargo:rustc-cfg=parity_shared");
+    }
+}
+
 fn main() {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    probe_test_tools(&root);
     let mut list = vec![root.join("fixtures/tiny-llama-q8_0.gguf")];
     files(&root.join("golden/tiny-llama-q8_0"), &mut list);
     for s in [

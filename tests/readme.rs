@@ -68,6 +68,10 @@ fn llama_cpp() -> bool {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
 fn the_readme_walkthrough_runs_as_written() {
     if !llama_cpp() {
         return;

@@ -1,0 +1,47 @@
+//! The tools the build found for the test suite (build.rs: llama_cpp, numpy, gguf-py, ../shared)
+//! are still the ones this machine has: otherwise tests would be ignored that could run (or
+//! the reverse), and this test says how to refresh the probe.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn python() -> std::path::PathBuf {
+    std::env::var_os("PARITY_PYTHON")
+        .map(Into::into)
+        .unwrap_or_else(|| {
+            let v = root().join(".venv/bin/python");
+            if v.exists() { v } else { "python3".into() }
+        })
+}
+
+fn can(code: &str) -> bool {
+    Command::new(python())
+        .args(["-c", code])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn the_build_probe_matches_this_machine() {
+    let now = [
+        (
+            "llama_cpp",
+            can("import llama_cpp, numpy"),
+            cfg!(parity_llama_cpp),
+        ),
+        ("numpy", can("import numpy"), cfg!(parity_numpy)),
+        ("gguf-py", can("import numpy, gguf"), cfg!(parity_gguf_py)),
+        (
+            "../shared",
+            root().join("../shared/models").is_dir(),
+            cfg!(parity_shared),
+        ),
+    ];
+    for (what, here, built) in now {
+        assert_eq!(
+            here, built,
+            "{what}: available now = {here}, when the tests were built = {built}; run `touch build.rs` and test again so that tests needing it run (or show as ignored)"
+        );
+    }
+}
