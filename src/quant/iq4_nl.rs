@@ -2,11 +2,32 @@
 //! j+16 high); each nibble indexes the non-linear grid [`KVALUES`]: `x = KVALUES[q] * d`.
 //! Paired with Q8_0 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{f16_le, put_f16};
 use super::q8_0;
-use super::util::{Simd, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::Format {
+    ty: super::GgmlType::IQ4_NL,
+    name: "iq4_nl",
+    block: BLOCK,
+    bytes: BYTES,
+    vec_dot_type: super::GgmlType::Q8_0,
+    dequantize,
+    dequantize_scalar,
+    quantize,
+    from_float: quantize,
+    vec_dot,
+    vec_dot_scalar,
+    dot_exact: false,
+    tile: None,
+};
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + BLOCK / 2);
 
 /// ggml's `kvalues_iq4nl`, sorted ascending.
 pub const KVALUES: [i8; 16] = [
@@ -29,14 +50,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_iq4_nl_ref` (`quantize_row_iq4_nl_impl` with `ntry = -1`, no
@@ -157,14 +171,7 @@ fn block_sumi(bw: &[u8], ba: &[u8]) -> i32 {
 /// block added with one FMA), so it may differ from the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -178,7 +185,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0;
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::{BYTES, KVALUES};
     use std::arch::x86_64::*;
 
@@ -217,8 +224,8 @@ mod x86 {
         for (bw, ba) in (&mut wp).zip(&mut ap) {
             let (w0, w1) = bw.split_at(BYTES);
             let (a0, a1) = ba.split_at(q8_0::BYTES);
-            let d0 = _mm256_set1_ps(f16c_le(a0) * f16c_le(w0));
-            let d1 = _mm256_set1_ps(f16c_le(a1) * f16c_le(w1));
+            let d0 = _mm256_set1_ps(f16c_at(a0) * f16c_at(w0));
+            let d1 = _mm256_set1_ps(f16c_at(a1) * f16c_at(w1));
             acc1 = _mm256_fmadd_ps(d0, block_lanes(w0, a0), acc1);
             acc2 = _mm256_fmadd_ps(d1, block_lanes(w1, a1), acc2);
         }
@@ -226,7 +233,7 @@ mod x86 {
         let (bw, ba) = (wp.remainder(), ap.remainder());
         if !bw.is_empty() {
             // Compilers contract ggml's `sumf += d * sumi` here into an FMA.
-            let d = f16c_le(ba) * f16c_le(bw);
+            let d = f16c_at(ba) * f16c_at(bw);
             sumf = d.mul_add(super::block_sumi(bw, ba) as f32, sumf);
         }
         sumf
@@ -236,7 +243,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_0;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES, KVALUES};
     use std::arch::aarch64::*;
 
@@ -281,7 +288,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     const A: usize = q8_0::BYTES;

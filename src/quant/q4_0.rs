@@ -1,11 +1,33 @@
 //! Q4_0: blocks of 32, `d: f16` then 16 bytes of nibbles. Element j is the low nibble of
 //! `qs[j]`, element j+16 the high nibble; `x = (q - 8) * d`. Paired with Q8_0 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, f16_le, put_f16};
 use super::q8_0;
-use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
+use super::tile::{self, TileAct};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::Format {
+    ty: super::GgmlType::Q4_0,
+    name: "q4_0",
+    block: BLOCK,
+    bytes: BYTES,
+    vec_dot_type: super::GgmlType::Q8_0,
+    dequantize,
+    dequantize_scalar,
+    quantize,
+    from_float: quantize,
+    vec_dot,
+    vec_dot_scalar,
+    dot_exact: false,
+    tile: Some(super::Tile::Q8_0(vec_dot_tile)),
+};
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + BLOCK / 2);
 
 /// ggml's `dequantize_row_q4_0`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -20,14 +42,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q4_0_ref`: `d = -max/8` with `max` the signed value of largest
@@ -74,14 +89,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 /// rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// `out[r * a.rows() + t] = vec_dot(w_r, a_t)` for every Q4_0 weight row `w_r` of `w` (whole
@@ -89,43 +97,17 @@ pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
 /// [`vec_dot`], bit for bit, computed four rows and two tokens at a time (each weight block is
 /// decoded once per token pair, each activation block loaded once per four rows, eight
 /// independent accumulators).
-pub fn vec_dot_tile(w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
-    tile_with(super::util::use_vnni(), w, a, out)
+pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
+    tile_with(super::cpu::use_vnni(), w, a, out)
 }
 
 /// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
-fn tile_with(vnni: bool, w: &[u8], a: &q8_0::TileAct, out: &mut [f32]) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = vnni;
-    let rb = a.n() / BLOCK * BYTES;
-    assert!(
-        rb > 0 && w.len().is_multiple_of(rb),
-        "q4_0 tile: whole weight rows"
-    );
-    let nr = w.len() / rb;
-    assert_eq!(
-        out.len(),
-        nr * a.rows(),
-        "q4_0 tile: output is rows × tokens"
-    );
+fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if simd() == Simd::Avx2 {
-        // SAFETY: avx2, fma and f16c are present (and avxvnni where used); sizes were checked
-        // above.
-        unsafe {
-            if vnni && is_x86_feature_detected!("avxvnni") {
-                x86::vec_dot_tile_vnni(w, nr, a, out)
-            } else {
-                x86::vec_dot_tile(w, nr, a, out)
-            }
-        };
-        return;
-    }
-    for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows())) {
-        for (t, o) in o.iter_mut().enumerate() {
-            *o = vec_dot(wr, a.q8_row(t));
-        }
-    }
+    let kernels = Some([x86::vec_dot_tile as tile::Driver, x86::vec_dot_tile_vnni]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let kernels = None;
+    tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -138,11 +120,9 @@ fn check_rows(w: &[u8], a: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::q8_0::x86::{
-        C, PREFETCH, R, Unpacked, f16_at, f16_table, scale_from, tile_driver, with_unpacked,
-    };
-    use super::super::q8_0::{self, TileAct};
-    use super::super::util::x86_b32::*;
+    use super::super::q8_0;
+    use super::super::tile::TileBlock;
+    use super::super::x86::*;
     use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
@@ -165,7 +145,7 @@ mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
-            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
+            let d = _mm256_set1_ps(f16c_at(bw) * f16c_at(ba));
             let qa = &ba[2..34];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
@@ -186,24 +166,11 @@ mod x86 {
         _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
     }
 
-    /// The R rows at `w` into `u` ([block][row]).
-    ///
-    /// # Safety
-    /// `w` holds R rows of `wrow` bytes (nb blocks); `u` has room for R·nb blocks.
+    /// Nothing to do once per weight block.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack<const R: usize>(w: *const u8, wrow: usize, nb: usize, u: *mut Unpacked) {
-        for b in 0..nb {
-            for r in 0..R {
-                // SAFETY: in bounds by the caller's promise.
-                unsafe {
-                    let wb = w.add(r * wrow + b * BYTES);
-                    let u = &mut *u.add(b * R + r);
-                    _mm256_store_si256(u.q.as_mut_ptr().cast(), nibbles(wb));
-                    _mm256_store_ps(u.d.as_mut_ptr(), _mm256_set1_ps(f16_at(wb)));
-                }
-            }
-        }
+    fn keep(q: __m256i) -> __m256i {
+        q
     }
 
     /// One block against one activation block: i32 lane k holds the exact `Σ (q − 8)·y` over
@@ -211,8 +178,15 @@ mod x86 {
     /// possible) plus the activation's `−8·Σ y`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn lanes_avx2(q: __m256i, y: __m256i, neg_bias: __m256i) -> __m256i {
-        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1));
+    unsafe fn lanes_avx2(q: __m256i, _: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: `y` is 64-byte aligned: quants at 0, the bias at 32.
+        let (qy, neg_bias) = unsafe {
+            (
+                _mm256_load_si256(y.q.as_ptr().cast()),
+                _mm256_load_si256(y.neg_bias.as_ptr().cast()),
+            )
+        };
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, qy), _mm256_set1_epi16(1));
         _mm256_add_epi32(p, neg_bias)
     }
 
@@ -220,95 +194,24 @@ mod x86 {
     /// `−8·Σ y` in one instruction, so the integers, and everything after them, are the same.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    fn lanes_vnni(q: __m256i, y: __m256i, neg_bias: __m256i) -> __m256i {
-        _mm256_dpbusd_avx_epi32(neg_bias, q, y)
-    }
-
-    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
-    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
-    macro_rules! tile_kernels {
-        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
-            tile_driver!($features, $driver, $tile);
-
-            /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
-            /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is [`vec_dot`]'s:
-            /// i32 lane k holds the exact `Σ (q - 8)·y` over elements 4k..4k+4, here as `Σ q·y`
-            /// (`maddubs` of the unsigned nibbles, no saturation possible) plus the activation's
-            /// `−8·Σ y`; then one FMA of `d_w * d_a` per block into 8 lanes and `hsum_f32x8` at the end.
-            #[inline]
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn $tile<const R: usize, const C: usize, const UNPACKED: bool>(
-                w: *const u8,
-                wrow: usize,
-                u: *const Unpacked,
-                a: &TileAct,
-                t0: usize,
-                out: *mut f32,
-                ldo: usize,
-            ) {
-                let nb = a.n() / BLOCK;
-                let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
-                let table = f16_table();
-                let mut acc = [[_mm256_setzero_ps(); C]; R];
-                for b in 0..nb {
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
-                        // rows t0..t0+C exist in `a`.
-                        unsafe {
-                            let (q, dw) = if UNPACKED {
-                                let u = &*u.add(b * R + r);
-                                (
-                                    _mm256_load_si256(u.q.as_ptr().cast()),
-                                    _mm256_load_ps(u.d.as_ptr()),
-                                )
-                            } else {
-                                let wb = w.add(r * wrow + b * BYTES);
-                                if C == 1 {
-                                    // Decode streams the weights once: ask for them well ahead.
-                                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
-                                }
-                                (nibbles(wb), _mm256_set1_ps(scale_from(table, wb)))
-                            };
-                            for (c, acc) in acc.iter_mut().enumerate() {
-                                let i = (t0 + c) * nb + b;
-                                let y = &*ys.add(i);
-                                let qy = _mm256_load_si256(y.q.as_ptr().cast());
-                                let nb8 = _mm256_load_si256(y.neg_bias.as_ptr().cast());
-                                let p = $lanes(q, qy, nb8);
-                                let da = if UNPACKED {
-                                    _mm256_set1_ps(*ds.add(i))
-                                } else {
-                                    _mm256_load_ps((*d8.add(i)).0.as_ptr())
-                                };
-                                let d = _mm256_mul_ps(dw, da);
-                                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
-                            }
-                        }
-                    }
-                }
-                for (r, acc) in acc.iter().enumerate() {
-                    for (c, &acc) in acc.iter().enumerate() {
-                        // SAFETY: (r, t0 + c) is inside the caller's output.
-                        unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
-                    }
-                }
-            }
+    unsafe fn lanes_vnni(q: __m256i, _: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: as in `lanes_avx2`.
+        let (qy, neg_bias) = unsafe {
+            (
+                _mm256_load_si256(y.q.as_ptr().cast()),
+                _mm256_load_si256(y.neg_bias.as_ptr().cast()),
+            )
         };
+        _mm256_dpbusd_avx_epi32(neg_bias, q, qy)
     }
-    tile_kernels!("avx2,fma,f16c", lanes_avx2, vec_dot_tile, tile);
-    tile_kernels!(
-        "avx2,fma,f16c,avxvnni",
-        lanes_vnni,
-        vec_dot_tile_vnni,
-        tile_vnni
-    );
+
+    crate::quant::tile::x86::tile_kernels!(weights: nibbles, prepare: keep, avx2: lanes_avx2, vnni: lanes_vnni);
 }
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_0;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -356,7 +259,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     const A: usize = q8_0::BYTES;
@@ -454,7 +357,7 @@ mod tests {
         #[test]
         fn tile_is_vec_dot((mut w, x, n) in q8_0::tests::tile_case(BYTES)) {
             finite_scales(&mut w, BYTES, &[0]);
-            let mut a = q8_0::TileAct::default();
+            let mut a = TileAct::default();
             a.quantize(&x, n);
             // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
@@ -471,7 +374,7 @@ mod tests {
             let rb = n / BLOCK * A;
             let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
             finite_scales(&mut q, A, &[0]);
-            let mut a = q8_0::TileAct::default();
+            let mut a = TileAct::default();
             a.load_q8(&q, n);
             // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {

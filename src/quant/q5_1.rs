@@ -2,11 +2,32 @@
 //! 16 bytes of nibbles (element j low nibble of `qs[j]`, j+16 high); `x = q * d + m`. Paired
 //! with Q8_1 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, f16_le, put_f16};
 use super::q8_1;
-use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 24;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::Format {
+    ty: super::GgmlType::Q5_1,
+    name: "q5_1",
+    block: BLOCK,
+    bytes: BYTES,
+    vec_dot_type: super::GgmlType::Q8_1,
+    dequantize,
+    dequantize_scalar,
+    quantize,
+    from_float: quantize,
+    vec_dot,
+    vec_dot_scalar,
+    dot_exact: false,
+    tile: None,
+};
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 4 + 4 + BLOCK / 2);
 
 /// The 32 five-bit quants of a block, in element order.
 #[inline]
@@ -32,14 +53,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q5_1_ref`: `m = min`, `d = (max - min) / 31`,
@@ -93,14 +107,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 /// it may differ from the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -114,7 +121,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_1;
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::BYTES;
     use std::arch::x86_64::*;
 
@@ -139,8 +146,8 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0.0f32;
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_1::BYTES)) {
-            summs += f16c_le(&bw[2..]) * f16c_le(&ba[2..]);
-            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
+            summs += f16c_at(&bw[2..]) * f16c_at(&ba[2..]);
+            let d = _mm256_set1_ps(f16c_at(bw) * f16c_at(ba));
             let qa = &ba[4..36];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
@@ -154,7 +161,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_1;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -203,7 +210,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     const A: usize = q8_1::BYTES;
