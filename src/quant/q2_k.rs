@@ -288,65 +288,14 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BYTES, 1..5)) {
-            assert_same_decode(&src, BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in shifted_floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.26 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.35, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BYTES, n..n + 1),
-                blocks(q8_k::BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in shifted_floats(1..5), y in shifted_floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-        assert!(ggml_rmse(&x, &y) < 0.0075, "{}", ggml_rmse(&x, &y));
-        // Measured 0.211 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.25, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BYTES, quantize, vec_dot);
-        assert!(err < 0.04, "{err}");
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "40e81df977d2500121bc6e23c6686427",
-            "b5d1d60b11976cf0aa0975ec72df4ca8",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BYTES, quantize, vec_dot, 176.70868, 4429.5);
-        assert_dot_known_answer(BYTES, quantize, vec_dot_scalar, 176.70868, 4429.5);
+    // Measured: ggml's quantizer (same bits) peaks near 0.26 on random rows; its relative RMSE
+    // on ggml's data is 0.211.
+    kquant_tests! {
+        random_rel_rmse: 0.35,
+        ggml_rmse: 0.0075,
+        ggml_rel_rmse: 0.25,
+        dot_error: 0.04,
+        known: ("40e81df977d2500121bc6e23c6686427", "b5d1d60b11976cf0aa0975ec72df4ca8"),
+        known_dot: (176.70868, 4429.5),
     }
 }

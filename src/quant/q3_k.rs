@@ -385,48 +385,15 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BYTES, 1..5)) {
-            assert_same_decode(&src, BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in shifted_floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.13 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.18, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BYTES, n..n + 1),
-                blocks(q8_k::BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in shifted_floats(1..5), y in shifted_floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-        assert!(ggml_rmse(&x, &y) < 0.004, "{}", ggml_rmse(&x, &y));
-        // Measured 0.113 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.13, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BYTES, quantize, vec_dot);
-        assert!(err < 0.04, "{err}");
+    // Measured: ggml's quantizer (same bits) peaks near 0.13 on random rows; its relative RMSE
+    // on ggml's data is 0.113.
+    kquant_tests! {
+        random_rel_rmse: 0.18,
+        ggml_rmse: 0.004,
+        ggml_rel_rmse: 0.13,
+        dot_error: 0.04,
+        known: ("c20945a657fd6184e74d1174f48566c3", "6e1bb94526dbaa004ea365ccbe7c67fc"),
+        known_dot: (174.69664, 4402.8),
     }
 
     #[test]
@@ -439,23 +406,5 @@ mod tests {
             s[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
         }
         assert_eq!(unpack_scales(&s), want.map(|v| v as i8 - 32));
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "c20945a657fd6184e74d1174f48566c3",
-            "6e1bb94526dbaa004ea365ccbe7c67fc",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BYTES, quantize, vec_dot, 174.69664, 4402.8);
-        assert_dot_known_answer(BYTES, quantize, vec_dot_scalar, 174.69664, 4402.8);
     }
 }

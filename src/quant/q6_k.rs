@@ -342,65 +342,14 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BYTES, 1..5)) {
-            assert_same_decode(&src, BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in shifted_floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.016 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.025, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BYTES, n..n + 1),
-                blocks(q8_k::BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in shifted_floats(1..5), y in shifted_floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
-        assert!(ggml_rmse(&x, &y) < 0.002, "{}", ggml_rmse(&x, &y));
-        // Measured 0.0118 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.014, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BYTES, quantize, vec_dot);
-        assert!(err < 0.02, "{err}");
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "fd22995841a3a709ef2f8e746199ec4e",
-            "87aa2a577ea8f3293b4243a678b62729",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BYTES, quantize, vec_dot, 172.41655, 4447.4);
-        assert_dot_known_answer(BYTES, quantize, vec_dot_scalar, 172.41655, 4447.4);
+    // Measured: ggml's quantizer (same bits) peaks near 0.016 on random rows; its relative RMSE
+    // on ggml's data is 0.0118.
+    kquant_tests! {
+        random_rel_rmse: 0.025,
+        ggml_rmse: 0.002,
+        ggml_rel_rmse: 0.014,
+        dot_error: 0.02,
+        known: ("fd22995841a3a709ef2f8e746199ec4e", "87aa2a577ea8f3293b4243a678b62729"),
+        known_dot: (172.41655, 4447.4),
     }
 }

@@ -379,3 +379,90 @@ pub mod strategies {
 
 #[cfg(test)]
 pub use strategies::*;
+
+/// The tests every 256-element format with Q8_K activations shares (Q2_K … Q6_K, IQ4_XS), one
+/// body for all, the format's numbers as arguments. Invoke inside the format's `tests` module
+/// (with `use super::*; use crate::quant::testkit::*; use proptest::prelude::*;`):
+/// - `random_rel_rmse`: bound on the relative RMSE of a round trip of [`shifted_floats`] rows;
+/// - `ggml_rmse`, `ggml_rel_rmse`: bounds on test-quantize-fns' error and on the relative RMSE
+///   for its data;
+/// - `dot_error`: bound on test-quantize-fns' dot product error ([`ggml_dot_error`]);
+/// - `known`: llama.cpp's hashes of `quantize` and of the decoders ([`assert_known_answers`]);
+/// - `known_dot`: llama.cpp's `vec_dot` and the Σ|w·a| tolerance scale
+///   ([`assert_dot_known_answer`]).
+///
+/// The twins are checked under the module's contract: the decoders bit for bit, the dot
+/// products the same bits or both NaN ([`same_dot`]).
+#[cfg(test)]
+macro_rules! kquant_tests {
+    (
+        random_rel_rmse: $random:expr,
+        ggml_rmse: $ggml:expr,
+        ggml_rel_rmse: $ggml_rel:expr,
+        dot_error: $dot_err:expr,
+        known: ($quant_hash:expr, $decode_hash:expr),
+        known_dot: ($dot:expr, $abs_sum:expr) $(,)?
+    ) => {
+        proptest! {
+            #[test]
+            fn simd_matches_scalar(src in blocks(BYTES, 1..5)) {
+                assert_same_decode(&src, BYTES, dequantize, dequantize_scalar);
+            }
+
+            #[test]
+            fn round_trip_random(x in shifted_floats(1..5)) {
+                let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
+                prop_assert!(rel_rmse(&x, &y) < $random, "{}", rel_rmse(&x, &y));
+            }
+
+            #[test]
+            fn vec_dot_simd_matches_scalar(
+                (w, a) in (1..5usize).prop_flat_map(|n| (
+                    blocks(BYTES, n..n + 1),
+                    blocks(crate::quant::q8_k::BYTES, n..n + 1),
+                ))
+            ) {
+                same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
+            }
+
+            #[test]
+            fn vec_dot_matches_dequantized(x in shifted_floats(1..5), y in shifted_floats(4..5)) {
+                assert_dot_matches_dequantized(&x, &y[..x.len()], BYTES, quantize, dequantize, vec_dot);
+            }
+        }
+
+        #[test]
+        fn round_trip_ggml_data() {
+            let x = ggml_test_data(4096, 0.0);
+            let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
+            assert!(ggml_rmse(&x, &y) < $ggml, "{}", ggml_rmse(&x, &y));
+            assert!(rel_rmse(&x, &y) < $ggml_rel, "{}", rel_rmse(&x, &y));
+        }
+
+        #[test]
+        fn vec_dot_ggml_data() {
+            let err = ggml_dot_error(BYTES, quantize, vec_dot);
+            assert!(err < $dot_err, "{err}");
+        }
+
+        #[test]
+        fn matches_llama_cpp() {
+            assert_known_answers(
+                BYTES,
+                quantize,
+                dequantize,
+                dequantize_scalar,
+                $quant_hash,
+                $decode_hash,
+            );
+        }
+
+        #[test]
+        fn vec_dot_matches_llama_cpp() {
+            assert_dot_known_answer(BYTES, quantize, vec_dot, $dot, $abs_sum);
+            assert_dot_known_answer(BYTES, quantize, vec_dot_scalar, $dot, $abs_sum);
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use kquant_tests;
