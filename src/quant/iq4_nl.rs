@@ -291,7 +291,17 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    const A: usize = q8_0::BYTES;
+    // The refit scale can move the grid so far that no per-element bound holds in
+    // general; a block-relative worst case of a quarter of max|x| is ample for a
+    // 16-level grid (the widest gap is 24/127 of the range).
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize, quantize_search],
+        any_scale: 0.25,
+    }
+
+    q8_0_dot_tests!();
+
 
     #[test]
     fn best_index_is_nearest_ties_up() {
@@ -312,13 +322,6 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-        assert_rmse(&x, quantize_search, dequantize, BLOCK, BYTES, 0.002).unwrap();
-    }
-
-    #[test]
     fn zero_block() {
         let mut b = [0xAAu8; BYTES];
         quantize(&[0.0; 32], &mut b);
@@ -326,77 +329,5 @@ mod tests {
         quantize_search(&[0.0; 32], &mut b);
         assert_eq!(&b[..2], &[0, 0]);
         assert!(b[2..].iter().all(|&v| v == 0x88));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_0::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
-
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-            assert_rmse(&x, quantize_search, dequantize, BLOCK, BYTES, 0.002)?;
-        }
-
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // The refit scale can move the grid so far that no per-element bound holds in
-            // general; a block-relative worst case of a quarter of max|x| is ample for a
-            // 16-level grid (the widest gap is 24/127 of the range).
-            for q in [quantize as Quant, quantize_search] {
-                let e = max_rel_block_err(&x, q, dequantize, BLOCK, BYTES);
-                prop_assert!(e <= 0.25, "{}", e);
-            }
-        }
-
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, A, &[0], 1.0);
-            let n = w.len() / BYTES * BLOCK;
-            let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize)).0;
-            prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
-            prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
-        }
-
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(A, 32..33)) {
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, A, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, A, q8_0::quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 }

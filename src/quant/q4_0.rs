@@ -262,26 +262,17 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
+    // Values on the far side of `max` clamp at q = 15, a full step (max/8) away;
+    // elsewhere half a step; plus f16 rounding of d spread over |q - 8| <= 8.
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize],
+        any_scale: (1.0 + 8.0 / 2048.0) / 8.0 + 1e-6,
+    }
+
+    q8_0_dot_tests!();
+
     const A: usize = q8_0::BYTES;
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_0::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
 
     #[test]
     fn layout() {
@@ -296,61 +287,6 @@ mod tests {
         let mut y = [0.0f32; 32];
         dequantize(&b, &mut y);
         assert_eq!(y, x);
-    }
-
-    proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
-
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
-
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Values on the far side of `max` clamp at q = 15, a full step (max/8) away;
-            // elsewhere half a step; plus f16 rounding of d spread over |q - 8| <= 8.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (1.0 + 8.0 / 2048.0) / 8.0 + 1e-6, "{}", e);
-        }
-
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, A, &[0], 1.0);
-            let n = w.len() / BYTES * BLOCK;
-            let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize)).0;
-            prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
-            prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
-        }
-
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(A, 32..33)) {
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, A, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, A, q8_0::quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 
     proptest! {

@@ -213,6 +213,14 @@ mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
+    // Half a step of (max - min)/31 <= 2 max|x|/31, plus f16 rounding of d (times
+    // q <= 31) and of m.
+    block32_tests! {
+        act: crate::quant::q8_1,
+        quantizers: [quantize],
+        any_scale: (1.0 + 62.0 / 2048.0) / 31.0 + 1.0 / 2048.0,
+    }
+
     const A: usize = q8_1::BYTES;
 
     /// Σ|d_w q_w d_a q_a| + Σ|m s| over the blocks: what the float sums add up.
@@ -241,25 +249,6 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_1::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
-
-    #[test]
     fn layout() {
         // min 0, max 31: d = 1, m = 0, q = x; element 17 = 16 sets qh bit 17.
         let mut x = [0.0f32; 32];
@@ -275,23 +264,8 @@ mod tests {
     }
 
     proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
 
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
 
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Half a step of (max - min)/31 <= 2 max|x|/31, plus f16 rounding of d (times
-            // q <= 31) and of m.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (1.0 + 62.0 / 2048.0) / 31.0 + 1.0 / 2048.0, "{}", e);
-        }
 
         #[test]
         fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {

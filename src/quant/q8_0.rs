@@ -302,24 +302,19 @@ pub(crate) mod tests {
     use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-        assert_rmse(&x, quantize_x86_avx, dequantize, BLOCK, BYTES, 0.002).unwrap();
+    // Half a step, plus the f16 rounding of d spread over |q| <= 127.
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize],
+        any_scale: (0.5 + 127.0 / 2048.0) / 127.0,
     }
 
+    q8_0_dot_tests!();
+
     #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, BYTES, quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
+    fn round_trip_ggml_data_x86_avx() {
+        let x = ggml_test_data(4096, 0.0);
+        assert_rmse(&x, quantize_x86_avx, dequantize, BLOCK, BYTES, 0.002).unwrap();
     }
 
     #[test]
@@ -343,64 +338,16 @@ pub(crate) mod tests {
     }
 
     proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
 
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
 
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Half a step, plus the f16 rounding of d spread over |q| <= 127.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (0.5 + 127.0 / 2048.0) / 127.0, "{}", e);
-        }
 
         #[test]
         fn quantize_is_idempotent(x in floats(BLOCK, 1..17)) {
             assert_idempotent(&x, quantize, dequantize, BLOCK, BYTES)?;
         }
 
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(BYTES, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len()].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, BYTES, &[0], 1.0);
-            let exact: i64 = w.chunks(BYTES).zip(a.chunks(BYTES))
-                .flat_map(|(x, y)| x[2..].iter().zip(&y[2..]))
-                .map(|(&p, &q)| p as i8 as i64 * q as i8 as i64)
-                .sum();
-            prop_assert_eq!(vec_dot_scalar(&w, &a), exact as f32);
-            prop_assert_eq!(vec_dot(&w, &a), exact as f32);
-        }
 
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(BYTES, 32..33)) {
-            let mut a = seed[..w.len()].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, BYTES, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
 
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, BYTES, quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 
     /// Weight rows × activation rows for the tile tests: (weights, activations, n).

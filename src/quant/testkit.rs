@@ -466,3 +466,117 @@ macro_rules! kquant_tests {
 }
 #[cfg(test)]
 pub(crate) use kquant_tests;
+
+/// The tests every 32-element weight format shares (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), one
+/// body for all. Invoke inside the format's `tests` module (with `use super::*; use
+/// crate::quant::testkit::*; use proptest::prelude::*;`):
+/// - `act`: the activation format's module (`crate::quant::q8_0` or `q8_1`);
+/// - `quantizers`: the format's quantizers, each held to test-quantize-fns' bound (0.002) on its
+///   data and on random data in its range, and to `any_scale` (worst per-block
+///   `max|x − x̂| / max|x|`) on [`floats`] at any scale.
+///
+/// The decoders are checked bit for bit ([`assert_dequant_twins`]); the dot products against
+/// test-quantize-fns' bound (0.02).
+#[cfg(test)]
+macro_rules! block32_tests {
+    (act: $act:path, quantizers: [$($q:path),+ $(,)?], any_scale: $bound:expr $(,)?) => {
+        #[test]
+        fn round_trip_ggml_data() {
+            let x = ggml_test_data(4096, 0.0);
+            $(assert_rmse(&x, $q, dequantize, BLOCK, BYTES, 0.002).unwrap();)+
+        }
+
+        #[test]
+        fn vec_dot_ggml_data() {
+            use $act as act;
+            // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
+            let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
+            let w = encode(&x, BLOCK, BYTES, quantize);
+            let a = encode(&y, BLOCK, act::BYTES, act::quantize);
+            let exact = dequant_dot(&x, &y).0;
+            for dot in [vec_dot, vec_dot_scalar] {
+                let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
+                assert!(err <= 0.02, "{err}");
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
+                assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
+            }
+
+            #[test]
+            fn round_trip_random(x in ggml_like_floats()) {
+                $(assert_rmse(&x, $q, dequantize, BLOCK, BYTES, 0.002)?;)+
+            }
+
+            #[test]
+            fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
+                $(
+                    let e = max_rel_block_err(&x, $q, dequantize, BLOCK, BYTES);
+                    prop_assert!(e <= $bound, "{}", e);
+                )+
+            }
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use block32_tests;
+
+/// The dot product tests of the 32-element weight formats paired with Q8_0 activations (one f16
+/// scale at byte 0 on both sides): with unit scales both twins give the exact integer dot; with
+/// any finite scales they agree within [`sum_order_bound`]; on quantized rows they match the f64
+/// dot of the decoded rows within it.
+#[cfg(test)]
+macro_rules! q8_0_dot_tests {
+    () => {
+        proptest! {
+            #[test]
+            fn vec_dot_integer_part_is_exact(
+                mut w in blocks(BYTES, 1..17),
+                seed in blocks(crate::quant::q8_0::BYTES, 16..17),
+            ) {
+                use crate::quant::q8_0::{self as act, BYTES as A};
+                // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
+                let mut a = seed[..w.len() / BYTES * A].to_vec();
+                set_scales(&mut w, BYTES, &[0], 1.0);
+                set_scales(&mut a, A, &[0], 1.0);
+                let n = w.len() / BYTES * BLOCK;
+                let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, act::dequantize)).0;
+                prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
+                prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
+            }
+
+            #[test]
+            fn vec_dot_twins_agree(
+                mut w in blocks(BYTES, 1..33),
+                seed in blocks(crate::quant::q8_0::BYTES, 32..33),
+            ) {
+                use crate::quant::q8_0::{self as act, BYTES as A};
+                let mut a = seed[..w.len() / BYTES * A].to_vec();
+                finite_scales(&mut w, BYTES, &[0]);
+                finite_scales(&mut a, A, &[0]);
+                let n = w.len() / BYTES * BLOCK;
+                let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, act::dequantize));
+                let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
+                prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
+            }
+
+            #[test]
+            fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
+                use crate::quant::q8_0::{self as act, BYTES as A};
+                let w = encode(&x, BLOCK, BYTES, quantize);
+                let a = encode(&y[..x.len()], BLOCK, A, act::quantize);
+                let n = x.len();
+                let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, act::dequantize));
+                for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
+                    prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
+                        "{} vs {}", got, exact);
+                }
+            }
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use q8_0_dot_tests;
