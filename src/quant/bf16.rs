@@ -2,22 +2,13 @@
 
 use super::cpu::dispatch;
 
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 2;
+
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::BF16,
-    name: "bf16",
-    block: 1,
-    bytes: 2,
-    vec_dot_type: super::GgmlType::BF16,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(BF16, "bf16", vec_dot_type: BF16);
 
 /// ggml's `GGML_BF16_TO_FP32`: the bits become the high half of an f32 (exact).
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {

@@ -3,22 +3,13 @@
 use super::cpu::dispatch;
 use super::ggml::{f16_le, put_f16};
 
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 2;
+
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::F16,
-    name: "f16",
-    block: 1,
-    bytes: 2,
-    vec_dot_type: super::GgmlType::F16,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(F16, "f16", vec_dot_type: F16);
 
 /// Each half widened to f32 (exact; NaNs come out quiet with their payload, as F16C does).
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {

@@ -2,22 +2,13 @@
 
 use super::cpu::dispatch;
 
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 4;
+
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::F32,
-    name: "f32",
-    block: 1,
-    bytes: 4,
-    vec_dot_type: super::GgmlType::F32,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(F32, "f32", vec_dot_type: F32);
 
 /// Little-endian bytes to f32, one element at a time.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {

@@ -10,21 +10,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::IQ4_NL,
-    name: "iq4_nl",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_0,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(IQ4_NL, "iq4_nl", vec_dot_type: Q8_0);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + BLOCK / 2);
@@ -301,7 +287,6 @@ mod tests {
     }
 
     q8_0_dot_tests!();
-
 
     #[test]
     fn best_index_is_nearest_ties_up() {

@@ -16,21 +16,8 @@ pub const BYTES: usize = 136;
 pub const BLOCK: usize = QK_K;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::IQ4_XS,
-    name: "iq4_xs",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_K,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: true,
-    tile: None,
-};
+pub const FORMAT: super::Format =
+    super::format_entry!(IQ4_XS, "iq4_xs", vec_dot_type: Q8_K, dot_exact: true);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + 2 + BLOCK / 64 + BLOCK / 2);

@@ -91,6 +91,33 @@ pub enum Tile {
     Rows(fn(&[u8], &[u8], usize, &mut [f32])),
 }
 
+/// A format file's [`Format`] from its standard items: `BLOCK`, `BYTES`, `dequantize`,
+/// `dequantize_scalar`, `quantize` (also `from_float` unless given), `vec_dot`,
+/// `vec_dot_scalar`; `dot_exact: false` and no tile unless given.
+macro_rules! format_entry {
+    ($ty:ident, $name:literal, vec_dot_type: $vdt:ident $(, $field:ident: $value:expr)* $(,)?) => {{
+        #[allow(unused_mut)]
+        let mut f = $crate::quant::Format {
+            ty: $crate::quant::GgmlType::$ty,
+            name: $name,
+            block: BLOCK,
+            bytes: BYTES,
+            vec_dot_type: $crate::quant::GgmlType::$vdt,
+            dequantize,
+            dequantize_scalar,
+            quantize,
+            from_float: quantize,
+            vec_dot,
+            vec_dot_scalar,
+            dot_exact: false,
+            tile: None,
+        };
+        $(f.$field = $value;)*
+        f
+    }};
+}
+use format_entry;
+
 /// The table: one line per format, `Variant = on-disk id => module`. It defines [`GgmlType`]
 /// (in id order) and ties each variant to its module's `FORMAT`.
 macro_rules! formats {

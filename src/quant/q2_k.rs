@@ -16,21 +16,8 @@ pub const BYTES: usize = 84;
 pub const BLOCK: usize = QK_K;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q2_K,
-    name: "q2_K",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_K,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: true,
-    tile: None,
-};
+pub const FORMAT: super::Format =
+    super::format_entry!(Q2_K, "q2_K", vec_dot_type: Q8_K, dot_exact: true);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == BLOCK / 16 + BLOCK / 4 + 2 + 2 && DMIN + 2 == BYTES);

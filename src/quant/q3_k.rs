@@ -18,21 +18,8 @@ pub const BYTES: usize = 110;
 pub const BLOCK: usize = QK_K;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q3_K,
-    name: "q3_K",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_K,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: true,
-    tile: None,
-};
+pub const FORMAT: super::Format =
+    super::format_entry!(Q3_K, "q3_K", vec_dot_type: Q8_K, dot_exact: true);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == BLOCK / 8 + BLOCK / 4 + 12 + 2);

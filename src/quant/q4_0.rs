@@ -10,21 +10,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q4_0,
-    name: "q4_0",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_0,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: Some(super::Tile::Q8_0(vec_dot_tile)),
-};
+pub const FORMAT: super::Format = super::format_entry!(Q4_0, "q4_0", vec_dot_type: Q8_0, tile: Some(super::Tile::Q8_0(vec_dot_tile)));
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + BLOCK / 2);

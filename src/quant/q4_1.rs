@@ -9,21 +9,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 20;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q4_1,
-    name: "q4_1",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_1,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(Q4_1, "q4_1", vec_dot_type: Q8_1);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 4 + BLOCK / 2);

@@ -16,21 +16,7 @@ pub const BYTES: usize = 144;
 pub const BLOCK: usize = QK_K;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q4_K,
-    name: "q4_K",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_K,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: true,
-    tile: Some(super::Tile::Rows(vec_dot_tile)),
-};
+pub const FORMAT: super::Format = super::format_entry!(Q4_K, "q4_K", vec_dot_type: Q8_K, dot_exact: true, tile: Some(super::Tile::Rows(vec_dot_tile)));
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + 2 + 12 + BLOCK / 2 && QS + BLOCK / 2 == BYTES);

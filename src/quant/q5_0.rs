@@ -10,21 +10,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 22;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q5_0,
-    name: "q5_0",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_0,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format = super::format_entry!(Q5_0, "q5_0", vec_dot_type: Q8_0);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + 4 + BLOCK / 2);
@@ -220,7 +206,6 @@ mod tests {
     }
 
     q8_0_dot_tests!();
-
 
     #[test]
     fn layout() {

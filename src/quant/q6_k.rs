@@ -17,21 +17,8 @@ pub const BYTES: usize = 210;
 pub const BLOCK: usize = QK_K;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q6_K,
-    name: "q6_K",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_K,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: true,
-    tile: None,
-};
+pub const FORMAT: super::Format =
+    super::format_entry!(Q6_K, "q6_K", vec_dot_type: Q8_K, dot_exact: true);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == BLOCK / 2 + BLOCK / 4 + BLOCK / 16 + 2);

@@ -13,21 +13,8 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 36;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::Format {
-    ty: super::GgmlType::Q8_1,
-    name: "q8_1",
-    block: BLOCK,
-    bytes: BYTES,
-    vec_dot_type: super::GgmlType::Q8_1,
-    dequantize,
-    dequantize_scalar,
-    quantize,
-    from_float: quantize_x86_avx,
-    vec_dot,
-    vec_dot_scalar,
-    dot_exact: false,
-    tile: None,
-};
+pub const FORMAT: super::Format =
+    super::format_entry!(Q8_1, "q8_1", vec_dot_type: Q8_1, from_float: quantize_x86_avx);
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 4 + BLOCK);
