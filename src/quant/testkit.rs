@@ -263,120 +263,6 @@ pub fn sum_order_bound(nterms: usize, mag: f64) -> f64 {
     2.0 * (nterms as f64 + 8.0) * f32::EPSILON as f64 * mag + 1e-30
 }
 
-/// Proptest strategies and the checks that return proptest errors (unit tests only).
-#[cfg(test)]
-pub mod strategies {
-    use super::*;
-    use proptest::prelude::*;
-    use proptest::test_runner::TestCaseError;
-    use std::ops::Range;
-
-    /// The twins' dot products agree: the same bits, or both NaN. On arbitrary bytes a NaN f16
-    /// weight scale can meet a NaN f32 activation scale in one multiply, and which payload
-    /// survives is unspecified in Rust (LLVM may commute the operands, differently per build
-    /// and opt level); finite, infinite and zero results must match to the bit.
-    pub fn same_dot(simd: f32, scalar: f32) -> Result<(), TestCaseError> {
-        prop_assert!(
-            simd.to_bits() == scalar.to_bits() || (simd.is_nan() && scalar.is_nan()),
-            "simd {simd:e} (0x{:08x}) vs scalar {scalar:e} (0x{:08x})",
-            simd.to_bits(),
-            scalar.to_bits()
-        );
-        Ok(())
-    }
-
-    /// Arbitrary bytes for a whole number of blocks (f16 scales may be NaN or Inf).
-    pub fn blocks(bytes: usize, nblocks: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u8>> {
-        nblocks.prop_flat_map(move |n| prop::collection::vec(any::<u8>(), n * bytes))
-    }
-
-    /// Whole blocks of finite floats at a random scale (10⁻² … 10³), with a sprinkling of exact
-    /// zeros and repeated values so ties and flat blocks come up.
-    pub fn floats(block: usize, nblocks: Range<usize>) -> impl Strategy<Value = Vec<f32>> {
-        let elem = prop_oneof![
-            8 => -1.0f32..1.0,
-            1 => Just(0.0f32),
-            1 => Just(0.5f32),
-        ];
-        (
-            nblocks.prop_flat_map(move |nb| prop::collection::vec(elem.clone(), nb * block)),
-            -2.0f32..3.0,
-        )
-            .prop_map(|(v, e)| {
-                let s = 10f32.powf(e);
-                v.into_iter().map(|x| x * s).collect()
-            })
-    }
-
-    /// Random rows of whole blocks: values in ±1 plus an offset, scaled by 2^e with e in -4..8,
-    /// so blocks range from all-positive to sign-balanced. The range keeps the formats' f16
-    /// super-block scales normal; outside it their error is the f16's, not the quantizer's.
-    pub fn shifted_floats(nblocks: std::ops::Range<usize>) -> impl Strategy<Value = Vec<f32>> {
-        (nblocks, -4i32..8, -1.0f32..1.0).prop_flat_map(|(n, e, off)| {
-            prop::collection::vec(-1.0f32..1.0, n * QK_K).prop_map(move |v| {
-                v.into_iter()
-                    .map(|x| (x + off) * (e as f32).exp2())
-                    .collect()
-            })
-        })
-    }
-
-    /// 4096 floats in ±2: the regime test-quantize-fns' bounds were set for.
-    pub fn ggml_like_floats() -> impl Strategy<Value = Vec<f32>> {
-        prop::collection::vec(-2.0f32..2.0, 4096)
-    }
-
-    /// The SIMD decoder equals the scalar one bit for bit. A NaN only has to meet a NaN: Rust
-    /// (LLVM) leaves NaN payloads unspecified, e.g. which operand's NaN `q*d + m` returns.
-    pub fn assert_dequant_twins(
-        src: &[u8],
-        block: usize,
-        bytes: usize,
-        fast: Dequant,
-        scalar: Dequant,
-    ) -> Result<(), TestCaseError> {
-        let n = src.len() / bytes * block;
-        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
-        fast(src, &mut a);
-        scalar(src, &mut b);
-        for i in 0..n {
-            if !(a[i].is_nan() && b[i].is_nan()) {
-                prop_assert_eq!(a[i].to_bits(), b[i].to_bits(), "element {}", i);
-            }
-        }
-        Ok(())
-    }
-
-    /// quantize → dequantize error, in test-quantize-fns' unit, is at most `bound`.
-    pub fn assert_rmse(
-        x: &[f32],
-        quant: Quant,
-        deq: Dequant,
-        block: usize,
-        bytes: usize,
-        bound: f32,
-    ) -> Result<(), TestCaseError> {
-        let y = decode(&encode(x, block, bytes, quant), x.len(), deq);
-        let e = ggml_rmse(x, &y);
-        prop_assert!(e <= bound as f64, "rmse {} > {}", e, bound);
-        Ok(())
-    }
-
-    /// quantize(dequantize(quantize(x))) == quantize(x), byte for byte.
-    pub fn assert_idempotent(
-        x: &[f32],
-        quant: Quant,
-        deq: Dequant,
-        block: usize,
-        bytes: usize,
-    ) -> Result<(), TestCaseError> {
-        let q1 = encode(x, block, bytes, quant);
-        let q2 = encode(&decode(&q1, x.len(), deq), block, bytes, quant);
-        prop_assert_eq!(q1, q2);
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 pub use strategies::*;
 
@@ -580,3 +466,117 @@ macro_rules! q8_0_dot_tests {
 }
 #[cfg(test)]
 pub(crate) use q8_0_dot_tests;
+
+/// Proptest strategies and the checks that return proptest errors (unit tests only).
+#[cfg(test)]
+pub mod strategies {
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
+    use std::ops::Range;
+
+    /// The twins' dot products agree: the same bits, or both NaN. On arbitrary bytes a NaN f16
+    /// weight scale can meet a NaN f32 activation scale in one multiply, and which payload
+    /// survives is unspecified in Rust (LLVM may commute the operands, differently per build
+    /// and opt level); finite, infinite and zero results must match to the bit.
+    pub fn same_dot(simd: f32, scalar: f32) -> Result<(), TestCaseError> {
+        prop_assert!(
+            simd.to_bits() == scalar.to_bits() || (simd.is_nan() && scalar.is_nan()),
+            "simd {simd:e} (0x{:08x}) vs scalar {scalar:e} (0x{:08x})",
+            simd.to_bits(),
+            scalar.to_bits()
+        );
+        Ok(())
+    }
+
+    /// Arbitrary bytes for a whole number of blocks (f16 scales may be NaN or Inf).
+    pub fn blocks(bytes: usize, nblocks: std::ops::Range<usize>) -> impl Strategy<Value = Vec<u8>> {
+        nblocks.prop_flat_map(move |n| prop::collection::vec(any::<u8>(), n * bytes))
+    }
+
+    /// Whole blocks of finite floats at a random scale (10⁻² … 10³), with a sprinkling of exact
+    /// zeros and repeated values so ties and flat blocks come up.
+    pub fn floats(block: usize, nblocks: Range<usize>) -> impl Strategy<Value = Vec<f32>> {
+        let elem = prop_oneof![
+            8 => -1.0f32..1.0,
+            1 => Just(0.0f32),
+            1 => Just(0.5f32),
+        ];
+        (
+            nblocks.prop_flat_map(move |nb| prop::collection::vec(elem.clone(), nb * block)),
+            -2.0f32..3.0,
+        )
+            .prop_map(|(v, e)| {
+                let s = 10f32.powf(e);
+                v.into_iter().map(|x| x * s).collect()
+            })
+    }
+
+    /// Random rows of whole blocks: values in ±1 plus an offset, scaled by 2^e with e in -4..8,
+    /// so blocks range from all-positive to sign-balanced. The range keeps the formats' f16
+    /// super-block scales normal; outside it their error is the f16's, not the quantizer's.
+    pub fn shifted_floats(nblocks: std::ops::Range<usize>) -> impl Strategy<Value = Vec<f32>> {
+        (nblocks, -4i32..8, -1.0f32..1.0).prop_flat_map(|(n, e, off)| {
+            prop::collection::vec(-1.0f32..1.0, n * QK_K).prop_map(move |v| {
+                v.into_iter()
+                    .map(|x| (x + off) * (e as f32).exp2())
+                    .collect()
+            })
+        })
+    }
+
+    /// 4096 floats in ±2: the regime test-quantize-fns' bounds were set for.
+    pub fn ggml_like_floats() -> impl Strategy<Value = Vec<f32>> {
+        prop::collection::vec(-2.0f32..2.0, 4096)
+    }
+
+    /// The SIMD decoder equals the scalar one bit for bit. A NaN only has to meet a NaN: Rust
+    /// (LLVM) leaves NaN payloads unspecified, e.g. which operand's NaN `q*d + m` returns.
+    pub fn assert_dequant_twins(
+        src: &[u8],
+        block: usize,
+        bytes: usize,
+        fast: Dequant,
+        scalar: Dequant,
+    ) -> Result<(), TestCaseError> {
+        let n = src.len() / bytes * block;
+        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+        fast(src, &mut a);
+        scalar(src, &mut b);
+        for i in 0..n {
+            if !(a[i].is_nan() && b[i].is_nan()) {
+                prop_assert_eq!(a[i].to_bits(), b[i].to_bits(), "element {}", i);
+            }
+        }
+        Ok(())
+    }
+
+    /// quantize → dequantize error, in test-quantize-fns' unit, is at most `bound`.
+    pub fn assert_rmse(
+        x: &[f32],
+        quant: Quant,
+        deq: Dequant,
+        block: usize,
+        bytes: usize,
+        bound: f32,
+    ) -> Result<(), TestCaseError> {
+        let y = decode(&encode(x, block, bytes, quant), x.len(), deq);
+        let e = ggml_rmse(x, &y);
+        prop_assert!(e <= bound as f64, "rmse {} > {}", e, bound);
+        Ok(())
+    }
+
+    /// quantize(dequantize(quantize(x))) == quantize(x), byte for byte.
+    pub fn assert_idempotent(
+        x: &[f32],
+        quant: Quant,
+        deq: Dequant,
+        block: usize,
+        bytes: usize,
+    ) -> Result<(), TestCaseError> {
+        let q1 = encode(x, block, bytes, quant);
+        let q2 = encode(&decode(&q1, x.len(), deq), block, bytes, quant);
+        prop_assert_eq!(q1, q2);
+        Ok(())
+    }
+}
