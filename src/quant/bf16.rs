@@ -44,7 +44,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// ggml's scalar `ggml_vec_dot`: products of the widened values (exact in f32), summed
+/// ggml's scalar `ggml_vec_dot_bf16`: products of the widened values (exact in f32), summed
 /// in f64.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "bf16 · bf16: rows differ in length");
@@ -57,7 +57,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
         }) as f32
 }
 
-/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot`: four 8-lane
+/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_bf16`: four 8-lane
 /// accumulators (multiply then add, as ggml writes it) over steps of 32, its reduction, the
 /// tail in f64. Summation order differs from the scalar twin, so results can differ by
 /// rounding.

@@ -31,7 +31,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// ggml's scalar `ggml_vec_dot`: products of the widened halves (exact in f32), summed
+/// ggml's scalar `ggml_vec_dot_f16`: products of the widened halves (exact in f32), summed
 /// in f64.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "f16 · f16: rows differ in length");
@@ -40,7 +40,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
         .fold(0.0f64, |s, (x, y)| s + (f16_le(x) * f16_le(y)) as f64) as f32
 }
 
-/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot`: four 8-lane FMA
+/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_f16`: four 8-lane FMA
 /// accumulators over steps of 32, ggml's reduction, the tail added in f64. Summation order
 /// differs from the scalar twin, so results can differ by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {

@@ -139,6 +139,38 @@ macro_rules! formats {
                 }
             }
         }
+
+        // The row dispatchers call through the table one arm per type: each arm reads a
+        // `const` entry, so the call is direct (and inlinable) as in a hand-written match,
+        // where `(ty.format().f)(..)` would be an indirect call per row.
+        fn dequantize_with(ty: GgmlType, scalar: bool, src: &[u8], dst: &mut [f32]) {
+            match ty {
+                $(GgmlType::$ty => if scalar {
+                    ($m::FORMAT.dequantize_scalar)(src, dst)
+                } else {
+                    ($m::FORMAT.dequantize)(src, dst)
+                },)*
+            }
+        }
+
+        fn quantize_with(ty: GgmlType, from_float: bool, src: &[f32], dst: &mut [u8]) {
+            match ty {
+                $(GgmlType::$ty => if from_float {
+                    ($m::FORMAT.from_float)(src, dst)
+                } else {
+                    ($m::FORMAT.quantize)(src, dst)
+                },)*
+            }
+        }
+
+        /// Dot product of one weight row of type `ty` with one activation row already rounded to
+        /// `vec_dot_type(ty)` (by [`quantize_activation`]): integer per block, SIMD where
+        /// available.
+        pub fn vec_dot(ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
+            match ty {
+                $(GgmlType::$ty => ($m::FORMAT.vec_dot)(w, a),)*
+            }
+        }
     };
 }
 
@@ -261,14 +293,14 @@ fn check(ty: GgmlType, n: usize, bytes: usize) -> Result<(), QuantError> {
 /// Decode `dst.len()` elements of type `ty` from `src` (SIMD where available).
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     check(ty, dst.len(), src.len())?;
-    (ty.format().dequantize)(src, dst);
+    dequantize_with(ty, false, src, dst);
     Ok(())
 }
 
 /// The scalar twin of [`dequantize_row`]: plain Rust, the readable definition of each format.
 pub fn dequantize_row_scalar(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     check(ty, dst.len(), src.len())?;
-    (ty.format().dequantize_scalar)(src, dst);
+    dequantize_with(ty, true, src, dst);
     Ok(())
 }
 
@@ -290,7 +322,7 @@ pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
 /// [`quantize_row`] into a caller-provided buffer of exactly the right length.
 pub fn quantize_row_into(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
     check(ty, src.len(), dst.len())?;
-    (ty.format().quantize)(src, dst);
+    quantize_with(ty, false, src, dst);
     Ok(())
 }
 
@@ -300,19 +332,13 @@ pub fn quantize_row_into(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<()
 /// reference conversion. Panics if `dst` has the wrong length (callers size it).
 pub fn quantize_activation(ty: GgmlType, src: &[f32], dst: &mut [u8]) {
     check(ty, src.len(), dst.len()).expect("activation buffer sized by the caller");
-    (ty.format().from_float)(src, dst);
+    quantize_with(ty, true, src, dst);
 }
 
 /// The activation type ggml's CPU backend quantizes the input row to before a matmul with a
 /// weight of type `ty` ([`Format::vec_dot_type`]).
 pub fn vec_dot_type(ty: GgmlType) -> GgmlType {
     ty.format().vec_dot_type
-}
-
-/// Dot product of one weight row of type `ty` with one activation row already rounded to
-/// `vec_dot_type(ty)` (by [`quantize_activation`]): integer per block, SIMD where available.
-pub fn vec_dot(ty: GgmlType, w: &[u8], a: &[u8]) -> f32 {
-    (ty.format().vec_dot)(w, a)
 }
 
 /// The dot product of activation-only types used as weights (Q8_1, Q8_K; no converter writes
