@@ -1,7 +1,7 @@
 //! parity: find where an LLM inference engine stops agreeing with llama.cpp.
 //!
 //! Layers, dependencies pointing down only (docs/architecture.md):
-//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `gguf` → `quant`.
+//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `tokenizer` → `gguf` → `quant`.
 
 pub mod backend;
 pub mod cli;
