@@ -60,7 +60,7 @@ SEED = 0x9A417
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "tests", "data", "quant")
 
-# name, ggml id, block size, type size (must equal src/gguf/types.rs)
+# name, ggml id, block size, type size (must equal the FORMAT entries in src/quant/*.rs)
 TYPES = [
     ("f32", 0, 1, 4),
     ("f16", 1, 1, 2),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the library and quant tests for aarch64 and run them under qemu user-mode emulation,
-# so the NEON twins (`mod neon` in src/quant/*.rs, `util::arm`, `util::neon_b32`) are
+# so the NEON twins (`mod neon` in src/quant/*.rs, `quant/arm.rs`) are
 # executed and checked against their scalar twins and ggml's vectors on an x86 machine.
 #
 # What runs (all must pass):

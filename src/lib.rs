@@ -1,7 +1,7 @@
 //! parity: find where an LLM inference engine stops agreeing with llama.cpp.
 //!
 //! Layers, dependencies pointing down only (docs/architecture.md):
-//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `quant` → `gguf`.
+//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `tokenizer` → `gguf` → `quant`.
 
 pub mod backend;
 pub mod check;
@@ -12,4 +12,5 @@ pub mod judge;
 pub mod model;
 pub mod quant;
 pub mod report;
+pub mod tokenizer;
 pub mod trace;

@@ -14,6 +14,7 @@
 //! its bounds; agreement with ggml's bytes is printed (`--nocapture`), not asserted.
 
 use parity::gguf::GgmlType;
+use parity::quant::testkit::{ggml_rmse, ggml_rmse_bound};
 use parity::quant::{dequantize_row, dequantize_row_scalar, quantize_row};
 use serde_json::Value;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -238,25 +239,6 @@ fn decode_caught(ty: GgmlType, q: &[u8], n: usize) -> Result<Vec<f32>, String> {
     }
 }
 
-/// test-quantize-fns' `array_rmse`: sqrt(Σ diff²) / n.
-fn ggml_rmse(a: &[f32], b: &[f32]) -> f64 {
-    let s: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-        .sum();
-    s.sqrt() / a.len() as f64
-}
-
-/// test-quantize-fns' MAX_QUANTIZATION_TOTAL_ERROR bounds.
-fn rmse_bound(ty: GgmlType) -> f64 {
-    match ty {
-        GgmlType::Q2_K => 0.0075,
-        GgmlType::Q3_K => 0.004,
-        _ => 0.002,
-    }
-}
-
 /// Quantization bit-exactness (Q8_0, Q8_1, Q8_K).
 fn quant_exact_test(ty: GgmlType) {
     let e = entry(ty);
@@ -374,10 +356,10 @@ fn quant_rmse_test(ty: GgmlType) {
         }
         if row.starts_with("ggml_cos") {
             let err = ggml_rmse(&x, &ours);
-            if err.is_nan() || err > rmse_bound(ty) {
+            if err.is_nan() || err > ggml_rmse_bound(ty) {
                 fails.push(format!(
                     "input {row}: round-trip rmse {err:.5} > test-quantize-fns bound {}",
-                    rmse_bound(ty)
+                    ggml_rmse_bound(ty)
                 ));
             }
         }

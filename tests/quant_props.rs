@@ -11,35 +11,10 @@
 //! opt-level 2).
 
 use parity::gguf::GgmlType;
+use parity::quant::testkit::{ggml_rmse, ggml_rmse_bound, ggml_test_data};
 use parity::quant::{dequantize_row, dequantize_row_scalar, quantize_row};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-
-/// test-quantize-fns' `generate_data`: `0.1 + 2 * cosf(i + offset)` (0.1 is a double).
-fn ggml_test_data(n: usize, offset: f32) -> Vec<f32> {
-    (0..n)
-        .map(|i| (0.1f64 + (2.0f32 * (i as f32 + offset).cos()) as f64) as f32)
-        .collect()
-}
-
-/// test-quantize-fns' `array_rmse`: sqrt(Σ diff²) / n (its bounds are in this unit).
-fn ggml_rmse(a: &[f32], b: &[f32]) -> f64 {
-    let s: f64 = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
-        .sum();
-    s.sqrt() / a.len() as f64
-}
-
-/// test-quantize-fns' MAX_QUANTIZATION_TOTAL_ERROR{,_2BITS,_3BITS}.
-fn rmse_bound(ty: GgmlType) -> f64 {
-    match ty {
-        GgmlType::Q2_K => 0.0075,
-        GgmlType::Q3_K => 0.004,
-        _ => 0.002,
-    }
-}
 
 /// `default` cases, or PROPTEST_CASES when set (for a longer soak: `PROPTEST_CASES=5000`).
 fn cases(default: u32) -> u32 {
@@ -117,12 +92,12 @@ fn check_rmse(ty: GgmlType, x: &[f32], scale: f64, what: &str) -> Result<(), Tes
     let y = decode(ty, &q, x.len());
     let e = ggml_rmse(x, &y) / scale;
     prop_assert!(
-        e <= rmse_bound(ty),
+        e <= ggml_rmse_bound(ty),
         "{}: {}: rmse {:.5} > {}",
         ty,
         what,
         e,
-        rmse_bound(ty)
+        ggml_rmse_bound(ty)
     );
     Ok(())
 }

@@ -26,9 +26,9 @@
 
 use super::vecops::{self, rms_norm};
 use super::{Backend, BackendError, Emulation};
-use crate::gguf::{GgmlType, TensorInfo};
+use crate::gguf::TensorInfo;
 use crate::model::{Model, RopeType};
-use crate::quant::{self, q4_0, q8_0, q8_0::TileAct};
+use crate::quant::{self, Tile, TileAct};
 use crate::trace::{Sink, Tap, tap_mut};
 use pool::{Pool, SharedMut};
 
@@ -133,9 +133,6 @@ fn rows_per_task(n_out: usize, threads: usize) -> usize {
     per.max(16)
 }
 
-/// `out[r * T + t] = W[r] · x[t]` for a run of weight rows and all T tokens (`q4_0::vec_dot_tile`).
-type TileKernel = fn(&[u8], &TileAct, &mut [f32]);
-
 /// out[t, r] = W[r] · x[t] with W kept in its block format.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
@@ -151,16 +148,12 @@ fn matmul(
     let wdata = model.data(w);
     let wrow = w.ty.bytes_for(n_in as u64).expect("whole blocks") as usize;
     let wty = w.ty;
-    let tile_kernel: Option<TileKernel> = match wty {
-        GgmlType::Q4_0 => Some(q4_0::vec_dot_tile),
-        GgmlType::Q8_0 => Some(q8_0::vec_dot_tile),
-        _ => None,
-    };
+    let tile_kernel = wty.format().tile;
     let aty = quant::vec_dot_type(wty);
     let arow = aty.bytes_for(n_in as u64).expect("whole blocks") as usize;
     match tile_kernel {
-        Some(_) => mm.tile.quantize(&x[..t * n_in], n_in),
-        None => {
+        Some(Tile::Q8_0(_)) => mm.tile.quantize(&x[..t * n_in], n_in),
+        _ => {
             fit(&mut mm.act, t * arow);
             for (x, a) in x[..t * n_in]
                 .chunks_exact(n_in)
@@ -176,10 +169,8 @@ fn matmul(
     let ahead = PREFETCH_BYTES.div_ceil(wrow);
     // dst[(r - r0) * t + i] = W[r] · x[i] for the rows r0..r1.
     let rows = |r0: usize, r1: usize, dst: &mut [f32]| match tile_kernel {
-        Some(k) => k(&wdata[r0 * wrow..r1 * wrow], tile, dst),
-        None if wty == GgmlType::Q4_K => {
-            quant::q4_k::vec_dot_tile(&wdata[r0 * wrow..r1 * wrow], &act[..t * arow], t, dst)
-        }
+        Some(Tile::Q8_0(k)) => k(&wdata[r0 * wrow..r1 * wrow], tile, dst),
+        Some(Tile::Rows(k)) => k(&wdata[r0 * wrow..r1 * wrow], &act[..t * arow], t, dst),
         None => {
             for (r, ys) in (r0..r1).zip(dst.chunks_exact_mut(t)) {
                 if t == 1 {
@@ -810,6 +801,7 @@ mod pool {
 mod tests {
     use super::*;
     use crate::backend::argmax;
+    use crate::gguf::GgmlType;
     use crate::model::fixture::{FixtureSpec, build};
     use crate::trace::{MemorySink, NullSink, TapFilter};
     use std::alloc::{GlobalAlloc, Layout, System};

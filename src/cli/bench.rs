@@ -242,8 +242,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let cpu = cpu_model();
     let simd = format!(
         "{:?}{}",
-        crate::quant::util::simd(),
-        if crate::quant::util::use_vnni() {
+        crate::quant::cpu::simd(),
+        if crate::quant::cpu::use_vnni() {
             "+AVX-VNNI"
         } else {
             ""

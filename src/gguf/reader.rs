@@ -2,7 +2,7 @@
 //! count, length, dimension and offset against the file size before using it. Tensor data is a
 //! borrowed slice of the mapping — opening a file reads only its header.
 
-use super::types::GgmlType;
+use super::GgmlType;
 use super::value::{Value, ValueType};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -1,8 +1,8 @@
 //! The GGUF writer (version 3): metadata in insertion order, tensors aligned to
 //! `general.alignment` (32 unless set). Used by `parity fixture` and by tests.
 
+use super::GgmlType;
 use super::reader::{DEFAULT_ALIGNMENT, MAX_ALIGNMENT};
-use super::types::GgmlType;
 use super::value::{Value, ValueType};
 use std::io::Write;
 use std::path::Path;

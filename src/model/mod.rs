@@ -3,7 +3,7 @@
 
 mod config;
 pub mod fixture;
-pub mod tokenizer;
+pub use crate::tokenizer;
 
 pub use config::{Arch, Config, ModelError, RopeType};
 

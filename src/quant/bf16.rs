@@ -1,6 +1,14 @@
 //! BF16: the top 16 bits of an f32, little endian.
 
-use super::util::{Simd, simd};
+use super::cpu::dispatch;
+
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 2;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(BF16, "bf16", vec_dot_type: BF16);
 
 /// ggml's `GGML_BF16_TO_FP32`: the bits become the high half of an f32 (exact).
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -16,14 +24,7 @@ fn bf16_to_f32(h: u16) -> f32 {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `ggml_compute_fp32_to_bf16`: round to nearest even on the dropped 16 bits; a NaN is
@@ -45,7 +46,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 
 /// ggml's scalar `ggml_vec_dot_bf16`: products of the widened values (exact in f32), summed
 /// in f64.
-pub fn vec_dot_bf16_scalar(w: &[u8], a: &[u8]) -> f32 {
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "bf16 · bf16: rows differ in length");
     w.chunks_exact(2)
         .zip(a.chunks_exact(2))
@@ -56,18 +57,13 @@ pub fn vec_dot_bf16_scalar(w: &[u8], a: &[u8]) -> f32 {
         }) as f32
 }
 
-/// [`vec_dot_bf16_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_bf16`: four 8-lane
+/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_bf16`: four 8-lane
 /// accumulators (multiply then add, as ggml writes it) over steps of 32, its reduction, the
 /// tail in f64. Summation order differs from the scalar twin, so results can differ by
 /// rounding.
-pub fn vec_dot_bf16(w: &[u8], a: &[u8]) -> f32 {
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "bf16 · bf16: rows differ in length");
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        _ => vec_dot_bf16_scalar(w, a),
-    }
+    dispatch!(x86 => vec_dot(w, a) else vec_dot_scalar)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -144,7 +140,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     fn bf16s(x: &[f32]) -> Vec<u8> {
@@ -201,7 +197,7 @@ mod tests {
             let n = x.len();
             let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
             let bound = sum_order_bound(n, mag);
-            for got in [vec_dot_bf16(&w, &a), vec_dot_bf16_scalar(&w, &a)] {
+            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
                 prop_assert!((got as f64 - exact).abs() <= bound, "{} vs {}", got, exact);
             }
         }

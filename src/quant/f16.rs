@@ -1,6 +1,15 @@
 //! F16: little-endian IEEE-754 halves.
 
-use super::util::{f16_le, put_f16, simd};
+use super::cpu::dispatch;
+use super::ggml::{f16_le, put_f16};
+
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 2;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(F16, "f16", vec_dot_type: F16);
 
 /// Each half widened to f32 (exact; NaNs come out quiet with their payload, as F16C does).
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -12,12 +21,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 /// [`dequantize_scalar`] with F16C, 8 at a time; bit-identical output. (aarch64 stays scalar:
 /// Rust's NEON f16 intrinsics are not stable.)
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        super::util::Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86 => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// f32 to f16, round to nearest even (ggml's `GGML_FP32_TO_FP16` / F16C `vcvtps2ph`).
@@ -29,30 +33,25 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 
 /// ggml's scalar `ggml_vec_dot_f16`: products of the widened halves (exact in f32), summed
 /// in f64.
-pub fn vec_dot_f16_scalar(w: &[u8], a: &[u8]) -> f32 {
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "f16 · f16: rows differ in length");
     w.chunks_exact(2)
         .zip(a.chunks_exact(2))
         .fold(0.0f64, |s, (x, y)| s + (f16_le(x) * f16_le(y)) as f64) as f32
 }
 
-/// [`vec_dot_f16_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_f16`: four 8-lane FMA
+/// [`vec_dot_scalar`], vectorised as ggml's AVX2 `ggml_vec_dot_f16`: four 8-lane FMA
 /// accumulators over steps of 32, ggml's reduction, the tail added in f64. Summation order
 /// differs from the scalar twin, so results can differ by rounding.
-pub fn vec_dot_f16(w: &[u8], a: &[u8]) -> f32 {
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "f16 · f16: rows differ in length");
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        super::util::Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        _ => vec_dot_f16_scalar(w, a),
-    }
+    dispatch!(x86 => vec_dot(w, a) else vec_dot_scalar)
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::f32::x86::reduce4;
-    use super::super::util::f16_le;
+    use super::super::ggml::f16_le;
     use std::arch::x86_64::*;
 
     /// 8 halves from `b[..16]`, widened.
@@ -99,7 +98,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     fn halves(x: &[f32]) -> Vec<u8> {
@@ -134,10 +133,10 @@ mod tests {
             assert_eq!(x.to_bits(), y.to_bits(), "{i:#06x}");
         }
         #[cfg(target_arch = "x86_64")]
-        if simd() == crate::quant::util::Simd::Avx2 {
+        if crate::quant::cpu::simd() == crate::quant::cpu::Simd::Avx2 {
             for (i, h) in src.chunks_exact(2).enumerate() {
                 // SAFETY: avx2, fma and f16c are present.
-                let x = unsafe { crate::quant::util::x86_b32::f16c_le(h) };
+                let x = unsafe { crate::quant::x86::f16c_at(h) };
                 assert_eq!(x.to_bits(), b[i].to_bits(), "{i:#06x}");
             }
         }
@@ -174,7 +173,7 @@ mod tests {
             let n = x.len();
             let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
             let bound = sum_order_bound(n, mag);
-            for got in [vec_dot_f16(&w, &a), vec_dot_f16_scalar(&w, &a)] {
+            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
                 prop_assert!((got as f64 - exact).abs() <= bound, "{} vs {}", got, exact);
             }
         }

@@ -1,6 +1,14 @@
 //! F32: plain little-endian IEEE-754 singles.
 
-use super::util::{Simd, simd};
+use super::cpu::dispatch;
+
+/// Elements per block.
+pub const BLOCK: usize = 1;
+/// Bytes per block.
+pub const BYTES: usize = 4;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(F32, "f32", vec_dot_type: F32);
 
 /// Little-endian bytes to f32, one element at a time.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -44,13 +52,32 @@ pub fn vec_dot_f32_scalar(w: &[f32], a: &[f32]) -> f32 {
 /// differs from the scalar twin, so results can differ by rounding.
 pub fn vec_dot_f32(w: &[f32], a: &[f32]) -> f32 {
     assert_eq!(w.len(), a.len(), "f32 · f32: rows differ in length");
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_f32_scalar(w, a),
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_f32_scalar)
+}
+
+/// [`vec_dot_f32`] on little-endian f32 rows as bytes (the table's `vec_dot`).
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_f32(&as_f32(w), &as_f32(a))
+}
+
+/// [`vec_dot_f32_scalar`] on little-endian f32 rows as bytes.
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_f32_scalar(&as_f32(w), &as_f32(a))
+}
+
+/// View little-endian f32 bytes as f32s (borrowed when aligned, as mapped tensors and heap
+/// buffers are; copied otherwise).
+fn as_f32(b: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    // SAFETY: every bit pattern is a valid f32; align_to only yields the aligned middle.
+    let (pre, mid, post) = unsafe { b.align_to::<f32>() };
+    if pre.is_empty() && post.is_empty() && cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(mid)
+    } else {
+        std::borrow::Cow::Owned(
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
     }
 }
 
@@ -132,7 +159,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     proptest! {

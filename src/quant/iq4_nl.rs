@@ -2,11 +2,18 @@
 //! j+16 high); each nibble indexes the non-linear grid [`KVALUES`]: `x = KVALUES[q] * d`.
 //! Paired with Q8_0 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{f16_le, put_f16};
 use super::q8_0;
-use super::util::{Simd, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(IQ4_NL, "iq4_nl", vec_dot_type: Q8_0);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + BLOCK / 2);
 
 /// ggml's `kvalues_iq4nl`, sorted ascending.
 pub const KVALUES: [i8; 16] = [
@@ -29,14 +36,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_iq4_nl_ref` (`quantize_row_iq4_nl_impl` with `ntry = -1`, no
@@ -157,14 +157,7 @@ fn block_sumi(bw: &[u8], ba: &[u8]) -> i32 {
 /// block added with one FMA), so it may differ from the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -178,7 +171,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0;
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::{BYTES, KVALUES};
     use std::arch::x86_64::*;
 
@@ -217,8 +210,8 @@ mod x86 {
         for (bw, ba) in (&mut wp).zip(&mut ap) {
             let (w0, w1) = bw.split_at(BYTES);
             let (a0, a1) = ba.split_at(q8_0::BYTES);
-            let d0 = _mm256_set1_ps(f16c_le(a0) * f16c_le(w0));
-            let d1 = _mm256_set1_ps(f16c_le(a1) * f16c_le(w1));
+            let d0 = _mm256_set1_ps(f16c_at(a0) * f16c_at(w0));
+            let d1 = _mm256_set1_ps(f16c_at(a1) * f16c_at(w1));
             acc1 = _mm256_fmadd_ps(d0, block_lanes(w0, a0), acc1);
             acc2 = _mm256_fmadd_ps(d1, block_lanes(w1, a1), acc2);
         }
@@ -226,7 +219,7 @@ mod x86 {
         let (bw, ba) = (wp.remainder(), ap.remainder());
         if !bw.is_empty() {
             // Compilers contract ggml's `sumf += d * sumi` here into an FMA.
-            let d = f16c_le(ba) * f16c_le(bw);
+            let d = f16c_at(ba) * f16c_at(bw);
             sumf = d.mul_add(super::block_sumi(bw, ba) as f32, sumf);
         }
         sumf
@@ -236,7 +229,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_0;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES, KVALUES};
     use std::arch::aarch64::*;
 
@@ -281,10 +274,19 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    const A: usize = q8_0::BYTES;
+    // The refit scale can move the grid so far that no per-element bound holds in
+    // general; a block-relative worst case of a quarter of max|x| is ample for a
+    // 16-level grid (the widest gap is 24/127 of the range).
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize, quantize_search],
+        any_scale: 0.25,
+    }
+
+    q8_0_dot_tests!();
 
     #[test]
     fn best_index_is_nearest_ties_up() {
@@ -305,13 +307,6 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-        assert_rmse(&x, quantize_search, dequantize, BLOCK, BYTES, 0.002).unwrap();
-    }
-
-    #[test]
     fn zero_block() {
         let mut b = [0xAAu8; BYTES];
         quantize(&[0.0; 32], &mut b);
@@ -319,77 +314,5 @@ mod tests {
         quantize_search(&[0.0; 32], &mut b);
         assert_eq!(&b[..2], &[0, 0]);
         assert!(b[2..].iter().all(|&v| v == 0x88));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_0::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
-
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-            assert_rmse(&x, quantize_search, dequantize, BLOCK, BYTES, 0.002)?;
-        }
-
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // The refit scale can move the grid so far that no per-element bound holds in
-            // general; a block-relative worst case of a quarter of max|x| is ample for a
-            // 16-level grid (the widest gap is 24/127 of the range).
-            for q in [quantize as Quant, quantize_search] {
-                let e = max_rel_block_err(&x, q, dequantize, BLOCK, BYTES);
-                prop_assert!(e <= 0.25, "{}", e);
-            }
-        }
-
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, A, &[0], 1.0);
-            let n = w.len() / BYTES * BLOCK;
-            let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize)).0;
-            prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
-            prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
-        }
-
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(A, 32..33)) {
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, A, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, A, q8_0::quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 }

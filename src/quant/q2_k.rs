@@ -5,11 +5,22 @@
 //! `qs: [u8; 64]`, `d: f16`, `dmin: f16`. Each half of the block (128 elements) uses 32 bytes
 //! of `qs`; bits `2j..2j + 2` of those bytes hold elements `32j..32j + 32` of the half.
 
+use super::cpu::dispatch;
+use super::ggml::{QK_K, f16_le, make_qkx2_quants, nearest_int, put_f16};
 use super::q8_k;
-use super::util::{QK_K, f16_le, make_qkx2_quants, nearest_int, put_f16};
 
 /// Bytes per 256-element block.
-pub const BLOCK_BYTES: usize = 84;
+pub const BYTES: usize = 84;
+
+/// Elements per block.
+pub const BLOCK: usize = QK_K;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q2_K, "q2_K", vec_dot_type: Q8_K, dot_exact: true);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == BLOCK / 16 + BLOCK / 4 + 2 + 2 && DMIN + 2 == BYTES);
 
 /// Byte offsets inside a block.
 const QS: usize = 16;
@@ -17,30 +28,15 @@ const D: usize = 80;
 const DMIN: usize = 82;
 
 /// Decode `dst.len()` elements (SIMD where available; bit-identical to [`dequantize_scalar`]).
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::dequantize(src, dst) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::dequantize(src, dst) };
-    dequantize_scalar(src, dst)
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `dequantize_row_q2_K`: per sub-block `dl = d·(sc & 15)`, `ml = dmin·(sc >> 4)`,
 /// `y = dl·q − ml`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let (d, min) = (f16_le(&b[D..]), f16_le(&b[DMIN..]));
         // Sub-block `is` (16 elements) reads bytes `16·(is % 2)..` of its half's 32 bytes.
         for (is, y) in y.chunks_exact_mut(16).enumerate() {
@@ -59,12 +55,9 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 /// (weights |x|, mean absolute error), quantize the scales and mins to 4 bits against the
 /// largest of each, then requantize every element against the rounded scale and min.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(dst.len(), src.len() / QK_K * BLOCK_BYTES);
+    assert_eq!(dst.len(), src.len() / QK_K * BYTES);
     const Q4SCALE: f32 = 15.0;
-    for (x, b) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-    {
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
         let mut l = [0u8; QK_K];
         let (mut scales, mut mins) = ([0f32; 16], [0f32; 16]);
         let (mut max_scale, mut max_min) = (0f32, 0f32);
@@ -145,29 +138,17 @@ fn min_sum(x: &[u8], y: &[u8]) -> i32 {
 
 /// Dot product of a Q2_K row with a Q8_K row (SIMD where available). The integer sums are
 /// exact and the float steps shared, so it equals [`vec_dot_scalar`] bit for bit.
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::vec_dot(w, a) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::vec_dot(w, a) };
-    vec_dot_scalar(w, a)
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// ggml's `ggml_vec_dot_q2_K_q8_K`: per block, integer sums of `q·q8` per sub-block times the
 /// 4-bit scales, the mins applied through the activations' `bsums`, then one float step with
 /// `dall = a.d·w.d`, `dmin = a.d·w.dmin`.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
-    q8_k::check_dot(w, BLOCK_BYTES, a);
+    q8_k::check_dot(w, BYTES, a);
     let mut sumf = 0f32;
-    for (x, y) in w
-        .chunks_exact(BLOCK_BYTES)
-        .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-    {
+    for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
         let q8 = q8_k::block_qs(y);
         let mut isum = 0i32;
         for (is, q8) in q8.chunks_exact(16).enumerate() {
@@ -184,9 +165,9 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use super::*;
-    use crate::quant::util::x86::*;
+    use crate::quant::x86::*;
     use std::arch::x86_64::*;
 
     /// Elements `32j..32j + 32` of a half block: bits `2j..2j + 2` of its 32 `qs` bytes.
@@ -199,11 +180,8 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             // Scale byte i: `ds[i] = d·(s & 15)`, `ms[i] = dmin·(s >> 4)`.
             let s = load_u8x16(b);
             let m4 = _mm_set1_epi8(0xf);
@@ -226,12 +204,9 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let q8 = q8_k::block_qs(y);
             let mut acc = _mm256_setzero_si256();
             for n in 0..2 {
@@ -252,7 +227,7 @@ mod avx2 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::*;
-    use crate::quant::util::arm::*;
+    use crate::quant::arm::*;
     use std::arch::aarch64::*;
 
     /// The 16 quants of sub-block `is`.
@@ -266,11 +241,8 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let (d, min) = (f16_le(&b[D..]), f16_le(&b[DMIN..]));
             for (is, y) in y.chunks_exact_mut(16).enumerate() {
                 let sc = b[is];
@@ -282,12 +254,9 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let q8 = q8_k::block_qs(y);
             let mut isum = 0i32;
             for (is, q8) in q8.chunks_exact(16).enumerate() {
@@ -303,72 +272,17 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::ktest::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
-            assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BLOCK_BYTES, quantize), BLOCK_BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.26 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.35, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BLOCK_BYTES, n..n + 1),
-                blocks(q8_k::BLOCK_BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in floats(1..5), y in floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BLOCK_BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(0.0, 4096);
-        let y = decode_vec(
-            &quantize_vec(&x, BLOCK_BYTES, quantize),
-            BLOCK_BYTES,
-            dequantize,
-        );
-        assert!(ggml_rmse(&x, &y) < 0.0075, "{}", ggml_rmse(&x, &y));
-        // Measured 0.211 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.25, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
-        assert!(err < 0.04, "{err}");
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BLOCK_BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "40e81df977d2500121bc6e23c6686427",
-            "b5d1d60b11976cf0aa0975ec72df4ca8",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 176.70868, 4429.5);
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 176.70868, 4429.5);
+    // Measured: ggml's quantizer (same bits) peaks near 0.26 on random rows; its relative RMSE
+    // on ggml's data is 0.211.
+    kquant_tests! {
+        random_rel_rmse: 0.35,
+        ggml_rmse: 0.0075,
+        ggml_rel_rmse: 0.25,
+        dot_error: 0.04,
+        known: ("40e81df977d2500121bc6e23c6686427", "b5d1d60b11976cf0aa0975ec72df4ca8"),
+        known_dot: (176.70868, 4429.5),
     }
 }

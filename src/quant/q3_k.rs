@@ -7,11 +7,22 @@
 //! The 16 scales keep their low nibbles in `scales[0..8]` and their top 2 bits in
 //! `scales[8..12]` (see `unpack_scales`).
 
+use super::cpu::dispatch;
+use super::ggml::{GROUP_MAX_EPS, QK_K, f16_le, nearest_int, put_f16};
 use super::q8_k;
-use super::util::{GROUP_MAX_EPS, QK_K, f16_le, nearest_int, put_f16};
 
 /// Bytes per 256-element block.
-pub const BLOCK_BYTES: usize = 110;
+pub const BYTES: usize = 110;
+
+/// Elements per block.
+pub const BLOCK: usize = QK_K;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q3_K, "q3_K", vec_dot_type: Q8_K, dot_exact: true);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == BLOCK / 8 + BLOCK / 4 + 12 + 2);
 
 /// Byte offsets inside a block.
 const QS: usize = 32;
@@ -35,20 +46,8 @@ fn unpack_scales(scales: &[u8]) -> [i8; 16] {
 }
 
 /// Decode `dst.len()` elements (SIMD where available; bit-identical to [`dequantize_scalar`]).
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::dequantize(src, dst) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::dequantize(src, dst) };
-    dequantize_scalar(src, dst)
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// The 3-bit quant (−4..4) of element `32k + l` of `half` (128 elements) of a block.
@@ -61,11 +60,8 @@ fn quant(b: &[u8], half: usize, k: usize, l: usize) -> i32 {
 
 /// ggml's `dequantize_row_q3_K`: `dl = d·(sc − 32)`, `y = dl·q`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_le(&b[D..]);
         let sc = unpack_scales(&b[SCALES..D]);
         // 32-element group `k` (0..8): `hmask` bit k; low bits from half k / 4, shift 2·(k % 4).
@@ -141,11 +137,8 @@ fn make_q3_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
 /// quantize the 16 scales to signed 6 bits against the largest in magnitude, then requantize
 /// every element against its rounded scale.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(dst.len(), src.len() / QK_K * BLOCK_BYTES);
-    for (x, b) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-    {
+    assert_eq!(dst.len(), src.len() / QK_K * BYTES);
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
         let (mut max_scale, mut amax) = (0f32, 0f32);
@@ -220,28 +213,16 @@ fn block_dot(x: &[u8], y: &[u8], isum: i32) -> f32 {
 
 /// Dot product of a Q3_K row with a Q8_K row (SIMD where available). The integer sums are
 /// exact and the float steps shared, so it equals [`vec_dot_scalar`] bit for bit.
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::vec_dot(w, a) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::vec_dot(w, a) };
-    vec_dot_scalar(w, a)
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// ggml's `ggml_vec_dot_q3_K_q8_K`: per block, integer sums of `q·q8` per sub-block times the
 /// signed scales, then one float step with `d = w.d·a.d`.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
-    q8_k::check_dot(w, BLOCK_BYTES, a);
+    q8_k::check_dot(w, BYTES, a);
     let mut sumf = 0f32;
-    for (x, y) in w
-        .chunks_exact(BLOCK_BYTES)
-        .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-    {
+    for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
         let sc = unpack_scales(&x[SCALES..D]);
         let q8 = q8_k::block_qs(y);
         let mut isum = 0i32;
@@ -259,9 +240,9 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use super::*;
-    use crate::quant::util::x86::*;
+    use crate::quant::x86::*;
     use std::arch::x86_64::*;
 
     /// Group `k` (32 elements) as (low 2 bits, 4 where the high bit is clear): `q = low − sub`.
@@ -296,11 +277,8 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let dl = scales_x16(scales_x16_words(&b[SCALES..D]), f16c_at(&b[D..]));
             let dl = in_memory(&dl);
             let hmask = load_u8x32(b);
@@ -316,12 +294,9 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let sc = unpack_scales(&x[SCALES..D]);
             let q8 = q8_k::block_qs(y);
             let hmask = load_u8x32(x);
@@ -345,7 +320,7 @@ mod avx2 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::*;
-    use crate::quant::util::arm::*;
+    use crate::quant::arm::*;
     use std::arch::aarch64::*;
 
     /// The 16 quants (−4..4) of sub-block `is` (half `is % 2` of 32-element group `is / 2`).
@@ -363,11 +338,8 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let d = f16_le(&b[D..]);
             let sc = unpack_scales(&b[SCALES..D]);
             for (is, y) in y.chunks_exact_mut(16).enumerate() {
@@ -378,12 +350,9 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let sc = unpack_scales(&x[SCALES..D]);
             let q8 = q8_k::block_qs(y);
             let mut isum = 0i32;
@@ -400,55 +369,18 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::ktest::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
-            assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BLOCK_BYTES, quantize), BLOCK_BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.13 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.18, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BLOCK_BYTES, n..n + 1),
-                blocks(q8_k::BLOCK_BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in floats(1..5), y in floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BLOCK_BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(0.0, 4096);
-        let y = decode_vec(
-            &quantize_vec(&x, BLOCK_BYTES, quantize),
-            BLOCK_BYTES,
-            dequantize,
-        );
-        assert!(ggml_rmse(&x, &y) < 0.004, "{}", ggml_rmse(&x, &y));
-        // Measured 0.113 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.13, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
-        assert!(err < 0.04, "{err}");
+    // Measured: ggml's quantizer (same bits) peaks near 0.13 on random rows; its relative RMSE
+    // on ggml's data is 0.113.
+    kquant_tests! {
+        random_rel_rmse: 0.18,
+        ggml_rmse: 0.004,
+        ggml_rel_rmse: 0.13,
+        dot_error: 0.04,
+        known: ("c20945a657fd6184e74d1174f48566c3", "6e1bb94526dbaa004ea365ccbe7c67fc"),
+        known_dot: (174.69664, 4402.8),
     }
 
     #[test]
@@ -461,23 +393,5 @@ mod tests {
             s[8 + j % 4] |= (v >> 4) << (2 * (j / 4));
         }
         assert_eq!(unpack_scales(&s), want.map(|v| v as i8 - 32));
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BLOCK_BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "c20945a657fd6184e74d1174f48566c3",
-            "6e1bb94526dbaa004ea365ccbe7c67fc",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 174.69664, 4402.8);
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 174.69664, 4402.8);
     }
 }

@@ -2,11 +2,18 @@
 //! of nibbles (element j low nibble of `qs[j]`, j+16 high); `x = (q - 16) * d`. Paired with
 //! Q8_0 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, f16_le, put_f16};
 use super::q8_0;
-use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 22;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(Q5_0, "q5_0", vec_dot_type: Q8_0);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + 4 + BLOCK / 2);
 
 /// The 32 five-bit quants of a block, in element order (0..=31, not yet offset by -16).
 #[inline]
@@ -32,14 +39,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q5_0_ref`: `d = -max/16` with `max` the signed value of largest
@@ -90,14 +90,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 /// rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -111,7 +104,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_0;
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::BYTES;
     use std::arch::x86_64::*;
 
@@ -136,7 +129,7 @@ mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_0::BYTES)) {
-            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
+            let d = _mm256_set1_ps(f16c_at(bw) * f16c_at(ba));
             let qa = &ba[2..34];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
@@ -150,7 +143,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_0;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -201,29 +194,18 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    const A: usize = q8_0::BYTES;
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
+    // Values on the far side of `max` clamp at q = 31, a full step (max/16) away;
+    // elsewhere half a step; plus f16 rounding of d spread over |q - 16| <= 16.
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize],
+        any_scale: (1.0 + 16.0 / 2048.0) / 16.0 + 1e-6,
     }
 
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_0::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
+    q8_0_dot_tests!();
 
     #[test]
     fn layout() {
@@ -241,60 +223,5 @@ mod tests {
         let mut y = [0.0f32; 32];
         dequantize(&b, &mut y);
         assert_eq!(y, x);
-    }
-
-    proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
-
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
-
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Values on the far side of `max` clamp at q = 31, a full step (max/16) away;
-            // elsewhere half a step; plus f16 rounding of d spread over |q - 16| <= 16.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (1.0 + 16.0 / 2048.0) / 16.0 + 1e-6, "{}", e);
-        }
-
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, A, &[0], 1.0);
-            let n = w.len() / BYTES * BLOCK;
-            let exact = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize)).0;
-            prop_assert_eq!(vec_dot_scalar(&w, &a) as f64, exact);
-            prop_assert_eq!(vec_dot(&w, &a) as f64, exact);
-        }
-
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(A, 32..33)) {
-            let mut a = seed[..w.len() / BYTES * A].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, A, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, A, q8_0::quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, q8_0::dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 }

@@ -2,11 +2,18 @@
 //! 16 bytes of nibbles (element j low nibble of `qs[j]`, j+16 high); `x = q * d + m`. Paired
 //! with Q8_1 activations.
 
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, f16_le, put_f16};
 use super::q8_1;
-use super::util::{Simd, c_float_to_byte, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 24;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(Q5_1, "q5_1", vec_dot_type: Q8_1);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 4 + 4 + BLOCK / 2);
 
 /// The 32 five-bit quants of a block, in element order.
 #[inline]
@@ -32,14 +39,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q5_1_ref`: `m = min`, `d = (max - min) / 31`,
@@ -93,14 +93,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 /// it may differ from the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     check_rows(w, a);
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -114,7 +107,7 @@ fn check_rows(w: &[u8], a: &[u8]) {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::q8_1;
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::BYTES;
     use std::arch::x86_64::*;
 
@@ -139,8 +132,8 @@ mod x86 {
         let mut acc = _mm256_setzero_ps();
         let mut summs = 0.0f32;
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_1::BYTES)) {
-            summs += f16c_le(&bw[2..]) * f16c_le(&ba[2..]);
-            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
+            summs += f16c_at(&bw[2..]) * f16c_at(&ba[2..]);
+            let d = _mm256_set1_ps(f16c_at(bw) * f16c_at(ba));
             let qa = &ba[4..36];
             // SAFETY: `qa` holds 32 readable bytes; loadu has no alignment requirement.
             let qa = unsafe { _mm256_loadu_si256(qa.as_ptr().cast()) };
@@ -154,7 +147,7 @@ mod x86 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::q8_1;
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -203,8 +196,16 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
+
+    // Half a step of (max - min)/31 <= 2 max|x|/31, plus f16 rounding of d (times
+    // q <= 31) and of m.
+    block32_tests! {
+        act: crate::quant::q8_1,
+        quantizers: [quantize],
+        any_scale: (1.0 + 62.0 / 2048.0) / 31.0 + 1.0 / 2048.0,
+    }
 
     const A: usize = q8_1::BYTES;
 
@@ -234,25 +235,6 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, A, q8_1::quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
-    }
-
-    #[test]
     fn layout() {
         // min 0, max 31: d = 1, m = 0, q = x; element 17 = 16 sets qh bit 17.
         let mut x = [0.0f32; 32];
@@ -268,23 +250,8 @@ mod tests {
     }
 
     proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
 
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
 
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Half a step of (max - min)/31 <= 2 max|x|/31, plus f16 rounding of d (times
-            // q <= 31) and of m.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (1.0 + 62.0 / 2048.0) / 31.0 + 1.0 / 2048.0, "{}", e);
-        }
 
         #[test]
         fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(A, 16..17)) {

@@ -6,11 +6,22 @@
 //! (elements 0..32, then the high nibbles for 32..64); the fifth bit of element `l` of the
 //! first half is bit `2g` of `qh[l]`, of the second half bit `2g + 1`.
 
+use super::cpu::dispatch;
+use super::ggml::{QK_K, f16_le, get_scale_min_k4, make_qkx2_quants, nearest_int, put_f16};
 use super::q8_k;
-use super::util::{QK_K, f16_le, get_scale_min_k4, make_qkx2_quants, nearest_int, put_f16};
 
 /// Bytes per 256-element block.
-pub const BLOCK_BYTES: usize = 176;
+pub const BYTES: usize = 176;
+
+/// Elements per block.
+pub const BLOCK: usize = QK_K;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q5_K, "q5_K", vec_dot_type: Q8_K, dot_exact: true);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + 2 + 12 + BLOCK / 8 + BLOCK / 2);
 
 /// Byte offsets inside a block.
 const SCALES: usize = 4;
@@ -27,30 +38,15 @@ fn scales_mins(scales: &[u8]) -> ([u8; 8], [u8; 8]) {
 }
 
 /// Decode `dst.len()` elements (SIMD where available; bit-identical to [`dequantize_scalar`]).
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::dequantize(src, dst) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::dequantize(src, dst) };
-    dequantize_scalar(src, dst)
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `dequantize_row_q5_K`: per sub-block `d1 = d·sc`, `m1 = dmin·m`,
 /// `y = d1·(nibble + 16·bit) − m1`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let (d, min) = (f16_le(&b[0..]), f16_le(&b[2..]));
         let (sc, m) = scales_mins(&b[SCALES..QH]);
         let qh = &b[QH..QS];
@@ -76,11 +72,8 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 /// ggml's `quantize_row_q5_K_ref`: Q4_K's procedure with `nmax = 31` and a shorter scale
 /// search ([`make_qkx2_quants`] from −0.5 in 15 steps of 0.1).
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(dst.len(), src.len() / QK_K * BLOCK_BYTES);
-    for (x, b) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-    {
+    assert_eq!(dst.len(), src.len() / QK_K * BYTES);
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
         let mut l = [0u8; QK_K];
         let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
         let (mut max_scale, mut max_min) = (0f32, 0f32);
@@ -176,29 +169,17 @@ fn min_sum(y: &[u8], m: &[u8; 8]) -> i32 {
 
 /// Dot product of a Q5_K row with a Q8_K row (SIMD where available). The integer sums are
 /// exact and the float steps shared, so it equals [`vec_dot_scalar`] bit for bit.
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::vec_dot(w, a) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::vec_dot(w, a) };
-    vec_dot_scalar(w, a)
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// ggml's `ggml_vec_dot_q5_K_q8_K`, plainly: per block, integer sums of `q·q8` per sub-block
 /// times the 6-bit scales, the mins applied through the activations' `bsums`, then one float
 /// step with `d = w.d·a.d`.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
-    q8_k::check_dot(w, BLOCK_BYTES, a);
+    q8_k::check_dot(w, BYTES, a);
     let mut sumf = 0f32;
-    for (x, y) in w
-        .chunks_exact(BLOCK_BYTES)
-        .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-    {
+    for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
         let (sc, m) = scales_mins(&x[SCALES..QH]);
         let (qh, q8) = (&x[QH..QS], q8_k::block_qs(y));
         let mut isum = 0i32;
@@ -218,9 +199,9 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use super::*;
-    use crate::quant::util::x86::*;
+    use crate::quant::x86::*;
     use std::arch::x86_64::*;
 
     /// The 5-bit quants of group `g` (64 elements) as two vectors of 32 bytes.
@@ -244,11 +225,8 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             // As in Q4_K: `ds[j] = d·sc[j]`, `ms[8 + j] = dmin·m[j]`.
             let sm = scales_mins_x16(&b[SCALES..QH]);
             let ds = scales_x16(sm, f16c_at(&b[0..]));
@@ -267,12 +245,9 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let (sc, m) = scales_mins(&x[SCALES..QH]);
             let q8 = q8_k::block_qs(y);
             let qh = load_u8x32(&x[QH..]);
@@ -295,7 +270,7 @@ mod avx2 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::*;
-    use crate::quant::util::arm::*;
+    use crate::quant::arm::*;
     use std::arch::aarch64::*;
 
     /// Elements `16h..16h + 16` of both halves of group `g`: (first half, second half).
@@ -315,11 +290,8 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let (d, min) = (f16_le(&b[0..]), f16_le(&b[2..]));
             let (sc, m) = scales_mins(&b[SCALES..QH]);
             for (g, y) in y.chunks_exact_mut(64).enumerate() {
@@ -336,12 +308,9 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let (sc, m) = scales_mins(&x[SCALES..QH]);
             let q8 = q8_k::block_qs(y);
             let mut isum = 0i32;
@@ -365,72 +334,17 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::ktest::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
-            assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BLOCK_BYTES, quantize), BLOCK_BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.029 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.04, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BLOCK_BYTES, n..n + 1),
-                blocks(q8_k::BLOCK_BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in floats(1..5), y in floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BLOCK_BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(0.0, 4096);
-        let y = decode_vec(
-            &quantize_vec(&x, BLOCK_BYTES, quantize),
-            BLOCK_BYTES,
-            dequantize,
-        );
-        assert!(ggml_rmse(&x, &y) < 0.002, "{}", ggml_rmse(&x, &y));
-        // Measured 0.024 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.028, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
-        assert!(err < 0.02, "{err}");
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BLOCK_BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "840500a4ea0545404653fecf494a9bdd",
-            "8f979697abd2c102923512eab54f4778",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 168.16553, 4442.1);
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 168.16553, 4442.1);
+    // Measured: ggml's quantizer (same bits) peaks near 0.029 on random rows; its relative RMSE
+    // on ggml's data is 0.024.
+    kquant_tests! {
+        random_rel_rmse: 0.04,
+        ggml_rmse: 0.002,
+        ggml_rel_rmse: 0.028,
+        dot_error: 0.02,
+        known: ("840500a4ea0545404653fecf494a9bdd", "8f979697abd2c102923512eab54f4778"),
+        known_dot: (168.16553, 4442.1),
     }
 }

@@ -6,11 +6,22 @@
 //! its low nibble from `ql[l + 32·(k % 2)]` (low nibble for k < 2, high for k ≥ 2) and its top
 //! 2 bits from bits `2k..2k + 2` of `qh[l]`; the stored value is `q + 32`.
 
+use super::cpu::dispatch;
+use super::ggml::{GROUP_MAX_EPS, QK_K, f16_le, nearest_int, put_f16};
 use super::q8_k;
-use super::util::{GROUP_MAX_EPS, QK_K, f16_le, nearest_int, put_f16};
 
 /// Bytes per 256-element block.
-pub const BLOCK_BYTES: usize = 210;
+pub const BYTES: usize = 210;
+
+/// Elements per block.
+pub const BLOCK: usize = QK_K;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q6_K, "q6_K", vec_dot_type: Q8_K, dot_exact: true);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == BLOCK / 2 + BLOCK / 4 + BLOCK / 16 + 2);
 
 /// Byte offsets inside a block.
 const QH: usize = 128;
@@ -18,20 +29,8 @@ const SCALES: usize = 192;
 const D: usize = 208;
 
 /// Decode `dst.len()` elements (SIMD where available; bit-identical to [`dequantize_scalar`]).
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::dequantize(src, dst) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::dequantize(src, dst) };
-    dequantize_scalar(src, dst)
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// The 6-bit quant (−32..32) of element `32k + l` of `half` (128 elements) of a block.
@@ -50,11 +49,8 @@ fn scale(b: &[u8], is: usize) -> i8 {
 
 /// ggml's `dequantize_row_q6_K`: `y = d·sc·q`, evaluated left to right.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = f16_le(&b[D..]);
         for (is, y) in y.chunks_exact_mut(16).enumerate() {
             let (half, k, l0) = (is / 8, is % 8 / 2, 16 * (is % 2));
@@ -122,11 +118,8 @@ fn make_qx_quants(nmax: i32, x: &[f32], l: &mut [i8]) -> f32 {
 /// quantize the 16 scales to int8 against the largest in magnitude (mapped to −128), then
 /// requantize every element against its rounded scale.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(dst.len(), src.len() / QK_K * BLOCK_BYTES);
-    for (x, b) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-    {
+    assert_eq!(dst.len(), src.len() / QK_K * BYTES);
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
         let mut l = [0i8; QK_K];
         let mut scales = [0f32; 16];
         let (mut max_scale, mut max_abs_scale) = (0f32, 0f32);
@@ -188,28 +181,16 @@ fn block_dot(x: &[u8], y: &[u8], isum: i32) -> f32 {
 
 /// Dot product of a Q6_K row with a Q8_K row (SIMD where available). The integer sums are
 /// exact and the float steps shared, so it equals [`vec_dot_scalar`] bit for bit.
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::vec_dot(w, a) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::vec_dot(w, a) };
-    vec_dot_scalar(w, a)
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// ggml's `ggml_vec_dot_q6_K_q8_K`: per block, integer sums of `q·q8` per sub-block times the
 /// int8 scales, then one float step with `d = w.d·a.d`.
 pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
-    q8_k::check_dot(w, BLOCK_BYTES, a);
+    q8_k::check_dot(w, BYTES, a);
     let mut sumf = 0f32;
-    for (x, y) in w
-        .chunks_exact(BLOCK_BYTES)
-        .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-    {
+    for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
         let q8 = q8_k::block_qs(y);
         let mut isum = 0i32;
         for (is, q8) in q8.chunks_exact(16).enumerate() {
@@ -225,9 +206,9 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+mod x86 {
     use super::*;
-    use crate::quant::util::x86::*;
+    use crate::quant::x86::*;
     use std::arch::x86_64::*;
 
     /// The four 32-element groups of `half`, as unsigned `q + 32` (0..64).
@@ -254,12 +235,9 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
         let m32 = _mm256_set1_epi8(32);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let dl = scales_x16(load_u8x16(&b[SCALES..]), f16c_at(&b[D..]));
             let dl = in_memory(&dl);
             let mut q = Staged::new();
@@ -274,13 +252,10 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let m32 = _mm256_set1_epi8(32);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let q8 = q8_k::block_qs(y);
             let mut acc = _mm256_setzero_si256();
             for half in 0..2 {
@@ -305,7 +280,7 @@ mod avx2 {
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::*;
-    use crate::quant::util::arm::*;
+    use crate::quant::arm::*;
     use std::arch::aarch64::*;
 
     /// The 16 quants (−32..32) of sub-block `is`.
@@ -322,11 +297,8 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let d = f16_le(&b[D..]);
             for (is, y) in y.chunks_exact_mut(16).enumerate() {
                 store_scaled_i8x16(y, quants(b, is), d * scale(b, is) as f32);
@@ -336,12 +308,9 @@ mod neon {
 
     #[target_feature(enable = "neon")]
     pub(super) fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
-        q8_k::check_dot(w, BLOCK_BYTES, a);
+        q8_k::check_dot(w, BYTES, a);
         let mut sumf = 0f32;
-        for (x, y) in w
-            .chunks_exact(BLOCK_BYTES)
-            .zip(a.chunks_exact(q8_k::BLOCK_BYTES))
-        {
+        for (x, y) in w.chunks_exact(BYTES).zip(a.chunks_exact(q8_k::BYTES)) {
             let q8 = q8_k::block_qs(y);
             let mut isum = 0i32;
             for (is, q8) in q8.chunks_exact(16).enumerate() {
@@ -357,72 +326,17 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::ktest::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    proptest! {
-        #[test]
-        fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
-            assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
-        }
-
-        #[test]
-        fn round_trip_random(x in floats(1..5)) {
-            let y = decode_vec(&quantize_vec(&x, BLOCK_BYTES, quantize), BLOCK_BYTES, dequantize);
-            // ggml's quantizer (same bits) peaks near 0.016 on this data.
-            prop_assert!(rel_rmse(&x, &y) < 0.025, "{}", rel_rmse(&x, &y));
-        }
-
-        #[test]
-        fn vec_dot_simd_matches_scalar(
-            (w, a) in (1..5usize).prop_flat_map(|n| (
-                blocks(BLOCK_BYTES, n..n + 1),
-                blocks(q8_k::BLOCK_BYTES, n..n + 1),
-            ))
-        ) {
-            same_dot(vec_dot(&w, &a), vec_dot_scalar(&w, &a))?;
-        }
-
-        #[test]
-        fn vec_dot_matches_dequantized(x in floats(1..5), y in floats(4..5)) {
-            assert_dot_matches_dequantized(&x, &y[..x.len()], BLOCK_BYTES, quantize, dequantize, vec_dot);
-        }
-    }
-
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(0.0, 4096);
-        let y = decode_vec(
-            &quantize_vec(&x, BLOCK_BYTES, quantize),
-            BLOCK_BYTES,
-            dequantize,
-        );
-        assert!(ggml_rmse(&x, &y) < 0.002, "{}", ggml_rmse(&x, &y));
-        // Measured 0.0118 (sqrt of mean squared error over the data's RMS).
-        assert!(rel_rmse(&x, &y) < 0.014, "{}", rel_rmse(&x, &y));
-    }
-
-    #[test]
-    fn vec_dot_ggml_data() {
-        let err = ggml_dot_error(BLOCK_BYTES, quantize, vec_dot);
-        assert!(err < 0.02, "{err}");
-    }
-
-    #[test]
-    fn matches_llama_cpp() {
-        assert_known_answers(
-            BLOCK_BYTES,
-            quantize,
-            dequantize,
-            dequantize_scalar,
-            "fd22995841a3a709ef2f8e746199ec4e",
-            "87aa2a577ea8f3293b4243a678b62729",
-        );
-    }
-
-    #[test]
-    fn vec_dot_matches_llama_cpp() {
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot, 172.41655, 4447.4);
-        assert_dot_known_answer(BLOCK_BYTES, quantize, vec_dot_scalar, 172.41655, 4447.4);
+    // Measured: ggml's quantizer (same bits) peaks near 0.016 on random rows; its relative RMSE
+    // on ggml's data is 0.0118.
+    kquant_tests! {
+        random_rel_rmse: 0.025,
+        ggml_rmse: 0.002,
+        ggml_rel_rmse: 0.014,
+        dot_error: 0.02,
+        known: ("fd22995841a3a709ef2f8e746199ec4e", "87aa2a577ea8f3293b4243a678b62729"),
+        known_dot: (172.41655, 4447.4),
     }
 }

@@ -3,10 +3,18 @@
 //! Also the activation type the CPU backend pairs with Q4_0, Q5_0, Q8_0 and IQ4_NL weights, so
 //! [`quantize`] must match ggml's `quantize_row_q8_0_ref` bit for bit.
 
-use super::util::{Simd, c_float_to_byte, cvtt_f32_i32, f16_le, put_f16, simd};
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, cvtt_f32_i32, f16_le, put_f16};
+use super::tile::{self, TileAct};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 34;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format = super::format_entry!(Q8_0, "q8_0", vec_dot_type: Q8_0, from_float: quantize_x86_avx, tile: Some(super::Tile::Q8_0(vec_dot_tile)));
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 2 + BLOCK);
 
 /// ggml's `dequantize_row_q8_0`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -20,14 +28,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = roundf(x / d)` (half away from zero).
@@ -51,12 +52,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
 /// `127 / max|x|` rather than `1 / (max|x| / 127)`, and rounding is half to even. The two
 /// disagree on a handful of bytes per million.
 pub fn quantize_x86_avx(src: &[f32], dst: &mut [u8]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::quantize_avx2(src, dst) },
-        _ => quantize_x86_avx_scalar(src, dst),
-    }
+    dispatch!(x86 => quantize_avx2(src, dst) else quantize_x86_avx_scalar)
 }
 
 /// [`quantize_x86_avx`] in plain Rust: the readable definition its AVX2 version (which is
@@ -106,128 +102,7 @@ pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
 /// the scalar twin by rounding.
 pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
     assert_eq!(w.len(), a.len(), "q8_0 · q8_0: rows differ in length");
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::vec_dot(w, a) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::vec_dot(w, a),
-        _ => vec_dot_scalar(w, a),
-    }
-}
-
-/// One activation block as the tile kernels read it (64 bytes, one cache line): the 32 quants,
-/// then `−8·(q[4k] + … + q[4k+3])` for k in 0..8 (the term that turns Q4_0's unsigned nibbles
-/// into `q − 8`; negative so that it can be `vpdpbusd`'s starting value).
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(64))]
-pub struct TileBlock {
-    pub(in crate::quant) q: [i8; 32],
-    pub(in crate::quant) neg_bias: [i32; 8],
-}
-
-/// Eight lanes of one f32, 32-byte aligned.
-#[derive(Clone, Copy, Default)]
-#[repr(C, align(32))]
-pub struct Lanes(pub(in crate::quant) [f32; 8]);
-
-/// Activation rows quantized to Q8_0 exactly as [`quantize_x86_avx`] does, kept as plain Q8_0
-/// rows and also re-laid out for the multi-row kernels ([`vec_dot_tile`], `q4_0::vec_dot_tile`):
-/// per block a [`TileBlock`] and the scale as an f32. Buffers only grow, so refilling one per
-/// matmul allocates nothing in steady state.
-#[derive(Default)]
-pub struct TileAct {
-    /// Elements per row.
-    n: usize,
-    rows: usize,
-    q8: Vec<u8>,
-    pub(in crate::quant) blocks: Vec<TileBlock>,
-    pub(in crate::quant) d: Vec<f32>,
-    /// The scales again, each in 8 lanes (see `x86::Unpacked` for why).
-    pub(in crate::quant) d8: Vec<Lanes>,
-    /// Some quant is -128 (the Q8_0 × Q8_0 tile kernel's sign trick cannot take it).
-    pub(in crate::quant) has_min: bool,
-}
-
-impl TileAct {
-    /// Quantize the rows of `x` (each `n` elements, `n` a multiple of 32).
-    pub fn quantize(&mut self, x: &[f32], n: usize) {
-        self.resize(x.len() / n.max(1), n);
-        let rb = n / BLOCK * BYTES;
-        for (x, q) in x.chunks_exact(n).zip(self.q8.chunks_exact_mut(rb)) {
-            quantize_x86_avx(x, q);
-        }
-        self.relayout();
-    }
-
-    /// Take Q8_0 rows as they are (`q8.len()` a multiple of the row size of `n` elements).
-    pub fn load_q8(&mut self, q8: &[u8], n: usize) {
-        let rb = n / BLOCK * BYTES;
-        assert!(
-            rb > 0 && q8.len().is_multiple_of(rb),
-            "whole Q8_0 rows of {n} elements"
-        );
-        self.resize(q8.len() / rb, n);
-        self.q8.copy_from_slice(q8);
-        self.relayout();
-    }
-
-    fn resize(&mut self, rows: usize, n: usize) {
-        assert!(n.is_multiple_of(BLOCK), "Q8_0 rows are whole blocks: {n}");
-        let nb = rows * (n / BLOCK);
-        self.n = n;
-        self.rows = rows;
-        // resize (not clear + resize) so that steady-state calls do not touch the allocator.
-        self.q8.resize(nb * BYTES, 0);
-        self.blocks.resize(nb, TileBlock::default());
-        self.d.resize(nb, 0.0);
-        self.d8.resize(nb, Lanes::default());
-    }
-
-    fn relayout(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        if simd() == Simd::Avx2 {
-            // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-            self.has_min = unsafe { x86::relayout(&self.q8, &mut self.blocks, &mut self.d) };
-            self.fill_d8();
-            return;
-        }
-        let mut has_min = false;
-        let blocks = self.q8.chunks_exact(BYTES);
-        for ((b, t), d) in blocks.zip(&mut self.blocks).zip(&mut self.d) {
-            *d = f16_le(b);
-            for (q, &v) in t.q.iter_mut().zip(&b[2..]) {
-                *q = v as i8;
-            }
-            for (k, nb) in t.neg_bias.iter_mut().enumerate() {
-                *nb = -8 * t.q[4 * k..4 * k + 4].iter().map(|&q| q as i32).sum::<i32>();
-            }
-            has_min |= b[2..].contains(&0x80);
-        }
-        self.fill_d8();
-        self.has_min = has_min;
-    }
-
-    fn fill_d8(&mut self) {
-        for (d8, &d) in self.d8.iter_mut().zip(&self.d) {
-            *d8 = Lanes([d; 8]);
-        }
-    }
-
-    /// Elements per row.
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Row `t` as plain Q8_0 bytes.
-    pub fn q8_row(&self, t: usize) -> &[u8] {
-        let rb = self.n / BLOCK * BYTES;
-        &self.q8[t * rb..(t + 1) * rb]
-    }
+    dispatch!(x86, neon => vec_dot(w, a) else vec_dot_scalar)
 }
 
 /// `out[r * a.rows() + t] = vec_dot(w_r, a_t)` for every Q8_0 weight row `w_r` of `w` (whole
@@ -235,44 +110,23 @@ impl TileAct {
 /// [`vec_dot`], bit for bit, but several rows and tokens at a time (see `q4_0::vec_dot_tile`).
 /// Rows holding a -128 quant go through [`vec_dot`] (the sign trick cannot take them).
 pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
-    tile_with(super::util::use_vnni(), w, a, out)
+    tile_with(super::cpu::use_vnni(), w, a, out)
 }
 
 /// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
 fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = vnni;
-    let rb = a.n / BLOCK * BYTES;
-    assert!(
-        rb > 0 && w.len().is_multiple_of(rb),
-        "q8_0 tile: whole weight rows"
-    );
-    let nr = w.len() / rb;
-    assert_eq!(out.len(), nr * a.rows, "q8_0 tile: output is rows × tokens");
     #[cfg(target_arch = "x86_64")]
-    if simd() == Simd::Avx2 && !a.has_min {
-        // SAFETY: avx2, fma and f16c are present (and avxvnni where used); sizes were checked
-        // above.
-        unsafe {
-            if vnni && is_x86_feature_detected!("avxvnni") {
-                x86::vec_dot_tile_vnni(w, nr, a, out)
-            } else {
-                x86::vec_dot_tile(w, nr, a, out)
-            }
-        };
-        return;
-    }
-    for (wr, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(a.rows)) {
-        for (t, o) in o.iter_mut().enumerate() {
-            *o = vec_dot(wr, a.q8_row(t));
-        }
-    }
+    let kernels =
+        (!a.has_min).then_some([x86::vec_dot_tile as tile::Driver, x86::vec_dot_tile_vnni]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let kernels = None;
+    tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::util::{put_f16, x86_b32::*};
-    use super::{BLOCK, BYTES, TileAct, TileBlock};
+    use super::super::{ggml::put_f16, x86::*};
+    use super::{BLOCK, BYTES};
     use std::arch::x86_64::*;
 
     /// ggml's AVX2 `quantize_row_q8_0`, instruction for instruction.
@@ -319,281 +173,49 @@ pub(super) mod x86 {
         }
     }
 
-    /// [`TileAct`]'s layout from plain Q8_0 blocks; returns whether some quant is -128.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn relayout(q8: &[u8], blocks: &mut [TileBlock], d: &mut [f32]) -> bool {
-        let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
-        let mut min = _mm256_setzero_si256();
-        for ((b, t), d) in q8.chunks_exact(BYTES).zip(blocks).zip(d) {
-            *d = f16c_le(b);
-            let y = load_qs(b);
-            let sum4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), ones16);
-            min = _mm256_or_si256(min, _mm256_cmpeq_epi8(y, _mm256_set1_epi8(-128)));
-            // SAFETY: `t` is 64 writable bytes (32 of quants, then 8 i32).
-            unsafe {
-                _mm256_store_si256(t.q.as_mut_ptr().cast(), y);
-                let neg8 = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<3>(sum4));
-                _mm256_store_si256(t.neg_bias.as_mut_ptr().cast(), neg8);
-            }
-        }
-        _mm256_movemask_epi8(min) != 0
-    }
-
-    /// `d` of a block: f16 bits at `p` to f32 (exact).
+    /// The block's 32 signed quants (the tile kernels' weight bytes).
     ///
     /// # Safety
-    /// `p` must point to 2 readable bytes.
+    /// `wb` points to a whole block.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::quant) unsafe fn f16_at(p: *const u8) -> f32 {
-        // SAFETY: the caller guarantees 2 readable bytes.
-        let bits = unsafe { p.cast::<u16>().read_unaligned() };
-        crate::quant::util::x86::f16c_bits(bits)
+    unsafe fn weights(wb: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `wb`.
+        unsafe { _mm256_loadu_si256(wb.add(2).cast()) }
     }
 
-    /// f32 of every f16 bit pattern (256 KiB, built once with F16C). In the one-token tiles a
-    /// weight scale then costs two loads, where `vcvtph2ps` and its broadcast would take the
-    /// shuffle port that the nibble unpacking needs too. Weight scales take few distinct values,
-    /// so the entries in use stay in L1.
-    pub(in crate::quant) fn f16_table() -> &'static [f32] {
-        static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
-        TABLE.get_or_init(|| {
-            (0..=u16::MAX)
-                .map(|bits| {
-                    // SAFETY: the tile kernels that use the table only run where F16C is present.
-                    unsafe { f16_at(bits.to_le_bytes().as_ptr()) }
-                })
-                .collect()
-        })
-    }
-
-    /// The scale of the block at `wb`, from [`f16_table`].
-    ///
-    /// # Safety
-    /// `wb` must point to 2 readable bytes.
+    /// `|x|`, once per weight block (ggml's sign trick: `|x|` as unsigned bytes).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in crate::quant) unsafe fn scale_from(table: &[f32], wb: *const u8) -> f32 {
-        // SAFETY: the caller guarantees 2 readable bytes; a u16 indexes the 65536-entry table.
-        unsafe { *table.get_unchecked(wb.cast::<u16>().read_unaligned() as usize) }
+    fn abs(x: __m256i) -> __m256i {
+        _mm256_sign_epi8(x, x)
     }
 
-    /// A weight block made ready for many tokens (one cache line): its 32 quants as bytes
-    /// (Q8_0's signed ones, or Q4_0's nibbles 0..15 in element order) and its scale in all 8
-    /// lanes. A vector of scales (rather than one to broadcast) keeps `d_w * d_a` a vector
-    /// multiply: two broadcasts would be folded into a scalar multiply and a shuffle per token.
-    #[derive(Clone, Copy)]
-    #[repr(C, align(64))]
-    pub(in crate::quant) struct Unpacked {
-        pub q: [u8; 32],
-        pub d: [f32; 8],
-    }
-
-    thread_local! {
-        /// Per thread: the row group being multiplied, unpacked ([block][row]).
-        static UNPACKED: std::cell::RefCell<Vec<Unpacked>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
-    /// `f(buffer of at least n unpacked blocks)`, with this thread's buffer (grown, never shrunk).
-    pub(in crate::quant) fn with_unpacked<T>(n: usize, f: impl FnOnce(&mut [Unpacked]) -> T) -> T {
-        UNPACKED.with(|u| {
-            let mut u = u.borrow_mut();
-            if u.len() < n {
-                let z = Unpacked {
-                    q: [0; 32],
-                    d: [0.0; 8],
-                };
-                u.resize(n, z);
-            }
-            f(&mut u[..n])
-        })
-    }
-
-    /// Rows per tile; tokens per tile when there are several (prefill).
-    pub(in crate::quant) const R: usize = 4;
-    pub(in crate::quant) const C: usize = 2;
-    /// How far ahead (bytes) of the block in use a one-token (memory-bound) tile asks for
-    /// weights. The hardware prefetcher alone leaves a core at about half its streaming rate;
-    /// 16 KiB ahead measured best (4 KiB: -10%, 32 KiB: the same) on a 2-core Xeon.
-    pub(in crate::quant) const PREFETCH: usize = 16384;
-
-    /// The R rows at `w` into `u` ([block][row]).
-    ///
-    /// # Safety
-    /// `w` holds R rows of `wrow` bytes (nb blocks); `u` has room for R·nb blocks.
+    /// The exact 4-product sums `Σ |x|·(y·sign x)` per i32 lane (exact unless some y is -128,
+    /// which [`super::tile_with`] rules out).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn unpack<const R: usize>(w: *const u8, wrow: usize, nb: usize, u: *mut Unpacked) {
-        for b in 0..nb {
-            for r in 0..R {
-                // SAFETY: in bounds by the caller's promise.
-                unsafe {
-                    let wb = w.add(r * wrow + b * BYTES);
-                    let u = &mut *u.add(b * R + r);
-                    _mm256_store_si256(
-                        u.q.as_mut_ptr().cast(),
-                        _mm256_loadu_si256(wb.add(2).cast()),
-                    );
-                    _mm256_store_ps(u.d.as_mut_ptr(), _mm256_set1_ps(f16_at(wb)));
-                }
-            }
-        }
-    }
-
-    /// The exact 4-product sums `Σ |x|·(y·sign x)` per i32 lane (ggml's sign trick: `|x|` as
-    /// unsigned bytes; exact unless some y is -128, which the caller rules out).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn lanes_avx2(ax: __m256i, sy: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+    unsafe fn lanes_avx2(x: __m256i, ax: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: `y.q` is 32 bytes, 32-byte aligned (TileBlock is 64-aligned).
+        let y = unsafe { _mm256_load_si256(y.q.as_ptr().cast()) };
+        _mm256_madd_epi16(
+            _mm256_maddubs_epi16(ax, _mm256_sign_epi8(y, x)),
+            _mm256_set1_epi16(1),
+        )
     }
 
     /// [`lanes_avx2`] with AVX-VNNI's `vpdpbusd`: the same four products per lane, summed in
     /// one instruction, so the same integers.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    fn lanes_vnni(ax: __m256i, sy: __m256i) -> __m256i {
-        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, sy)
+    unsafe fn lanes_vnni(x: __m256i, ax: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: as in `lanes_avx2`.
+        let y = unsafe { _mm256_load_si256(y.q.as_ptr().cast()) };
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(y, x))
     }
 
-    /// The tile driver shared by the Q4_0 and Q8_0 kernels: groups of R weight rows; for one
-    /// token (decode) straight from the weights, for several (prompt) unpacked once into the
-    /// per-thread buffer and then swept C tokens at a time; tail rows one by one. `$tile` is
-    /// the caller's kernel, compiled for the same `$features`; `BLOCK`, `BYTES` and `unpack`
-    /// are the caller's.
-    macro_rules! tile_driver {
-        ($features:literal, $driver:ident, $tile:ident) => {
-            #[target_feature(enable = $features)]
-            pub unsafe fn $driver(w: &[u8], nr: usize, a: &TileAct, out: &mut [f32]) {
-                let (nb, nt) = (a.n() / BLOCK, a.rows());
-                let wrow = nb * BYTES;
-                let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
-                with_unpacked(if nt > 1 { R * nb } else { 0 }, |u| {
-                    let u = u.as_mut_ptr();
-                    // SAFETY (all calls): the caller checked w = nr rows of wrow bytes, out = nr × nt,
-                    // and `a` holds nt rows of nb blocks; each call touches rows r..r+R' and tokens
-                    // t..t+C'; `u` holds R·nb blocks when nt > 1.
-                    unsafe {
-                        let mut r = 0;
-                        while r + R <= nr {
-                            let (w, o) = (wp.add(r * wrow), op.add(r * nt));
-                            if nt == 1 {
-                                $tile::<R, 1, false>(w, wrow, u, a, 0, o, nt);
-                            } else {
-                                unpack::<R>(w, wrow, nb, u);
-                                let mut t = 0;
-                                while t + C <= nt {
-                                    $tile::<R, C, true>(w, wrow, u, a, t, o, nt);
-                                    t += C;
-                                }
-                                while t < nt {
-                                    $tile::<R, 1, true>(w, wrow, u, a, t, o, nt);
-                                    t += 1;
-                                }
-                            }
-                            r += R;
-                        }
-                        for r in r..nr {
-                            for t in 0..nt {
-                                $tile::<1, 1, false>(
-                                    wp.add(r * wrow),
-                                    wrow,
-                                    u,
-                                    a,
-                                    t,
-                                    op.add(r * nt),
-                                    nt,
-                                );
-                            }
-                        }
-                    }
-                })
-            }
-        };
-    }
-    pub(in crate::quant) use tile_driver;
-
-    /// The tile driver and kernel, stamped out once per instruction set (`$features`, with
-    /// `$lanes` for the integer step): `vec_dot_tile` (AVX2) and `vec_dot_tile_vnni`.
-    macro_rules! tile_kernels {
-        ($features:literal, $lanes:ident, $driver:ident, $tile:ident) => {
-            tile_driver!($features, $driver, $tile);
-
-            /// R weight rows (`wrow` bytes apart from `w`, or unpacked in `u`) × activation rows
-            /// t0..t0+C, into `out[r * ldo + t]`. Per (row, token) the arithmetic is
-            /// [`super::vec_dot`]'s: the exact i32 lanes (ggml's `ax = |x|, sy = sign(y, x)` trick, exact
-            /// since no activation quant is -128), one FMA of `d_w * d_a` per block into 8 lanes,
-            /// `hsum_f32x8` at the end.
-            #[inline]
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            unsafe fn $tile<const R: usize, const C: usize, const UNPACKED: bool>(
-                w: *const u8,
-                wrow: usize,
-                u: *const Unpacked,
-                a: &TileAct,
-                t0: usize,
-                out: *mut f32,
-                ldo: usize,
-            ) {
-                let nb = a.n / BLOCK;
-                let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
-                let table = f16_table();
-                let mut acc = [[_mm256_setzero_ps(); C]; R];
-                for b in 0..nb {
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
-                        // rows t0..t0+C exist in `a`.
-                        unsafe {
-                            let (x, dw) = if UNPACKED {
-                                let u = &*u.add(b * R + r);
-                                (
-                                    _mm256_load_si256(u.q.as_ptr().cast()),
-                                    _mm256_load_ps(u.d.as_ptr()),
-                                )
-                            } else {
-                                let wb = w.add(r * wrow + b * BYTES);
-                                if C == 1 {
-                                    // Decode streams the weights once: ask for them well ahead.
-                                    _mm_prefetch::<_MM_HINT_T0>(wb.wrapping_add(PREFETCH).cast());
-                                }
-                                (
-                                    _mm256_loadu_si256(wb.add(2).cast()),
-                                    _mm256_set1_ps(scale_from(table, wb)),
-                                )
-                            };
-                            let ax = _mm256_sign_epi8(x, x);
-                            for (c, acc) in acc.iter_mut().enumerate() {
-                                let i = (t0 + c) * nb + b;
-                                let y = _mm256_load_si256((*ys.add(i)).q.as_ptr().cast());
-                                let p = $lanes(ax, _mm256_sign_epi8(y, x));
-                                let da = if UNPACKED {
-                                    _mm256_set1_ps(*ds.add(i))
-                                } else {
-                                    _mm256_load_ps((*d8.add(i)).0.as_ptr())
-                                };
-                                let d = _mm256_mul_ps(dw, da);
-                                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
-                            }
-                        }
-                    }
-                }
-                for (r, acc) in acc.iter().enumerate() {
-                    for (c, &acc) in acc.iter().enumerate() {
-                        // SAFETY: (r, t0 + c) is inside the caller's output.
-                        unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
-                    }
-                }
-            }
-        };
-    }
-    tile_kernels!("avx2,fma,f16c", lanes_avx2, vec_dot_tile, tile);
-    tile_kernels!(
-        "avx2,fma,f16c,avxvnni",
-        lanes_vnni,
-        vec_dot_tile_vnni,
-        tile_vnni
-    );
+    use crate::quant::tile::TileBlock;
+    crate::quant::tile::x86::tile_kernels!(weights: weights, prepare: abs, avx2: lanes_avx2, vnni: lanes_vnni);
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {
@@ -604,7 +226,7 @@ pub(super) mod x86 {
     pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
         let mut acc = _mm256_setzero_ps();
         for (bw, ba) in w.chunks_exact(BYTES).zip(a.chunks_exact(BYTES)) {
-            let d = _mm256_set1_ps(f16c_le(bw) * f16c_le(ba));
+            let d = _mm256_set1_ps(f16c_at(bw) * f16c_at(ba));
             let p = _mm256_cvtepi32_ps(dot_i8_lanes(load_qs(bw), load_qs(ba)));
             acc = _mm256_fmadd_ps(d, p, acc);
         }
@@ -623,7 +245,7 @@ pub(super) mod x86 {
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -663,27 +285,22 @@ mod neon {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
-    #[test]
-    fn round_trip_ggml_data() {
-        let x = ggml_test_data(4096, 0.0);
-        assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002).unwrap();
-        assert_rmse(&x, quantize_x86_avx, dequantize, BLOCK, BYTES, 0.002).unwrap();
+    // Half a step, plus the f16 rounding of d spread over |q| <= 127.
+    block32_tests! {
+        act: crate::quant::q8_0,
+        quantizers: [quantize],
+        any_scale: (0.5 + 127.0 / 2048.0) / 127.0,
     }
 
+    q8_0_dot_tests!();
+
     #[test]
-    fn vec_dot_ggml_data() {
-        // test-quantize-fns' dot_product_error: |vec_dot - f32 dot| / n <= 0.02.
-        let (x, y) = (ggml_test_data(4096, 0.0), ggml_test_data(4096, 1.0));
-        let w = encode(&x, BLOCK, BYTES, quantize);
-        let a = encode(&y, BLOCK, BYTES, quantize);
-        let exact = dequant_dot(&x, &y).0;
-        for dot in [vec_dot, vec_dot_scalar] {
-            let err = (dot(&w, &a) as f64 - exact).abs() / 4096.0;
-            assert!(err <= 0.02, "{err}");
-        }
+    fn round_trip_ggml_data_x86_avx() {
+        let x = ggml_test_data(4096, 0.0);
+        assert_rmse(&x, quantize_x86_avx, dequantize, BLOCK, BYTES, 0.002).unwrap();
     }
 
     #[test]
@@ -707,64 +324,16 @@ pub(crate) mod tests {
     }
 
     proptest! {
-        #[test]
-        fn simd_dequantize_is_bit_identical(src in blocks(BYTES, 1..9)) {
-            assert_dequant_twins(&src, BLOCK, BYTES, dequantize, dequantize_scalar)?;
-        }
 
-        #[test]
-        fn round_trip_random(x in ggml_like_floats()) {
-            assert_rmse(&x, quantize, dequantize, BLOCK, BYTES, 0.002)?;
-        }
 
-        #[test]
-        fn round_trip_any_scale(x in floats(BLOCK, 1..17)) {
-            // Half a step, plus the f16 rounding of d spread over |q| <= 127.
-            let e = max_rel_block_err(&x, quantize, dequantize, BLOCK, BYTES);
-            prop_assert!(e <= (0.5 + 127.0 / 2048.0) / 127.0, "{}", e);
-        }
 
         #[test]
         fn quantize_is_idempotent(x in floats(BLOCK, 1..17)) {
             assert_idempotent(&x, quantize, dequantize, BLOCK, BYTES)?;
         }
 
-        #[test]
-        fn vec_dot_integer_part_is_exact(mut w in blocks(BYTES, 1..17), seed in blocks(BYTES, 16..17)) {
-            // Unit scales: every partial sum is an integer below 2^24, so both twins are exact.
-            let mut a = seed[..w.len()].to_vec();
-            set_scales(&mut w, BYTES, &[0], 1.0);
-            set_scales(&mut a, BYTES, &[0], 1.0);
-            let exact: i64 = w.chunks(BYTES).zip(a.chunks(BYTES))
-                .flat_map(|(x, y)| x[2..].iter().zip(&y[2..]))
-                .map(|(&p, &q)| p as i8 as i64 * q as i8 as i64)
-                .sum();
-            prop_assert_eq!(vec_dot_scalar(&w, &a), exact as f32);
-            prop_assert_eq!(vec_dot(&w, &a), exact as f32);
-        }
 
-        #[test]
-        fn vec_dot_twins_agree(mut w in blocks(BYTES, 1..33), seed in blocks(BYTES, 32..33)) {
-            let mut a = seed[..w.len()].to_vec();
-            finite_scales(&mut w, BYTES, &[0]);
-            finite_scales(&mut a, BYTES, &[0]);
-            let n = w.len() / BYTES * BLOCK;
-            let (_, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
-            let (f, s) = (vec_dot(&w, &a) as f64, vec_dot_scalar(&w, &a) as f64);
-            prop_assert!((f - s).abs() <= sum_order_bound(n / BLOCK, mag), "{} vs {}", f, s);
-        }
 
-        #[test]
-        fn vec_dot_matches_dequantized_dot(x in floats(BLOCK, 1..33), y in floats(BLOCK, 32..33)) {
-            let w = encode(&x, BLOCK, BYTES, quantize);
-            let a = encode(&y[..x.len()], BLOCK, BYTES, quantize);
-            let n = x.len();
-            let (exact, mag) = dequant_dot(&decode(&w, n, dequantize), &decode(&a, n, dequantize));
-            for got in [vec_dot(&w, &a), vec_dot_scalar(&w, &a)] {
-                prop_assert!((got as f64 - exact).abs() <= sum_order_bound(n / BLOCK, mag),
-                    "{} vs {}", got, exact);
-            }
-        }
     }
 
     /// Weight rows × activation rows for the tile tests: (weights, activations, n).

@@ -5,11 +5,19 @@
 //! match ggml's `quantize_row_q8_1_ref` bit for bit. ggml has no Q8_1 decoder (`to_float` is
 //! unset); ours ignores `s`.
 
+use super::cpu::dispatch;
+use super::ggml::{c_float_to_byte, cvtt_f32_i32, f16_le, put_f16};
 use super::q8_0;
-use super::util::{Simd, c_float_to_byte, cvtt_f32_i32, f16_le, put_f16, simd};
 
 pub const BLOCK: usize = 32;
 pub const BYTES: usize = 36;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q8_1, "q8_1", vec_dot_type: Q8_1, from_float: quantize_x86_avx);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 4 + BLOCK);
 
 /// `x[j] = qs[j] * d`, as Q8_0.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
@@ -23,14 +31,7 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 
 /// [`dequantize_scalar`], vectorised; bit-identical output.
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    match simd() {
-        // SAFETY: `simd()` reports Avx2 only when avx2, fma and f16c are present.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { x86::dequantize(src, dst) },
-        #[cfg(target_arch = "aarch64")]
-        Simd::Neon => neon::dequantize(src, dst),
-        _ => dequantize_scalar(src, dst),
-    }
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `quantize_row_q8_1_ref`: Q8_0's `d` and `roundf` quants, plus
@@ -79,9 +80,32 @@ fn quantize_impl(src: &[f32], dst: &mut [u8], avx: bool) {
     }
 }
 
+/// As a weight (no converter writes one; ggml has no kernel): the f32 dot of both rows
+/// decoded.
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+    super::dot_decoded(
+        super::GgmlType::Q8_1,
+        w,
+        a,
+        dequantize,
+        super::f32::vec_dot_f32,
+    )
+}
+
+/// [`vec_dot`] with the scalar decoder and dot product.
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
+    super::dot_decoded(
+        super::GgmlType::Q8_1,
+        w,
+        a,
+        dequantize_scalar,
+        super::f32::vec_dot_f32_scalar,
+    )
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::util::x86_b32::*;
+    use super::super::x86::*;
     use super::BYTES;
     use std::arch::x86_64::*;
 
@@ -96,7 +120,7 @@ mod x86 {
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::super::util::{f16_le, neon_b32::*};
+    use super::super::{arm::*, ggml::f16_le};
     use super::{BLOCK, BYTES};
     use std::arch::aarch64::*;
 
@@ -119,7 +143,7 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::testing::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     #[test]

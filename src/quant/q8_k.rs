@@ -8,10 +8,21 @@
 //! `qs[16j..16j + 16]`; the dot products use it to apply the weights' per-sub-block minimums
 //! without touching the activations again.
 
-use super::util::{QK_K, nearest_int};
+use super::cpu::dispatch;
+use super::ggml::{QK_K, nearest_int};
 
 /// Bytes per 256-element block.
-pub const BLOCK_BYTES: usize = 292;
+pub const BYTES: usize = 292;
+
+/// Elements per block.
+pub const BLOCK: usize = QK_K;
+
+/// This format's entry in the table (`super::GgmlType::format`).
+pub const FORMAT: super::Format =
+    super::format_entry!(Q8_K, "q8_K", vec_dot_type: Q8_K, dot_exact: true);
+
+// The block layout adds up.
+const _: () = assert!(BYTES == 4 + BLOCK + 2 * (BLOCK / 16) && BSUMS + 2 * (BLOCK / 16) == BYTES);
 
 /// Byte offsets inside a block.
 const QS: usize = 4;
@@ -40,7 +51,7 @@ pub(crate) fn block_bsum(b: &[u8], j: usize) -> i32 {
 pub(crate) fn check_dot(w: &[u8], w_block: usize, a: &[u8]) -> usize {
     let nb = w.len() / w_block;
     assert!(
-        w.len().is_multiple_of(w_block) && a.len() == nb * BLOCK_BYTES,
+        w.len().is_multiple_of(w_block) && a.len() == nb * BYTES,
         "vec_dot: {} weight bytes ({w_block}-byte blocks) vs {} Q8_K bytes",
         w.len(),
         a.len()
@@ -49,29 +60,14 @@ pub(crate) fn check_dot(w: &[u8], w_block: usize, a: &[u8]) -> usize {
 }
 
 /// Decode `dst.len()` elements (SIMD where available; bit-identical to [`dequantize_scalar`]).
-#[cfg_attr(target_arch = "aarch64", allow(unreachable_code))]
 pub fn dequantize(src: &[u8], dst: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU supports the features the kernel is compiled for.
-        return unsafe { avx2::dequantize(src, dst) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: NEON is part of the aarch64 baseline.
-    return unsafe { neon::dequantize(src, dst) };
-    dequantize_scalar(src, dst)
+    dispatch!(x86, neon => dequantize(src, dst) else dequantize_scalar)
 }
 
 /// ggml's `dequantize_row_q8_K`: `y = d * q`.
 pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+    for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let d = block_d(b);
         for (y, &q) in y.iter_mut().zip(block_qs(b)) {
             *y = d * q as i8 as f32;
@@ -82,11 +78,8 @@ pub fn dequantize_scalar(src: &[u8], dst: &mut [f32]) {
 /// ggml's `quantize_row_q8_K_ref`, bit for bit: the element of largest magnitude (the first on
 /// ties, sign kept) maps to -127, `q = nearest_int(-127 / max * x)`, `d = 1 / iscale`.
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
-    assert_eq!(dst.len(), src.len() / QK_K * BLOCK_BYTES);
-    for (x, b) in src
-        .chunks_exact(QK_K)
-        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
-    {
+    assert_eq!(dst.len(), src.len() / QK_K * BYTES);
+    for (x, b) in src.chunks_exact(QK_K).zip(dst.chunks_exact_mut(BYTES)) {
         let (mut amax, mut max) = (0.0f32, 0.0f32);
         for &v in x {
             if v.abs() > amax {
@@ -117,18 +110,38 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// As a weight (no converter writes one; ggml has no kernel): the f32 dot of both rows
+/// decoded.
+pub fn vec_dot(w: &[u8], a: &[u8]) -> f32 {
+    super::dot_decoded(
+        super::GgmlType::Q8_K,
+        w,
+        a,
+        dequantize,
+        super::f32::vec_dot_f32,
+    )
+}
+
+/// [`vec_dot`] with the scalar decoder and dot product.
+pub fn vec_dot_scalar(w: &[u8], a: &[u8]) -> f32 {
+    super::dot_decoded(
+        super::GgmlType::Q8_K,
+        w,
+        a,
+        dequantize_scalar,
+        super::f32::vec_dot_f32_scalar,
+    )
+}
+
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{BLOCK_BYTES, QK_K, block_d, block_qs};
-    use crate::quant::util::x86::{hi128, lo128, load_u8x32, store_scaled_i8x16};
+mod x86 {
+    use super::{BYTES, QK_K, block_d, block_qs};
+    use crate::quant::x86::{hi128, lo128, load_u8x32, store_scaled_i8x16};
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let d = block_d(b);
             for (q, y) in block_qs(b).chunks_exact(32).zip(y.chunks_exact_mut(32)) {
                 let q = load_u8x32(q);
@@ -141,17 +154,14 @@ mod avx2 {
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::{BLOCK_BYTES, QK_K, block_d, block_qs};
-    use crate::quant::util::arm::*;
+    use super::{BYTES, QK_K, block_d, block_qs};
+    use crate::quant::arm::*;
     use std::arch::aarch64::*;
 
     #[target_feature(enable = "neon")]
     pub(super) fn dequantize(src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len() / QK_K * BLOCK_BYTES);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        assert_eq!(src.len(), dst.len() / QK_K * BYTES);
+        for (b, y) in src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(QK_K)) {
             let d = block_d(b);
             for (q, y) in block_qs(b).chunks_exact(16).zip(y.chunks_exact_mut(16)) {
                 store_scaled_i8x16(y, vreinterpretq_s8_u8(load_u8x16(q)), d);
@@ -163,24 +173,24 @@ mod neon {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::util::ktest::*;
+    use crate::quant::testkit::*;
     use proptest::prelude::*;
 
     proptest! {
         #[test]
-        fn simd_matches_scalar(src in blocks(BLOCK_BYTES, 1..5)) {
-            assert_same_decode(&src, BLOCK_BYTES, dequantize, dequantize_scalar);
+        fn simd_matches_scalar(src in blocks(BYTES, 1..5)) {
+            assert_same_decode(&src, BYTES, dequantize, dequantize_scalar);
         }
 
         #[test]
-        fn quantize_is_idempotent(x in floats(1..5)) {
+        fn quantize_is_idempotent(x in shifted_floats(1..5)) {
             // Requantizing the decoded row gives the same quants and bsums. `d = 1/iscale` can
             // move by an ulp (ggml's formula does not round-trip exactly), and when an element
             // of the opposite sign also rounded to |q| = 127 before the max, every sign flips.
-            let q = quantize_vec(&x, BLOCK_BYTES, quantize);
-            let y = decode_vec(&q, BLOCK_BYTES, dequantize_scalar);
-            let r = quantize_vec(&y, BLOCK_BYTES, quantize);
-            for (b, c) in q.chunks_exact(BLOCK_BYTES).zip(r.chunks_exact(BLOCK_BYTES)) {
+            let q = quantize_vec(&x, BYTES, quantize);
+            let y = decode_vec(&q, BYTES, dequantize_scalar);
+            let r = quantize_vec(&y, BYTES, quantize);
+            for (b, c) in q.chunks_exact(BYTES).zip(r.chunks_exact(BYTES)) {
                 let flip = if block_d(b).signum() == block_d(c).signum() { 1 } else { -1 };
                 let (d, e) = (block_d(b), flip as f32 * block_d(c));
                 prop_assert!((d.to_bits() as i64 - e.to_bits() as i64).abs() <= 1, "{d} vs {e}");
@@ -194,9 +204,9 @@ mod tests {
         }
 
         #[test]
-        fn bsums_and_range(x in floats(1..5)) {
-            let q = quantize_vec(&x, BLOCK_BYTES, quantize);
-            for b in q.chunks_exact(BLOCK_BYTES) {
+        fn bsums_and_range(x in shifted_floats(1..5)) {
+            let q = quantize_vec(&x, BYTES, quantize);
+            for b in q.chunks_exact(BYTES) {
                 let qs = block_qs(b);
                 prop_assert!(qs.iter().all(|&v| v as i8 != -128));
                 for j in 0..16 {
@@ -207,9 +217,9 @@ mod tests {
         }
 
         #[test]
-        fn round_trip_random(x in floats(1..5)) {
-            let q = quantize_vec(&x, BLOCK_BYTES, quantize);
-            let y = decode_vec(&q, BLOCK_BYTES, dequantize);
+        fn round_trip_random(x in shifted_floats(1..5)) {
+            let q = quantize_vec(&x, BYTES, quantize);
+            let y = decode_vec(&q, BYTES, dequantize);
             // Each block's error is at most half a step, step = max|x| / 127.
             for (xb, yb) in x.chunks(QK_K).zip(y.chunks(QK_K)) {
                 let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
@@ -222,19 +232,15 @@ mod tests {
 
     #[test]
     fn round_trip_ggml_data() {
-        let x = ggml_test_data(0.0, 4096);
-        let y = decode_vec(
-            &quantize_vec(&x, BLOCK_BYTES, quantize),
-            BLOCK_BYTES,
-            dequantize,
-        );
+        let x = ggml_test_data(4096, 0.0);
+        let y = decode_vec(&quantize_vec(&x, BYTES, quantize), BYTES, dequantize);
         assert!(ggml_rmse(&x, &y) < 0.002);
         assert!(rel_rmse(&x, &y) < 0.005, "{}", rel_rmse(&x, &y));
     }
 
     #[test]
     fn zero_block() {
-        let q = quantize_vec(&[0.0; QK_K], BLOCK_BYTES, quantize);
+        let q = quantize_vec(&[0.0; QK_K], BYTES, quantize);
         assert!(q.iter().all(|&b| b == 0));
     }
 
@@ -247,7 +253,7 @@ mod tests {
         x[2] = 3.5;
         x[3] = -127.0;
         x[17] = -0.5;
-        let q = quantize_vec(&x, BLOCK_BYTES, quantize);
+        let q = quantize_vec(&x, BYTES, quantize);
         assert_eq!(block_d(&q), 1.0);
         let qs = block_qs(&q);
         assert_eq!(
@@ -260,7 +266,7 @@ mod tests {
     #[test]
     fn matches_llama_cpp() {
         assert_known_answers(
-            BLOCK_BYTES,
+            BYTES,
             quantize,
             dequantize,
             dequantize_scalar,
