@@ -23,7 +23,7 @@ fn golden_ids() -> (Vec<u32>, Vec<u32>) {
     let steps = m["steps"].as_array().unwrap();
     (
         ids(&steps[0]),
-        steps[1..].iter().flat_map(|s| ids(s)).collect(),
+        steps[1..].iter().flat_map(ids).collect(),
     )
 }
 
