@@ -101,11 +101,7 @@ fn npy_image(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
 /// Copy the committed golden to `dir/name`, with its model reference made unknown (so that
 /// `diff` compares end to end with --weight-type, without the judge) and `edit` applied to
 /// its manifest and files.
-fn trace_copy(
-    dir: &Path,
-    name: &str,
-    edit: impl FnOnce(&Path, &mut serde_json::Value),
-) -> PathBuf {
+fn trace_copy(dir: &Path, name: &str, edit: impl FnOnce(&Path, &mut serde_json::Value)) -> PathBuf {
     let d = dir.join(name);
     copy_dir(&root().join(GOLDEN), &d);
     let mp = d.join("manifest.json");
@@ -455,16 +451,7 @@ fn cases() -> Vec<Case> {
         Case {
             name: "golden to a non-UTF-8 folder",
             needs: &[],
-            args: |d| {
-                os(&[
-                    &"golden",
-                    &fix(),
-                    &"-p",
-                    &"hi",
-                    &"--out",
-                    &non_utf8(d, "g"),
-                ])
-            },
+            args: |d| os(&[&"golden", &fix(), &"-p", &"hi", &"--out", &non_utf8(d, "g")]),
             env: &[],
             stdout_to: None,
             code: 2,
@@ -550,7 +537,16 @@ fn cases() -> Vec<Case> {
         Case {
             name: "golden into an unwritable place",
             needs: &[Need::Llama],
-            args: |_| os(&[&"golden", &fix(), &"-p", &"hi", &"--out", &"/proc/parity-golden"]),
+            args: |_| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--out",
+                    &"/proc/parity-golden",
+                ])
+            },
             env: &[],
             stdout_to: None,
             code: 2,
@@ -840,12 +836,11 @@ fn npy_f16_f64_big_endian_values() {
         ),
         (
             "<f8",
-            vals.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
+            vals.iter()
+                .flat_map(|&x| (x as f64).to_le_bytes())
+                .collect(),
         ),
-        (
-            ">f4",
-            vals.iter().flat_map(|&x| x.to_be_bytes()).collect(),
-        ),
+        (">f4", vals.iter().flat_map(|&x| x.to_be_bytes()).collect()),
     ];
     // A one-tensor trace: step 0 of two tokens, its `embd` as [2, 2].
     let t = dir.path();
@@ -873,4 +868,57 @@ fn npy_f16_f64_big_endian_values() {
     std::fs::write(t.join("s000/embd.npy"), npy_image("<i4", &[2, 2], &[0; 16])).unwrap();
     let e = read().unwrap_err().to_string();
     assert!(e.contains("<i4") && e.contains("not a float type"), "{e}");
+}
+
+/// A model truncated while parity has it mapped: the next read of a lost page raises SIGBUS,
+/// which parity turns into one line and exit 2 (not "Bus error", 135).
+#[test]
+fn model_truncated_while_mapped() {
+    use std::io::BufRead as _;
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("m.gguf");
+    let o = common::parity(&[
+        "fixture",
+        "--n-embd",
+        "512",
+        "--n-ff",
+        "1024",
+        "--n-layer",
+        "4",
+        "--n-ctx",
+        "4096",
+        "--type",
+        "f32",
+        "-o",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_parity"))
+        .args(["generate", m.to_str().unwrap(), "-p", "hi", "-n", "4000"])
+        .arg("--ignore-eos")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    // The first line ("prompt ids: …") comes once the model is mapped and running.
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    assert!(first.starts_with("prompt ids"), "{first}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&m)
+        .unwrap()
+        .set_len(4096)
+        .unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(2), "{rest}");
+    let lines: Vec<&str> = rest.lines().collect();
+    assert_eq!(lines.len(), 1, "{rest}");
+    assert!(
+        lines[0].contains("SIGBUS") && lines[0].contains("truncated"),
+        "{rest}"
+    );
 }

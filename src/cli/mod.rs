@@ -119,9 +119,13 @@ fn on_sigbus_explain() {
     extern "C" fn handler(_: libc::c_int) {
         const MSG: &[u8] = b"error: a mapped file shrank while parity was reading it (SIGBUS): \
 was the model truncated or rewritten during the run?\n";
-        // SAFETY: write(2) and _exit(2) are async-signal-safe.
+        // Several threads may fault at once: one line only.
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        // SAFETY: write(2), _exit(2) and a lock-free atomic are async-signal-safe.
         unsafe {
-            libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            if !SAID.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                libc::write(2, MSG.as_ptr().cast(), MSG.len());
+            }
             libc::_exit(2);
         }
     }
