@@ -31,8 +31,7 @@ fn json_value(v: &Value) -> serde_json::Value {
 }
 
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
-    crate::model::check_model_path(&a.model)?;
-    let f = GgufFile::open(&a.model)?;
+    let f = crate::model::open_gguf(&a.model)?;
     // Everything goes to a String first, then to stdout in one write whose error (a full disk,
     // a closed file) is reported like any other.
     let mut o = String::new();

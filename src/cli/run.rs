@@ -23,7 +23,7 @@ pub struct TokenizeArgs {
 }
 
 pub fn tokenize(a: TokenizeArgs) -> Result<ExitCode> {
-    let f = GgufFile::open(&a.model)?;
+    let f = crate::model::open_gguf(&a.model)?;
     let tok = Tokenizer::from_gguf(&f)?;
     let ids = tok.encode(&a.text, !a.no_bos && tok.add_bos_default())?;
     let s: Vec<String> = ids.iter().map(|i| i.to_string()).collect();

@@ -54,6 +54,19 @@ pub enum OpenError {
     Malformed { path: String, source: GgufError },
 }
 
+/// Open a GGUF file as every command should: a folder refused by name, a malformed file's
+/// error naming the file.
+pub fn open_gguf(path: &Path) -> Result<GgufFile, OpenError> {
+    check_model_path(path)?;
+    GgufFile::open(path).map_err(|e| match e {
+        e @ GgufError::Io { .. } => OpenError::Gguf(e),
+        source => OpenError::Malformed {
+            path: path.display().to_string(),
+            source,
+        },
+    })
+}
+
 /// Refuse what cannot be a model file before mapping it (mmap of a folder fails with the
 /// cryptic "No such device").
 pub fn check_model_path(path: &Path) -> Result<(), OpenError> {
@@ -65,15 +78,7 @@ pub fn check_model_path(path: &Path) -> Result<(), OpenError> {
 
 impl Model {
     pub fn open(path: impl AsRef<Path>) -> Result<Model, OpenError> {
-        let path = path.as_ref();
-        check_model_path(path)?;
-        let file = GgufFile::open(path).map_err(|e| match e {
-            e @ GgufError::Io { .. } => OpenError::Gguf(e),
-            source => OpenError::Malformed {
-                path: path.display().to_string(),
-                source,
-            },
-        })?;
+        let file = open_gguf(path.as_ref())?;
         Ok(Self::from_gguf(file)?)
     }
 
