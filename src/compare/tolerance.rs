@@ -25,6 +25,9 @@ pub enum PairKind {
     /// Same rounding, and each op fed the baseline's own inputs (`backend::replay`): no error
     /// can compound or flip a quantization boundary, so every op must sit at the f32 floor.
     OpByOp,
+    /// Any trace's every op recomputed from the trace's own inputs by the reference
+    /// (`crate::judge`); each op's threshold is its own noise floor, set by the judge.
+    OwnInputs,
 }
 
 /// Weight-type classes with distinct noise floors.
@@ -56,7 +59,7 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
         // Anything else: llama.cpp's own spread (its F16 KV cache, at 64 layers) reaches F32
         // 3.6e-6, F16 6.6e-6, quantized 5.2e-3.
         PairKind::DifferentRounding => [1e-4, 1e-4, 2e-2],
-        PairKind::OpByOp => [1e-10, 1e-10, 1e-10],
+        PairKind::OpByOp | PairKind::OwnInputs => [1e-10, 1e-10, 1e-10],
     };
     match tap {
         // Embedding rows are decoded exactly by every correct implementation.
@@ -69,7 +72,7 @@ pub fn nmse_threshold(pair: PairKind, w: GgmlType, tap: Tap) -> f64 {
 /// spread (defaults vs tight, at 64 layers: F32 6.3e-7, F16 1.4e-6, quantized 1.1e-3).
 pub fn kld_threshold(pair: PairKind, w: GgmlType) -> f64 {
     match (pair, class(w)) {
-        (PairKind::OpByOp, _) => 1e-9,
+        (PairKind::OpByOp | PairKind::OwnInputs, _) => 1e-9,
         (PairKind::SameRounding, 0) => 1e-9,
         (PairKind::DifferentRounding, 0) => 1e-5,
         (_, 1) => 1e-4,

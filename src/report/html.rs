@@ -90,6 +90,7 @@ fn pair_name(p: PairKind) -> &'static str {
         PairKind::SameRounding => "same activation rounding",
         PairKind::DifferentRounding => "different activation rounding",
         PairKind::OpByOp => "op by op (each op fed the baseline's inputs)",
+        PairKind::OwnInputs => "each op on its own inputs (own error)",
     }
 }
 

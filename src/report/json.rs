@@ -131,6 +131,8 @@ pub enum Pair {
     DifferentRounding,
     /// Same rounding, every op fed the baseline's inputs.
     OpByOp,
+    /// Every op of the candidate recomputed from its own inputs (the own-error judgement).
+    OwnInputs,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
@@ -267,6 +269,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
             PairKind::SameRounding => Pair::SameRounding,
             PairKind::DifferentRounding => Pair::DifferentRounding,
             PairKind::OpByOp => Pair::OpByOp,
+            PairKind::OwnInputs => Pair::OwnInputs,
         },
         weight_type: format!("{:?}", c.weight_type),
         verdict: verdict_of(c.diverged()),

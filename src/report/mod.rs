@@ -233,8 +233,14 @@ pub fn verdict(c: &Comparison) -> String {
             });
             let top1: usize = c.logits.iter().map(|l| l.top1_agree).sum();
             let rows: usize = c.logits.iter().map(|l| l.rows).sum();
+            // A judgement of own errors has no logits of its own to agree on.
+            let agreement = if rows > 0 {
+                format!("; top-1 agreement {top1}/{rows}")
+            } else {
+                String::new()
+            };
             format!(
-                "PARITY ({who}, {} weights, {}): all {n} taps over {steps} steps within tolerance{}; top-1 agreement {top1}/{rows}.{}",
+                "PARITY ({who}, {} weights, {}): all {n} taps over {steps} steps within tolerance{}{agreement}.{}",
                 c.weight_type,
                 pair_name(c),
                 worst
@@ -347,5 +353,6 @@ fn pair_name(c: &Comparison) -> &'static str {
         crate::compare::PairKind::SameRounding => "same activation rounding",
         crate::compare::PairKind::DifferentRounding => "different activation rounding",
         crate::compare::PairKind::OpByOp => "op by op on the baseline's inputs",
+        crate::compare::PairKind::OwnInputs => "each op on its own inputs",
     }
 }

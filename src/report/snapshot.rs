@@ -97,6 +97,7 @@ fn pair_name(p: PairKind) -> &'static str {
         PairKind::SameRounding => "same-rounding",
         PairKind::DifferentRounding => "different-rounding",
         PairKind::OpByOp => "op-by-op",
+        PairKind::OwnInputs => "own-inputs",
     }
 }
 
