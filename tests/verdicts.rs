@@ -21,10 +21,7 @@ fn golden_ids() -> (Vec<u32>, Vec<u32>) {
             .collect()
     };
     let steps = m["steps"].as_array().unwrap();
-    (
-        ids(&steps[0]),
-        steps[1..].iter().flat_map(ids).collect(),
-    )
+    (ids(&steps[0]), steps[1..].iter().flat_map(ids).collect())
 }
 
 fn join(v: &[u32]) -> String {
