@@ -328,9 +328,11 @@ fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
         std::fs::remove_dir(dir).map_err(io_err(dir))?;
         return std::fs::rename(tmp, dir).map_err(io_err(dir));
     }
+    // `sNNN/` folders are a trace's only beside its manifest: never touch them otherwise.
+    let was_trace = dir.join("manifest.json").is_file();
     for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
         let p = e.path();
-        if !is_trace_entry(&e.file_name()) {
+        if !is_trace_entry(&e.file_name()) || (!was_trace && e.file_name() != "manifest.json") {
             continue;
         }
         if p.is_dir() {
