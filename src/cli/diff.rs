@@ -248,7 +248,9 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         hypotheses: !a.no_experiments,
     };
     let t0 = std::time::Instant::now();
-    let j = judge::judge(&model, &cand, &jopt)?;
+    let j = crate::report::progress::Progress::stage("judging each op", a.report.quiet, || {
+        judge::judge(&model, &cand, &jopt)
+    })?;
     say(&format!(
         "model: {} ({}, judged in {:.1} s)\n{}",
         model_path.display(),
