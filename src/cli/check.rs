@@ -67,7 +67,12 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         Some(d) => d.clone(),
         None => default_golden_out(&a.model)?,
     };
-    let out_s = utf8_path(&out_dir, "--out")?;
+    let out_what = if a.out.is_some() {
+        "--out"
+    } else {
+        "the golden folder"
+    };
+    let out_s = utf8_path(&out_dir, out_what)?;
     if !a.input.given() {
         return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)"));
     }
@@ -106,11 +111,13 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     match std::fs::metadata(&out_dir) {
         Ok(m) if !m.is_dir() => {
-            return Err(err(format!("--out {out_s}: exists and is not a folder")));
+            return Err(err(format!(
+                "{out_what} {out_s}: exists and is not a folder"
+            )));
         }
         Ok(_) if !a.force && std::fs::read_dir(&out_dir)?.next().is_some() => {
             return Err(err(format!(
-                "--out {out_s}: output folder is not empty (pass --force to overwrite)"
+                "{out_what} {out_s}: not empty (pass --force to overwrite)"
             )));
         }
         _ => {}

@@ -199,16 +199,23 @@ pub struct FixtureArgs {
     /// or q4_k_m: llama-quantize's mix (Q4_K, with Q6_K for output.weight and some attn_v/ffn_down).
     #[arg(long = "type", default_value = "q8_0")]
     weight_type: String,
+    /// Seed of the random weights (same seed, same file, byte for byte).
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Embedding width (a multiple of the weight type's block size; --n-head times an even
+    /// head size).
     #[arg(long, default_value_t = 256)]
     n_embd: usize,
+    /// Feed-forward width (a multiple of the weight type's block size).
     #[arg(long, default_value_t = 512)]
     n_ff: usize,
+    /// Number of layers. The whole file is limited to 4 GiB of weights.
     #[arg(long, default_value_t = 2)]
     n_layer: usize,
+    /// Attention (query) heads.
     #[arg(long, default_value_t = 4)]
     n_head: usize,
+    /// Key/value heads (n_head must be a multiple: grouped-query attention).
     #[arg(long, default_value_t = 2)]
     n_head_kv: usize,
     /// Training context length written to the metadata.
