@@ -367,6 +367,20 @@ fn cases() -> Vec<Case> {
         },
         // ---- models
         Case {
+            name: "inspect a model at a non-UTF-8 path",
+            needs: &[],
+            args: |d| {
+                let p = non_utf8(d, "model");
+                std::fs::copy(fix(), &p).unwrap();
+                os(&[&"inspect", &p])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["GGUF v3", "architecture: llama"],
+            after: None,
+        },
+        Case {
             name: "a directory as model (inspect)",
             needs: &[],
             args: |d| os(&[&"inspect", &d]),
@@ -670,6 +684,59 @@ fn cases() -> Vec<Case> {
                 };
                 if !m.contains("\"prompt\": \"Once upon a time\"") {
                     return Some("the manifest does not record the prompt text".into());
+                }
+                clean(d, &[])
+            }),
+        },
+        Case {
+            name: "golden --tokens with an id past the vocabulary",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"--tokens",
+                    &"1,99999",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["token id 99999 is out of range"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden --force over a golden keeps other files",
+            needs: &[Need::Llama],
+            args: |d| {
+                let g = d.join("g");
+                copy_dir(&root().join(GOLDEN), &g);
+                std::fs::write(g.join("notes.txt"), "mine").unwrap();
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--out",
+                    &g,
+                    &"--force",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote"],
+            after: Some(|d| {
+                let g = d.join("g");
+                if std::fs::read_to_string(g.join("notes.txt")).ok().as_deref() != Some("mine") {
+                    return Some("--force removed a file that is not part of a trace".into());
+                }
+                if g.join("s004").exists() || !g.join("s001").is_dir() {
+                    return Some("the folder does not hold exactly the new golden".into());
                 }
                 clean(d, &[])
             }),
