@@ -910,4 +910,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Failures of the machine rather than of the input still end in one line and exit 2
+    # (parity shows the last line; exit 1 is kept for a failed self-check).
+    try:
+        sys.exit(main())
+    except MemoryError:
+        die("out of memory (fewer --steps, or a smaller model)")
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        die(f"{where}{e.strerror or e}")
