@@ -183,9 +183,9 @@ fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Outcome> {
     use crate::compare::{CompareOptions, PairKind, compare};
     use crate::judge::{JudgeOptions, judge};
     use crate::trace::{Tap, TapKey};
-    // The verdict `parity diff` gives when it has the model (cli/diff.rs): token ids first,
-    // then each op judged on the candidate's own inputs; the end-to-end comparison is only
-    // the picture of drift and does not decide.
+    // The verdict `parity diff` gives when it has the model (cli/diff.rs): token ids first;
+    // each op judged on the candidate's own inputs names the cause; the end-to-end comparison
+    // (tolerances above llama.cpp's own spread) is a finding of its own when it diverges.
     let c = compare(
         golden,
         cand,
@@ -204,9 +204,13 @@ fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Outcome> {
             also: Vec::new(),
         });
     }
+    let place = match &j.first {
+        Some(f) => Some(f.key),
+        None => c.first_divergence.as_ref().map(|d| d.at.key),
+    };
     Ok(Outcome {
-        diverged: !j.passed(),
-        place: j.first.as_ref().map(|f| f.key),
+        diverged: !j.passed() || c.diverged(),
+        place,
         named: j
             .first
             .as_ref()
