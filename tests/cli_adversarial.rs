@@ -150,6 +150,22 @@ fn fake_python(dir: &Path) -> PathBuf {
     p
 }
 
+/// A Python stand-in whose run dies by a signal after starting its temporary output folder,
+/// the way llama.cpp's GGML_ABORT kills the script (no atexit cleanup).
+fn aborting_python(dir: &Path) -> PathBuf {
+    let p = dir.join("abort-python");
+    std::fs::write(
+        &p,
+        "#!/bin/sh\nif [ \"$1\" = -c ]; then exit 0; fi\n\
+         mkdir \"$(dirname \"$4\")/.$(basename \"$4\").partial-$$\"\n\
+         echo 'GGML_ASSERT(false) failed' >&2\nkill -ABRT $$\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
 fn cases() -> Vec<Case> {
     vec![
         // ---- dump: paths as OsStr, traces written under a temporary name and renamed
@@ -597,6 +613,20 @@ fn cases() -> Vec<Case> {
             stdout_to: None,
             code: 2,
             words: &["the llama.cpp script failed: MemoryError", "--verbose"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden: llama.cpp aborts the script",
+            needs: &[],
+            args: |d| {
+                let py = aborting_python(d);
+                std::fs::write(d.join("PARITY_PYTHON"), py.as_os_str().as_bytes()).unwrap();
+                os(&[&"golden", &fix(), &"-p", &"hi", &"--out", &d.join("g")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["GGML_ASSERT(false) failed", "killed by signal 6"],
             after: Some(|d| clean(d, &["g"])),
         },
         Case {

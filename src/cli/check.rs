@@ -169,14 +169,27 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     } else {
         cmd.stderr(std::process::Stdio::piped());
     }
-    let out = cmd
+    let child = cmd
         .spawn()
-        .and_then(|c| c.wait_with_output())
+        .map_err(|e| err(format!("running {}: {e}", py.display())))?;
+    let pid = child.id();
+    let out = child
+        .wait_with_output()
         .map_err(|e| err(format!("running {}: {e}", py.display())))?;
     let log = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
         eprint!("{log}");
         return Ok(ExitCode::SUCCESS);
+    }
+    // The script removes its temporary folder on exit; killed by a signal (llama.cpp's
+    // GGML_ABORT), it cannot: remove it here (`.NAME.partial-PID` beside the output).
+    if let (Ok(abs), Some(name)) = (std::path::absolute(&out_dir), out_dir.file_name())
+        && let Some(parent) = abs.parent()
+    {
+        let mut tmp = std::ffi::OsString::from(".");
+        tmp.push(name);
+        tmp.push(format!(".partial-{pid}"));
+        let _ = std::fs::remove_dir_all(parent.join(tmp));
     }
     // Any failure of the Python side is an error making the golden (exit 2), never a
     // divergence (exit 1): one line, the script's own message or a traceback's last line.
