@@ -836,7 +836,11 @@ fn cases() -> Vec<Case> {
             env: &[],
             stdout_to: None,
             code: 0,
-            words: &["Not compared", "1 only in the candidate"],
+            words: &[
+                "Not compared",
+                "1 only in the candidate",
+                "the candidate records taps parity does not know (kept, not compared): my_probe",
+            ],
             after: None,
         },
         Case {

@@ -163,6 +163,15 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
+    for (t, side) in [(&base, "baseline"), (&cand, "candidate")] {
+        let extra = t.not_compared();
+        if !extra.is_empty() && !a.report.quiet {
+            eprintln!(
+                "note: the {side} records taps parity does not know (kept, not compared): {}",
+                extra.join(", ")
+            );
+        }
+    }
     let found = match &a.model {
         Some(p) => {
             if !p.is_file() {
