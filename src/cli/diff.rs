@@ -222,7 +222,12 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         weight_type: wtype,
         require_same_model: !a.allow_model_mismatch,
     };
-    let c = compare(&base, &cand, &opt)?;
+    // End to end, a layout the candidate declares is undone first (the judge does the same).
+    let aligned = match &found {
+        Some((_, m)) => judge::replay::aligned_trace(&cand, &m.config)?,
+        None => None,
+    };
+    let c = compare(&base, aligned.as_ref().unwrap_or(&cand), &opt)?;
     let info = run_info([&base, &cand]);
     let Some((model_path, model)) = found else {
         show(

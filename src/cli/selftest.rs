@@ -186,9 +186,10 @@ fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Outcome> {
     // The verdict `parity diff` gives when it has the model (cli/diff.rs): token ids first;
     // each op judged on the candidate's own inputs names the cause; the end-to-end comparison
     // (tolerances above llama.cpp's own spread) is a finding of its own when it diverges.
+    let aligned = crate::judge::replay::aligned_trace(cand, &model.config)?;
     let c = compare(
         golden,
-        cand,
+        aligned.as_ref().unwrap_or(cand),
         &CompareOptions {
             pair: PairKind::DifferentRounding,
             weight_type: model.main_weight_type(),

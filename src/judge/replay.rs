@@ -367,3 +367,44 @@ impl Sink for JudgeSink<'_, '_> {
         true
     }
 }
+
+/// `trace` with every declared layout undone, in memory, for the end-to-end comparison (a
+/// declared layout is a way of storing the numbers, never a numeric difference); None when it
+/// declares none.
+pub fn aligned_trace(trace: &Trace, config: &Config) -> Result<Option<Trace>, JudgeError> {
+    let cand = Candidate::new(trace, config)?;
+    if !cand.layouts.values().any(|l| *l != Layout::Canonical) {
+        return Ok(None);
+    }
+    let mut tensors = BTreeMap::new();
+    for k in trace.keys() {
+        let a = trace.get(k)?.expect("listed");
+        let a = match cand.declared(k.tap) {
+            Some(l) if l != Layout::Canonical => {
+                let dims = cand.dims(k).ok_or(JudgeError::MissingStep(k.step))?;
+                let v = cand.get(k)?.expect("listed");
+                // Canonical numpy shape: [T, heads, head_dim] for head taps, else as stored.
+                let shape: Vec<usize> = if is_head_tap(k.tap) {
+                    dims.to_vec()
+                } else {
+                    a.shape().to_vec()
+                };
+                ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(&shape), v).map_err(|_| {
+                    JudgeError::Shape {
+                        key: *k,
+                        found: a.shape().to_vec(),
+                        want: dims.iter().product(),
+                    }
+                })?
+            }
+            _ => a,
+        };
+        tensors.insert(*k, a);
+    }
+    Ok(Some(Trace::from_memory(
+        trace.manifest.model.clone(),
+        trace.manifest.producer.clone(),
+        trace.manifest.steps.clone(),
+        tensors,
+    )))
+}
