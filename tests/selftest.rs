@@ -112,7 +112,21 @@ fn selftest_shared_models() {
     ] {
         let (m, g) = (dir.join(file), root().join("golden").join(golden));
         selftest(&m, &g, &["--engine", engine]);
-        selftest(&m, &g, &["--engine", engine, "--sparse"]);
+        // Known limit, measured: from a sparse trace of a plain-f32 engine on the Q8_0 model,
+        // an rms eps x10 moves each layer's output by less than a whole-layer span's floor
+        // (which must admit llama.cpp's own f16-KV attention noise), and diff passes. It is
+        // found from full traces (above) and from sparse traces with ggml's rounding; see
+        // docs/diagnosis.md.
+        let rounding = if file.contains("Q8_0") {
+            "ggml"
+        } else {
+            "both"
+        };
+        selftest(
+            &m,
+            &g,
+            &["--engine", engine, "--sparse", "--rounding", rounding],
+        );
     }
 }
 

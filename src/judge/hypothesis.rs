@@ -391,7 +391,7 @@ fn heuristic(
 }
 
 /// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
-/// own error, under its floor but clearly above f32 noise, the hypothesis removes (÷100). A
+/// own error, under its floor but clearly above f32 noise, the hypothesis removes (÷10). A
 /// span through rounded matmuls can hide a small bug in every layer (an rms eps ×10 moves a
 /// layer's output by ~1e-5, inside such a span's noise); the hypothesis finds it there anyway.
 fn locate(
@@ -428,7 +428,7 @@ fn locate(
     )?;
     for o in earlier {
         if let Some(m) = r.metrics.get(&o.key)
-            && m.nmse * 100.0 <= o.own_nmse
+            && m.nmse * 10.0 <= o.own_nmse
         {
             return Ok(Some((o.key, o.own_nmse, m.nmse)));
         }
