@@ -48,13 +48,7 @@ fn the_default_check_runs_away_from_the_checkout() {
     ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
 )]
 fn golden_runs_away_from_the_checkout() {
-    let py = root().join(".venv/bin/python");
-    let ok = Command::new(&py)
-        .args(["-c", "import llama_cpp, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+    if !llama_cpp_or_skip() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -86,13 +80,7 @@ fn golden_runs_away_from_the_checkout() {
     ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
 )]
 fn a_user_golden_goes_to_the_user_folder_and_check_finds_it() {
-    let py = root().join(".venv/bin/python");
-    let ok = Command::new(&py)
-        .args(["-c", "import llama_cpp, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+    if !llama_cpp_or_skip() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

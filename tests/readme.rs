@@ -55,25 +55,13 @@ fn shell_words(line: &str) -> Vec<String> {
     out
 }
 
-fn llama_cpp() -> bool {
-    let py = root().join(".venv/bin/python");
-    let ok = Command::new(&py)
-        .args(["-c", "import llama_cpp, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!("skipped: llama_cpp not importable from {}", py.display());
-    }
-    ok
-}
-
 #[test]
 #[cfg_attr(
     not(parity_llama_cpp),
     ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
 )]
 fn the_readme_walkthrough_runs_as_written() {
-    if !llama_cpp() {
+    if !llama_cpp_or_skip() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

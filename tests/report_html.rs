@@ -138,7 +138,8 @@ fn mutated_kernel_report_marks_the_divergence() {
     assert!(page.contains("DIVERGED"));
     // Marked in the curve and in the heat map, and named with its evidence.
     assert!(page.contains("first divergence: step 0 layer 0 q_rope"));
-    assert_eq!(page.matches("class=first").count(), 1);
+    // One marked cell per comparison: the own-error judgement and the end-to-end one.
+    assert_eq!(page.matches("class=first").count(), 2);
     assert!(page.contains("◆ "));
     assert!(page.contains("Diagnosis:") && page.contains("rope-neox"));
     assert!(page.contains("still matching"));

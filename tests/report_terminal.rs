@@ -74,7 +74,7 @@ fn quiet_prints_the_verdict_only() {
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     assert_eq!(
         stdout(&o),
-        "verdict: 1 of 1 comparisons diverged\n",
+        "verdict: 2 of 2 comparisons diverged\n",
         "{}",
         show(&o)
     );

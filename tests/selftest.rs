@@ -83,6 +83,10 @@ fn selftest_every_fixture_through_parity_dump() {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
 fn selftest_fixtures_through_the_numpy_engine() {
     if !numpy_ok() {
         return;
@@ -101,6 +105,7 @@ fn selftest_sparse_traces_on_a_fixture() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared/models")]
 fn selftest_shared_models() {
     let Some(dir) = shared("models") else {
         return;
@@ -131,6 +136,10 @@ fn selftest_shared_models() {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
 fn selftest_generated_16_layer_model() {
     // The golden needs the real llama.cpp (llama-cpp-python in the venv).
     let py = std::env::var("PARITY_PYTHON")

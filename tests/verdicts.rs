@@ -175,24 +175,6 @@ fn backends_without_a_golden_share_one_sequence() {
     assert!(out.contains("top-1 agreement"), "{out}");
 }
 
-fn llama_cpp_or_skip() -> bool {
-    let py = root().join(".venv/bin/python");
-    let py = std::env::var("PARITY_PYTHON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or(py);
-    let ok = std::process::Command::new(&py)
-        .args(["-c", "import llama_cpp, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: llama_cpp is not importable from {} (run .ci/run or pip install llama-cpp-python numpy)",
-            py.display()
-        );
-    }
-    ok
-}
-
 /// A 16-layer model, a fresh llama.cpp golden (16 prompt ids, 4 decode steps) and `parity
 /// check` with every backend and op by op: no false alarm from compounding rounding noise.
 fn deep_check_is_clean(ty: &str) {

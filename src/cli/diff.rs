@@ -131,17 +131,9 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
             .iter()
             .position(|r| r.key == f.flagged)
             .expect("finding is a judged key");
-        let mut matched_before: Vec<TapResult> = results[..i]
-            .iter()
-            .rev()
-            .filter(|r| r.pass)
-            .take(3)
-            .cloned()
-            .collect();
-        matched_before.reverse();
         Divergence {
             at: results[i].clone(),
-            matched_before,
+            matched_before: crate::compare::matched_before(&results, i),
             diagnosis: f.text.replace("\n  ", "; "),
         }
     });

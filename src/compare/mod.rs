@@ -225,14 +225,7 @@ pub fn compare(
 
     let first_divergence = match first {
         Some(i) => {
-            let mut matched_before: Vec<TapResult> = results[..i]
-                .iter()
-                .rev()
-                .filter(|r| r.pass)
-                .take(3)
-                .cloned()
-                .collect();
-            matched_before.reverse();
+            let matched_before = matched_before(&results, i);
             let diagnosis = diagnose::diagnose(base, cand, &results, i, opt.weight_type)?;
             Some(Divergence {
                 at: results[i].clone(),
@@ -257,6 +250,19 @@ pub fn compare(
         only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count() + base.extra.len(),
         only_in_candidate: cand.keys().filter(|k| !base.contains(k)).count() + cand.extra.len(),
     })
+}
+
+/// Up to three results just before `results[i]` (graph order) that still matched.
+pub fn matched_before(results: &[TapResult], i: usize) -> Vec<TapResult> {
+    let mut v: Vec<TapResult> = results[..i]
+        .iter()
+        .rev()
+        .filter(|r| r.pass)
+        .take(3)
+        .cloned()
+        .collect();
+    v.reverse();
+    v
 }
 
 fn first_token_mismatch(base: &Trace, cand: &Trace) -> Option<TokenMismatch> {

@@ -96,3 +96,24 @@ pub fn npy_files(dir: &Path) -> Vec<String> {
     v.sort();
     v
 }
+
+/// The Python parity runs scripts with ($PARITY_PYTHON, else the checkout's .venv).
+pub fn python() -> PathBuf {
+    std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"))
+}
+
+/// Whether llama.cpp (llama-cpp-python) and numpy import; says "skipped: …" when not. Tests
+/// that need it are also marked `#[cfg_attr(not(parity_llama_cpp), ignore = …)]` (build.rs).
+pub fn llama_cpp_or_skip() -> bool {
+    let py = python();
+    let ok = std::process::Command::new(&py)
+        .args(["-c", "import llama_cpp, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipped: llama_cpp not importable from {}", py.display());
+    }
+    ok
+}
