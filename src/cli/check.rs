@@ -173,9 +173,12 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         .spawn()
         .map_err(|e| err(format!("running {}: {e}", py.display())))?;
     let pid = child.id();
+    // A spinner while llama.cpp runs (its log is captured unless --verbose shows it).
+    let spin = (!a.verbose).then(|| Progress::spinner("llama.cpp golden", false));
     let out = child
         .wait_with_output()
         .map_err(|e| err(format!("running {}: {e}", py.display())))?;
+    drop(spin);
     let log = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
         eprint!("{log}");
