@@ -730,16 +730,7 @@ fn generate_tinystories_40_tokens_matches_live_llama_cpp() {
     let Some(model) = shared("models/TinyStories-656K-Q8_0.gguf") else {
         return;
     };
-    let py = root().join(".venv/bin/python");
-    let py = std::env::var("PARITY_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or(py);
-    let has_llama = Command::new(&py)
-        .args(["-c", "import llama_cpp, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_llama {
-        eprintln!("skipped: llama_cpp not installed for {}", py.display());
+    if !llama_cpp_or_skip() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{parity, root, shared, show};
+use common::{numpy_engine_python, parity, root, shared, show};
 use parity::backend::mutation::{Mutation, MutationKind};
 use parity::backend::{self, Emulation, Reference};
 use parity::model::Model;
@@ -225,25 +225,6 @@ fn dump_mutate_writes_token_and_layout_bugs_as_an_engine_would() {
     }
 }
 
-/// The venv's python if it has numpy and gguf; else None after saying why the test skips.
-fn numpy_python() -> Option<PathBuf> {
-    let py = std::env::var("PARITY_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root().join(".venv/bin/python"));
-    let ok = Command::new(&py)
-        .args(["-c", "import numpy, gguf"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: {} cannot import numpy and gguf (the numpy engine needs them)",
-            py.display()
-        );
-        return None;
-    }
-    Some(py)
-}
-
 fn numpy_engine(py: &Path, model: &Path, golden: &Path, out: &Path, extra: &[&str]) {
     let o = Command::new(py)
         .arg(root().join("scripts/numpy_engine.py"))
@@ -261,7 +242,7 @@ fn numpy_engine(py: &Path, model: &Path, golden: &Path, out: &Path, extra: &[&st
 
 #[test]
 fn numpy_engine_passes_diff_when_clean_and_is_caught_when_mutated() {
-    let Some(py) = numpy_python() else {
+    let Some(py) = numpy_engine_python() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -292,7 +273,7 @@ fn numpy_engine_passes_diff_when_clean_and_is_caught_when_mutated() {
 
 #[test]
 fn numpy_engine_with_ggml_rounding_sits_at_the_f32_floor_on_q8_0() {
-    let Some(py) = numpy_python() else {
+    let Some(py) = numpy_engine_python() else {
         return;
     };
     // Rounding activations as ggml does makes an independent engine agree with llama.cpp op

@@ -6,9 +6,8 @@
 
 mod common;
 
-use common::{parity, root, shared, show};
+use common::{llama_cpp_or_skip, numpy_engine_python, parity, root, shared, show};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn selftest(model: &Path, golden: &Path, extra: &[&str]) {
     let mut args = vec![
@@ -40,20 +39,7 @@ fn selftest(model: &Path, golden: &Path, extra: &[&str]) {
 
 /// Whether the venv python can run the numpy engine; says why not when it cannot.
 fn numpy_ok() -> bool {
-    let py = std::env::var("PARITY_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root().join(".venv/bin/python"));
-    let ok = Command::new(&py)
-        .args(["-c", "import numpy, gguf"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipped: {} cannot import numpy and gguf (the numpy engine needs them)",
-            py.display()
-        );
-    }
-    ok
+    numpy_engine_python().is_some()
 }
 
 fn fixture(name: &str) -> (PathBuf, PathBuf) {
@@ -142,15 +128,7 @@ fn selftest_shared_models() {
 )]
 fn selftest_generated_16_layer_model() {
     // The golden needs the real llama.cpp (llama-cpp-python in the venv).
-    let py = std::env::var("PARITY_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| root().join(".venv/bin/python"));
-    let has_llama = Command::new(&py)
-        .args(["-c", "import llama_cpp"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_llama {
-        eprintln!("skipped: llama_cpp not installed for {}", py.display());
+    if !llama_cpp_or_skip() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

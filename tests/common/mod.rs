@@ -117,3 +117,21 @@ pub fn llama_cpp_or_skip() -> bool {
     }
     ok
 }
+
+/// `python()` if it can run scripts/numpy_engine.py (numpy and gguf-py); else None after
+/// saying why the test skips.
+pub fn numpy_engine_python() -> Option<PathBuf> {
+    let py = python();
+    let ok = std::process::Command::new(&py)
+        .args(["-c", "import numpy, gguf"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "skipped: {} cannot import numpy and gguf (the numpy engine needs them)",
+            py.display()
+        );
+        return None;
+    }
+    Some(py)
+}
