@@ -5,7 +5,7 @@ use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
-    #[error("unsupported architecture '{0}' (parity supports: llama, qwen2)")]
+    #[error("unsupported architecture '{0}' (parity supports: {list})", list = Arch::supported())]
     UnsupportedArch(String),
     #[error("missing metadata key '{0}'")]
     MissingKey(String),
@@ -40,6 +40,59 @@ pub enum RopeType {
 pub enum Arch {
     Llama,
     Qwen2,
+    Qwen3,
+    Gemma,
+    Gemma2,
+    Gemma3,
+    Phi3,
+}
+
+impl Arch {
+    /// Every architecture, as `general.architecture` names it.
+    pub const ALL: &[Arch] = &[
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma,
+        Arch::Gemma2,
+        Arch::Gemma3,
+        Arch::Phi3,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma => "gemma",
+            Arch::Gemma2 => "gemma2",
+            Arch::Gemma3 => "gemma3",
+            Arch::Phi3 => "phi3",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Arch> {
+        Arch::ALL.iter().copied().find(|a| a.name() == s)
+    }
+
+    /// `llama, qwen2, …` for messages.
+    pub fn supported() -> String {
+        Arch::ALL
+            .iter()
+            .map(|a| a.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// The activation of the gated feed-forward block: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Activation {
+    /// SwiGLU (llama, qwen, phi3).
+    Silu,
+    /// GELU, tanh approximation (gemma family; ggml_gelu).
+    GeluTanh,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -63,6 +116,25 @@ pub struct Config {
     /// No `output.weight`: the output projection reuses `token_embd.weight`.
     pub tied_embeddings: bool,
     pub has_qkv_bias: bool,
+    // What the architecture is, as data the one forward reads (see src/arch/).
+    /// Gated FFN activation.
+    pub activation: Activation,
+    /// Multiply the token embeddings by this (gemma: sqrt(n_embd)).
+    pub embd_scale: Option<f32>,
+    /// Scale applied to q·k before the softmax (1/sqrt(head_dim) unless the architecture says).
+    pub kq_scale: f32,
+    /// Soft-cap of attention scores: `cap · tanh(s / cap)` (gemma2).
+    pub attn_softcap: Option<f32>,
+    /// Soft-cap of the final logits (gemma2).
+    pub final_softcap: Option<f32>,
+    /// Sliding-window length (0: none) and, per layer, whether that layer uses it.
+    pub n_swa: usize,
+    pub swa_layers: Vec<bool>,
+    /// RoPE base and linear frequency scale of sliding-window layers (gemma3's local layers).
+    pub rope_theta_swa: f32,
+    pub rope_freq_scale_swa: f32,
+    /// Multiplier of RoPE's cos and sin (LongRoPE's attention factor, phi3); 1.0 otherwise.
+    pub rope_attn_factor: f32,
 }
 
 impl Config {
@@ -70,10 +142,9 @@ impl Config {
         let arch_name = f
             .architecture()
             .ok_or_else(|| ModelError::MissingKey("general.architecture".into()))?;
-        let arch = match arch_name {
-            "llama" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            other => return Err(ModelError::UnsupportedArch(other.to_string())),
+        let arch = match Arch::parse(arch_name) {
+            Some(a @ (Arch::Llama | Arch::Qwen2)) => a,
+            _ => return Err(ModelError::UnsupportedArch(arch_name.to_string())),
         };
         let key = |s: &str| format!("{arch_name}.{s}");
         let req = |s: &str| -> Result<usize, ModelError> {
@@ -150,6 +221,7 @@ impl Config {
         let (rope_type, has_qkv_bias) = match arch {
             Arch::Llama => (RopeType::Norm, f.tensor("blk.0.attn_q.bias").is_some()),
             Arch::Qwen2 => (RopeType::Neox, true),
+            _ => unreachable!("refused above"),
         };
         Ok(Config {
             arch,
@@ -168,6 +240,16 @@ impl Config {
             rope_freq_scale,
             tied_embeddings: f.tensor("output.weight").is_none(),
             has_qkv_bias,
+            activation: Activation::Silu,
+            embd_scale: None,
+            kq_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_softcap: None,
+            final_softcap: None,
+            n_swa: 0,
+            swa_layers: vec![false; n_layer],
+            rope_theta_swa: rope_theta,
+            rope_freq_scale_swa: rope_freq_scale,
+            rope_attn_factor: 1.0,
         })
     }
 

@@ -5,7 +5,7 @@ mod config;
 pub mod fixture;
 pub use crate::tokenizer;
 
-pub use config::{Arch, Config, ModelError, RopeType};
+pub use config::{Activation, Arch, Config, ModelError, RopeType};
 
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::quant;
@@ -28,6 +28,15 @@ pub struct LayerWeights {
     pub w_gate: TensorInfo,
     pub w_up: TensorInfo,
     pub w_down: TensorInfo,
+    /// Per-head RMSNorm of q and k before RoPE (qwen3, gemma3), `[head_dim]`.
+    pub q_norm: Option<TensorInfo>,
+    pub k_norm: Option<TensorInfo>,
+    /// RMSNorm of the attention / FFN output before its residual add (gemma2, gemma3).
+    pub attn_post_norm: Option<TensorInfo>,
+    pub ffn_post_norm: Option<TensorInfo>,
+    /// RoPE frequency factors (llama3 `rope_freqs.weight`, phi3's long or short factors),
+    /// `[n_rot / 2]`: dimension pair i turns at `theta_i / factor_i`.
+    pub rope_freqs: Option<TensorInfo>,
 }
 
 pub struct Model {
@@ -126,6 +135,11 @@ impl Model {
                 w_gate: get(&n("ffn_gate.weight"), &[e, ff])?,
                 w_up: get(&n("ffn_up.weight"), &[e, ff])?,
                 w_down: get(&n("ffn_down.weight"), &[ff, e])?,
+                q_norm: None,
+                k_norm: None,
+                attn_post_norm: None,
+                ffn_post_norm: None,
+                rope_freqs: None,
             });
         }
         if c.arch == Arch::Qwen2 && layers.iter().any(|l| l.bq.is_none()) {
