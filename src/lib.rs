@@ -3,6 +3,7 @@
 //! Layers, dependencies pointing down only (docs/architecture.md):
 //! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `tokenizer` → `gguf` → `quant`.
 
+pub mod arch;
 pub mod backend;
 pub mod check;
 pub mod cli;

@@ -11,11 +11,13 @@
 
 use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
+use crate::arch::{self, Attn, Ops, Rope};
 use crate::gguf::{GgmlType, TensorInfo};
-use crate::model::{Model, RopeType};
+use crate::model::{Activation, Model, RopeType};
 use crate::quant;
-use crate::trace::{Sink, Tap, tap, tap_mut};
+use crate::trace::{Sink, Tap, TapKey, tap, tap_mut};
 use rayon::prelude::*;
+use std::ops::Range;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -61,7 +63,7 @@ pub struct Reference<'m> {
     mutation: Option<Mutation>,
     /// The bug acts from this layer on (and on the output ops); 0: everywhere.
     mutation_from: usize,
-    /// The layer `forward` is in (the embedding counts as layer 0; None after the layers).
+    /// The layer of the latest tap (for the ops that are not told their layer).
     layer_now: Option<usize>,
 }
 
@@ -96,22 +98,38 @@ impl<'m> Reference<'m> {
         self
     }
 
-    fn mutated(&self, m: Mutation) -> bool {
-        self.mutation == Some(m) && self.layer_now.is_none_or(|l| l >= self.mutation_from)
+    /// Whether bug `m` acts in `layer` (None: the output ops after the last layer).
+    fn mutated(&self, m: Mutation, layer: Option<usize>) -> bool {
+        self.mutation == Some(m) && layer.is_none_or(|l| l >= self.mutation_from)
     }
 
-    /// A weight matmul as the (possibly mutated) engine does it: [`Self::matmul`] unless the
-    /// decoder-nibble-order bug changes how `w` decodes, or `transposed` reads it transposed.
-    fn project(&self, w: &TensorInfo, x: &[f32], t: usize, transposed: bool) -> Vec<f32> {
-        let nibbles = self.mutated(Mutation::DecoderNibbleOrder) && mutation::swaps_nibbles(w.ty);
-        if !nibbles && !transposed {
-            return self.matmul(w, x, t);
+    /// Row `r` of a weight as the (possibly mutated) engine decodes it.
+    fn weight_row(&self, w: &TensorInfo, layer: Option<usize>, r: usize, out: &mut [f32]) {
+        if self.mutated(Mutation::DecoderNibbleOrder, layer) && mutation::swaps_nibbles(w.ty) {
+            let (n_in, _) = w.rows();
+            let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
+            let bytes = mutation::swap_nibbles(w.ty, &self.model.data(w)[r * rb..(r + 1) * rb]);
+            quant::dequantize_row(w.ty, &bytes, out).expect("row length validated at open");
+        } else {
+            self.model.row(w, r, out);
         }
+    }
+
+    /// A weight matmul the slow way, for the bugs that change how a weight is read: decoded
+    /// with swapped nibbles, or read transposed.
+    fn project_mutated(
+        &self,
+        w: &TensorInfo,
+        layer: Option<usize>,
+        x: &[f32],
+        t: usize,
+        transposed: bool,
+    ) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
         let mut flat = vec![0.0f32; n_in * n_out];
         for (r, row) in flat.chunks_mut(n_in).enumerate() {
-            self.weight_row(w, r, row);
+            self.weight_row(w, layer, r, row);
         }
         let mut out = vec![0.0f32; t * n_out];
         let mut col = vec![0.0f32; n_in];
@@ -132,39 +150,9 @@ impl<'m> Reference<'m> {
         out
     }
 
-    /// Row `r` of a weight as the (possibly mutated) engine decodes it.
-    fn weight_row(&self, w: &TensorInfo, r: usize, out: &mut [f32]) {
-        if self.mutated(Mutation::DecoderNibbleOrder) && mutation::swaps_nibbles(w.ty) {
-            let (n_in, _) = w.rows();
-            let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
-            let bytes = mutation::swap_nibbles(w.ty, &self.model.data(w)[r * rb..(r + 1) * rb]);
-            quant::dequantize_row(w.ty, &bytes, out).expect("row length validated at open");
-        } else {
-            self.model.row(w, r, out);
-        }
-    }
-
-    /// RMSNorm as the (possibly mutated) engine does it.
-    fn norm(&self, x: &[f32], w: &TensorInfo) -> Vec<f32> {
-        let c = &self.model.config;
-        let mut weight = self.model.vector(w);
-        if self.mutated(Mutation::NormWeightMissing) {
-            weight.fill(1.0);
-        }
-        if self.mutated(Mutation::NormWeightTwice) {
-            weight.iter_mut().for_each(|v| *v *= *v);
-        }
-        let eps = if self.mutated(Mutation::RmsEps10x) {
-            c.rms_eps * 10.0
-        } else {
-            c.rms_eps
-        };
-        rms_norm(x, &weight, eps)
-    }
-
     /// out[t, r] = Σ_i W[r, i] · x[t, i] for the T rows of `x`. `W` is `[n_in, n_out]` in ggml
     /// order: row r of the stored matrix is output r.
-    pub(crate) fn matmul(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
+    pub(crate) fn matmul_plain(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
         // Output rows are independent: split them over threads in chunks (rayon), each with
@@ -210,6 +198,28 @@ impl<'m> Reference<'m> {
         }
         y
     }
+
+    /// The query head → kv head map (GQA), as the (possibly mutated) engine does it.
+    fn kv_head(&self, layer: usize, a: &Attn) -> impl Fn(usize) -> usize {
+        let group = a.n_head / a.n_head_kv;
+        let (nkv, modulo) = (a.n_head_kv, self.mutated(Mutation::GqaModulo, Some(layer)));
+        move |h| if modulo { h % nkv } else { h / group }
+    }
+
+    /// The keys query row `i` sees (all of them with the no-causal-mask bug).
+    fn visible(&self, layer: usize, a: &Attn, pos0: usize, i: usize, n_kv: usize) -> Range<usize> {
+        if self.mutated(Mutation::NoCausalMask, Some(layer)) {
+            0..n_kv
+        } else {
+            a.visible(pos0 + i)
+        }
+    }
+}
+
+/// The layer a GGUF tensor belongs to (`blk.N.…`); None for the embedding, output norm and
+/// output projection.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
 
 /// Dot product, accumulated in f64 so that the reference's own rounding stays far below
@@ -244,33 +254,25 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
-/// Rotate each head of `x` (`[T, n_heads, head_dim]`) by its position, as ggml_rope_ext with
-/// ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot), computed by repeated
-/// multiplication like ggml's rope cache. Norm pairs (2i, 2i+1); Neox pairs (i, i + n_rot/2).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rope(
-    x: &mut [f32],
-    positions: &[usize],
-    n_heads: usize,
-    head_dim: usize,
-    n_rot: usize,
-    base: f32,
-    freq_scale: f32,
-    kind: RopeType,
-) {
-    let theta_scale = base.powf(-2.0 / n_rot as f32);
-    for (t, &pos) in positions.iter().enumerate() {
-        let mut cache = vec![(0.0f32, 0.0f32); n_rot / 2];
-        let mut theta = pos as f32;
-        for c in cache.iter_mut() {
-            let th = freq_scale * theta;
-            *c = (th.cos(), th.sin());
+/// Rotate each head of `x` (`[T, n_heads, head_dim]`) by its position `pos0 + t`, as
+/// ggml_rope_ext with ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot) / factor_i,
+/// computed by repeated multiplication like ggml's rope cache; cos and sin times attn_factor.
+/// Norm pairs (2i, 2i+1); Neox pairs (i, i + n_rot/2).
+pub(crate) fn rope(x: &mut [f32], pos0: usize, n_heads: usize, r: &Rope, factors: Option<&[f32]>) {
+    let (hd, n_rot) = (r.head_dim, r.n_rot);
+    let theta_scale = r.base.powf(-2.0 / n_rot as f32);
+    let mut cache = vec![(0.0f32, 0.0f32); n_rot / 2];
+    for (t, row) in x.chunks_mut(n_heads * hd).enumerate() {
+        let mut theta = (pos0 + t) as f32;
+        for (i, c) in cache.iter_mut().enumerate() {
+            let ff = factors.map_or(1.0, |f| f[i]);
+            let th = r.freq_scale * (theta / ff);
+            *c = (th.cos() * r.attn_factor, th.sin() * r.attn_factor);
             theta *= theta_scale;
         }
-        for h in 0..n_heads {
-            let v = &mut x[(t * n_heads + h) * head_dim..][..head_dim];
+        for v in row.chunks_mut(hd) {
             for (i, &(cos, sin)) in cache.iter().enumerate() {
-                let (a, b) = match kind {
+                let (a, b) = match r.kind {
                     RopeType::Norm => (2 * i, 2 * i + 1),
                     RopeType::Neox => (i, i + n_rot / 2),
                 };
@@ -284,6 +286,26 @@ pub(crate) fn rope(
 
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation, as ggml_gelu. ggml's CPU backend looks it up in an f16 table
+/// (`GGML_GELU_FP16`): the input rounded to f16, the output stored as f16, and exact past
+/// ±10; `Emulation::GgmlCpu` does the same.
+pub(crate) fn gelu(x: f32, emulation: Emulation) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    let exact = |x: f32| 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
+    if emulation != Emulation::GgmlCpu {
+        return exact(x);
+    }
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        let h = half::f16::from_f32(x).to_f32();
+        half::f16::from_f32(exact(h)).to_f32()
+    }
 }
 
 pub(crate) fn add(a: &[f32], b: &[f32]) -> Vec<f32> {
@@ -325,179 +347,209 @@ impl Backend for Reference<'_> {
         sink: &mut dyn Sink,
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
-        let c = &m.config;
-        let t = tokens.len();
-        if t == 0 {
-            return Err(BackendError::Empty);
+        arch::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
+        let nv = m.config.n_vocab;
+        self.last_logits = logits[logits.len() - nv..].to_vec();
+        Ok(&self.last_logits)
+    }
+}
+
+/// The ops, plainly: one loop per op, f64 sums, the bug catalog at the op each bug lives in.
+impl Ops for Reference<'_> {
+    type Buf = Vec<f32>;
+
+    fn embed(&mut self, w: &TensorInfo, tokens: &[u32]) -> Vec<f32> {
+        let e = w.rows().0;
+        let mut x = vec![0.0f32; tokens.len() * e];
+        for (row, &id) in x.chunks_mut(e).zip(tokens) {
+            // The embedding counts as layer 0 for bugs placed from a layer on.
+            self.weight_row(w, Some(0), id as usize, row);
         }
-        if pos0 + t > self.n_ctx {
-            return Err(BackendError::ContextOverflow {
-                end: pos0 + t,
-                n_ctx: self.n_ctx,
-            });
+        x
+    }
+
+    fn scale(&mut self, mut x: Vec<f32>, s: f32) -> Vec<f32> {
+        x.iter_mut().for_each(|v| *v *= s);
+        x
+    }
+
+    fn rms_norm(&mut self, x: &Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
+        let layer = layer_of(&w.name);
+        let mut weight = self.model.vector(w);
+        if self.mutated(Mutation::NormWeightMissing, layer) {
+            weight.fill(1.0);
         }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
-            return Err(BackendError::BadToken {
-                id,
-                n_vocab: c.n_vocab,
-            });
+        if self.mutated(Mutation::NormWeightTwice, layer) {
+            weight.iter_mut().for_each(|v| *v *= *v);
         }
-        let (e, hd, nh, nkv) = (c.n_embd, c.head_dim, c.n_head, c.n_head_kv);
-        let (eq, ekv) = (c.n_embd_q(), c.n_embd_kv());
-        let positions: Vec<usize> = (pos0..pos0 + t).collect();
-        let n_kv = pos0 + t;
+        let eps = if self.mutated(Mutation::RmsEps10x, layer) {
+            eps * 10.0
+        } else {
+            eps
+        };
+        rms_norm(x, &weight, eps)
+    }
 
-        // Token embedding: one row of token_embd per token.
-        self.layer_now = Some(0);
-        let mut x = vec![0.0f32; t * e];
-        for (i, &id) in tokens.iter().enumerate() {
-            self.weight_row(&m.token_embd, id as usize, &mut x[i * e..(i + 1) * e]);
-        }
-        tap_mut(sink, step, None, Tap::Embd, &[t, e], &mut x);
+    fn head_norm(&mut self, x: Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
+        rms_norm(&x, &self.model.vector(w), eps)
+    }
 
-        for (l, w) in m.layers.iter().enumerate() {
-            let ly = Some(l);
-            self.layer_now = ly;
-
-            // Attention block.
-            let mut xn = self.norm(&x, &w.attn_norm);
-            tap_mut(sink, step, ly, Tap::AttnNorm, &[t, e], &mut xn);
-
-            let mut q = self.project(&w.wq, &xn, t, false);
-            let mut k = self.project(&w.wk, &xn, t, false);
-            let mut v = self.project(&w.wv, &xn, t, false);
-            if let Some(b) = &w.bq {
-                add_bias(&mut q, &m.vector(b));
-            }
-            if let Some(b) = &w.bk {
-                add_bias(&mut k, &m.vector(b));
-            }
-            if let Some(b) = &w.bv {
-                add_bias(&mut v, &m.vector(b));
-            }
-            if self.mutated(Mutation::QkPermute) {
-                q = mutation::permute_heads(&q, nh, hd);
-                k = mutation::permute_heads(&k, nkv, hd);
-            }
-            tap_mut(sink, step, ly, Tap::Q, &[t, nh, hd], &mut q);
-            tap_mut(sink, step, ly, Tap::K, &[t, nkv, hd], &mut k);
-            tap_mut(sink, step, ly, Tap::V, &[t, nkv, hd], &mut v);
-
-            let (mut base, scale, mut pairing) = (c.rope_theta, c.rope_freq_scale, c.rope_type);
-            if self.mutated(Mutation::RopeTheta) {
-                base = mutation::wrong_theta(base);
-            }
-            if self.mutated(Mutation::RopeNeox) {
-                pairing = mutation::other_rope(pairing);
-            }
-            rope(&mut q, &positions, nh, hd, c.n_rot, base, scale, pairing);
-            rope(&mut k, &positions, nkv, hd, c.n_rot, base, scale, pairing);
-            if self.mutated(Mutation::HeadMajorQRope) {
-                let hm = mutation::to_head_major(&q, t, nh, hd);
-                tap(sink, step, ly, Tap::QRope, &[nh, t, hd], &hm);
-            } else {
-                tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut q);
-            }
-            tap_mut(sink, step, ly, Tap::KRope, &[t, nkv, hd], &mut k);
-
-            // Append this step's keys and values to the cache at their positions (a decode
-            // step with kv-off-by-one writes them one slot later; past the end, nowhere).
-            let slot = if self.mutated(Mutation::KvOffByOne) && pos0 > 0 {
-                pos0 + 1
-            } else {
-                pos0
-            };
-            if slot + t <= self.n_ctx {
-                self.k_cache[l][slot * ekv..(slot + t) * ekv].copy_from_slice(&k);
-                self.v_cache[l][slot * ekv..(slot + t) * ekv].copy_from_slice(&v);
-            }
-            let (kc, vc) = (&self.k_cache[l], &self.v_cache[l]);
-
-            // Causal attention: query i (position pos0+i) sees cache positions 0..=pos0+i.
-            // Query head h reads kv head h / (n_head / n_head_kv) (GQA).
-            let group = nh / nkv;
-            let kv_head = |h: usize| {
-                if self.mutated(Mutation::GqaModulo) {
-                    h % nkv
-                } else {
-                    h / group
-                }
-            };
-            let no_mask = self.mutated(Mutation::NoCausalMask);
-            let kq_scale = 1.0 / (hd as f32).sqrt();
-            let mut probs = vec![0.0f32; nh * t * n_kv];
-            for h in 0..nh {
-                for i in 0..t {
-                    let qv = &q[(i * nh + h) * hd..][..hd];
-                    let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
-                    let visible = if no_mask { n_kv } else { pos0 + i + 1 };
-                    for j in 0..visible {
-                        p[j] = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * kq_scale;
-                    }
-                    softmax(&mut p[..visible]);
-                }
-            }
-            tap_mut(sink, step, ly, Tap::KqSoftMax, &[nh, t, n_kv], &mut probs);
-
-            // Attention output: probability-weighted sum of the cached values.
-            let mut att = vec![0.0f32; t * eq];
-            for h in 0..nh {
-                for i in 0..t {
-                    let visible = if no_mask { n_kv } else { pos0 + i + 1 };
-                    let p = &probs[(h * t + i) * n_kv..][..visible];
-                    let out = &mut att[i * eq + h * hd..][..hd];
-                    for (d, o) in out.iter_mut().enumerate() {
-                        let s: f64 = p
-                            .iter()
-                            .enumerate()
-                            .map(|(j, &pj)| pj as f64 * vc[j * ekv + kv_head(h) * hd + d] as f64)
-                            .sum();
-                        *o = s as f32;
-                    }
-                }
-            }
-            tap_mut(sink, step, ly, Tap::KqvOut, &[t, eq], &mut att);
-
-            let wo_t = self.mutated(Mutation::TransposedWo);
-            let mut attn_out = self.project(&w.wo, &att, t, wo_t);
-            tap_mut(sink, step, ly, Tap::AttnOut, &[t, e], &mut attn_out);
-            let mut ffn_inp = add(&x, &attn_out);
-            tap_mut(sink, step, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
-
-            // Feed-forward block (SwiGLU).
-            let mut xn = self.norm(&ffn_inp, &w.ffn_norm);
-            tap_mut(sink, step, ly, Tap::FfnNorm, &[t, e], &mut xn);
-            let mut gate = self.project(&w.w_gate, &xn, t, false);
-            tap_mut(sink, step, ly, Tap::FfnGate, &[t, c.n_ff], &mut gate);
-            let mut up = self.project(&w.w_up, &xn, t, false);
-            tap_mut(sink, step, ly, Tap::FfnUp, &[t, c.n_ff], &mut up);
-            let mut act: Vec<f32> = if self.mutated(Mutation::SwigluSwap) {
-                gate.iter().zip(&up).map(|(&g, &u)| silu(u) * g).collect()
-            } else {
-                gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect()
-            };
-            tap_mut(sink, step, ly, Tap::FfnAct, &[t, c.n_ff], &mut act);
-            let mut ffn_out = self.project(&w.w_down, &act, t, false);
-            tap_mut(sink, step, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
-
-            x = add(&ffn_inp, &ffn_out);
-            tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut x);
-        }
-
-        self.layer_now = None;
-        let mut xn = self.norm(&x, &m.output_norm);
-        tap_mut(sink, step, None, Tap::ResultNorm, &[t, e], &mut xn);
-        let output = if self.mutated(Mutation::TiedOutput) {
+    fn matmul(&mut self, w: &TensorInfo, x: &Vec<f32>) -> Vec<f32> {
+        let layer = layer_of(&w.name);
+        let m = self.model;
+        // The output projection: `output.weight`, or the embedding matrix when tied.
+        let lm_head = layer.is_none();
+        let w = if lm_head && w.name == "output.weight" && self.mutated(Mutation::TiedOutput, None)
+        {
             &m.token_embd
         } else {
-            &m.output
+            w
         };
-        let lm_t = self.mutated(Mutation::TransposedLmHead);
-        let mut logits = self.project(output, &xn, t, lm_t);
-        tap_mut(sink, step, None, Tap::Logits, &[t, c.n_vocab], &mut logits);
+        let t = x.len() / w.rows().0;
+        let transposed = (lm_head && self.mutated(Mutation::TransposedLmHead, None))
+            || (w.name.ends_with("attn_output.weight")
+                && self.mutated(Mutation::TransposedWo, layer));
+        let nibbles =
+            self.mutated(Mutation::DecoderNibbleOrder, layer) && mutation::swaps_nibbles(w.ty);
+        if transposed || nibbles {
+            self.project_mutated(w, layer, x, t, transposed)
+        } else {
+            self.matmul_plain(w, x, t)
+        }
+    }
 
-        self.last_logits = logits[(t - 1) * c.n_vocab..].to_vec();
-        Ok(&self.last_logits)
+    fn add_bias(&mut self, mut x: Vec<f32>, b: &TensorInfo) -> Vec<f32> {
+        add_bias(&mut x, &self.model.vector(b));
+        x
+    }
+
+    fn rope(
+        &mut self,
+        mut x: Vec<f32>,
+        layer: usize,
+        pos0: usize,
+        n_heads: usize,
+        r: &Rope,
+    ) -> Vec<f32> {
+        let mut r = *r;
+        if self.mutated(Mutation::RopeTheta, Some(layer)) {
+            r.base = mutation::wrong_theta(r.base);
+        }
+        if self.mutated(Mutation::RopeNeox, Some(layer)) {
+            r.kind = mutation::other_rope(r.kind);
+        }
+        let factors = r.factors.map(|f| self.model.vector(f));
+        rope(&mut x, pos0, n_heads, &r, factors.as_deref());
+        x
+    }
+
+    fn kv_store(&mut self, layer: usize, pos0: usize, k: &Vec<f32>, v: &Vec<f32>) {
+        let ekv = self.model.config.n_embd_kv();
+        let t = k.len() / ekv;
+        // A decode step with kv-off-by-one writes one slot late (past the end: nowhere).
+        let slot = if self.mutated(Mutation::KvOffByOne, Some(layer)) && pos0 > 0 {
+            pos0 + 1
+        } else {
+            pos0
+        };
+        if slot + t <= self.n_ctx {
+            self.k_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(k);
+            self.v_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(v);
+        }
+    }
+
+    fn attn_probs(&mut self, layer: usize, q: &Vec<f32>, a: &Attn) -> Vec<f32> {
+        let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
+        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        let kc = &self.k_cache[layer];
+        let kv_head = self.kv_head(layer, a);
+        let mut probs = vec![0.0f32; nh * t * n_kv];
+        for h in 0..nh {
+            for i in 0..t {
+                let qv = &q[(i * nh + h) * hd..][..hd];
+                let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
+                let seen = self.visible(layer, a, pos0, i, n_kv);
+                for j in seen.clone() {
+                    let mut s = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
+                    if let Some(cap) = a.softcap {
+                        s = (s / cap).tanh() * cap;
+                    }
+                    p[j] = s;
+                }
+                softmax(&mut p[seen]);
+            }
+        }
+        probs
+    }
+
+    fn attn_values(&mut self, layer: usize, p: &Vec<f32>, a: &Attn) -> Vec<f32> {
+        let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
+        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        let vc = &self.v_cache[layer];
+        let kv_head = self.kv_head(layer, a);
+        let mut att = vec![0.0f32; t * nh * hd];
+        for h in 0..nh {
+            for i in 0..t {
+                let seen = self.visible(layer, a, pos0, i, n_kv);
+                let p = &p[(h * t + i) * n_kv..][..n_kv];
+                let out = &mut att[(i * nh + h) * hd..][..hd];
+                for (d, o) in out.iter_mut().enumerate() {
+                    let s: f64 = seen
+                        .clone()
+                        .map(|j| p[j] as f64 * vc[j * ekv + kv_head(h) * hd + d] as f64)
+                        .sum();
+                    *o = s as f32;
+                }
+            }
+        }
+        att
+    }
+
+    fn glu(&mut self, gate: Vec<f32>, up: &Vec<f32>, act: Activation) -> Vec<f32> {
+        // The op knows no layer: the last tap before it (ffn_up) said which.
+        let swap = self.mutated(Mutation::SwigluSwap, self.layer_now);
+        let f = |g: f32, u: f32| match act {
+            Activation::Silu => silu(g) * u,
+            Activation::GeluTanh => gelu(g, self.emulation) * u,
+        };
+        gate.iter()
+            .zip(up)
+            .map(|(&g, &u)| if swap { f(u, g) } else { f(g, u) })
+            .collect()
+    }
+
+    fn add(&mut self, a: Vec<f32>, b: &Vec<f32>) -> Vec<f32> {
+        add(&a, b)
+    }
+
+    fn softcap(&mut self, mut x: Vec<f32>, cap: f32) -> Vec<f32> {
+        x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        x
+    }
+
+    fn last_row(&mut self, x: Vec<f32>, width: usize) -> Vec<f32> {
+        x[x.len() - width..].to_vec()
+    }
+
+    fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Vec<f32>) {
+        let (step, layer) = (key.step, key.layer);
+        self.layer_now = layer;
+        match key.tap {
+            // An engine that lays q/k heads out as HF does (the converter's permutation
+            // undone): every op after this point sees the permuted tensor.
+            Tap::Q | Tap::K if self.mutated(Mutation::QkPermute, layer) => {
+                *x = mutation::permute_heads(x, shape[1], shape[2]);
+            }
+            // An engine that stores q_rope head-major: only the stored tensor differs.
+            Tap::QRope if self.mutated(Mutation::HeadMajorQRope, layer) => {
+                let (t, nh, hd) = (shape[0], shape[1], shape[2]);
+                let hm = mutation::to_head_major(x, t, nh, hd);
+                return tap(sink, step, layer, key.tap, &[nh, t, hd], &hm);
+            }
+            _ => {}
+        }
+        tap_mut(sink, step, layer, key.tap, shape, x);
     }
 }
 

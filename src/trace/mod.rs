@@ -24,6 +24,11 @@ pub trait Sink {
     fn substitute(&mut self, _key: &TapKey, _data: &mut [f32]) -> bool {
         false
     }
+    /// Whether `substitute` may replace the tensor at `key` (so that a device backend reads a
+    /// tap back only when the sink wants it or replays it). Default: never.
+    fn replays(&self, _key: &TapKey) -> bool {
+        false
+    }
 }
 
 /// Record `data` under `(step, layer, tap)` if the sink wants it.
@@ -88,6 +93,9 @@ impl Sink for ReplaySink<'_> {
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
         self.inner.record(key, shape, data)
+    }
+    fn replays(&self, key: &TapKey) -> bool {
+        self.base.contains(key)
     }
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         match self.base.get(key) {

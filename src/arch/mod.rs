@@ -1,0 +1,211 @@
+//! Architectures: the forward pass, written once, against a small set of ops that each backend
+//! provides.
+//!
+//! [`transformer::forward`] is the one graph every supported architecture runs (llama, qwen2,
+//! qwen3, gemma, gemma2, gemma3, phi3): what differs between them is data in
+//! [`crate::model::Config`] and the optional weights of [`crate::model::LayerWeights`]
+//! (biases, q/k norms, post-norms, soft-caps, sliding window, RoPE kind and factors, activation,
+//! embedding scale). docs/architectures.md lists, per architecture, what llama.cpp computes and
+//! which of these it sets.
+//!
+//! A backend implements [`Ops`]: `reference` (plain f32, readable, with the bug catalog),
+//! `fast` (SIMD, threads). A new backend adds ops, never a forward; a new architecture adds data
+//! (and, if it needs one, an op), never a kernel per backend.
+//!
+//! The op set is shaped for a device backend too: activations are the backend's own buffer type
+//! (host vectors here, device buffers for wgpu), weights are named by their GGUF tensor (a
+//! device backend keeps them resident), and the forward reads nothing back itself: taps go
+//! through [`Ops::tap`], which a device backend serves only for the keys the sink wants or
+//! replays ([`Sink::wants`], [`Sink::replays`]).
+
+pub mod transformer;
+
+use crate::backend::BackendError;
+use crate::gguf::TensorInfo;
+use crate::model::{Activation, Config, RopeType};
+use crate::trace::{Sink, TapKey};
+
+/// RoPE of one layer: ggml_rope_ext with ext_factor 0.
+#[derive(Clone, Copy, Debug)]
+pub struct Rope<'w> {
+    pub head_dim: usize,
+    /// Dimensions rotated per head (the rest pass through).
+    pub n_rot: usize,
+    pub base: f32,
+    /// Linear position scale (1 / scaling factor).
+    pub freq_scale: f32,
+    pub kind: RopeType,
+    /// Per dimension pair: the angle is divided by this factor (llama3, phi3 LongRoPE).
+    pub factors: Option<&'w TensorInfo>,
+    /// cos and sin are multiplied by this (LongRoPE's attention factor); 1.0 otherwise.
+    pub attn_factor: f32,
+}
+
+impl<'w> Rope<'w> {
+    /// The RoPE layer `layer` uses: sliding-window layers may have their own base and scale
+    /// (gemma3's local layers).
+    pub fn for_layer(c: &Config, layer: usize, factors: Option<&'w TensorInfo>) -> Rope<'w> {
+        let swa = c.swa_layers.get(layer).copied().unwrap_or(false);
+        Rope {
+            head_dim: c.head_dim,
+            n_rot: c.n_rot,
+            base: if swa { c.rope_theta_swa } else { c.rope_theta },
+            freq_scale: if swa {
+                c.rope_freq_scale_swa
+            } else {
+                c.rope_freq_scale
+            },
+            kind: c.rope_type,
+            factors,
+            attn_factor: c.rope_attn_factor,
+        }
+    }
+}
+
+/// Attention of one layer for one step's T queries at positions `pos0..pos0 + T`.
+#[derive(Clone, Copy, Debug)]
+pub struct Attn {
+    pub pos0: usize,
+    pub n_tokens: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    /// Scores are `q·k · kq_scale`, then soft-capped, then soft-maxed.
+    pub kq_scale: f32,
+    pub softcap: Option<f32>,
+    /// Sliding window: a query at position p sees keys at positions j with p - j < window
+    /// (0: no window, every earlier position).
+    pub window: usize,
+}
+
+impl Attn {
+    pub fn for_layer(c: &Config, layer: usize, pos0: usize, n_tokens: usize) -> Attn {
+        let swa = c.swa_layers.get(layer).copied().unwrap_or(false);
+        Attn {
+            pos0,
+            n_tokens,
+            n_head: c.n_head,
+            n_head_kv: c.n_head_kv,
+            head_dim: c.head_dim,
+            kq_scale: c.kq_scale,
+            softcap: c.attn_softcap,
+            window: if swa { c.n_swa } else { 0 },
+        }
+    }
+
+    /// Positions in the cache after this step: the width of the probabilities.
+    pub fn n_kv(&self) -> usize {
+        self.pos0 + self.n_tokens
+    }
+
+    /// The key positions a query at position `pos` sees (causal, within the window).
+    pub fn visible(&self, pos: usize) -> std::ops::Range<usize> {
+        let first = if self.window > 0 {
+            (pos + 1).saturating_sub(self.window)
+        } else {
+            0
+        };
+        first..pos + 1
+    }
+}
+
+/// What a backend provides to run a forward. Every op takes its inputs by reference or, where
+/// the input is dead afterwards, by value (so a backend may reuse its storage) and returns its
+/// output. `[T, n]` tensors are row-major, one row per token.
+pub trait Ops {
+    /// An activation tensor, owned by the backend (a host vector, a device buffer).
+    type Buf;
+
+    /// Rows `tokens` of the embedding matrix `w`: `[T, n_embd]`.
+    fn embed(&mut self, w: &TensorInfo, tokens: &[u32]) -> Self::Buf;
+    /// `x · s`.
+    fn scale(&mut self, x: Self::Buf, s: f32) -> Self::Buf;
+    /// RMSNorm of each row, times the weight `w` (`[n]`).
+    fn rms_norm(&mut self, x: &Self::Buf, w: &TensorInfo, eps: f32) -> Self::Buf;
+    /// RMSNorm of each head (`w` is `[head_dim]`): qwen3's and gemma3's q/k norms.
+    fn head_norm(&mut self, x: Self::Buf, w: &TensorInfo, eps: f32) -> Self::Buf;
+    /// `x · Wᵀ` for the GGUF weight `w` (`[n_in, n_out]` in ggml order): `[T, n_out]`.
+    fn matmul(&mut self, w: &TensorInfo, x: &Self::Buf) -> Self::Buf;
+    /// `x + b` for each row.
+    fn add_bias(&mut self, x: Self::Buf, b: &TensorInfo) -> Self::Buf;
+    /// Rotate each head of `x` (`[T, n_heads, head_dim]`) by its position `pos0 + t`.
+    fn rope(
+        &mut self,
+        x: Self::Buf,
+        layer: usize,
+        pos0: usize,
+        n_heads: usize,
+        r: &Rope,
+    ) -> Self::Buf;
+    /// Write this step's keys and values (`[T, n_head_kv · head_dim]`) into the layer's cache
+    /// at positions `pos0..`.
+    fn kv_store(&mut self, layer: usize, pos0: usize, k: &Self::Buf, v: &Self::Buf);
+    /// Attention probabilities `[n_head, T, pos0 + T]` of the queries `q` (`[T, n_head,
+    /// head_dim]`) over the cached keys; zero where a key is not visible.
+    fn attn_probs(&mut self, layer: usize, q: &Self::Buf, a: &Attn) -> Self::Buf;
+    /// `Σ_j p_j · v_j` over the cached values: `[T, n_head · head_dim]`.
+    fn attn_values(&mut self, layer: usize, p: &Self::Buf, a: &Attn) -> Self::Buf;
+    /// Gated activation `act(gate) · up`.
+    fn glu(&mut self, gate: Self::Buf, up: &Self::Buf, act: Activation) -> Self::Buf;
+    /// `a + b`.
+    fn add(&mut self, a: Self::Buf, b: &Self::Buf) -> Self::Buf;
+    /// `cap · tanh(x / cap)`.
+    fn softcap(&mut self, x: Self::Buf, cap: f32) -> Self::Buf;
+    /// The last row of `x` (`[T, width]` → `[1, width]`).
+    fn last_row(&mut self, x: Self::Buf, width: usize) -> Self::Buf;
+    /// A tap point: hand `x` to the sink if it wants it, then let a replaying sink replace it
+    /// (op by op) before the forward goes on from it.
+    fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Self::Buf);
+}
+
+/// Refuse what no backend can run, before any op: no tokens, ids past the vocabulary, positions
+/// past the cache.
+pub fn check_inputs(
+    c: &Config,
+    tokens: &[u32],
+    pos0: usize,
+    n_ctx: usize,
+) -> Result<(), BackendError> {
+    let t = tokens.len();
+    if t == 0 {
+        return Err(BackendError::Empty);
+    }
+    if pos0 + t > n_ctx {
+        return Err(BackendError::ContextOverflow {
+            end: pos0 + t,
+            n_ctx,
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
+        return Err(BackendError::BadToken {
+            id,
+            n_vocab: c.n_vocab,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_bounds_what_a_query_sees() {
+        let mut a = Attn {
+            pos0: 0,
+            n_tokens: 1,
+            n_head: 1,
+            n_head_kv: 1,
+            head_dim: 2,
+            kq_scale: 1.0,
+            softcap: None,
+            window: 0,
+        };
+        assert_eq!(a.visible(5), 0..6);
+        a.window = 4;
+        assert_eq!(a.visible(5), 2..6);
+        assert_eq!(a.visible(2), 0..3);
+        a.window = 1;
+        assert_eq!(a.visible(5), 5..6);
+    }
+}
