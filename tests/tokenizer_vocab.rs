@@ -1,11 +1,13 @@
 //! Tokenizer parity with llama.cpp on llama.cpp's own tokenizer test vocabularies
 //! (`../shared/vocab/ggml-vocab-NAME.gguf` + `.inp` + `.out`, as read by llama.cpp's
-//! `tests/test-tokenizer-0.cpp`), plus a real model file (`../shared/models/stories260K.gguf`).
-//! When `../shared` is absent the tests print "skipped: …" and pass.
+//! `tests/test-tokenizer-0.cpp`), plus a real model file (`../shared/models/stories260K.gguf`),
+//! and the ids every parity command makes from a prompt (BOS/EOS, BERT's [CLS] … [SEP])
+//! against the real llama.cpp's `llama_tokenize(add_special = true)`.
+//! Without `../shared` (or llama.cpp) the tests that need them show as ignored (build.rs probes).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use parity::gguf::GgufFile;
+use parity::gguf::{GgufFile, GgufWriter, Value};
 use parity::model::tokenizer::Tokenizer;
 
 fn shared(sub: &str) -> Option<PathBuf> {
@@ -102,11 +104,13 @@ fn assert_all_pass(name: &str) {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn llama_spm_matches_llama_cpp() {
     assert_all_pass("llama-spm");
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn gpt2_matches_llama_cpp() {
     assert_all_pass("gpt-2");
 }
@@ -126,6 +130,7 @@ const VOCABS: &[&str] = &[
 ];
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn every_vocab_pass_rate() {
     let Some(dir) = vocab_dir() else { return };
     let mut report = Vec::new();
@@ -148,6 +153,7 @@ fn every_vocab_pass_rate() {
 /// (llama-cpp-python 0.3.36, `Llama(model_path=…, vocab_only=True).tokenize(text, add_bos=False,
 /// special=False)`).
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn vocabs_without_test_files_match_llama_cpp() {
     let Some(dir) = vocab_dir() else { return };
     let cases: &[(&str, &str, &[u32])] = &[
@@ -184,6 +190,7 @@ fn vocabs_without_test_files_match_llama_cpp() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn dbrx_duplicate_key_is_refused_by_name() {
     let Some(dir) = vocab_dir() else { return };
     let err = GgufFile::open(dir.join("ggml-vocab-dbrx.gguf"))
@@ -199,6 +206,7 @@ fn dbrx_duplicate_key_is_refused_by_name() {
 /// its `clean_spaces` pass rewrites " 's", " ," … so those strings do not round-trip in
 /// llama.cpp either (checked with llama-cpp-python's `llama_detokenize`).
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn decode_round_trips() {
     let Some(dir) = vocab_dir() else { return };
     for name in ["llama-spm", "gpt-2"] {
@@ -237,6 +245,7 @@ fn cleaned_by_llama_cpp(s: &str) -> bool {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn decode_with_bos_and_pieces() {
     let Some(dir) = vocab_dir() else { return };
     let tok = load(&dir, "llama-spm");
@@ -262,6 +271,7 @@ fn decode_with_bos_and_pieces() {
 /// `llama_cpp.Llama(model_path="stories260K.gguf", vocab_only=True).tokenize(b"Once upon a time")`
 /// → [1, 403, 407, 261, 378] (llama-cpp-python 0.3.36; `add_bos=False` gives [403, 407, 261, 378]).
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
 fn stories260k_matches_llama_cpp() {
     let Some(models) = shared("models") else {
         return;
@@ -305,6 +315,7 @@ fn stories260k_matches_llama_cpp() {
 /// over llama.cpp's test strings plus random strings mixing scripts, whitespace kinds, digits,
 /// emoji, combining marks, control/private-use/unassigned codepoints and special-token texts.
 #[test]
+#[ignore = "needs a llama.cpp oracle corpus: PARITY_TOKENIZER_ORACLE=FILE cargo test --test tokenizer_vocab -- --ignored oracle"]
 fn oracle_corpus_matches_llama_cpp() {
     let Ok(path) = std::env::var("PARITY_TOKENIZER_ORACLE") else {
         eprintln!("skipped: PARITY_TOKENIZER_ORACLE not set");
@@ -397,4 +408,142 @@ fn oracle_corpus_matches_llama_cpp() {
         );
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// BERT's WordPiece vocabulary: llama.cpp wraps every prompt in [CLS] … [SEP] (its
+/// `add_special`), and so does every parity command that tokenizes a prompt. Checked on every
+/// test string of llama.cpp's own bert-bge file (its `.out` ids are the text alone).
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
+fn bert_prompts_get_cls_and_sep() {
+    let Some(dir) = vocab_dir() else { return };
+    let tok = load(&dir, "bert-bge");
+    let (cls, sep) = (
+        tok.token_id("[CLS]").unwrap(),
+        tok.token_id("[SEP]").unwrap(),
+    );
+    assert_eq!((cls, sep), (101, 102));
+    assert_eq!(tok.special_ends(), (Some(cls), Some(sep)));
+    let tests = read_tests(&dir, "bert-bge");
+    assert!(tests.len() > 30);
+    for (text, want) in &tests {
+        let full = [&[cls], &want[..], &[sep]].concat();
+        assert_eq!(
+            tok.encode_special(text, true, true).unwrap(),
+            full,
+            "{text:?}"
+        );
+        assert_eq!(
+            tok.encode_llama(text, true, false).unwrap(),
+            full,
+            "{text:?}"
+        );
+        assert_eq!(tok.encode_special(text, false, false).unwrap(), *want);
+    }
+}
+
+/// The ids the real llama.cpp makes with `llama_tokenize(text, add_special = true)` for each
+/// text, from a vocabulary file (llama-cpp-python, `vocab_only`).
+fn llama_cpp_ids(vocab: &Path, texts: &[String]) -> Vec<Vec<u32>> {
+    const SCRIPT: &str = r#"
+import json, sys, llama_cpp
+texts = json.load(sys.stdin)
+l = llama_cpp.Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+print(json.dumps([l.tokenize(t.encode("utf-8"), add_bos=True, special=False) for t in texts]))
+"#;
+    let mut child = std::process::Command::new(python())
+        .args(["-c", SCRIPT])
+        .arg(vocab)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run python");
+    serde_json::to_writer(child.stdin.take().unwrap(), texts).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "llama.cpp tokenization failed");
+    serde_json::from_slice(&out.stdout).expect("ids as JSON")
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"))
+}
+
+/// `path`'s metadata and tensors, with `edits` applied to the metadata, written to `to`.
+fn rewrite_gguf(path: &Path, to: &Path, edits: &[(&str, Value)]) {
+    let f = GgufFile::open(path).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in &f.metadata {
+        w.set(k, v.clone());
+    }
+    for (k, v) in edits {
+        w.set(k, v.clone());
+    }
+    for t in &f.tensors {
+        w.add_tensor(&t.name, &t.dims, t.ty, f.tensor_data(t).to_vec());
+    }
+    w.write(to).unwrap();
+}
+
+/// The prompt ids of every parity command equal the real llama.cpp's `add_special` ids: on
+/// the BERT vocabulary ([CLS] … [SEP]), on SentencePiece and BPE vocabularies as they come,
+/// and on the same vocabularies rewritten with `tokenizer.ggml.add_eos_token = true` (EOS
+/// appended) and with `add_bos_token = false`.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama.cpp (llama-cpp-python) in .venv or $PARITY_PYTHON"
+)]
+fn prompt_ids_match_llama_cpp_add_special() {
+    let Some(dir) = vocab_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut checked = 0;
+    for name in ["bert-bge", "llama-spm", "gpt-2", "phi-3"] {
+        let src = dir.join(format!("ggml-vocab-{name}.gguf"));
+        let texts: Vec<String> = read_tests(&dir, name)
+            .into_iter()
+            .map(|(t, _)| t)
+            .take(40)
+            .collect();
+        let variants: Vec<(&str, Vec<(&str, Value)>)> = vec![
+            ("as is", vec![]),
+            (
+                "add_eos",
+                vec![("tokenizer.ggml.add_eos_token", Value::Bool(true))],
+            ),
+            (
+                "add_eos, no add_bos",
+                vec![
+                    ("tokenizer.ggml.add_eos_token", Value::Bool(true)),
+                    ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+                ],
+            ),
+        ];
+        // BERT's [CLS]/[SEP] ignore the flags (and it has no EOS to append).
+        let n = if name == "bert-bge" {
+            1
+        } else {
+            variants.len()
+        };
+        for (what, edits) in variants.into_iter().take(n) {
+            let path = tmp.path().join(format!("{name}-{checked}.gguf"));
+            rewrite_gguf(&src, &path, &edits);
+            let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+            let want = llama_cpp_ids(&path, &texts);
+            for (text, want) in texts.iter().zip(&want) {
+                let got = tok.encode_special(text, true, true).unwrap();
+                assert_eq!(&got, want, "{name} ({what}): {text:?}");
+            }
+            if what != "as is" {
+                // The rewritten vocabulary does append its EOS.
+                let eos = tok.eos_id().unwrap();
+                assert_eq!(want[0].last(), Some(&eos), "{name} ({what})");
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 10);
 }

@@ -15,34 +15,97 @@ use std::process::ExitCode;
 pub struct TokenizeArgs {
     /// GGUF file (a vocab-only file is enough).
     model: PathBuf,
-    /// Do not prepend BOS even if the vocabulary asks for it.
+    /// Do not prepend BOS ([CLS] for a BERT vocabulary) even if the vocabulary asks for it.
     #[arg(long)]
     no_bos: bool,
+    /// Do not append EOS ([SEP] for a BERT vocabulary) even if the vocabulary asks for it.
+    #[arg(long)]
+    no_eos: bool,
     /// Text to tokenize.
     text: String,
+}
+
+/// The ids of `text` as llama.cpp's `llama_tokenize(add_special = true)` makes them — BOS
+/// when `add_bos_token`, EOS when `add_eos_token`, [CLS] … [SEP] for a BERT vocabulary —
+/// with either end left out on request, and a line saying what was added and why.
+pub fn prompt_ids(
+    tok: &Tokenizer,
+    text: &str,
+    no_bos: bool,
+    no_eos: bool,
+) -> Result<(Vec<u32>, String)> {
+    let ids = tok.encode_special(text, !no_bos, !no_eos)?;
+    let (first, last) = tok.special_ends();
+    let bert = tok.kind() == "bert";
+    let name = |id: u32| {
+        tok.token_text(id)
+            .map_or_else(|| id.to_string(), |t| format!("{t} ({id})"))
+    };
+    let first_s = match first {
+        Some(id) if no_bos => format!("{} left out (--no-bos)", name(id)),
+        Some(id) if bert => format!(
+            "{} prepended (a BERT vocabulary, as llama.cpp does; --no-bos to leave it out)",
+            name(id)
+        ),
+        Some(id) => format!(
+            "BOS {} prepended (the vocabulary's add_bos_token; --no-bos to leave it out)",
+            name(id)
+        ),
+        None if no_bos => "no BOS (--no-bos)".into(),
+        None => "no BOS (the vocabulary does not ask for one)".into(),
+    };
+    let last_s = match last {
+        Some(id) if no_eos => Some(format!("{} left out (--no-eos)", name(id))),
+        Some(id) if bert => Some(format!(
+            "{} appended (a BERT vocabulary, as llama.cpp does; --no-eos to leave it out)",
+            name(id)
+        )),
+        Some(id) => Some(format!(
+            "EOS {} appended (the vocabulary's add_eos_token, as llama.cpp does; --no-eos to leave it out)",
+            name(id)
+        )),
+        None => None,
+    };
+    let policy = match last_s {
+        Some(l) => format!("{first_s}; {l}"),
+        None => first_s,
+    };
+    Ok((ids, policy))
+}
+
+/// Ids as a person reads them: `1 388 268`.
+pub fn ids_text(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 pub fn tokenize(a: TokenizeArgs) -> Result<ExitCode> {
     let f = crate::model::open_gguf(&a.model)?;
     let tok = Tokenizer::from_gguf(&f)?;
-    let ids = tok.encode(&a.text, !a.no_bos && tok.add_bos_default())?;
-    let s: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-    println!("{}", s.join(" "));
+    let (ids, _) = prompt_ids(&tok, &a.text, a.no_bos, a.no_eos)?;
+    println!("{}", ids_text(&ids));
     Ok(ExitCode::SUCCESS)
 }
 
 /// Where the input ids come from: a prompt (tokenized with the model's own vocabulary) or ids.
 #[derive(Args, Clone, Default)]
 pub struct InputArgs {
-    /// Prompt text, tokenized with the GGUF's own tokenizer.
+    /// Prompt text, tokenized with the GGUF's own tokenizer as llama.cpp does (BOS/EOS as the
+    /// vocabulary asks; [CLS] … [SEP] for BERT).
     #[arg(short = 'p', long, conflicts_with = "tokens")]
     pub prompt: Option<String>,
-    /// Token ids instead of a prompt, e.g. 1,415,2936 (used as given: no BOS added).
+    /// Token ids instead of a prompt, e.g. 1,415,2936 (used as given: no BOS or EOS added).
     #[arg(long, value_delimiter = ',')]
     pub tokens: Option<Vec<u32>>,
-    /// Do not prepend BOS to the prompt.
+    /// Do not prepend BOS ([CLS] for BERT) to the prompt.
     #[arg(long)]
     pub no_bos: bool,
+    /// Do not append EOS ([SEP] for BERT) to the prompt, when the vocabulary asks for one
+    /// (tokenizer.ggml.add_eos_token).
+    #[arg(long)]
+    pub no_eos: bool,
 }
 
 impl InputArgs {
@@ -50,7 +113,7 @@ impl InputArgs {
         self.prompt.is_some() || self.tokens.is_some()
     }
 
-    /// The ids to run, and a line describing the BOS policy applied.
+    /// The ids to run, and a line describing the BOS/EOS policy applied.
     pub fn resolve(&self, f: &GgufFile) -> Result<(Vec<u32>, String)> {
         if let Some(ids) = &self.tokens {
             if ids.is_empty() {
@@ -58,28 +121,17 @@ impl InputArgs {
             }
             return Ok((
                 ids.clone(),
-                "ids given with --tokens: used as is (no BOS added)".into(),
+                "ids given with --tokens: used as is (no BOS or EOS added)".into(),
             ));
         }
         let tok = Tokenizer::from_gguf(f)?;
         let text = self.prompt.clone().unwrap_or_default();
-        let add_bos = !self.no_bos && tok.add_bos_default() && tok.bos_id().is_some();
-        let ids = tok.encode(&text, add_bos)?;
+        let (ids, policy) = prompt_ids(&tok, &text, self.no_bos, self.no_eos)?;
         if ids.is_empty() {
             return Err(err(
                 "the prompt tokenizes to no tokens (empty prompt and no BOS)",
             ));
         }
-        let policy = if add_bos {
-            format!(
-                "BOS {} prepended (the vocabulary's add_bos_token; --no-bos to disable)",
-                tok.bos_id().unwrap_or(0)
-            )
-        } else if self.no_bos {
-            "no BOS (--no-bos)".into()
-        } else {
-            "no BOS (the vocabulary does not ask for one)".into()
-        };
         Ok((ids, policy))
     }
 }
@@ -153,7 +205,8 @@ pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
     let starts = bos.is_some() && ids.first().copied() == bos;
     match m {
         Mutation::NoBos | Mutation::DoubleBos if !starts => Err(err(format!(
-            "--mutate {m}: the prompt ids do not start with the model's BOS ({bos:?})"
+            "--mutate {m}: the prompt ids do not start with the model's BOS ({})",
+            bos.map_or("it has none".to_string(), |b| b.to_string())
         ))),
         Mutation::NoBos if ids.len() < 2 => {
             Err(err("--mutate no-bos: the prompt is BOS alone".to_string()))
@@ -164,18 +217,48 @@ pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
     }
 }
 
-/// `--threads 0` means every core.
+/// `--threads 0` means every core; more than 4 per core is capped, with a note on stderr.
 pub fn resolve_threads(n: usize) -> usize {
-    backend::registry::resolve_threads(n)
+    let r = backend::registry::resolve_threads(n);
+    if n != 0 && r < n {
+        eprintln!(
+            "note: --threads {n} capped at {r} (4 per core on this machine's {} cores)",
+            r / 4
+        );
+    }
+    r
 }
 
-/// The backend name for `--backend B --emulate E`.
-pub fn backend_name(backend: &str, emulate: &str) -> Result<String> {
+/// Refuse, before any work, a run whose prompt and steps do not fit the model's context
+/// (`what` names the steps argument, e.g. `--steps 8`).
+pub fn check_context(model: &Model, n_prompt: usize, what: &str, steps: usize) -> Result<()> {
+    let n_ctx = model.config.n_ctx_train;
+    if n_prompt.saturating_add(steps) > n_ctx {
+        return Err(err(format!(
+            "{n_prompt} prompt ids + {what} {steps} exceed the model's context of {n_ctx} positions"
+        )));
+    }
+    Ok(())
+}
+
+/// The backend name for `--backend B --emulate E` (E unset: the backend's own rounding).
+pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
     match (backend, emulate) {
-        (b, "none") => Ok(b.to_string()),
-        ("reference", "ggml-cpu") => Ok("reference:ggml-cpu".into()),
-        (b, "ggml-cpu") => Ok(b.to_string()),
-        (_, e) => Err(err(format!("unknown --emulate '{e}' (none, ggml-cpu)"))),
+        (b, None) => Ok(b.to_string()),
+        ("reference", Some("none")) => Ok("reference".into()),
+        ("reference", Some("ggml-cpu")) => Ok("reference:ggml-cpu".into()),
+        (b, Some(e @ ("none" | "ggml-cpu"))) => {
+            let entry = backend::registry::find(b)?;
+            if entry.rounding.name() == e {
+                Ok(b.to_string())
+            } else {
+                Err(err(format!(
+                    "--backend {b} always rounds activations as '{}'; --emulate {e} is for the reference backend",
+                    entry.rounding.name()
+                )))
+            }
+        }
+        (_, Some(e)) => Err(err(format!("unknown --emulate '{e}' (none, ggml-cpu)"))),
     }
 }
 
@@ -213,9 +296,11 @@ pub struct GenerateArgs {
     /// Backend: reference or fast.
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding: none or ggml-cpu.
-    #[arg(long, default_value = "none")]
-    emulate: String,
+    /// Activation rounding of the reference backend: none (plain f32, the default) or ggml-cpu
+    /// (as llama.cpp's CPU backend rounds matmul inputs). The fast backend always rounds as
+    /// ggml-cpu.
+    #[arg(long, value_name = "ROUNDING")]
+    emulate: Option<String>,
     /// Keep going past EOS.
     #[arg(long)]
     ignore_eos: bool,
@@ -244,15 +329,73 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
         ids = mutate_ids(&ids, m, &model)?;
         eprintln!("mutation: {m} — {}", m.describe());
     }
-    eprintln!("prompt ids: {ids:?} — {policy}");
-    let name = backend_name(&a.backend, &a.emulate)?;
-    let mut b = make_mutated_backend(&name, &model, ids.len() + a.n, a.threads, mutate, 0)?;
+    eprintln!("prompt ids: {} — {policy}", ids_text(&ids));
+    check_context(&model, ids.len(), "-n", a.n)?;
+    let name = backend_name(&a.backend, a.emulate.as_deref())?;
+    let threads = resolve_threads(a.threads);
+    let mut b = make_mutated_backend(&name, &model, ids.len() + a.n, threads, mutate, 0)?;
+    eprintln!("{}", rounding_line(b.as_ref(), &model));
     let eos = if a.ignore_eos { None } else { tok.eos_id() };
-    let out = backend::generate(b.as_mut(), &ids, a.n, eos)?;
+    let out = generate_checked(b.as_mut(), &ids, a.n, eos)?;
     println!("{}", tok.decode(&out));
-    let s: Vec<String> = out.iter().map(|i| i.to_string()).collect();
-    println!("ids: {}", s.join(" "));
+    println!("ids: {}", ids_text(&out));
     Ok(ExitCode::SUCCESS)
+}
+
+/// Which backend runs and how it rounds, and whether that can give llama.cpp's ids: its CPU
+/// backend rounds matmul inputs to 8 bits (16 for F16 weights) before quantized matmuls, so a
+/// plain-f32 run of a quantized or F16 model differs slightly and its greedy choice can part
+/// from llama.cpp's on a near tie.
+fn rounding_line(b: &dyn Backend, model: &Model) -> String {
+    let w = model.main_weight_type();
+    let rounding = b.rounding();
+    let how = match rounding {
+        Emulation::None => "plain f32 activations",
+        Emulation::GgmlCpu => "activations rounded as llama.cpp's CPU backend does",
+        Emulation::F16 => "activations rounded to f16",
+    };
+    let mut line = format!("backend: {} ({how}; {w} weights)", b.name());
+    if rounding != Emulation::GgmlCpu && w != crate::gguf::GgmlType::F32 {
+        line.push_str(&format!(
+            "\nwarning: llama.cpp rounds activations before {w} matmuls and this backend does not: \
+             the continuation can part from llama.cpp's after a few tokens \
+             (--emulate ggml-cpu or --backend fast round as llama.cpp does)"
+        ));
+    }
+    line
+}
+
+/// [`backend::generate`], refusing logits that are not finite: a NaN or infinite logit has no
+/// argmax, and printing `ids: 0 0 0` as if it had would hide the fault.
+fn generate_checked(
+    b: &mut dyn Backend,
+    prompt: &[u32],
+    n: usize,
+    eos: Option<u32>,
+) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        return Err(backend::BackendError::Empty.into());
+    }
+    b.reset();
+    let next = |logits: &[f32], step: usize| -> Result<u32> {
+        match logits.iter().position(|x| !x.is_finite()) {
+            Some(i) => Err(err(format!(
+                "the logits at step {step} are not finite (logit {i} is {}): the model's weights hold NaN or infinity, or the forward pass overflowed; `parity check` shows the first tap where it starts",
+                logits[i]
+            ))),
+            None => Ok(backend::argmax(logits)),
+        }
+    };
+    let mut out = Vec::with_capacity(n);
+    let mut tok = next(b.forward(prompt, 0, 0, &mut crate::trace::NullSink)?, 0)?;
+    for (s, pos) in (1..=n).zip(prompt.len()..) {
+        out.push(tok);
+        if Some(tok) == eos || s == n {
+            break;
+        }
+        tok = next(b.forward(&[tok], pos, s, &mut crate::trace::NullSink)?, s)?;
+    }
+    Ok(out)
 }
 
 #[derive(Args)]
@@ -274,9 +417,11 @@ pub struct DumpArgs {
     taps: Option<String>,
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding: none or ggml-cpu.
-    #[arg(long, default_value = "none")]
-    emulate: String,
+    /// Activation rounding of the reference backend: none (plain f32, the default) or ggml-cpu
+    /// (as llama.cpp's CPU backend rounds matmul inputs). The fast backend always rounds as
+    /// ggml-cpu.
+    #[arg(long, value_name = "ROUNDING")]
+    emulate: Option<String>,
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
@@ -342,18 +487,25 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         ids = mutate_ids(&ids, m, &model)?;
         eprintln!("mutation: {m} — {}", m.describe());
     }
-    eprintln!("prompt ids: {ids:?} — {policy}");
+    eprintln!("prompt ids: {} — {policy}", ids_text(&ids));
     let steps = forced.as_ref().map_or(a.steps, |f| f.len());
+    let what = if forced.is_some() {
+        "forced decode ids"
+    } else {
+        "--steps"
+    };
+    check_context(&model, ids.len(), what, steps)?;
+    let threads = resolve_threads(a.threads);
     let filter = match &a.taps {
         Some(re) => TapFilter::regex(re).map_err(|e| err(format!("--taps: {e}")))?,
         None => TapFilter::all(),
     };
-    let name = backend_name(&a.backend, &a.emulate)?;
+    let name = backend_name(&a.backend, a.emulate.as_deref())?;
     let mut b = make_mutated_backend(
         &name,
         &model,
         ids.len() + steps,
-        a.threads,
+        threads,
         mutate,
         a.mutate_from_layer,
     )?;

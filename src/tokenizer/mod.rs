@@ -173,34 +173,53 @@ impl Tokenizer {
     }
 
     /// Exactly llama.cpp's `llama_tokenize(text, add_special, parse_special)`: with `add_special`
-    /// the vocabulary's own BOS/EOS/SEP policy applies (`add_bos_token`, `add_eos_token`, …).
+    /// the vocabulary's own BOS/EOS/SEP policy applies ([`Tokenizer::special_ends`]).
     pub fn encode_llama(
         &self,
         text: &str,
         add_special: bool,
         parse_special: bool,
     ) -> Result<Vec<u32>, TokenizerError> {
+        let (first, last) = if add_special {
+            self.special_ends()
+        } else {
+            (None, None)
+        };
         let mut out = Vec::new();
+        out.extend(first);
+        self.tokenize_fragments(text, parse_special, &mut out)?;
+        out.extend(last);
+        Ok(out)
+    }
+
+    /// The ids llama.cpp's `llama_tokenize(text, add_special = true)` puts before and after the
+    /// text. SentencePiece and BPE vocabularies: BOS when `add_bos_token`, EOS when
+    /// `add_eos_token` (each when the vocabulary has that token). WordPiece (BERT): always its
+    /// [CLS] (the BOS id) first and [SEP] last, whatever the flags say.
+    pub fn special_ends(&self) -> (Option<u32>, Option<u32>) {
         match self.vtype {
-            VocabType::Spm | VocabType::Bpe => {
-                if add_special && self.add_bos {
-                    out.extend(self.bos);
-                }
-                self.tokenize_fragments(text, parse_special, &mut out)?;
-                if add_special && self.add_eos {
-                    out.extend(self.eos);
-                }
-            }
-            VocabType::Wpm => {
-                if add_special {
-                    out.extend(self.bos);
-                }
-                self.tokenize_fragments(text, parse_special, &mut out)?;
-                if add_special {
-                    out.extend(self.sep);
-                }
-            }
+            VocabType::Spm | VocabType::Bpe => (
+                self.bos.filter(|_| self.add_bos),
+                self.eos.filter(|_| self.add_eos),
+            ),
+            VocabType::Wpm => (self.bos, self.sep),
         }
+    }
+
+    /// `text` as llama.cpp's `llama_tokenize(text, add_special = true, parse_special = false)`
+    /// tokenizes it, with either special end left out on request (`--no-bos`, `--no-eos`).
+    /// This is how every parity command turns a prompt into ids.
+    pub fn encode_special(
+        &self,
+        text: &str,
+        first: bool,
+        last: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let (f, l) = self.special_ends();
+        let mut out = Vec::new();
+        out.extend(f.filter(|_| first));
+        self.tokenize_fragments(text, false, &mut out)?;
+        out.extend(l.filter(|_| last));
         Ok(out)
     }
 

@@ -351,3 +351,44 @@ fn clean_spaces_passes() {
     clean_up_spaces(&mut v);
     assert_eq!(String::from_utf8(v).unwrap(), "Hello, world! it's a'b");
 }
+
+/// llama.cpp's `add_special`: BOS when `add_bos_token`, EOS when `add_eos_token` (each end
+/// can be left out), and the flags' defaults for SentencePiece (BOS yes, EOS no).
+#[test]
+fn special_ends_follow_add_bos_and_add_eos() {
+    let t = Tokenizer::from_gguf(&spm_vocab()).unwrap();
+    assert_eq!(t.special_ends(), (Some(1), None));
+    let body = t.encode("hello", false).unwrap();
+    assert_eq!(
+        t.encode_special("hello", true, true).unwrap(),
+        [&[1], &body[..]].concat()
+    );
+    let f = spm_vocab();
+    let mut w = GgufWriter::new();
+    for (k, v) in &f.metadata {
+        w.set(k, v.clone());
+    }
+    w.set("tokenizer.ggml.add_eos_token", Value::Bool(true));
+    w.set("tokenizer.ggml.eos_token_id", Value::U32(2));
+    let t = Tokenizer::from_gguf(&GgufFile::from_bytes(w.to_bytes()).unwrap()).unwrap();
+    assert_eq!(t.special_ends(), (Some(1), Some(2)));
+    let all = t.encode_special("hello", true, true).unwrap();
+    assert_eq!(all, [&[1], &body[..], &[2]].concat());
+    assert_eq!(all, t.encode_llama("hello", true, false).unwrap());
+    assert_eq!(
+        t.encode_special("hello", false, true).unwrap(),
+        [&body[..], &[2]].concat()
+    );
+    assert_eq!(
+        t.encode_special("hello", true, false).unwrap(),
+        [&[1], &body[..]].concat()
+    );
+    assert_eq!(t.encode_special("", true, true).unwrap(), [1, 2]);
+    w.set("tokenizer.ggml.add_bos_token", Value::Bool(false));
+    let t = Tokenizer::from_gguf(&GgufFile::from_bytes(w.to_bytes()).unwrap()).unwrap();
+    assert_eq!(t.special_ends(), (None, Some(2)));
+    assert_eq!(
+        t.encode_special("hello", true, true).unwrap(),
+        [&body[..], &[2]].concat()
+    );
+}
