@@ -44,23 +44,26 @@ MISSING_LLAMA_CPP = (
 # --------------------------------------------------------------------------
 # tap table (docs/trace-format.md), in graph order
 # --------------------------------------------------------------------------
-GLOBAL_FIRST = ["embd"]
+GLOBAL_FIRST = ["embd", "embd_scaled"]
 LAYER_TAPS = [
-    "attn_norm", "q", "k", "v", "q_rope", "k_rope", "kq_soft_max", "kqv_out",
-    "attn_out", "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_act",
-    "ffn_out", "l_out",
+    "attn_norm", "q", "k", "v", "q_normed", "k_normed", "q_rope", "k_rope",
+    "kq_soft_max", "kqv_out", "attn_out", "attn_post_norm", "ffn_inp", "ffn_norm",
+    "ffn_gate", "ffn_up", "ffn_act", "ffn_out", "ffn_post_norm", "l_out",
 ]
-GLOBAL_LAST = ["result_norm", "logits"]
+GLOBAL_LAST = ["result_norm", "logits_uncapped", "logits"]
 
 # llama.cpp base names (per layer: "<base>-<il>") that we ask the scheduler for
 LAYER_NODE_BASES = {
     "attn_norm", "Qcur", "Kcur", "Vcur", "kq_soft_max", "kqv_out", "attn_out",
     "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_out", "l_out",
+    # qwen3/gemma3 per-head q/k norms; gemma2/3 post-norms and first residual sum (sa_out)
+    "Qcur_normed", "Kcur_normed", "attn_post_norm", "ffn_post_norm", "sa_out",
     # activation product: current trees fuse it (ffn_swiglu / ffn_geglu),
     # older trees name the silu(gate)*up product ffn_gate_par
     "ffn_swiglu", "ffn_geglu", "ffn_gate_par",
 }
-GLOBAL_NODES = {"inp_embd", "embd", "result_norm", "result_output"}
+# gemma2 names its ffn_post_norm without a layer (cb with il = -1): taken in graph order
+GLOBAL_NODES = {"inp_embd", "embd", "inp_scaled", "result_norm", "result_output", "ffn_post_norm"}
 FFN_ACT_NODES = ["ffn_swiglu", "ffn_geglu", "ffn_gate_par"]
 
 LAYER_NAME_RE = re.compile(r"^([A-Za-z_]+)-(\d+)$")
@@ -198,6 +201,8 @@ class Capture:
         self.error = None
         self.rope_params = {}  # node name -> raw op_params of its ROPE node
         self.kqv_out_ptrs = {}
+        self.attn_out_ptrs = {}
+        self.result_norm_ptr = None
         self.synthetic = {}
         self.synthetic_src = {}
 
@@ -207,12 +212,14 @@ class Capture:
         self.error = None
         self.rope_params = {}
         self.kqv_out_ptrs = {}   # address of kqv_out-L -> L (this graph)
+        self.attn_out_ptrs = {}  # address of attn_out-L (named or synthetic) -> L
+        self.result_norm_ptr = None
         self.synthetic = {}      # address of an unnamed node -> the llama.cpp-style name we give it
         self.synthetic_src = {}  # given name -> the node's real name
 
     @staticmethod
     def wanted(name):
-        if name in GLOBAL_NODES:
+        if name in GLOBAL_NODES or name == "logits_uncapped":
             return True
         m = LAYER_NAME_RE.match(name)
         return bool(m) and m.group(1) in LAYER_NODE_BASES
@@ -223,17 +230,36 @@ class Capture:
             name = g.name.decode("utf-8", "replace")
             if ask:
                 want = self.wanted(name)
+                op = self.ggml.lib.ggml_op_desc(t)
                 if want:
                     m = LAYER_NAME_RE.match(name)
                     if m and m.group(1) == "kqv_out":
                         self.kqv_out_ptrs[t] = int(m.group(2))
+                    if m and m.group(1) == "attn_out":
+                        self.attn_out_ptrs[t] = int(m.group(2))
+                    if name == "result_norm":
+                        self.result_norm_ptr = t
                 elif (UNNAMED_RE.match(name) and g.src[1] in self.kqv_out_ptrs
-                      and self.ggml.lib.ggml_op_desc(t) == b"MUL_MAT"):
+                      and op == b"MUL_MAT"):
                     # archs that leave Wo·kqv_out unnamed (qwen2 in 2026 trees): take the
                     # unnamed MUL_MAT that consumes kqv_out-L as attn_out-L
                     il = self.kqv_out_ptrs[g.src[1]]
                     self.synthetic[t] = f"attn_out-{il}"
                     self.synthetic_src[f"attn_out-{il}"] = name
+                    self.attn_out_ptrs[t] = il
+                    want = True
+                elif (UNNAMED_RE.match(name) and g.src[0] in self.attn_out_ptrs
+                      and op == b"ADD"):
+                    # phi3 leaves the first residual sum unnamed: attn_out-L + layer input
+                    il = self.attn_out_ptrs[g.src[0]]
+                    self.synthetic[t] = f"ffn_inp-{il}"
+                    self.synthetic_src[f"ffn_inp-{il}"] = name
+                    want = True
+                elif (UNNAMED_RE.match(name) and self.result_norm_ptr is not None
+                      and g.src[1] == self.result_norm_ptr and op == b"MUL_MAT"):
+                    # gemma2: the output projection before the final soft-cap is unnamed
+                    self.synthetic[t] = "logits_uncapped"
+                    self.synthetic_src["logits_uncapped"] = name
                     want = True
                 if self.list_nodes:
                     self.seen.append((name, self.ggml.lib.ggml_op_desc(t).decode(),
@@ -246,8 +272,14 @@ class Capture:
             op = self.ggml.lib.ggml_op_desc(t).decode()
             tname = self.ggml.lib.ggml_type_name(g.type).decode()
             arr = self.to_f32(t, g, tname)
-            if op == "ROPE":
-                self.rope_params.setdefault(name, (bytes(g.op_params), bool(g.src[2])))
+            if op == "ROPE" and name not in self.rope_params:
+                ff = None
+                if g.src[2]:
+                    # the frequency factors (llama3 rope_freqs, phi3 long/short): f32 [n_rot/2]
+                    fg = GgmlTensor.from_address(g.src[2])
+                    if self.ggml.lib.ggml_type_name(fg.type) == b"f32":
+                        ff = self.to_f32(g.src[2], fg, "f32").reshape(-1)
+                self.rope_params[name] = (bytes(g.op_params), bool(g.src[2]), ff)
             self.records.append((name, op, tname, list(g.ne), arr))
             return True
         except Exception as e:  # never let an exception cross the C boundary
@@ -332,8 +364,17 @@ def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
     if emb:
         put("embd", None, emb[0], as_2d(emb[0][3], "embd"))
         notes["embd"] = ("inp_embd" if pick("inp_embd") else "embd") + f" ({emb[0][0]})"
+    if pick("inp_scaled"):
+        put("embd_scaled", None, pick("inp_scaled")[0], as_2d(pick("inp_scaled")[0][3], "inp_scaled"))
     if pick("result_norm"):
         put("result_norm", None, pick("result_norm")[-1], as_2d(pick("result_norm")[-1][3], "result_norm"))
+    if pick("logits_uncapped"):
+        put("logits_uncapped", None, pick("logits_uncapped")[0],
+            as_2d(pick("logits_uncapped")[0][3], "logits_uncapped"))
+    # gemma2's unsuffixed ffn_post_norm nodes, one per layer in graph order
+    for il, occ in enumerate(pick("ffn_post_norm")):
+        if il < n_layer:
+            put("ffn_post_norm", il, occ, as_2d(occ[3], f"ffn_post_norm (#{il})"))
     if pick("result_output"):
         outs = pick("result_output")
         if len(outs) != 1:
@@ -346,9 +387,11 @@ def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
             return pick(f"{base}-{il}")
 
         for tap, base in [("attn_norm", "attn_norm"), ("kqv_out", "kqv_out"),
-                          ("attn_out", "attn_out"), ("ffn_inp", "ffn_inp"),
+                          ("attn_out", "attn_out"), ("attn_post_norm", "attn_post_norm"),
+                          ("ffn_inp", "ffn_inp"), ("ffn_inp", "sa_out"),
                           ("ffn_norm", "ffn_norm"), ("ffn_gate", "ffn_gate"),
-                          ("ffn_up", "ffn_up"), ("l_out", "l_out")]:
+                          ("ffn_up", "ffn_up"), ("ffn_post_norm", "ffn_post_norm"),
+                          ("l_out", "l_out")]:
             occ = nm(base)
             if occ:
                 put(tap, il, occ[-1], as_2d(occ[-1][3], f"{base}-{il}"))
@@ -371,6 +414,10 @@ def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
         occ = nm("Vcur")
         if occ:
             put("v", il, occ[-1], as_heads(occ[-1][3], n_head_kv, f"Vcur-{il} (last)"))
+        for base, tap, nh in [("Qcur_normed", "q_normed", n_head), ("Kcur_normed", "k_normed", n_head_kv)]:
+            occ = nm(base)
+            if occ:
+                put(tap, il, occ[-1], as_heads(occ[-1][3], nh, f"{base}-{il}"))
 
         occ = [o for o in nm("kq_soft_max") if o[0] == "SOFT_MAX"] or nm("kq_soft_max")
         if occ:
@@ -389,7 +436,17 @@ def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
             occ = nm(base)
             if occ:
                 put("ffn_act", il, occ[-1], as_2d(occ[-1][3], f"{base}-{il}"))
+                notes.setdefault("ffn_act", base)
                 break
+        # phi3: one fused up matmul, gate rows first (ggml_swiglu: silu(first half) * second)
+        up, act = taps.get(("ffn_up", il)), taps.get(("ffn_act", il))
+        if (up is not None and act is not None and ("ffn_gate", il) not in taps
+                and up.shape[-1] == 2 * act.shape[-1]):
+            half = act.shape[-1]
+            occ = nm("ffn_up")[-1]
+            put("ffn_gate", il, occ, np.ascontiguousarray(up[:, :half]))
+            put("ffn_up", il, occ, np.ascontiguousarray(up[:, half:]))
+            notes[f"ffn_up-{il}"] = "fused gate|up: ffn_gate = first half, ffn_up = second half"
 
         occ = nm("ffn_out")
         if occ:
@@ -410,8 +467,9 @@ def rope_decode(raw):
             "freq_scale": fl[1], "ext_factor": fl[2], "attn_factor": fl[3]}
 
 
-def rope_ref(x, pos, rp, np):
-    """Reference RoPE (no YaRN ramp, no freq factors) of x [T, n_head, head_dim] in float64."""
+def rope_ref(x, pos, rp, np, ff=None):
+    """Reference RoPE (no YaRN ramp) of x [T, n_head, head_dim] in float64; pair i turns at
+    theta_i / ff[i] with frequency factors `ff` (ggml: theta_extrap = theta / ff)."""
     x = x.astype(np.float64)
     n_dims = rp["n_dims"]
     half = n_dims // 2
@@ -422,7 +480,8 @@ def rope_ref(x, pos, rp, np):
     theta = np.empty((len(pos), half), np.float32)
     cur = np.asarray(pos, np.float32)
     for i in range(half):
-        theta[:, i] = cur * f32(rp["freq_scale"])
+        t = cur if ff is None else (cur / f32(ff[i])).astype(np.float32)
+        theta[:, i] = t * f32(rp["freq_scale"])
         cur = (cur * theta_scale).astype(np.float32)
     theta = theta.astype(np.float64)                                              # [T, half]
     c = (np.cos(theta) * rp["attn_factor"])[:, None, :]
@@ -465,53 +524,122 @@ class Checker:
             self.failures.append(f"{what}: max|diff| {err:.3g} (scale {scale:.3g})")
 
 
+GELU_COEF_A = 0.044715
+SQRT_2_OVER_PI = 0.79788456080286535587989211986876
+
+
+def gelu_ggml_cpu(x, np):
+    """ggml-cpu's f32 GELU (vec.h, GGML_GELU_FP16 defined): x rounded to f16, looked up in a
+    table of f16(gelu_tanh(x)) computed in f32; x <= -10 gives 0, x >= 10 gives x."""
+    f32 = np.float32
+    x = np.asarray(x, f32)
+    h = x.astype(np.float16).astype(f32)
+    g = f32(0.5) * h * (f32(1.0) + np.tanh(f32(SQRT_2_OVER_PI) * h * (f32(1.0) + f32(GELU_COEF_A) * h * h)))
+    t = g.astype(np.float16).astype(f32)
+    return np.where(x <= -10.0, f32(0.0), np.where(x >= 10.0, x, t))
+
+
+def arch_rules(meta, n_layer):
+    """What the self-checks need to know of the architecture, read from the GGUF metadata the
+    way llama.cpp's loader reads it (docs/architectures.md): score scale, attention soft-cap,
+    sliding window and its layers, final soft-cap."""
+    arch = meta("general.architecture") or ""
+
+    def num(key, default=None):
+        v = meta(f"{arch}.{key}")
+        try:
+            return float(v) if v is not None else default
+        except ValueError:
+            return default
+    r = {"arch": arch, "kq_scale": None, "attn_softcap": None, "final_softcap": None,
+         "n_swa": 0, "swa_layers": [False] * n_layer}
+    period = None
+    if arch == "gemma2":
+        r["attn_softcap"] = num("attn_logit_softcapping", 50.0)
+        r["final_softcap"] = num("final_logit_softcapping", 30.0)
+        r["n_swa"] = int(num("attention.sliding_window", 4096))
+        period = 2
+    elif arch == "gemma3":
+        r["final_softcap"] = num("final_logit_softcapping", None) or None
+        r["n_swa"] = int(num("attention.sliding_window", 0))
+        period = 6
+    if r["n_swa"] > 0 and period is not None:
+        p = num("attention.sliding_window_pattern", None)
+        if p is None and meta(f"{arch}.attention.sliding_window_pattern") is not None:
+            r["n_swa"] = -1  # a per-layer array: not read here, the window check is skipped
+        else:
+            period = int(p) if p is not None else period
+            r["swa_layers"] = [period == 0 or il % period < period - 1 for il in range(n_layer)]
+    n_embd, n_head = num("embedding_length", 0), num("attention.head_count", 1)
+    if (arch, n_layer) in (("gemma2", 46), ("gemma3", 62)):
+        r["kq_scale"] = (n_embd / n_head) ** -0.5
+    return r
+
+
 class StepChecks:
     """The self-checks, one step at a time (the trace is written step by step, not held)."""
 
-    def __init__(self, n_head, n_head_kv, tight, np):
+    def __init__(self, n_head, n_head_kv, tight, np, rules=None):
         self.ck = Checker(np)
         self.np = np
+        self.rules = rules or {"kq_scale": None, "attn_softcap": None, "final_softcap": None,
+                               "n_swa": 0, "swa_layers": []}
         self.n_head, self.n_head_kv = n_head, n_head_kv
         # tolerances: exact for pure copies/adds, float-rounding level for recomputed ops
         self.r_exact = 0.0 if tight else 1e-6
         self.r_op = 2e-5 if tight else 5e-3
         self.k_all, self.v_all = {}, {}   # layer -> list of per-step arrays (positions in order)
 
-    def step(self, s, taps, positions, rope, lg_api):
+    def step(self, s, taps, positions, rope, lg_api, act_node="ffn_swiglu"):
         np = self.np
         r_exact, r_op = self.r_exact, self.r_op
+        rules = self.rules
         group = None
         pos = positions
         layers = sorted({l for (_, l) in taps if l is not None})
-        prev = taps.get(("embd", None))
+        prev = taps.get(("embd_scaled", None))
+        if prev is None:
+            prev = taps.get(("embd", None))
         for il in layers:
             g = lambda tap: taps.get((tap, il))
             lin = prev
-            if lin is not None and g("ffn_inp") is not None and g("attn_out") is not None:
-                self.ck.close(f"ffn_inp=l_in+attn_out s{s} L{il}", g("ffn_inp"), lin + g("attn_out"), r_exact)
-            if all(x is not None for x in (g("l_out"), g("ffn_inp"), g("ffn_out"))):
-                self.ck.close(f"l_out=ffn_inp+ffn_out s{s} L{il}", g("l_out"), g("ffn_inp") + g("ffn_out"), r_exact)
+            # gemma2/3 add the post-normed branch outputs to the residual stream
+            attn_br = "attn_post_norm" if g("attn_post_norm") is not None else "attn_out"
+            ffn_br = "ffn_post_norm" if g("ffn_post_norm") is not None else "ffn_out"
+            if lin is not None and g("ffn_inp") is not None and g(attn_br) is not None:
+                self.ck.close(f"ffn_inp=l_in+{attn_br} s{s} L{il}", g("ffn_inp"), lin + g(attn_br), r_exact)
+            if all(x is not None for x in (g("l_out"), g("ffn_inp"), g(ffn_br))):
+                self.ck.close(f"l_out=ffn_inp+{ffn_br} s{s} L{il}", g("l_out"), g("ffn_inp") + g(ffn_br), r_exact)
             if taps.get(("_ffn_out_second", il)) is not None and g("l_out") is not None:
                 self.ck.close(f"ffn_out#2=l_out s{s} L{il}", taps[("_ffn_out_second", il)], g("l_out"), r_exact)
             if all(x is not None for x in (g("ffn_act"), g("ffn_gate"), g("ffn_up"))):
-                gate = g("ffn_gate").astype(np.float64)
-                self.ck.close(f"ffn_act=silu(gate)*up s{s} L{il}", g("ffn_act"),
-                         gate / (1.0 + np.exp(-gate)) * g("ffn_up"), r_op)
+                if act_node == "ffn_geglu":
+                    self.ck.close(f"ffn_act=gelu_f16_table(gate)*up s{s} L{il}", g("ffn_act"),
+                                  gelu_ggml_cpu(g("ffn_gate"), np) * g("ffn_up"), r_op)
+                else:
+                    gate = g("ffn_gate").astype(np.float64)
+                    self.ck.close(f"ffn_act=silu(gate)*up s{s} L{il}", g("ffn_act"),
+                             gate / (1.0 + np.exp(-gate)) * g("ffn_up"), r_op)
             for pre, post in (("q", "q_rope"), ("k", "k_rope")):
+                if g(pre + "_normed") is not None:
+                    pre = pre + "_normed"   # qwen3/gemma3: RoPE rotates the normed q/k
                 a, b = g(pre), g(post)
                 if a is not None and b is not None:
-                    # RoPE is a rotation: per-head norms are preserved; position 0 is the identity
-                    self.ck.close(f"|{post}|=|{pre}| s{s} L{il}", np.linalg.norm(b, axis=-1),
-                             np.linalg.norm(a.astype(np.float64), axis=-1), r_op)
-                    if pos[0] == 0:
-                        self.ck.close(f"{post}@pos0={pre} s{s} L{il}", b[0], a[0], r_op)
-                    node = ("Qcur" if pre == "q" else "Kcur") + f"-{il}"
+                    node = ("Qcur" if pre.startswith("q") else "Kcur") + f"-{il}"
                     rp = rope.get(node)
-                    if rp is not None and not rp[1]:
-                        rpd = rope_decode(rp[0])
+                    rpd = rope_decode(rp[0]) if rp is not None else None
+                    # RoPE is a rotation times attn_factor (phi3's LongRoPE factor, else 1):
+                    # per-head norms scale by it; position 0 is the identity times it
+                    af = rpd["attn_factor"] if rpd is not None and rpd["ext_factor"] == 0.0 else 1.0
+                    self.ck.close(f"|{post}|=attn_factor*|{pre}| s{s} L{il}", np.linalg.norm(b, axis=-1),
+                             af * np.linalg.norm(a.astype(np.float64), axis=-1), r_op)
+                    if pos[0] == 0:
+                        self.ck.close(f"{post}@pos0=attn_factor*{pre} s{s} L{il}", b[0], af * a[0].astype(np.float64), r_op)
+                    if rp is not None and (not rp[1] or rp[2] is not None):
                         if rpd["ext_factor"] == 0.0 and rpd["mode"] in (0, 2):
-                            self.ck.close(f"{post}=rope_{'neox' if rpd['mode'] else 'norm'}({pre}) s{s} L{il}",
-                                     b, rope_ref(a, pos, rpd, np), r_op * 10)
+                            ffs = " with freq factors" if rp[2] is not None else ""
+                            self.ck.close(f"{post}=rope_{'neox' if rpd['mode'] else 'norm'}({pre}){ffs} s{s} L{il}",
+                                     b, rope_ref(a, pos, rpd, np, rp[2]), r_op * 10)
             # attention: softmax(scale q.k + causal mask) and P.V == kqv_out
             if g("k_rope") is not None:
                 self.k_all.setdefault(il, []).append(g("k_rope"))
@@ -523,6 +651,12 @@ class StepChecks:
                 self.ck.close(f"kq_soft_max rows sum to 1 s{s} L{il}", P.astype(np.float64).sum(-1),
                          np.ones(P.shape[:2]), r_op)
                 mask = np.arange(nkv)[None, :] > np.asarray(pos)[:, None]    # [T, n_kv]
+                # sliding window (llama_hparams::is_masked_swa, STANDARD): query p sees key j
+                # iff p - j < n_swa
+                swa = (rules["n_swa"] > 0 and il < len(rules["swa_layers"])
+                       and rules["swa_layers"][il])
+                if swa:
+                    mask |= (np.asarray(pos)[:, None] - np.arange(nkv)[None, :]) >= rules["n_swa"]
                 self.ck.close(f"kq_soft_max causal zeros s{s} L{il}", np.where(mask[None], P, 0.0),
                          np.zeros(P.shape), 0.0, atol=0.0)
                 q = g("q_rope")
@@ -530,11 +664,17 @@ class StepChecks:
                     K = np.concatenate(self.k_all[il]).astype(np.float64)        # [n_kv, n_kv_head, hd]
                     group = self.n_head // self.n_head_kv
                     Kx = np.repeat(K, group, axis=1)                          # [n_kv, n_head, hd]
-                    sc = np.einsum("thd,jhd->htj", q.astype(np.float64), Kx) / np.sqrt(q.shape[-1])
+                    scale = rules["kq_scale"] or 1.0 / np.sqrt(q.shape[-1])
+                    sc = np.einsum("thd,jhd->htj", q.astype(np.float64), Kx) * scale
+                    if rules["attn_softcap"]:
+                        cap = rules["attn_softcap"]
+                        sc = cap * np.tanh(sc / cap)
                     sc = np.where(mask[None], -np.inf, sc)
                     sc -= sc.max(-1, keepdims=True)
                     e = np.exp(sc)
-                    self.ck.close(f"kq_soft_max=softmax(q.k/sqrt(d)) s{s} L{il}", P, e / e.sum(-1, keepdims=True), r_op * 10)
+                    what = "softmax(q.k*scale" + (", soft-capped" if rules["attn_softcap"] else "") + \
+                        (", window)" if swa else ")")
+                    self.ck.close(f"kq_soft_max={what} s{s} L{il}", P, e / e.sum(-1, keepdims=True), r_op * 10)
                 if g("kqv_out") is not None and il in self.v_all and sum(x.shape[0] for x in self.v_all[il]) == nkv:
                     V = np.concatenate(self.v_all[il]).astype(np.float64)
                     group = self.n_head // self.n_head_kv
@@ -546,6 +686,11 @@ class StepChecks:
         lg = taps.get(("logits", None))
         if lg is not None:
             self.ck.close(f"logits=llama_get_logits s{s}", lg, lg_api, 0.0)
+        raw = taps.get(("logits_uncapped", None))
+        if lg is not None and raw is not None and rules["final_softcap"]:
+            cap = rules["final_softcap"]
+            self.ck.close(f"logits=cap*tanh(logits_uncapped/cap) s{s}", lg,
+                          cap * np.tanh(raw.astype(np.float64) / cap), r_op)
 
 
 # --------------------------------------------------------------------------
@@ -658,6 +803,12 @@ def main(argv=None):
     n_head_kv = L.llama_model_n_head_kv(model)
     bos_id = L.llama_vocab_bos(vocab)
 
+    def meta(key):
+        buf = ctypes.create_string_buffer(256)
+        n = L.llama_model_meta_val_str(model, key.encode(), buf, 256)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+    rules = arch_rules(meta, n_layer)
+
     # tokens
     if args.prompt is not None:
         text = args.prompt.encode("utf-8")
@@ -717,7 +868,7 @@ def main(argv=None):
         fa = bool(getattr(cp, "flash_attn", False))
 
     steps_pos, steps_tokens, all_notes = [], [], {}
-    checks = None if args.no_check else StepChecks(n_head, n_head_kv, not args.llama_defaults, np)
+    checks = None if args.no_check else StepChecks(n_head, n_head_kv, not args.llama_defaults, np, rules)
     order = [(t, None) for t in GLOBAL_FIRST] + \
             [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
             [(t, None) for t in GLOBAL_LAST]
@@ -766,12 +917,16 @@ def main(argv=None):
         taps, notes, source = map_step(capture.records, n_layer, n_head, n_head_kv, nt, n_kv, np)
         all_notes.update(notes)
         for given, real in capture.synthetic_src.items():
-            all_notes[given] = f"unnamed node {real!r} (MUL_MAT consuming kqv_out) taken as {given}"
+            how = ("MUL_MAT consuming result_norm" if given == "logits_uncapped" else
+                   "ADD consuming attn_out" if given.startswith("ffn_inp") else
+                   "MUL_MAT consuming kqv_out")
+            all_notes[given] = f"unnamed node {real!r} ({how}) taken as {given}"
         if args.list_nodes and step <= 1:
             listing.append((step, list(capture.seen), source, dict(capture.synthetic_src)))
         positions = list(range(pos0, pos0 + nt))
         if checks is not None:
-            checks.step(step, taps, positions, dict(capture.rope_params), lg)
+            checks.step(step, taps, positions, dict(capture.rope_params), lg,
+                         notes.get("ffn_act", "ffn_swiglu"))
         try:
             write_step(step, taps)
         except OSError as e:
@@ -806,7 +961,7 @@ def main(argv=None):
                     occ[given] = i + 1
                     tap = source.get((given, i), "")
                     if given != name:
-                        tap = f"{tap} (unnamed Wo matmul consuming kqv_out)"
+                        tap = f"{tap} (unnamed node, see notes)"
                     tap = f"-> {tap}" if tap else "-> (unused)"
                 print(f"{'*' if want else ' '} {name:36s} {op:10s} {tname:5s} {str(ne):22s}"
                       f"{' view' if is_view else '     '} {tap}", file=sys.stderr)

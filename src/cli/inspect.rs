@@ -192,7 +192,8 @@ pub struct FixtureArgs {
     /// Output GGUF path.
     #[arg(long, short)]
     out: PathBuf,
-    /// Architecture: llama or qwen2.
+    /// Architecture: llama, llama3 (llama with RoPE frequency factors), qwen2, qwen3, gemma,
+    /// gemma2, gemma3 or phi3. Each one's features are on (docs/architectures.md, "Fixtures").
     #[arg(long, default_value = "llama")]
     arch: String,
     /// Weight type of the matmul weights and token embedding (f32, f16, bf16, q8_0, q4_0, q4_k, …),
@@ -227,6 +228,9 @@ pub struct FixtureArgs {
     /// No output.weight: the output projection reuses token_embd.weight.
     #[arg(long)]
     tied: bool,
+    /// Sliding-window length of gemma2 and gemma3 (shorter than the prompt, so it slides).
+    #[arg(long, default_value_t = 4)]
+    n_swa: usize,
     /// Overwrite OUT if it exists.
     #[arg(long)]
     force: bool,
@@ -314,6 +318,7 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.n_ctx = a.n_ctx;
     spec.n_vocab = a.n_vocab;
     spec.tied = a.tied;
+    spec.n_swa = a.n_swa;
     let w = build(&spec).map_err(err)?;
     // Read it back as a model before writing: a fixture parity cannot open is refused here.
     let file = GgufFile::from_bytes(w.to_bytes())

@@ -120,7 +120,13 @@ pub(super) fn diagnose(
                 ));
             }
         }
-        Tap::AttnNorm | Tap::FfnNorm | Tap::ResultNorm => {
+        Tap::AttnNorm
+        | Tap::FfnNorm
+        | Tap::ResultNorm
+        | Tap::QNormed
+        | Tap::KNormed
+        | Tap::AttnPostNorm
+        | Tap::FfnPostNorm => {
             let ratio_note = load(k)?.map(|(a, b)| norm_ratio_signature(&a, &b));
             match ratio_note {
                 Some(Some(note)) => why.push(note),
@@ -171,6 +177,10 @@ pub(super) fn diagnose(
             }
         }
         Tap::AttnOut => why.push(matmul_hint("attention output (Wo)")),
+        Tap::LogitsUncapped => why.push(matmul_hint("output projection")),
+        Tap::EmbdScaled => why.push(
+            "the scaled embedding differs while the rows matched: the scale (gemma: sqrt(n_embd) in f32)".into(),
+        ),
         Tap::FfnGate => why.push(matmul_hint("ffn_gate")),
         Tap::FfnUp => why.push(matmul_hint("ffn_up")),
         Tap::FfnOut => why.push(matmul_hint("ffn_down")),

@@ -40,7 +40,15 @@ pub enum OpClass {
 pub fn class(tap: Tap) -> OpClass {
     match tap {
         Tap::Embd => OpClass::Lookup,
-        Tap::AttnNorm | Tap::FfnNorm | Tap::ResultNorm => OpClass::Norm,
+        Tap::AttnNorm
+        | Tap::FfnNorm
+        | Tap::ResultNorm
+        | Tap::QNormed
+        | Tap::KNormed
+        | Tap::AttnPostNorm
+        | Tap::FfnPostNorm => OpClass::Norm,
+        Tap::LogitsUncapped => OpClass::Matmul,
+        Tap::EmbdScaled => OpClass::Elementwise,
         Tap::Q
         | Tap::K
         | Tap::V
@@ -117,6 +125,13 @@ fn inputs(k: &TapKey, n_layer: usize, steps: &[usize]) -> Vec<TapKey> {
         Tap::Embd => vec![],
         Tap::AttnNorm => vec![l_in(k.layer.unwrap_or(0))],
         Tap::Q | Tap::K | Tap::V => vec![at(Tap::AttnNorm)],
+        // The new architectures' taps (qwen3, gemma family): each reads the tap before it.
+        Tap::EmbdScaled => vec![TapKey::new(s, None, Tap::Embd)],
+        Tap::QNormed => vec![at(Tap::Q)],
+        Tap::KNormed => vec![at(Tap::K)],
+        Tap::AttnPostNorm => vec![at(Tap::AttnOut)],
+        Tap::FfnPostNorm => vec![at(Tap::FfnOut)],
+        Tap::LogitsUncapped => vec![TapKey::new(s, None, Tap::ResultNorm)],
         Tap::QRope => vec![at(Tap::Q)],
         Tap::KRope => vec![at(Tap::K)],
         Tap::KqSoftMax => {

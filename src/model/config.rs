@@ -133,19 +133,24 @@ pub struct Config {
     /// RoPE base and linear frequency scale of sliding-window layers (gemma3's local layers).
     pub rope_theta_swa: f32,
     pub rope_freq_scale_swa: f32,
-    /// Multiplier of RoPE's cos and sin (LongRoPE's attention factor, phi3); 1.0 otherwise.
+    /// Multiplier of RoPE's cos and sin (`rope.scaling.attn_factor`: LongRoPE's attention
+    /// factor, phi3); 1.0 otherwise.
     pub rope_attn_factor: f32,
+    /// The context the RoPE factors were trained for (`rope.scaling.original_context_length`,
+    /// default n_ctx_train): llama.cpp uses phi3's long factors when its context is longer.
+    pub n_ctx_orig: usize,
 }
 
 impl Config {
+    /// Read the hyperparameters as llama.cpp's loader does (`llama_model::load_hparams` and the
+    /// architecture's `load_arch_hparams` in src/models/*.cpp): same keys, same defaults, same
+    /// derived values. docs/architectures.md lists them per architecture.
     pub fn from_gguf(f: &GgufFile) -> Result<Config, ModelError> {
         let arch_name = f
             .architecture()
             .ok_or_else(|| ModelError::MissingKey("general.architecture".into()))?;
-        let arch = match Arch::parse(arch_name) {
-            Some(a @ (Arch::Llama | Arch::Qwen2)) => a,
-            _ => return Err(ModelError::UnsupportedArch(arch_name.to_string())),
-        };
+        let arch = Arch::parse(arch_name)
+            .ok_or_else(|| ModelError::UnsupportedArch(arch_name.to_string()))?;
         let key = |s: &str| format!("{arch_name}.{s}");
         let req = |s: &str| -> Result<usize, ModelError> {
             let k = key(s);
@@ -163,66 +168,158 @@ impl Config {
             }
             Ok(n as usize)
         };
+        let opt_usize = |s: &str| -> Result<Option<usize>, ModelError> {
+            match f.get(&key(s)) {
+                Some(_) => req(s).map(Some),
+                None => Ok(None),
+            }
+        };
+        // An optional float key; present but not a number, or not finite, is an error.
+        let opt_f32 = |s: &str| -> Result<Option<f32>, ModelError> {
+            let k = key(s);
+            match f.get(&k) {
+                None => Ok(None),
+                Some(v) => match v.as_f64() {
+                    Some(x) if x.is_finite() => Ok(Some(x as f32)),
+                    _ => Err(ModelError::BadKey {
+                        key: k,
+                        what: "not a finite number".into(),
+                    }),
+                },
+            }
+        };
         let n_embd = req("embedding_length")?;
         let n_layer = req("block_count")?;
         let n_head = req("attention.head_count")?;
-        let n_head_kv = match f.get(&key("attention.head_count_kv")) {
-            Some(_) => req("attention.head_count_kv")?,
-            None => n_head,
-        };
+        let n_head_kv = opt_usize("attention.head_count_kv")?.unwrap_or(n_head);
         let n_ff = req("feed_forward_length")?;
         let n_ctx_train = req("context_length")?;
-        let head_dim = match f.get(&key("attention.key_length")) {
-            Some(_) => req("attention.key_length")?,
-            None => n_embd / n_head,
-        };
+        let head_dim = opt_usize("attention.key_length")?.unwrap_or(n_embd / n_head);
+        if head_dim == 0 {
+            return Err(ModelError::BadKey {
+                key: key("attention.head_count"),
+                what: format!("{n_head} heads leave no head dimension of n_embd {n_embd}"),
+            });
+        }
+        if let Some(v) = opt_usize("attention.value_length")?
+            && v != head_dim
+        {
+            return Err(ModelError::BadKey {
+                key: key("attention.value_length"),
+                what: format!("{v} differs from the key length {head_dim} (not supported)"),
+            });
+        }
         if n_head % n_head_kv != 0 {
             return Err(ModelError::BadKey {
                 key: key("attention.head_count_kv"),
                 what: format!("{n_head} query heads are not a multiple of {n_head_kv} kv heads"),
             });
         }
-        let n_rot = match f.get(&key("rope.dimension_count")) {
-            Some(_) => req("rope.dimension_count")?,
-            None => head_dim,
-        };
+        let n_rot = opt_usize("rope.dimension_count")?.unwrap_or(head_dim);
         if n_rot > head_dim || n_rot % 2 != 0 {
             return Err(ModelError::BadKey {
                 key: key("rope.dimension_count"),
                 what: format!("{n_rot} is not an even number ≤ head_dim {head_dim}"),
             });
         }
-        let rms_eps = f
-            .get_f64(&key("attention.layer_norm_rms_epsilon"))
-            .ok_or_else(|| ModelError::MissingKey(key("attention.layer_norm_rms_epsilon")))?
-            as f32;
-        let rope_theta = f.get_f64(&key("rope.freq_base")).unwrap_or(10000.0) as f32;
+        let rms_eps = opt_f32("attention.layer_norm_rms_epsilon")?
+            .ok_or_else(|| ModelError::MissingKey(key("attention.layer_norm_rms_epsilon")))?;
+        let rope_theta = opt_f32("rope.freq_base")?.unwrap_or(10000.0);
+        // llama.cpp: the scaling type defaults to "linear"; the factor (`rope.scaling.factor`,
+        // else the old `rope.scale_linear`) gives freq_scale = 1/factor; type "none" forces 1.
+        // "longrope" (phi3) scales through its factor tensors, not freq_scale.
+        let factor = match opt_f32("rope.scaling.factor")? {
+            Some(x) => Some(x),
+            None => opt_f32("rope.scale_linear")?,
+        };
         let rope_freq_scale = match f.get_str(&key("rope.scaling.type")) {
-            None | Some("none") => 1.0,
-            Some("linear") => {
-                let factor = f.get_f64(&key("rope.scaling.factor")).unwrap_or(1.0);
-                if factor > 0.0 {
-                    (1.0 / factor) as f32
-                } else {
-                    1.0
-                }
-            }
+            Some("none") => 1.0,
+            None | Some("linear") | Some("longrope") => match factor {
+                Some(x) if x > 0.0 => 1.0 / x,
+                _ => 1.0,
+            },
             Some(other) => {
                 return Err(ModelError::BadKey {
                     key: key("rope.scaling.type"),
-                    what: format!("RoPE scaling '{other}' is not supported yet (linear is)"),
+                    what: format!(
+                        "RoPE scaling '{other}' is not supported yet (linear and longrope are)"
+                    ),
                 });
             }
         };
+        let rope_attn_factor = opt_f32("rope.scaling.attn_factor")?.unwrap_or(1.0);
+        let n_ctx_orig = opt_usize("rope.scaling.original_context_length")?.unwrap_or(n_ctx_train);
         let embd = f
             .tensor("token_embd.weight")
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
         let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        let (rope_type, has_qkv_bias) = match arch {
-            Arch::Llama => (RopeType::Norm, f.tensor("blk.0.attn_q.bias").is_some()),
-            Arch::Qwen2 => (RopeType::Neox, true),
-            _ => unreachable!("refused above"),
+        let gemma = matches!(arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3);
+        let rope_type = match arch {
+            Arch::Llama => RopeType::Norm,
+            _ => RopeType::Neox,
         };
+        let has_qkv_bias = match arch {
+            Arch::Llama => f.tensor("blk.0.attn_q.bias").is_some(),
+            Arch::Qwen2 => true,
+            _ => false,
+        };
+        // gemma2/gemma3 27B (and only they, by layer count) scale q by 1/sqrt(n_embd/n_head).
+        let kq_scale = match (arch, n_layer) {
+            (Arch::Gemma2, 46) | (Arch::Gemma3, 62) => 1.0 / ((n_embd / n_head) as f32).sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
+        // Sliding window: gemma2 (default window 4096, period 2), gemma3 (only with a window
+        // key > 0, period 6); the period from `attention.sliding_window_pattern` when present.
+        // phi3's window is read and dropped by llama.cpp (PR #13676); llama/mistral: none.
+        let (n_swa, swa_period) = match arch {
+            Arch::Gemma2 => (opt_usize("attention.sliding_window")?.unwrap_or(4096), 2),
+            Arch::Gemma3 => match f.get(&key("attention.sliding_window")) {
+                Some(v) if v.as_u64() == Some(0) => (0, 6),
+                Some(_) => (req("attention.sliding_window")?, 6),
+                None => (0, 6),
+            },
+            _ => (0, 0),
+        };
+        let swa_layers = if n_swa == 0 {
+            vec![false; n_layer]
+        } else {
+            swa_pattern(
+                f,
+                &key("attention.sliding_window_pattern"),
+                n_layer,
+                swa_period,
+            )?
+        };
+        let (rope_theta_swa, rope_freq_scale_swa) = match arch {
+            Arch::Gemma2 => (
+                opt_f32("rope.freq_base_swa")?.unwrap_or(rope_theta),
+                rope_freq_scale,
+            ),
+            Arch::Gemma3 => (opt_f32("rope.freq_base_swa")?.unwrap_or(10000.0), 1.0),
+            _ => (rope_theta, rope_freq_scale),
+        };
+        let (attn_softcap, final_softcap) = match arch {
+            Arch::Gemma2 => (
+                Some(opt_f32("attn_logit_softcapping")?.unwrap_or(50.0)),
+                Some(opt_f32("final_logit_softcapping")?.unwrap_or(30.0)),
+            ),
+            Arch::Gemma3 => (
+                None,
+                opt_f32("final_logit_softcapping")?.filter(|&c| c != 0.0),
+            ),
+            _ => (None, None),
+        };
+        for (k, cap) in [
+            ("attn_logit_softcapping", attn_softcap),
+            ("final_logit_softcapping", final_softcap),
+        ] {
+            if cap.is_some_and(|c| c <= 0.0) {
+                return Err(ModelError::BadKey {
+                    key: key(k),
+                    what: "a soft-cap must be positive".into(),
+                });
+            }
+        }
         Ok(Config {
             arch,
             n_vocab,
@@ -238,18 +335,25 @@ impl Config {
             rope_theta,
             n_rot,
             rope_freq_scale,
-            tied_embeddings: f.tensor("output.weight").is_none(),
+            // gemma and gemma2 always read the output projection from token_embd.weight.
+            tied_embeddings: matches!(arch, Arch::Gemma | Arch::Gemma2)
+                || f.tensor("output.weight").is_none(),
             has_qkv_bias,
-            activation: Activation::Silu,
-            embd_scale: None,
-            kq_scale: 1.0 / (head_dim as f32).sqrt(),
-            attn_softcap: None,
-            final_softcap: None,
-            n_swa: 0,
-            swa_layers: vec![false; n_layer],
-            rope_theta_swa: rope_theta,
-            rope_freq_scale_swa: rope_freq_scale,
-            rope_attn_factor: 1.0,
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
+            embd_scale: gemma.then(|| (n_embd as f32).sqrt()),
+            kq_scale,
+            attn_softcap,
+            final_softcap,
+            n_swa,
+            swa_layers,
+            rope_theta_swa,
+            rope_freq_scale_swa,
+            rope_attn_factor,
+            n_ctx_orig,
         })
     }
 
@@ -260,4 +364,43 @@ impl Config {
     pub fn n_embd_kv(&self) -> usize {
         self.n_head_kv * self.head_dim
     }
+}
+
+/// Which layers slide, as `llama_model_base::load_swa_pattern` reads it: a per-layer array
+/// (bool or integer) when the key holds one, else a scalar period (default `period`), expanded
+/// by `llama_hparams::set_swa_pattern`: layer `il` slides iff `il % period < period - 1`
+/// (period 0: every layer slides).
+fn swa_pattern(
+    f: &GgufFile,
+    k: &str,
+    n_layer: usize,
+    period: usize,
+) -> Result<Vec<bool>, ModelError> {
+    let bad = |what: String| ModelError::BadKey {
+        key: k.to_string(),
+        what,
+    };
+    if let Some(items) = f.get_array(k) {
+        if items.len() < n_layer {
+            return Err(bad(format!("{} entries for {n_layer} layers", items.len())));
+        }
+        return items[..n_layer]
+            .iter()
+            .map(|v| {
+                v.as_bool()
+                    .or_else(|| v.as_u64().map(|n| n != 0))
+                    .ok_or_else(|| bad("not an array of booleans or integers".into()))
+            })
+            .collect();
+    }
+    let period = match f.get(k) {
+        None => period,
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n <= 1 << 24)
+            .ok_or_else(|| bad("not a layer period".into()))? as usize,
+    };
+    Ok((0..n_layer)
+        .map(|il| period == 0 || il % period < period - 1)
+        .collect())
 }

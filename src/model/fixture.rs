@@ -1,6 +1,8 @@
 //! Deterministic tiny random-weight models (`parity fixture`), written as GGUF files that the real
-//! llama.cpp loads: llama or qwen2 architecture, any supported weight type, a small SentencePiece
-//! vocabulary with byte fallback in the metadata.
+//! llama.cpp loads: every architecture parity knows (plus `llama3`: a llama file with RoPE
+//! frequency factors), any supported weight type, a small SentencePiece vocabulary with byte
+//! fallback in the metadata. Each architecture's features are switched on with values small
+//! enough to matter on a 16-token prompt (docs/architectures.md, "Fixtures").
 
 use crate::gguf::{GgmlType, GgufWriter, Value, ValueType};
 use crate::quant;
@@ -25,7 +27,30 @@ pub struct FixtureSpec {
     /// llama-quantize's Q4_K_M mix instead of one type: Q6_K for output.weight and for
     /// attn_v / ffn_down in the layers `use_more_bits` picks, Q4_K elsewhere.
     pub q4_k_m: bool,
+    /// Sliding-window length of gemma2/gemma3 (and phi3's, which llama.cpp ignores).
+    pub n_swa: usize,
 }
+
+/// `parity fixture --arch` names: the architectures, plus `llama3`.
+pub const FIXTURE_ARCHS: &[&str] = &[
+    "llama", "llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+];
+
+/// The special tokens of Phi-3's vocabulary that llama.cpp requires in a phi3 file.
+pub const PHI3_SPECIAL: &[&str] = &[
+    "<|endoftext|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|user|>",
+    "<|system|>",
+];
+
+/// gemma2's soft-caps in the fixtures: small enough that tanh bends typical scores and logits.
+pub const FIXTURE_ATTN_SOFTCAP: f32 = 1.5;
+pub const FIXTURE_FINAL_SOFTCAP: f32 = 1.0;
+/// gemma3's layer period in the fixtures (`attention.sliding_window_pattern`): two local
+/// layers, then a global one.
+pub const FIXTURE_GEMMA3_PERIOD: u32 = 3;
 
 impl FixtureSpec {
     pub fn new(arch: &str, weight_type: GgmlType, seed: u64) -> Self {
@@ -43,6 +68,7 @@ impl FixtureSpec {
             n_vocab: None,
             tied: false,
             q4_k_m: false,
+            n_swa: 4,
         }
     }
 }
@@ -111,12 +137,16 @@ pub fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
 
 /// Build the GGUF image of a fixture.
 pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
-    let arch = spec.arch.as_str();
-    if arch != "llama" && arch != "qwen2" {
+    let preset = spec.arch.as_str();
+    if !FIXTURE_ARCHS.contains(&preset) {
         return Err(format!(
-            "unsupported fixture architecture '{arch}' (llama, qwen2)"
+            "unsupported fixture architecture '{preset}' ({})",
+            FIXTURE_ARCHS.join(", ")
         ));
     }
+    // llama3 is a llama file with rope_freqs.weight.
+    let arch = if preset == "llama3" { "llama" } else { preset };
+    let gemma = arch.starts_with("gemma");
     let wt = spec.weight_type;
     if wt == GgmlType::Q8_K || wt == GgmlType::Q8_1 {
         return Err(format!(
@@ -133,8 +163,31 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     if spec.n_head == 0 || spec.n_head_kv == 0 || !spec.n_head.is_multiple_of(spec.n_head_kv) {
         return Err("n_head must be a positive multiple of n_head_kv".into());
     }
-    let head_dim = spec.n_embd / spec.n_head;
+    // qwen3 (like the real 0.6B) has heads wider than n_embd / n_head.
+    let head_dim = if arch == "qwen3" {
+        2 * spec.n_embd / spec.n_head
+    } else {
+        spec.n_embd / spec.n_head
+    };
+    if head_dim % 2 != 0 || head_dim == 0 {
+        return Err(format!(
+            "n_embd {} over n_head {} leaves an odd or empty head",
+            spec.n_embd, spec.n_head
+        ));
+    }
+    if arch == "phi3" && spec.n_ctx < 2 {
+        return Err("phi3 needs n_ctx >= 2".into());
+    }
     let (mut tokens, mut scores, mut types) = vocab();
+    if arch == "phi3" {
+        // llama.cpp's vocabulary loader looks these up by text for phi3 (std::map::at: a
+        // phi3 file without them does not load); control tokens, as in Phi-3's own vocab.
+        for t in PHI3_SPECIAL {
+            tokens.push(t.to_string());
+            scores.push(0.0);
+            types.push(3);
+        }
+    }
     if let Some(n) = spec.n_vocab {
         if n < tokens.len() {
             return Err(format!(
@@ -156,12 +209,19 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     w.set(
         "general.name",
         Value::String(format!(
-            "parity-fixture-{arch}-{}-s{}",
+            "parity-fixture-{preset}-{}-s{}",
             wt.name(),
             spec.seed
         )),
     );
-    w.set(&k("context_length"), Value::U32(spec.n_ctx as u32));
+    // phi3 (LongRoPE): trained for 32x the original context; llama.cpp uses the short factors
+    // while its context is at most the original (the goldens' 256), the long ones beyond.
+    let n_ctx_train = if arch == "phi3" {
+        spec.n_ctx * 32
+    } else {
+        spec.n_ctx
+    };
+    w.set(&k("context_length"), Value::U32(n_ctx_train as u32));
     w.set(&k("embedding_length"), Value::U32(spec.n_embd as u32));
     w.set(&k("block_count"), Value::U32(spec.n_layer as u32));
     w.set(&k("feed_forward_length"), Value::U32(spec.n_ff as u32));
@@ -171,13 +231,64 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         Value::U32(spec.n_head_kv as u32),
     );
     w.set(&k("rope.dimension_count"), Value::U32(head_dim as u32));
-    let theta = if arch == "qwen2" {
-        1_000_000.0
-    } else {
-        10_000.0
+    if head_dim != spec.n_embd / spec.n_head {
+        w.set(&k("attention.key_length"), Value::U32(head_dim as u32));
+        w.set(&k("attention.value_length"), Value::U32(head_dim as u32));
+    }
+    let theta = match preset {
+        "qwen2" | "qwen3" | "gemma3" => 1_000_000.0,
+        "llama3" => 500_000.0,
+        _ => 10_000.0,
     };
     w.set(&k("rope.freq_base"), Value::F32(theta));
-    w.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-5));
+    let eps = if gemma { 1e-6 } else { 1e-5 };
+    w.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(eps));
+    match arch {
+        "gemma2" => {
+            // period 2 (llama.cpp's default for gemma2, not written): layer 0 slides, 1 is global
+            w.set(
+                &k("attention.sliding_window"),
+                Value::U32(spec.n_swa as u32),
+            );
+            w.set(
+                &k("attn_logit_softcapping"),
+                Value::F32(FIXTURE_ATTN_SOFTCAP),
+            );
+            w.set(
+                &k("final_logit_softcapping"),
+                Value::F32(FIXTURE_FINAL_SOFTCAP),
+            );
+        }
+        "gemma3" => {
+            w.set(
+                &k("attention.sliding_window"),
+                Value::U32(spec.n_swa as u32),
+            );
+            w.set(
+                &k("attention.sliding_window_pattern"),
+                Value::U32(FIXTURE_GEMMA3_PERIOD),
+            );
+            // global layers: base 1e6 with linear scaling 8 (gemma3 4B+); local: base 10000
+            w.set(&k("rope.scaling.type"), Value::String("linear".into()));
+            w.set(&k("rope.scaling.factor"), Value::F32(8.0));
+        }
+        "phi3" => {
+            // read and ignored by llama.cpp (PR #13676): phi3 attends to the whole context
+            w.set(
+                &k("attention.sliding_window"),
+                Value::U32(spec.n_swa as u32),
+            );
+            w.set(
+                &k("rope.scaling.original_context_length"),
+                Value::U32(spec.n_ctx as u32),
+            );
+            // the converter's LongRoPE attention factor: sqrt(1 + ln(scale) / ln(n_orig))
+            let scale = (n_ctx_train as f64) / (spec.n_ctx as f64);
+            let f = (1.0 + scale.ln() / (spec.n_ctx as f64).ln()).sqrt();
+            w.set(&k("rope.scaling.attn_factor"), Value::F32(f as f32));
+        }
+        _ => {}
+    }
     w.set(&k("vocab_size"), Value::U32(n_vocab as u32));
     w.set("tokenizer.ggml.model", Value::String("llama".into()));
     w.set(
@@ -230,31 +341,80 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         w.add_tensor(name, &[n as u64], GgmlType::F32, bytes);
     };
-    // Embedding rows with unit-ish scale (like trained models' pre-norm residual stream).
+    // Embedding rows with unit-ish scale (like trained models' pre-norm residual stream);
+    // gemma's are scaled by sqrt(n_embd) in the graph, so they are stored that much smaller.
     {
-        let data: Vec<f32> = (0..e * n_vocab).map(|_| rng.uniform(1.0)).collect();
+        let a = if gemma { (3.0 / e as f32).sqrt() } else { 1.0 };
+        let data: Vec<f32> = (0..e * n_vocab).map(|_| rng.uniform(a)).collect();
         let bytes = quant::quantize_row(wt, &data).expect("whole blocks");
         w.add_tensor("token_embd.weight", &[e as u64, n_vocab as u64], wt, bytes);
+    }
+    // RoPE frequency factors, one per rotated pair (global tensors).
+    let half = hd / 2;
+    if preset == "llama3" {
+        let data = llama3_rope_factors(hd, theta, 8.0, 1.0, 4.0, 64.0);
+        let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.add_tensor("rope_freqs.weight", &[half as u64], GgmlType::F32, bytes);
+    }
+    if arch == "phi3" {
+        // increasing with the pair index, like real LongRoPE factors; long ones much larger
+        for (name, top) in [
+            ("rope_factors_long.weight", 16.0f32),
+            ("rope_factors_short.weight", 1.5),
+        ] {
+            let data: Vec<f32> = (0..half)
+                .map(|i| 1.0 + (top - 1.0) * (i as f32 / (half - 1).max(1) as f32).powi(2))
+                .collect();
+            let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            w.add_tensor(name, &[half as u64], GgmlType::F32, bytes);
+        }
     }
     for l in 0..spec.n_layer {
         let n = |s: &str| format!("blk.{l}.{s}");
         vector(&mut w, &mut rng, &n("attn_norm.weight"), e, 1.0, 0.2);
-        matrix(&mut w, &mut rng, &n("attn_q.weight"), e, q);
-        matrix(&mut w, &mut rng, &n("attn_k.weight"), e, kv);
-        matrix(&mut w, &mut rng, &n("attn_v.weight"), e, kv);
+        if arch == "phi3" {
+            matrix(&mut w, &mut rng, &n("attn_qkv.weight"), e, q + 2 * kv);
+        } else {
+            matrix(&mut w, &mut rng, &n("attn_q.weight"), e, q);
+            matrix(&mut w, &mut rng, &n("attn_k.weight"), e, kv);
+            matrix(&mut w, &mut rng, &n("attn_v.weight"), e, kv);
+        }
         if arch == "qwen2" {
             vector(&mut w, &mut rng, &n("attn_q.bias"), q, 0.0, 0.5);
             vector(&mut w, &mut rng, &n("attn_k.bias"), kv, 0.0, 0.5);
             vector(&mut w, &mut rng, &n("attn_v.bias"), kv, 0.0, 0.5);
         }
+        if arch == "qwen3" || arch == "gemma3" {
+            vector(&mut w, &mut rng, &n("attn_q_norm.weight"), hd, 1.0, 0.5);
+            vector(&mut w, &mut rng, &n("attn_k_norm.weight"), hd, 1.0, 0.5);
+        }
         matrix(&mut w, &mut rng, &n("attn_output.weight"), q, e);
+        if arch == "gemma2" || arch == "gemma3" {
+            vector(
+                &mut w,
+                &mut rng,
+                &n("post_attention_norm.weight"),
+                e,
+                1.0,
+                0.5,
+            );
+        }
         vector(&mut w, &mut rng, &n("ffn_norm.weight"), e, 1.0, 0.2);
-        matrix(&mut w, &mut rng, &n("ffn_gate.weight"), e, ff);
-        matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, ff);
+        if arch == "phi3" {
+            // gate rows first, then up rows: ggml_swiglu's split
+            matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, 2 * ff);
+        } else {
+            matrix(&mut w, &mut rng, &n("ffn_gate.weight"), e, ff);
+            matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, ff);
+        }
         matrix(&mut w, &mut rng, &n("ffn_down.weight"), ff, e);
+        if arch == "gemma2" || arch == "gemma3" {
+            vector(&mut w, &mut rng, &n("post_ffw_norm.weight"), e, 1.0, 0.5);
+        }
     }
     vector(&mut w, &mut rng, "output_norm.weight", e, 1.0, 0.2);
-    if !spec.tied {
+    // gemma and gemma2 have no output.weight (llama.cpp reads token_embd.weight).
+    if !spec.tied && arch != "gemma" && arch != "gemma2" {
         matrix(&mut w, &mut rng, "output.weight", e, n_vocab);
     }
     // llama.cpp's LLAMA_FTYPE for the main weight type (informational).
@@ -278,4 +438,34 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     };
     w.set("general.file_type", Value::U32(ftype));
     Ok(w)
+}
+
+/// Llama 3.1's RoPE frequency factors (what convert_hf_to_gguf.py writes as rope_freqs.weight
+/// from `rope_scaling` of type llama3): 1 for short wavelengths, `factor` for long ones, smooth
+/// between. `orig_ctx` sets where the bands fall; a small one puts every band in a tiny head.
+pub fn llama3_rope_factors(
+    head_dim: usize,
+    base: f32,
+    factor: f32,
+    low_freq_factor: f32,
+    high_freq_factor: f32,
+    orig_ctx: f32,
+) -> Vec<f32> {
+    let low_wavelen = orig_ctx / low_freq_factor;
+    let high_wavelen = orig_ctx / high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / base.powf(2.0 * i as f32 / head_dim as f32);
+            let wavelen = 2.0 * std::f32::consts::PI / freq;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth =
+                    (orig_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
 }

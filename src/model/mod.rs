@@ -35,8 +35,51 @@ pub struct LayerWeights {
     pub attn_post_norm: Option<TensorInfo>,
     pub ffn_post_norm: Option<TensorInfo>,
     /// RoPE frequency factors (llama3 `rope_freqs.weight`, phi3's long or short factors),
-    /// `[n_rot / 2]`: dimension pair i turns at `theta_i / factor_i`.
+    /// `[n_rot / 2]`: dimension pair i turns at `theta_i / factor_i`. For phi3 this is the
+    /// short factors: what llama.cpp uses while its context is at most `Config::n_ctx_orig`.
     pub rope_freqs: Option<TensorInfo>,
+    /// phi3's long factors (`rope_factors_long.weight`), which llama.cpp uses instead of
+    /// `rope_freqs` when its context (n_ctx per sequence) exceeds `Config::n_ctx_orig`.
+    pub rope_freqs_long: Option<TensorInfo>,
+}
+
+impl LayerWeights {
+    /// The RoPE factors llama.cpp picks for a context of `n_ctx` tokens per sequence
+    /// (`llama_model::get_rope_factors`).
+    pub fn rope_factors(&self, n_ctx: usize, c: &Config) -> Option<&TensorInfo> {
+        match &self.rope_freqs_long {
+            Some(long) if n_ctx > c.n_ctx_orig => Some(long),
+            _ => self.rope_freqs.as_ref(),
+        }
+    }
+}
+
+/// Rows `first..first + rows` of a 2-d tensor as a tensor of its own (no data copied): same
+/// type, `[width, rows]`, offset moved by whole rows. Named `NAME[part]`.
+pub fn row_view(
+    t: &TensorInfo,
+    part: &str,
+    first: usize,
+    rows: usize,
+) -> Result<TensorInfo, ModelError> {
+    let (w, n_rows) = t.rows();
+    let bad = || ModelError::BadShape {
+        name: format!("{}[{part}]", t.name),
+        expected: vec![w as u64, (first + rows) as u64],
+        found: t.dims.clone(),
+    };
+    if t.dims.len() != 2 || first + rows > n_rows {
+        return Err(bad());
+    }
+    let row_bytes = t.ty.bytes_for(w as u64).ok_or_else(bad)?;
+    Ok(TensorInfo {
+        name: format!("{}[{part}]", t.name),
+        dims: vec![w as u64, rows as u64],
+        ty: t.ty,
+        offset: t.offset + first as u64 * row_bytes,
+        n_elements: (w * rows) as u64,
+        n_bytes: rows as u64 * row_bytes,
+    })
 }
 
 pub struct Model {
@@ -118,34 +161,107 @@ impl Model {
             }
         };
         let (e, q, kv, ff) = (c.n_embd, c.n_embd_q(), c.n_embd_kv(), c.n_ff);
+        let (hd, half_rot) = (c.head_dim, c.n_rot / 2);
         let token_embd = get("token_embd.weight", &[e, c.n_vocab])?;
+        // Global RoPE factor tensors (llama.cpp duplicates them into every layer).
+        let rope_freqs = opt("rope_freqs.weight", &[half_rot])?;
+        let (rope_long, rope_short) = if c.arch == Arch::Phi3 {
+            (
+                opt("rope_factors_long.weight", &[half_rot])?,
+                opt("rope_factors_short.weight", &[half_rot])?,
+            )
+        } else {
+            (None, None)
+        };
+        let a = c.arch;
+        let gemma23 = matches!(a, Arch::Gemma2 | Arch::Gemma3);
+        let qk_norm = matches!(a, Arch::Qwen3 | Arch::Gemma3);
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}");
+            // phi3 may store q|k|v as one matrix and gate|up as one: zero-copy row views.
+            let (wq, wk, wv) = match file.tensor(&n("attn_qkv.weight")) {
+                Some(_) if a == Arch::Phi3 => {
+                    let fused = get(&n("attn_qkv.weight"), &[e, q + 2 * kv])?;
+                    (
+                        row_view(&fused, "q", 0, q)?,
+                        row_view(&fused, "k", q, kv)?,
+                        row_view(&fused, "v", q + kv, kv)?,
+                    )
+                }
+                _ => (
+                    get(&n("attn_q.weight"), &[e, q])?,
+                    get(&n("attn_k.weight"), &[e, kv])?,
+                    get(&n("attn_v.weight"), &[e, kv])?,
+                ),
+            };
+            let (w_gate, w_up) = if a == Arch::Phi3 {
+                // ggml_swiglu on the fused output: silu(first half) * second half.
+                let fused = get(&n("ffn_up.weight"), &[e, 2 * ff])?;
+                (
+                    row_view(&fused, "gate", 0, ff)?,
+                    row_view(&fused, "up", ff, ff)?,
+                )
+            } else {
+                (
+                    get(&n("ffn_gate.weight"), &[e, ff])?,
+                    get(&n("ffn_up.weight"), &[e, ff])?,
+                )
+            };
+            let (q_norm, k_norm) = if qk_norm {
+                (
+                    Some(get(&n("attn_q_norm.weight"), &[hd])?),
+                    Some(get(&n("attn_k_norm.weight"), &[hd])?),
+                )
+            } else {
+                (None, None)
+            };
+            let (attn_post_norm, ffn_post_norm) = if gemma23 {
+                (
+                    Some(get(&n("post_attention_norm.weight"), &[e])?),
+                    Some(get(&n("post_ffw_norm.weight"), &[e])?),
+                )
+            } else {
+                (None, None)
+            };
             layers.push(LayerWeights {
                 attn_norm: get(&n("attn_norm.weight"), &[e])?,
-                wq: get(&n("attn_q.weight"), &[e, q])?,
-                wk: get(&n("attn_k.weight"), &[e, kv])?,
-                wv: get(&n("attn_v.weight"), &[e, kv])?,
+                wq,
+                wk,
+                wv,
                 bq: opt(&n("attn_q.bias"), &[q])?,
                 bk: opt(&n("attn_k.bias"), &[kv])?,
                 bv: opt(&n("attn_v.bias"), &[kv])?,
                 wo: get(&n("attn_output.weight"), &[q, e])?,
                 ffn_norm: get(&n("ffn_norm.weight"), &[e])?,
-                w_gate: get(&n("ffn_gate.weight"), &[e, ff])?,
-                w_up: get(&n("ffn_up.weight"), &[e, ff])?,
+                w_gate,
+                w_up,
                 w_down: get(&n("ffn_down.weight"), &[ff, e])?,
-                q_norm: None,
-                k_norm: None,
-                attn_post_norm: None,
-                ffn_post_norm: None,
-                rope_freqs: None,
+                q_norm,
+                k_norm,
+                attn_post_norm,
+                ffn_post_norm,
+                // llama.cpp's get_rope_factors: rope_freqs if present, else phi3's long factors
+                // when the context exceeds n_ctx_orig, else the short ones.
+                rope_freqs: rope_freqs.clone().or_else(|| rope_short.clone()),
+                rope_freqs_long: if rope_freqs.is_some() {
+                    None
+                } else {
+                    rope_long.clone()
+                },
             });
         }
         if c.arch == Arch::Qwen2 && layers.iter().any(|l| l.bq.is_none()) {
             return Err(ModelError::MissingTensor(
                 "blk.N.attn_q.bias (qwen2)".into(),
             ));
+        }
+        if !c.has_qkv_bias && layers.iter().any(|l| l.bq.is_some()) {
+            return Err(ModelError::BadShape {
+                name: "blk.N.attn_q.bias".into(),
+                expected: vec![],
+                found: vec![q as u64],
+            });
         }
         let output_norm = get("output_norm.weight", &[e])?;
         let output = if c.tied_embeddings {

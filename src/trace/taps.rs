@@ -7,46 +7,64 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "snake_case")]
 pub enum Tap {
     Embd,
+    /// gemma: the embedding rows times sqrt(n_embd).
+    EmbdScaled,
     AttnNorm,
     Q,
     K,
     V,
+    /// qwen3, gemma3: q after its per-head RMSNorm (x attn_q_norm.weight), before RoPE.
+    QNormed,
+    /// qwen3, gemma3: k after its per-head RMSNorm (x attn_k_norm.weight), before RoPE.
+    KNormed,
     QRope,
     KRope,
     KqSoftMax,
     KqvOut,
     AttnOut,
+    /// gemma2, gemma3: RMSNorm x post_attention_norm.weight of attn_out, before the residual.
+    AttnPostNorm,
     FfnInp,
     FfnNorm,
     FfnGate,
     FfnUp,
     FfnAct,
     FfnOut,
+    /// gemma2, gemma3: RMSNorm x post_ffw_norm.weight of ffn_out, before the residual.
+    FfnPostNorm,
     LOut,
     ResultNorm,
+    /// gemma2 (gemma3 when capped): the output projection before the final soft-cap.
+    LogitsUncapped,
     Logits,
 }
 
 impl Tap {
-    pub const ALL: [Tap; 19] = [
+    pub const ALL: [Tap; 25] = [
         Tap::Embd,
+        Tap::EmbdScaled,
         Tap::AttnNorm,
         Tap::Q,
         Tap::K,
         Tap::V,
+        Tap::QNormed,
+        Tap::KNormed,
         Tap::QRope,
         Tap::KRope,
         Tap::KqSoftMax,
         Tap::KqvOut,
         Tap::AttnOut,
+        Tap::AttnPostNorm,
         Tap::FfnInp,
         Tap::FfnNorm,
         Tap::FfnGate,
         Tap::FfnUp,
         Tap::FfnAct,
         Tap::FfnOut,
+        Tap::FfnPostNorm,
         Tap::LOut,
         Tap::ResultNorm,
+        Tap::LogitsUncapped,
         Tap::Logits,
     ];
 
@@ -54,23 +72,53 @@ impl Tap {
     fn info(self) -> (&'static str, &'static str, &'static str) {
         match self {
             Tap::Embd => ("embd", "inp_embd", "token embedding rows"),
+            Tap::EmbdScaled => (
+                "embd_scaled",
+                "inp_scaled",
+                "embd x sqrt(n_embd) in f32 (gemma family)",
+            ),
             Tap::AttnNorm => ("attn_norm", "attn_norm-L", "RMSNorm x attn_norm.weight"),
             Tap::Q => ("q", "Qcur-L", "Wq x (+ bias), before RoPE"),
             Tap::K => ("k", "Kcur-L", "Wk x (+ bias), before RoPE"),
             Tap::V => ("v", "Vcur-L", "Wv x (+ bias)"),
+            Tap::QNormed => (
+                "q_normed",
+                "Qcur_normed-L",
+                "per-head RMSNorm x attn_q_norm of q, before RoPE (qwen3, gemma3)",
+            ),
+            Tap::KNormed => (
+                "k_normed",
+                "Kcur_normed-L",
+                "per-head RMSNorm x attn_k_norm of k, before RoPE (qwen3, gemma3)",
+            ),
             Tap::QRope => ("q_rope", "Qcur-L (ROPE)", "q after RoPE"),
             Tap::KRope => ("k_rope", "Kcur-L (ROPE)", "k after RoPE"),
             Tap::KqSoftMax => ("kq_soft_max", "kq_soft_max-L", "attention probabilities"),
             Tap::KqvOut => ("kqv_out", "kqv_out-L", "attention output before Wo"),
             Tap::AttnOut => ("attn_out", "attn_out-L", "Wo x kqv_out"),
+            Tap::AttnPostNorm => (
+                "attn_post_norm",
+                "attn_post_norm-L",
+                "RMSNorm x post_attention_norm of attn_out (gemma2, gemma3)",
+            ),
             Tap::FfnInp => ("ffn_inp", "ffn_inp-L", "first residual sum"),
             Tap::FfnNorm => ("ffn_norm", "ffn_norm-L", "RMSNorm x ffn_norm.weight"),
             Tap::FfnGate => ("ffn_gate", "ffn_gate-L", "W_gate x"),
             Tap::FfnUp => ("ffn_up", "ffn_up-L", "W_up x"),
             Tap::FfnAct => ("ffn_act", "ffn_swiglu-L", "silu(gate) * up"),
             Tap::FfnOut => ("ffn_out", "ffn_out-L (MUL_MAT)", "W_down x ffn_act"),
+            Tap::FfnPostNorm => (
+                "ffn_post_norm",
+                "ffn_post_norm-L (gemma2: ffn_post_norm, per layer in order)",
+                "RMSNorm x post_ffw_norm of ffn_out (gemma2, gemma3)",
+            ),
             Tap::LOut => ("l_out", "l_out-L", "layer output"),
             Tap::ResultNorm => ("result_norm", "result_norm", "final RMSNorm"),
+            Tap::LogitsUncapped => (
+                "logits_uncapped",
+                "logits_uncapped (unnamed MUL_MAT of result_norm)",
+                "output projection before the final soft-cap (gemma2)",
+            ),
             Tap::Logits => ("logits", "result_output", "output projection"),
         }
     }
@@ -88,7 +136,10 @@ impl Tap {
     }
 
     pub fn per_layer(self) -> bool {
-        !matches!(self, Tap::Embd | Tap::ResultNorm | Tap::Logits)
+        !matches!(
+            self,
+            Tap::Embd | Tap::EmbdScaled | Tap::ResultNorm | Tap::LogitsUncapped | Tap::Logits
+        )
     }
 
     pub fn parse(s: &str) -> Option<Tap> {
@@ -130,7 +181,7 @@ impl TapKey {
 
     fn order(&self) -> (usize, usize, Tap) {
         let group = match (self.tap, self.layer) {
-            (Tap::Embd, _) => 0,
+            (Tap::Embd | Tap::EmbdScaled, _) => 0,
             (_, Some(l)) => l + 1,
             _ => usize::MAX,
         };
