@@ -29,10 +29,11 @@ pub fn forward<O: Ops>(
 
     // Token embedding: one row of token_embd per token.
     let mut x = ops.embed(&m.token_embd, tokens);
+    tap(ops, None, Tap::Embd, &[t, e], &mut x);
     if let Some(s) = c.embd_scale {
         x = ops.scale(x, s);
+        tap(ops, None, Tap::EmbdScaled, &[t, e], &mut x);
     }
-    tap(ops, None, Tap::Embd, &[t, e], &mut x);
 
     for (l, w) in m.layers.iter().enumerate() {
         let ly = Some(l);
@@ -60,9 +61,11 @@ pub fn forward<O: Ops>(
         // Per-head norms of q and k (qwen3, gemma3).
         if let Some(n) = &w.q_norm {
             q = ops.head_norm(q, n, eps);
+            tap(ops, ly, Tap::QNormed, &[t, nh, hd], &mut q);
         }
         if let Some(n) = &w.k_norm {
             k = ops.head_norm(k, n, eps);
+            tap(ops, ly, Tap::KNormed, &[t, nkv, hd], &mut k);
         }
 
         let rope = Rope::for_layer(c, l, w.rope_freqs.as_ref());
@@ -80,10 +83,11 @@ pub fn forward<O: Ops>(
         tap(ops, ly, Tap::KqvOut, &[t, nh * hd], &mut att);
 
         let mut attn_out = ops.matmul(&w.wo, &att);
+        tap(ops, ly, Tap::AttnOut, &[t, e], &mut attn_out);
         if let Some(n) = &w.attn_post_norm {
             attn_out = ops.rms_norm(&attn_out, n, eps);
+            tap(ops, ly, Tap::AttnPostNorm, &[t, e], &mut attn_out);
         }
-        tap(ops, ly, Tap::AttnOut, &[t, e], &mut attn_out);
         let mut ffn_inp = ops.add(x, &attn_out);
         tap(ops, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
 
@@ -97,10 +101,11 @@ pub fn forward<O: Ops>(
         let mut act = ops.glu(gate, &up, c.activation);
         tap(ops, ly, Tap::FfnAct, &[t, ff], &mut act);
         let mut ffn_out = ops.matmul(&w.w_down, &act);
+        tap(ops, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
         if let Some(n) = &w.ffn_post_norm {
             ffn_out = ops.rms_norm(&ffn_out, n, eps);
+            tap(ops, ly, Tap::FfnPostNorm, &[t, e], &mut ffn_out);
         }
-        tap(ops, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
 
         x = ops.add(ffn_inp, &ffn_out);
         tap(ops, ly, Tap::LOut, &[t, e], &mut x);
@@ -116,6 +121,9 @@ pub fn forward<O: Ops>(
     }
     let mut logits = ops.matmul(&m.output, &xn);
     if let Some(cap) = c.final_softcap {
+        if all {
+            taps.at(ops, None, Tap::LogitsUncapped, &[t, c.n_vocab], &mut logits);
+        }
         logits = ops.softcap(logits, cap);
     }
     if all {

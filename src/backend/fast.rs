@@ -24,21 +24,18 @@
 //! - Each output element is computed by one fixed function of its inputs, whichever thread runs
 //!   it, so results are bit-for-bit the same for any thread count.
 
+use super::reference::gelu;
 use super::vecops::{self, rms_norm};
 use super::{Backend, BackendError, Emulation};
+use crate::arch::{self, Attn, Ops, Rope};
 use crate::gguf::TensorInfo;
-use crate::model::{Model, RopeType};
+use crate::model::{Activation, Model, RopeType};
 use crate::quant::{self, Tile, TileAct};
-use crate::trace::{Sink, Tap, tap_mut};
+use crate::trace::{Sink, TapKey, tap_mut};
 use pool::{Pool, SharedMut};
-
-struct LayerVecs {
-    attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
-    bq: Option<Vec<f32>>,
-    bk: Option<Vec<f32>>,
-    bv: Option<Vec<f32>>,
-}
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Matmul input buffers (reused by every matmul).
 #[derive(Default)]
@@ -51,71 +48,108 @@ struct MatmulScratch {
     tmp: Vec<f32>,
 }
 
-/// Activation buffers, sized for the largest T seen so far.
-#[derive(Default)]
-struct Scratch {
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
+/// Vectors of activations that are free to reuse. A [`Buf`] goes back here when dropped, so
+/// once a decode step has run, the next one takes every buffer from here: no allocation.
+type FreeList = Rc<RefCell<Vec<Vec<f32>>>>;
+
+/// The fast backend's activation tensor: a vector that returns to the free list when dropped.
+pub struct Buf {
     v: Vec<f32>,
-    probs: Vec<f32>,
-    att: Vec<f32>,
-    proj: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    logits: Vec<f32>,
-    rope: Vec<(f32, f32)>,
-    mm: MatmulScratch,
+    free: FreeList,
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.free.borrow_mut().push(std::mem::take(&mut self.v));
+    }
+}
+
+impl std::ops::Deref for Buf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.v
+    }
+}
+
+impl std::ops::DerefMut for Buf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.v
+    }
 }
 
 pub struct Fast<'m> {
     model: &'m Model,
     n_ctx: usize,
     pool: Pool,
-    layers: Vec<LayerVecs>,
-    output_norm: Vec<f32>,
+    /// Every 1-d tensor (norm weights, biases, RoPE factors) as f32, by data offset.
+    vectors: HashMap<u64, Vec<f32>>,
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
-    s: Scratch,
+    free: FreeList,
+    mm: MatmulScratch,
+    rope: Vec<(f32, f32)>,
+    /// The latest forward's logits (all rows or the last).
+    logits: Option<Buf>,
 }
 
 impl<'m> Fast<'m> {
     pub fn new(model: &'m Model, n_ctx: usize, n_threads: usize) -> Self {
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
-        let layers = model
-            .layers
+        let vectors = model
+            .file
+            .tensors
             .iter()
-            .map(|l| LayerVecs {
-                attn_norm: model.vector(&l.attn_norm),
-                ffn_norm: model.vector(&l.ffn_norm),
-                bq: l.bq.as_ref().map(|b| model.vector(b)),
-                bk: l.bk.as_ref().map(|b| model.vector(b)),
-                bv: l.bv.as_ref().map(|b| model.vector(b)),
-            })
+            .filter(|t| t.dims.len() == 1)
+            .map(|t| (t.offset, model.vector(t)))
             .collect();
         let kv = n_ctx * c.n_embd_kv();
-        // Decode's attention probabilities grow with the position: size them for the whole
-        // context now, so that no decode step has to grow them.
-        let s = Scratch {
-            probs: vec![0.0; c.n_head * n_ctx],
-            ..Scratch::default()
-        };
+        // Decode's attention probabilities grow with the position: size one buffer for the
+        // whole context now, so that no decode step has to grow one.
+        let free = Rc::new(RefCell::new(vec![Vec::with_capacity(c.n_head * n_ctx)]));
         Fast {
             model,
             n_ctx,
             pool: Pool::new(n_threads.max(1)),
-            layers,
-            output_norm: model.vector(&model.output_norm),
+            vectors,
             k_cache: vec![vec![0.0; kv]; c.n_layer],
             v_cache: vec![vec![0.0; kv]; c.n_layer],
-            s,
+            free,
+            mm: MatmulScratch::default(),
+            rope: Vec::new(),
+            logits: None,
         }
     }
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// A buffer of `n` elements (contents unspecified): the smallest free vector that holds
+    /// `n`, else the largest grown to `n`.
+    fn take(&self, n: usize) -> Buf {
+        self.take_room(n, n)
+    }
+
+    /// [`Self::take`] from a vector with room for at least `room` elements, for a buffer
+    /// that grows from step to step (decode's attention probabilities).
+    fn take_room(&self, n: usize, room: usize) -> Buf {
+        let mut free = self.free.borrow_mut();
+        let fits = (0..free.len())
+            .filter(|&i| free[i].capacity() >= room)
+            .min_by_key(|&i| free[i].capacity());
+        let pick = fits.or_else(|| (0..free.len()).max_by_key(|&i| free[i].capacity()));
+        let mut v = pick.map(|i| free.swap_remove(i)).unwrap_or_default();
+        v.reserve(room.saturating_sub(v.len()));
+        v.resize(n, 0.0);
+        Buf {
+            v,
+            free: Rc::clone(&self.free),
+        }
+    }
+
+    fn vector(&self, t: &TensorInfo) -> &[f32] {
+        &self.vectors[&t.offset]
     }
 }
 
@@ -235,42 +269,29 @@ fn prefetch(data: &[u8], start: usize, len: usize) {
     let _ = (data, start, len);
 }
 
-fn add_bias(x: &mut [f32], b: &Option<Vec<f32>>) {
-    if let Some(b) = b {
-        for row in x.chunks_exact_mut(b.len()) {
-            for (v, bb) in row.iter_mut().zip(b) {
-                *v += bb;
-            }
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
+/// Rotate each head of `x` (`[T, n_heads, head_dim]`), as `reference::rope` (same rounding).
 fn rope(
     x: &mut [f32],
     pos0: usize,
-    t: usize,
     n_heads: usize,
-    head_dim: usize,
-    n_rot: usize,
-    base: f32,
-    freq_scale: f32,
-    kind: RopeType,
+    r: &Rope,
+    factors: Option<&[f32]>,
     cache: &mut Vec<(f32, f32)>,
 ) {
+    let (hd, n_rot) = (r.head_dim, r.n_rot);
     fit(cache, n_rot / 2);
-    let theta_scale = base.powf(-2.0 / n_rot as f32);
-    for i in 0..t {
+    let theta_scale = r.base.powf(-2.0 / n_rot as f32);
+    for (i, row) in x.chunks_exact_mut(n_heads * hd).enumerate() {
         let mut theta = (pos0 + i) as f32;
-        for c in cache[..n_rot / 2].iter_mut() {
-            let th = freq_scale * theta;
-            *c = (th.cos(), th.sin());
+        for (j, c) in cache[..n_rot / 2].iter_mut().enumerate() {
+            let ff = factors.map_or(1.0, |f| f[j]);
+            let th = r.freq_scale * (theta / ff);
+            *c = (th.cos() * r.attn_factor, th.sin() * r.attn_factor);
             theta *= theta_scale;
         }
-        for h in 0..n_heads {
-            let v = &mut x[(i * n_heads + h) * head_dim..][..head_dim];
+        for v in row.chunks_exact_mut(hd) {
             for (j, &(cos, sin)) in cache[..n_rot / 2].iter().enumerate() {
-                let (a, b) = match kind {
+                let (a, b) = match r.kind {
                     RopeType::Norm => (2 * j, 2 * j + 1),
                     RopeType::Neox => (j, j + n_rot / 2),
                 };
@@ -282,68 +303,17 @@ fn rope(
     }
 }
 
-/// Causal attention over the cache for the T new query rows, one task per head: scores
-/// `q·k * scale`, softmax (max-subtracted exp in f32, sum in f64), then `Σ p_j v_j` in
-/// position order. `probs` is [n_head, T, n_kv] (zero past each row's horizon), `att` [T, n_head·hd].
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    pool: &Pool,
-    q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
-    (t, pos0, n_kv): (usize, usize, usize),
-    (nh, nkv, hd): (usize, usize, usize),
-    probs: &mut [f32],
-    att: &mut [f32],
-) {
-    let (eq, ekv) = (nh * hd, nkv * hd);
-    let group = nh / nkv;
-    let kq_scale = 1.0 / (hd as f32).sqrt();
-    let probs = SharedMut::new(&mut probs[..nh * t * n_kv]);
-    let att = SharedMut::new(&mut att[..t * eq]);
-    pool.run(nh, &|h| {
-        let kvh = h / group;
-        // SAFETY: head h owns probs[h, .., ..] and the h-th hd-wide column of every att row.
-        let ph = unsafe { probs.part(h * t * n_kv, t * n_kv) };
-        for (i, p) in ph.chunks_exact_mut(n_kv).enumerate() {
-            let qv = &q[(i * nh + h) * hd..][..hd];
-            let visible = pos0 + i + 1;
-            let mut max = f32::NEG_INFINITY;
-            for (j, pj) in p[..visible].iter_mut().enumerate() {
-                *pj = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]) * kq_scale;
-                max = max.max(*pj);
-            }
-            let mut sum = 0.0f64;
-            for pj in p[..visible].iter_mut() {
-                *pj = (*pj - max).exp();
-                sum += *pj as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            for pj in p[..visible].iter_mut() {
-                *pj *= inv;
-            }
-            p[visible..].fill(0.0);
-            // SAFETY: as above, this head's column of att row i.
-            let out = unsafe { att.part(i * eq + h * hd, hd) };
-            out.fill(0.0);
-            for (j, &pj) in p[..visible].iter().enumerate() {
-                vecops::axpy(out, pj, &vc[j * ekv + kvh * hd..][..hd]);
-            }
-        }
-    });
-}
-
-/// gate = silu(gate) * up, element-wise, in parallel chunks.
-fn swiglu(pool: &Pool, gate: &mut [f32], up: &[f32]) {
+/// `f(x[i], y[i])` into `x`, element-wise, in parallel chunks.
+fn zip_in_place(pool: &Pool, x: &mut [f32], y: &[f32], f: &(dyn Fn(f32, f32) -> f32 + Sync)) {
     const CHUNK: usize = 4096;
-    let n = gate.len();
-    let g = SharedMut::new(gate);
+    let n = x.len();
+    let xs = SharedMut::new(x);
     pool.run(n.div_ceil(CHUNK), &|i| {
         let (a, b) = (i * CHUNK, ((i + 1) * CHUNK).min(n));
         // SAFETY: chunks are disjoint.
-        let g = unsafe { g.part(a, b - a) };
-        for (g, &u) in g.iter_mut().zip(&up[a..b]) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
+        let xs = unsafe { xs.part(a, b - a) };
+        for (x, &y) in xs.iter_mut().zip(&y[a..b]) {
+            *x = f(*x, y);
         }
     });
 }
@@ -369,212 +339,176 @@ impl Backend for Fast<'_> {
         sink: &mut dyn Sink,
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
-        let c = &m.config;
-        let t = tokens.len();
-        if t == 0 {
-            return Err(BackendError::Empty);
+        arch::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
+        let nv = m.config.n_vocab;
+        let logits = self.logits.insert(logits);
+        Ok(&logits[logits.len() - nv..])
+    }
+}
+
+/// The ops, fast: weights in their block format, ggml's CPU rounding, one pool of threads.
+impl Ops for Fast<'_> {
+    type Buf = Buf;
+
+    fn embed(&mut self, w: &TensorInfo, tokens: &[u32]) -> Buf {
+        let e = w.rows().0;
+        let mut x = self.take(tokens.len() * e);
+        for (row, &id) in x.chunks_exact_mut(e).zip(tokens) {
+            self.model.row(w, id as usize, row);
         }
-        if pos0 + t > self.n_ctx {
-            return Err(BackendError::ContextOverflow {
-                end: pos0 + t,
-                n_ctx: self.n_ctx,
-            });
-        }
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
-            return Err(BackendError::BadToken {
-                id,
-                n_vocab: c.n_vocab,
-            });
-        }
-        let (e, hd, nh, nkv, ff) = (c.n_embd, c.head_dim, c.n_head, c.n_head_kv, c.n_ff);
-        let (eq, ekv) = (c.n_embd_q(), c.n_embd_kv());
-        let n_kv = pos0 + t;
-        let s = &mut self.s;
-        for (buf, n) in [
-            (&mut s.x, t * e),
-            (&mut s.xn, t * e),
-            (&mut s.q, t * eq),
-            (&mut s.k, t * ekv),
-            (&mut s.v, t * ekv),
-            (&mut s.probs, nh * t * n_kv),
-            (&mut s.att, t * eq),
-            (&mut s.proj, t * e),
-            (&mut s.gate, t * ff),
-            (&mut s.up, t * ff),
-            (&mut s.logits, t * c.n_vocab),
-        ] {
-            fit(buf, n);
-        }
-        let pool = &self.pool;
-        let mm = &mut s.mm;
+        x
+    }
 
-        for (i, &id) in tokens.iter().enumerate() {
-            m.row(&m.token_embd, id as usize, &mut s.x[i * e..(i + 1) * e]);
-        }
-        tap_mut(sink, step, None, Tap::Embd, &[t, e], &mut s.x[..t * e]);
+    fn scale(&mut self, mut x: Buf, s: f32) -> Buf {
+        x.iter_mut().for_each(|v| *v *= s);
+        x
+    }
 
-        for (l, w) in m.layers.iter().enumerate() {
-            let ly = Some(l);
-            let lv = &self.layers[l];
-            rms_norm(&s.x[..t * e], &lv.attn_norm, c.rms_eps, &mut s.xn[..t * e]);
-            tap_mut(sink, step, ly, Tap::AttnNorm, &[t, e], &mut s.xn[..t * e]);
+    fn rms_norm(&mut self, x: &Buf, w: &TensorInfo, eps: f32) -> Buf {
+        let mut out = self.take(x.len());
+        rms_norm(x, self.vector(w), eps, &mut out);
+        out
+    }
 
-            let xn = &s.xn[..t * e];
-            matmul(pool, m, &w.wq, xn, t, mm, &mut s.q[..t * eq]);
-            matmul(pool, m, &w.wk, xn, t, mm, &mut s.k[..t * ekv]);
-            matmul(pool, m, &w.wv, xn, t, mm, &mut s.v[..t * ekv]);
-            add_bias(&mut s.q[..t * eq], &lv.bq);
-            add_bias(&mut s.k[..t * ekv], &lv.bk);
-            add_bias(&mut s.v[..t * ekv], &lv.bv);
-            tap_mut(sink, step, ly, Tap::Q, &[t, nh, hd], &mut s.q[..t * eq]);
-            tap_mut(sink, step, ly, Tap::K, &[t, nkv, hd], &mut s.k[..t * ekv]);
-            tap_mut(sink, step, ly, Tap::V, &[t, nkv, hd], &mut s.v[..t * ekv]);
+    fn head_norm(&mut self, x: Buf, w: &TensorInfo, eps: f32) -> Buf {
+        let mut out = self.take(x.len());
+        rms_norm(&x, self.vector(w), eps, &mut out);
+        out
+    }
 
-            let (base, fs, nr, rt) = (c.rope_theta, c.rope_freq_scale, c.n_rot, c.rope_type);
-            rope(
-                &mut s.q[..t * eq],
-                pos0,
-                t,
-                nh,
-                hd,
-                nr,
-                base,
-                fs,
-                rt,
-                &mut s.rope,
-            );
-            rope(
-                &mut s.k[..t * ekv],
-                pos0,
-                t,
-                nkv,
-                hd,
-                nr,
-                base,
-                fs,
-                rt,
-                &mut s.rope,
-            );
-            tap_mut(sink, step, ly, Tap::QRope, &[t, nh, hd], &mut s.q[..t * eq]);
-            tap_mut(
-                sink,
-                step,
-                ly,
-                Tap::KRope,
-                &[t, nkv, hd],
-                &mut s.k[..t * ekv],
-            );
+    fn matmul(&mut self, w: &TensorInfo, x: &Buf) -> Buf {
+        let (n_in, n_out) = w.rows();
+        let t = x.len() / n_in;
+        let mut out = self.take(t * n_out);
+        matmul(&self.pool, self.model, w, x, t, &mut self.mm, &mut out);
+        out
+    }
 
-            self.k_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.k[..t * ekv]);
-            self.v_cache[l][pos0 * ekv..n_kv * ekv].copy_from_slice(&s.v[..t * ekv]);
-            attention(
-                pool,
-                &s.q[..t * eq],
-                &self.k_cache[l],
-                &self.v_cache[l],
-                (t, pos0, n_kv),
-                (nh, nkv, hd),
-                &mut s.probs,
-                &mut s.att,
-            );
-            tap_mut(
-                sink,
-                step,
-                ly,
-                Tap::KqSoftMax,
-                &[nh, t, n_kv],
-                &mut s.probs[..nh * t * n_kv],
-            );
-            tap_mut(sink, step, ly, Tap::KqvOut, &[t, eq], &mut s.att[..t * eq]);
-
-            matmul(
-                pool,
-                m,
-                &w.wo,
-                &s.att[..t * eq],
-                t,
-                mm,
-                &mut s.proj[..t * e],
-            );
-            tap_mut(sink, step, ly, Tap::AttnOut, &[t, e], &mut s.proj[..t * e]);
-            for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
-                *x += p;
+    fn add_bias(&mut self, mut x: Buf, b: &TensorInfo) -> Buf {
+        let b = self.vector(b);
+        for row in x.chunks_exact_mut(b.len()) {
+            for (v, bb) in row.iter_mut().zip(b) {
+                *v += bb;
             }
-            tap_mut(sink, step, ly, Tap::FfnInp, &[t, e], &mut s.x[..t * e]);
+        }
+        x
+    }
 
-            rms_norm(&s.x[..t * e], &lv.ffn_norm, c.rms_eps, &mut s.xn[..t * e]);
-            tap_mut(sink, step, ly, Tap::FfnNorm, &[t, e], &mut s.xn[..t * e]);
-            let xn = &s.xn[..t * e];
-            matmul(pool, m, &w.w_gate, xn, t, mm, &mut s.gate[..t * ff]);
-            tap_mut(
-                sink,
-                step,
-                ly,
-                Tap::FfnGate,
-                &[t, ff],
-                &mut s.gate[..t * ff],
-            );
-            matmul(pool, m, &w.w_up, xn, t, mm, &mut s.up[..t * ff]);
-            tap_mut(sink, step, ly, Tap::FfnUp, &[t, ff], &mut s.up[..t * ff]);
-            swiglu(pool, &mut s.gate[..t * ff], &s.up[..t * ff]);
-            tap_mut(sink, step, ly, Tap::FfnAct, &[t, ff], &mut s.gate[..t * ff]);
-            matmul(
-                pool,
-                m,
-                &w.w_down,
-                &s.gate[..t * ff],
-                t,
-                mm,
-                &mut s.proj[..t * e],
-            );
-            tap_mut(sink, step, ly, Tap::FfnOut, &[t, e], &mut s.proj[..t * e]);
-            for (x, p) in s.x[..t * e].iter_mut().zip(&s.proj[..t * e]) {
-                *x += p;
+    fn rope(&mut self, mut x: Buf, _layer: usize, pos0: usize, n_heads: usize, r: &Rope) -> Buf {
+        let factors = r.factors.map(|f| &self.vectors[&f.offset][..]);
+        rope(&mut x, pos0, n_heads, r, factors, &mut self.rope);
+        x
+    }
+
+    fn kv_store(&mut self, layer: usize, pos0: usize, k: &Buf, v: &Buf) {
+        let n = k.len();
+        let start = pos0 * self.model.config.n_embd_kv();
+        self.k_cache[layer][start..start + n].copy_from_slice(k);
+        self.v_cache[layer][start..start + n].copy_from_slice(v);
+    }
+
+    /// One task per head: scores `q·k · scale` (soft-capped), softmax (max-subtracted exp in
+    /// f32, sum in f64); zero past each row's horizon and before its window.
+    fn attn_probs(&mut self, layer: usize, q: &Buf, a: &Attn) -> Buf {
+        let (nh, hd) = (a.n_head, a.head_dim);
+        let (t, n_kv, ekv) = (a.n_tokens, a.n_kv(), a.n_head_kv * hd);
+        let group = nh / a.n_head_kv;
+        let (kc, q): (&[f32], &[f32]) = (&self.k_cache[layer], q);
+        // One decode step's probabilities are one element wider than the last's: take them
+        // from a vector with room for the whole context.
+        let room = if t == 1 { nh * self.n_ctx } else { 0 };
+        let mut probs = self.take_room(nh * t * n_kv, room.max(nh * t * n_kv));
+        let ps = SharedMut::new(&mut probs);
+        self.pool.run(nh, &|h| {
+            let kvh = h / group;
+            // SAFETY: head h owns probs[h, .., ..].
+            let ph = unsafe { ps.part(h * t * n_kv, t * n_kv) };
+            for (i, p) in ph.chunks_exact_mut(n_kv).enumerate() {
+                let qv = &q[(i * nh + h) * hd..][..hd];
+                let seen = a.visible(a.pos0 + i);
+                p[..seen.start].fill(0.0);
+                p[seen.end..].fill(0.0);
+                let p = &mut p[seen.clone()];
+                let mut max = f32::NEG_INFINITY;
+                for (pj, j) in p.iter_mut().zip(seen) {
+                    let mut s = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]);
+                    s *= a.kq_scale;
+                    if let Some(cap) = a.softcap {
+                        s = (s / cap).tanh() * cap;
+                    }
+                    *pj = s;
+                    max = max.max(s);
+                }
+                let mut sum = 0.0f64;
+                for pj in p.iter_mut() {
+                    *pj = (*pj - max).exp();
+                    sum += *pj as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                for pj in p.iter_mut() {
+                    *pj *= inv;
+                }
             }
-            tap_mut(sink, step, ly, Tap::LOut, &[t, e], &mut s.x[..t * e]);
-        }
+        });
+        probs
+    }
 
-        rms_norm(
-            &s.x[..t * e],
-            &self.output_norm,
-            c.rms_eps,
-            &mut s.xn[..t * e],
-        );
-        tap_mut(
-            sink,
-            step,
-            None,
-            Tap::ResultNorm,
-            &[t, e],
-            &mut s.xn[..t * e],
-        );
-        // Only the last row's logits are needed unless a sink records them all.
-        let want_all = sink.wants(&crate::trace::TapKey::new(step, None, Tap::Logits));
-        let nv = c.n_vocab;
-        if want_all {
-            matmul(
-                pool,
-                m,
-                &m.output,
-                &s.xn[..t * e],
-                t,
-                mm,
-                &mut s.logits[..t * nv],
-            );
-            tap_mut(
-                sink,
-                step,
-                None,
-                Tap::Logits,
-                &[t, nv],
-                &mut s.logits[..t * nv],
-            );
-            s.logits.copy_within((t - 1) * nv..t * nv, 0);
-        } else {
-            let last = &s.xn[(t - 1) * e..t * e];
-            matmul(pool, m, &m.output, last, 1, mm, &mut s.logits[..nv]);
+    /// One task per head: `Σ p_j v_j` in position order.
+    fn attn_values(&mut self, layer: usize, probs: &Buf, a: &Attn) -> Buf {
+        let (nh, hd) = (a.n_head, a.head_dim);
+        let (t, n_kv, ekv) = (a.n_tokens, a.n_kv(), a.n_head_kv * hd);
+        let (eq, group) = (nh * hd, nh / a.n_head_kv);
+        let (vc, probs): (&[f32], &[f32]) = (&self.v_cache[layer], probs);
+        let mut att = self.take(t * eq);
+        let out = SharedMut::new(&mut att);
+        self.pool.run(nh, &|h| {
+            let kvh = h / group;
+            for i in 0..t {
+                let p = &probs[(h * t + i) * n_kv..][..n_kv];
+                // SAFETY: head h owns the h-th hd-wide column of every att row.
+                let o = unsafe { out.part(i * eq + h * hd, hd) };
+                o.fill(0.0);
+                for j in a.visible(a.pos0 + i) {
+                    vecops::axpy(o, p[j], &vc[j * ekv + kvh * hd..][..hd]);
+                }
+            }
+        });
+        att
+    }
+
+    fn glu(&mut self, mut gate: Buf, up: &Buf, act: Activation) -> Buf {
+        match act {
+            Activation::Silu => zip_in_place(&self.pool, &mut gate, up, &|g, u| {
+                g / (1.0 + (-g).exp()) * u
+            }),
+            Activation::GeluTanh => zip_in_place(&self.pool, &mut gate, up, &|g, u| {
+                gelu(g, Emulation::GgmlCpu) * u
+            }),
         }
-        Ok(&self.s.logits[..nv])
+        gate
+    }
+
+    fn add(&mut self, mut a: Buf, b: &Buf) -> Buf {
+        for (x, y) in a.iter_mut().zip(b.iter()) {
+            *x += y;
+        }
+        a
+    }
+
+    fn softcap(&mut self, mut x: Buf, cap: f32) -> Buf {
+        x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        x
+    }
+
+    fn last_row(&mut self, x: Buf, width: usize) -> Buf {
+        let mut out = self.take(width);
+        out.copy_from_slice(&x[x.len() - width..]);
+        out
+    }
+
+    fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Buf) {
+        tap_mut(sink, key.step, key.layer, key.tap, shape, x);
     }
 }
 
