@@ -404,3 +404,42 @@ fn swa_pattern(
         .map(|il| period == 0 || il % period < period - 1)
         .collect())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::swa_pattern;
+    use crate::gguf::{GgufFile, GgufWriter, Value};
+
+    fn pattern(key: Option<Value>, n_layer: usize, period: usize) -> Vec<bool> {
+        let mut w = GgufWriter::new();
+        w.set("general.architecture", Value::String("gemma3".into()));
+        if let Some(v) = key {
+            w.set("gemma3.attention.sliding_window_pattern", v);
+        }
+        let f = GgufFile::from_bytes(w.to_bytes()).unwrap();
+        swa_pattern(
+            &f,
+            "gemma3.attention.sliding_window_pattern",
+            n_layer,
+            period,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn swa_period_as_set_swa_pattern_expands_it() {
+        // no key: the architecture's default (gemma2 2, gemma3 6)
+        assert_eq!(pattern(None, 4, 2), [true, false, true, false]);
+        assert_eq!(
+            pattern(None, 7, 6),
+            [true, true, true, true, true, false, true]
+        );
+        // period 1: no layer slides; period 0: every layer does
+        assert_eq!(pattern(Some(Value::U32(1)), 3, 6), [false; 3]);
+        assert_eq!(pattern(Some(Value::U32(0)), 3, 6), [true; 3]);
+        assert_eq!(
+            pattern(Some(Value::U32(3)), 4, 6),
+            [true, true, false, true]
+        );
+    }
+}

@@ -47,7 +47,7 @@ pub const PHI3_SPECIAL: &[&str] = &[
 
 /// gemma2's soft-caps in the fixtures: small enough that tanh bends typical scores and logits.
 pub const FIXTURE_ATTN_SOFTCAP: f32 = 1.5;
-pub const FIXTURE_FINAL_SOFTCAP: f32 = 1.0;
+pub const FIXTURE_FINAL_SOFTCAP: f32 = 5.0;
 /// gemma3's layer period in the fixtures (`attention.sliding_window_pattern`): two local
 /// layers, then a global one.
 pub const FIXTURE_GEMMA3_PERIOD: u32 = 3;
