@@ -9,7 +9,7 @@
 //! the exact decoder runs.
 
 use crate::gguf::{GgmlType, TensorInfo};
-use crate::model::{Model, RopeType};
+use crate::model::{Arch, LayerWeights, Model, RopeType};
 use crate::trace::{Tap, TapKey};
 
 /// One known engine bug. `name()` is its stable, kebab-case identity (CLI, JSON, hypotheses).
@@ -50,6 +50,21 @@ pub enum Mutation {
     DoubleBos,
     /// q_rope stored head-major, `[n_head, T, head_dim]`.
     HeadMajorQRope,
+    // Bugs of the newer architectures.
+    /// gemma: every RMSNorm adds 1 to its weight, although the converter already did.
+    GemmaNormPlusOne,
+    /// gemma: the token embeddings are not multiplied by sqrt(n_embd).
+    NoEmbdScale,
+    /// gemma2: attention scores and final logits are not soft-capped.
+    NoSoftcap,
+    /// Sliding-window layers let a query see one position more than the window.
+    SwaOffByOne,
+    /// qwen3, gemma3: the per-head q/k RMSNorm is skipped.
+    QkNormSkipped,
+    /// phi3: the fused QKV projection split with K and V swapped.
+    QkvSplitOrder,
+    /// llama3, phi3: RoPE ignores the frequency factors (rope_freqs / LongRoPE factors).
+    RopeFactorsIgnored,
 }
 
 /// What a mutation changes.
@@ -95,6 +110,13 @@ impl Mutation {
         Mutation::NoBos,
         Mutation::DoubleBos,
         Mutation::HeadMajorQRope,
+        Mutation::GemmaNormPlusOne,
+        Mutation::NoEmbdScale,
+        Mutation::NoSoftcap,
+        Mutation::SwaOffByOne,
+        Mutation::QkNormSkipped,
+        Mutation::QkvSplitOrder,
+        Mutation::RopeFactorsIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -116,6 +138,13 @@ impl Mutation {
             Mutation::NoBos => "no-bos",
             Mutation::DoubleBos => "double-bos",
             Mutation::HeadMajorQRope => "head-major-q-rope",
+            Mutation::GemmaNormPlusOne => "gemma-norm-plus-one",
+            Mutation::NoEmbdScale => "no-embd-scale",
+            Mutation::NoSoftcap => "no-softcap",
+            Mutation::SwaOffByOne => "swa-off-by-one",
+            Mutation::QkNormSkipped => "qk-norm-skipped",
+            Mutation::QkvSplitOrder => "qkv-split-order",
+            Mutation::RopeFactorsIgnored => "rope-factors-ignored",
         }
     }
 
@@ -168,6 +197,19 @@ impl Mutation {
             Mutation::NoBos => "the BOS token is not prepended to the prompt",
             Mutation::DoubleBos => "the BOS token is prepended twice (template and tokenizer)",
             Mutation::HeadMajorQRope => "q_rope is stored head-major, [n_head, T, head_dim]",
+            Mutation::GemmaNormPlusOne => {
+                "each RMSNorm adds 1 to its weight, although the GGUF converter already folded gemma's +1 in"
+            }
+            Mutation::NoEmbdScale => "the token embeddings are not multiplied by sqrt(n_embd)",
+            Mutation::NoSoftcap => "attention scores and final logits are not soft-capped",
+            Mutation::SwaOffByOne => {
+                "sliding-window layers let a query see one position more than the window"
+            }
+            Mutation::QkNormSkipped => "the per-head RMSNorm of q and k is skipped",
+            Mutation::QkvSplitOrder => "the fused QKV output is split with K and V swapped",
+            Mutation::RopeFactorsIgnored => {
+                "RoPE ignores the model's frequency factors (rope_freqs.weight, LongRoPE factors)"
+            }
         }
     }
 
@@ -199,6 +241,19 @@ impl Mutation {
             // Rotating nothing, or one pair, leaves NORM and NEOX the same.
             Mutation::RopeNeox => c.n_rot >= 4,
             Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
+            Mutation::GemmaNormPlusOne => {
+                matches!(c.arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3)
+            }
+            Mutation::NoEmbdScale => c.embd_scale.is_some_and(|s| s != 1.0),
+            Mutation::NoSoftcap => c.attn_softcap.is_some() || c.final_softcap.is_some(),
+            Mutation::SwaOffByOne => c.n_swa > 0 && c.swa_layers.iter().any(|&s| s),
+            Mutation::QkNormSkipped => model.layers.iter().any(|l| l.q_norm.is_some()),
+            Mutation::QkvSplitOrder => model.layers.iter().any(|l| fused_qkv(l)),
+            Mutation::RopeFactorsIgnored => model.layers.iter().any(|l| {
+                l.rope_freqs
+                    .as_ref()
+                    .is_some_and(|f| model.vector(f).iter().any(|&v| v != 1.0))
+            }),
             _ => true,
         }
     }
@@ -237,8 +292,33 @@ impl Mutation {
                 Some(TapKey::new(0, None, Tap::Logits))
             }
             Mutation::NoBos | Mutation::DoubleBos => Some(TapKey::new(0, None, Tap::Embd)),
+            Mutation::GemmaNormPlusOne => at(0, Tap::AttnNorm),
+            // The embedding counts as layer 0.
+            Mutation::NoEmbdScale => (from == 0).then_some(TapKey::new(0, None, Tap::EmbdScaled)),
+            Mutation::NoSoftcap => match model.config.attn_softcap {
+                Some(_) => at(0, Tap::KqSoftMax),
+                None => Some(TapKey::new(0, None, Tap::Logits)),
+            },
+            // Assuming a prompt longer than the window.
+            Mutation::SwaOffByOne => (from..model.config.n_layer)
+                .find(|&l| model.config.swa_layers[l])
+                .map(|l| TapKey::new(0, Some(l), Tap::KqSoftMax)),
+            Mutation::QkNormSkipped => (from..model.config.n_layer)
+                .find(|&l| model.layers[l].q_norm.is_some())
+                .map(|l| TapKey::new(0, Some(l), Tap::QNormed)),
+            Mutation::QkvSplitOrder => (from..model.config.n_layer)
+                .find(|&l| fused_qkv(&model.layers[l]))
+                .map(|l| TapKey::new(0, Some(l), Tap::K)),
+            Mutation::RopeFactorsIgnored => (from..model.config.n_layer)
+                .find(|&l| model.layers[l].rope_freqs.is_some())
+                .map(|l| TapKey::new(0, Some(l), Tap::QRope)),
         }
     }
+}
+
+/// Whether a layer's q, k and v are views of one fused attn_qkv weight (phi3).
+pub fn fused_qkv(l: &LayerWeights) -> bool {
+    l.wk.name.contains("attn_qkv")
 }
 
 impl Mutation {
@@ -261,6 +341,15 @@ impl Mutation {
             Mutation::DecoderNibbleOrder => "step 0, the first op reading a 4-bit weight",
             Mutation::TransposedLmHead | Mutation::TiedOutput => "step 0, logits",
             Mutation::NoBos | Mutation::DoubleBos => "step 0, the token ids",
+            Mutation::GemmaNormPlusOne => "step 0, layer 0, attn_norm",
+            Mutation::NoEmbdScale => "step 0, embd_scaled",
+            Mutation::NoSoftcap => "step 0, layer 0, kq_soft_max (or the logits)",
+            Mutation::SwaOffByOne => {
+                "step 0, the first sliding-window layer, kq_soft_max (a prompt longer than the window)"
+            }
+            Mutation::QkNormSkipped => "step 0, layer 0, q_normed",
+            Mutation::QkvSplitOrder => "step 0, layer 0, k",
+            Mutation::RopeFactorsIgnored => "step 0, layer 0, q_rope",
         }
     }
 }
@@ -350,11 +439,16 @@ fn first_norm_showing(m: Mutation, model: &Model, from: usize) -> Option<TapKey>
         })
     };
     for (l, w) in model.layers.iter().enumerate().skip(from) {
-        if shows(&w.attn_norm) {
-            return Some(TapKey::new(0, Some(l), Tap::AttnNorm));
-        }
-        if shows(&w.ffn_norm) {
-            return Some(TapKey::new(0, Some(l), Tap::FfnNorm));
+        let norms = [
+            (Some(&w.attn_norm), Tap::AttnNorm),
+            (w.attn_post_norm.as_ref(), Tap::AttnPostNorm),
+            (Some(&w.ffn_norm), Tap::FfnNorm),
+            (w.ffn_post_norm.as_ref(), Tap::FfnPostNorm),
+        ];
+        for (n, tap) in norms {
+            if n.is_some_and(shows) {
+                return Some(TapKey::new(0, Some(l), tap));
+            }
         }
     }
     shows(&model.output_norm).then_some(TapKey::new(0, None, Tap::ResultNorm))

@@ -209,10 +209,13 @@ impl<'m> Reference<'m> {
     /// The keys query row `i` sees (all of them with the no-causal-mask bug).
     fn visible(&self, layer: usize, a: &Attn, pos0: usize, i: usize, n_kv: usize) -> Range<usize> {
         if self.mutated(Mutation::NoCausalMask, Some(layer)) {
-            0..n_kv
-        } else {
-            a.visible(pos0 + i)
+            return 0..n_kv;
         }
+        let mut a = *a;
+        if a.window > 0 && self.mutated(Mutation::SwaOffByOne, Some(layer)) {
+            a.window += 1;
+        }
+        a.visible(pos0 + i)
     }
 }
 
@@ -370,6 +373,10 @@ impl Ops for Reference<'_> {
     }
 
     fn scale(&mut self, mut x: Vec<f32>, s: f32) -> Vec<f32> {
+        // The only scale in the graph is gemma's embedding scale.
+        if self.mutated(Mutation::NoEmbdScale, Some(0)) {
+            return x;
+        }
         x.iter_mut().for_each(|v| *v *= s);
         x
     }
@@ -383,6 +390,9 @@ impl Ops for Reference<'_> {
         if self.mutated(Mutation::NormWeightTwice, layer) {
             weight.iter_mut().for_each(|v| *v *= *v);
         }
+        if self.mutated(Mutation::GemmaNormPlusOne, layer) {
+            weight.iter_mut().for_each(|v| *v += 1.0);
+        }
         let eps = if self.mutated(Mutation::RmsEps10x, layer) {
             eps * 10.0
         } else {
@@ -392,6 +402,9 @@ impl Ops for Reference<'_> {
     }
 
     fn head_norm(&mut self, x: Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
+        if self.mutated(Mutation::QkNormSkipped, layer_of(&w.name)) {
+            return x;
+        }
         rms_norm(&x, &self.model.vector(w), eps)
     }
 
@@ -405,6 +418,22 @@ impl Ops for Reference<'_> {
             &m.token_embd
         } else {
             w
+        };
+        // A fused QKV split with K and V swapped reads each from the other's rows.
+        let w = match layer {
+            Some(l) if self.mutated(Mutation::QkvSplitOrder, layer) => {
+                let lw = &m.layers[l];
+                if !mutation::fused_qkv(lw) {
+                    w
+                } else if w.offset == lw.wk.offset {
+                    &lw.wv
+                } else if w.offset == lw.wv.offset {
+                    &lw.wk
+                } else {
+                    w
+                }
+            }
+            _ => w,
         };
         let t = x.len() / w.rows().0;
         let transposed = (lm_head && self.mutated(Mutation::TransposedLmHead, None))
@@ -439,6 +468,9 @@ impl Ops for Reference<'_> {
         if self.mutated(Mutation::RopeNeox, Some(layer)) {
             r.kind = mutation::other_rope(r.kind);
         }
+        if self.mutated(Mutation::RopeFactorsIgnored, Some(layer)) {
+            r.factors = None;
+        }
         let factors = r.factors.map(|f| self.model.vector(f));
         rope(&mut x, pos0, n_heads, &r, factors.as_deref());
         x
@@ -464,6 +496,7 @@ impl Ops for Reference<'_> {
         let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
         let kc = &self.k_cache[layer];
         let kv_head = self.kv_head(layer, a);
+        let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
         let mut probs = vec![0.0f32; nh * t * n_kv];
         for h in 0..nh {
             for i in 0..t {
@@ -472,7 +505,7 @@ impl Ops for Reference<'_> {
                 let seen = self.visible(layer, a, pos0, i, n_kv);
                 for j in seen.clone() {
                     let mut s = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
-                    if let Some(cap) = a.softcap {
+                    if let Some(cap) = a.softcap.filter(|_| !no_cap) {
                         s = (s / cap).tanh() * cap;
                     }
                     p[j] = s;
@@ -524,6 +557,10 @@ impl Ops for Reference<'_> {
     }
 
     fn softcap(&mut self, mut x: Vec<f32>, cap: f32) -> Vec<f32> {
+        // The only soft-cap op in the graph is the final one.
+        if self.mutated(Mutation::NoSoftcap, None) {
+            return x;
+        }
         x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         x
     }

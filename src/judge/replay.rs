@@ -119,11 +119,33 @@ impl<'t> Candidate<'t> {
     }
 }
 
-/// What a replay runs: an activation rounding, an optional known bug, a model variant (other
-/// rms eps or rope theta), and the window.
+/// The K/V cache type an engine stores: f32, or f16 (llama.cpp's default cache type; its
+/// k_rope and v taps stay the f32 values computed before the store).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCache {
+    #[default]
+    F32,
+    F16,
+}
+
+impl KvCache {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCache::F32 => "f32",
+            KvCache::F16 => "f16",
+        }
+    }
+}
+
+/// What a replay runs: an activation rounding, a K/V cache type, an optional known bug, a
+/// model variant (other rms eps or rope theta), and the window.
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub rounding: Emulation,
+    /// The cache type emulated: with f16 the reference's k_rope and v (or the candidate's,
+    /// where substituted) are rounded to f16 before the cache stores them.
+    pub kv: KvCache,
     pub mutation: Option<Mutation>,
     pub rms_eps: Option<f32>,
     pub rope_theta: Option<f32>,
@@ -213,6 +235,8 @@ fn variant(model: &Model, s: &Setup) -> Result<Model, JudgeError> {
     }
     let w = s.window;
     m.layers = m.layers[w.l0..w.l_end.max(w.l0)].to_vec();
+    // Per-layer architecture data follows the layers (gemma's sliding-window pattern).
+    m.config.swa_layers = m.config.swa_layers[w.l0..w.l_end.max(w.l0)].to_vec();
     m.config.n_layer = m.layers.len();
     Ok(m)
 }
@@ -253,6 +277,7 @@ pub fn replay(
     let mut sink = JudgeSink {
         cand,
         window: w,
+        kv: setup.kv,
         keep,
         out: Replay {
             metrics: BTreeMap::new(),
@@ -275,6 +300,7 @@ pub fn replay(
 struct JudgeSink<'a, 't> {
     cand: &'a Candidate<'t>,
     window: Window,
+    kv: KvCache,
     keep: &'a BTreeSet<TapKey>,
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
@@ -298,9 +324,20 @@ impl JudgeSink<'_, '_> {
     }
 }
 
+/// Whether `tap` is what the K/V cache stores (after it is tapped: see `arch::transformer`).
+fn cached(tap: Tap) -> bool {
+    matches!(tap, Tap::KRope | Tap::V)
+}
+
 impl Sink for JudgeSink<'_, '_> {
     fn wants(&self, key: &TapKey) -> bool {
         self.error.is_none() && self.map(key).is_some_and(|k| self.cand.contains(&k))
+    }
+
+    fn replays(&self, key: &TapKey) -> bool {
+        self.wants(key)
+            || (key.tap == Tap::Embd && self.window.l0 > 0)
+            || (self.kv == KvCache::F16 && cached(key.tap))
     }
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
@@ -333,6 +370,22 @@ impl Sink for JudgeSink<'_, '_> {
     }
 
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
+        let replaced = self.replace(key, data);
+        if self.kv == KvCache::F16 && cached(key.tap) && key.layer.is_some() {
+            // An f16 cache: attention reads these values rounded to f16 (round to nearest even,
+            // as ggml's and numpy's f32 -> f16 conversions do).
+            for x in data.iter_mut() {
+                *x = half::f16::from_f32(*x).to_f32();
+            }
+            return true;
+        }
+        replaced
+    }
+}
+
+impl JudgeSink<'_, '_> {
+    /// The candidate's tensor in place of the reference's, where the candidate has one.
+    fn replace(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         let w = self.window;
         // Entering the window: the candidate's l_out of the layer before stands in for the
         // embedding.
