@@ -9,6 +9,7 @@
 mod common;
 
 use common::{copy_dir, root, shared};
+use parity::gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use std::ffi::{OsStr, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -69,6 +70,40 @@ fn clean(dir: &Path, names: &[&str]) -> Option<String> {
         }
     }
     None
+}
+
+/// The committed fixture rewritten to `dir/name` with metadata `edits`, and every value of
+/// tensor `nan` (an f32 tensor) made NaN.
+fn rewrite_fixture(dir: &Path, name: &str, edits: &[(&str, Value)], nan: Option<&str>) -> PathBuf {
+    let f = GgufFile::open(fix()).unwrap();
+    let mut w = GgufWriter::new();
+    for (k, v) in &f.metadata {
+        w.set(k, v.clone());
+    }
+    for (k, v) in edits {
+        w.set(k, v.clone());
+    }
+    for t in &f.tensors {
+        let mut data = f.tensor_data(t).to_vec();
+        if Some(t.name.as_str()) == nan {
+            assert_eq!(t.ty, GgmlType::F32, "{}", t.name);
+            for c in data.chunks_mut(4) {
+                c.copy_from_slice(&f32::NAN.to_le_bytes());
+            }
+        }
+        w.add_tensor(&t.name, &t.dims, t.ty, data);
+    }
+    let p = dir.join(name);
+    w.write(&p).unwrap();
+    p
+}
+
+/// A process id that ran and has ended.
+fn dead_pid() -> u32 {
+    let mut c = Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
 }
 
 fn truncated_copy(dir: &Path, src: &Path, keep: usize) -> PathBuf {
@@ -214,7 +249,7 @@ fn cases() -> Vec<Case> {
             env: &[],
             stdout_to: None,
             code: 2,
-            words: &["context"],
+            words: &["--steps 100000", "exceed the model's context of 256"],
             after: Some(|d| clean(d, &["t"])),
         },
         Case {
@@ -290,7 +325,275 @@ fn cases() -> Vec<Case> {
             env: &[],
             stdout_to: None,
             code: 0,
-            words: &["ids:"],
+            words: &["ids:", "note: --threads 100000 capped at"],
+            after: None,
+        },
+        Case {
+            name: "generate past the context, refused up front",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"generate",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"-n",
+                    &"1000",
+                    &"--ignore-eos",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["-n 1000", "exceed the model's context of 256"],
+            after: None,
+        },
+        Case {
+            name: "dump --golden past the context of another model",
+            needs: &[],
+            args: |d| {
+                let m = rewrite_fixture(
+                    d,
+                    "short.gguf",
+                    &[("llama.context_length", Value::U32(6))],
+                    None,
+                );
+                os(&[
+                    &"dump",
+                    &m,
+                    &"--golden",
+                    &root().join(GOLDEN),
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["forced decode ids", "exceed the model's context of 6"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "dump clears a killed run's leftover staging folder",
+            needs: &[],
+            args: |d| {
+                let dead = dead_pid();
+                std::fs::create_dir_all(d.join(format!(".t.partial-{dead}/s000"))).unwrap();
+                std::fs::create_dir_all(d.join(format!(".t.partial-{dead}.gone"))).unwrap();
+                // Another writer's folder, alive (this test process): kept.
+                std::fs::create_dir(d.join(format!(".t.partial-{}", std::process::id()))).unwrap();
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote"],
+            after: Some(|d| {
+                let mut left: Vec<String> = std::fs::read_dir(d)
+                    .unwrap()
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.contains(".partial-"))
+                    .collect();
+                left.sort();
+                if left != [format!(".t.partial-{}", std::process::id())] {
+                    return Some(format!("staging folders left: {left:?}"));
+                }
+                (!d.join("t/manifest.json").is_file()).then(|| "no trace written".into())
+            }),
+        },
+        Case {
+            name: "generate names its backend and warns it rounds unlike llama.cpp",
+            needs: &[],
+            args: |_| os(&[&"generate", &fix(), &"-p", &"hi", &"-n", &"2"]),
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &[
+                "prompt ids: 1 388 268 — BOS <s> (1) prepended",
+                "backend: reference (plain f32 activations; q8_0 weights)",
+                "warning: llama.cpp rounds activations before q8_0 matmuls",
+                "--emulate ggml-cpu",
+            ],
+            after: None,
+        },
+        Case {
+            name: "generate --backend fast: llama.cpp's rounding, no warning",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"generate",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"-n",
+                    &"2",
+                    &"--backend",
+                    &"fast",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["backend: fast (activations rounded as llama.cpp's CPU backend does"],
+            after: None,
+        },
+        Case {
+            name: "generate --backend fast --emulate none (ignored before)",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"generate",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--backend",
+                    &"fast",
+                    &"--emulate",
+                    &"none",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--backend fast always rounds", "--emulate none"],
+            after: None,
+        },
+        Case {
+            name: "generate on a model whose logits are NaN",
+            needs: &[],
+            args: |d| {
+                let m = rewrite_fixture(d, "nan.gguf", &[], Some("output_norm.weight"));
+                os(&[&"generate", &m, &"-p", &"hi", &"-n", &"3"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["logits at step 0 are not finite", "NaN"],
+            after: None,
+        },
+        Case {
+            name: "mutate double-bos without a BOS says so in words",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"generate",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--no-bos",
+                    &"--mutate",
+                    &"double-bos",
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["do not start with the model's BOS (1)"],
+            after: None,
+        },
+        // ---- tokenization as llama.cpp: add_eos_token, BERT's [CLS] … [SEP]
+        Case {
+            name: "tokenize on an add_eos_token model appends EOS",
+            needs: &[],
+            args: |d| {
+                let m = rewrite_fixture(
+                    d,
+                    "eos.gguf",
+                    &[("tokenizer.ggml.add_eos_token", Value::Bool(true))],
+                    None,
+                );
+                os(&[&"tokenize", &m, &"hi"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["1 388 268 2\n"],
+            after: None,
+        },
+        Case {
+            name: "tokenize --no-eos on an add_eos_token model",
+            needs: &[],
+            args: |d| {
+                let m = rewrite_fixture(
+                    d,
+                    "eos.gguf",
+                    &[("tokenizer.ggml.add_eos_token", Value::Bool(true))],
+                    None,
+                );
+                os(&[&"tokenize", &m, &"--no-eos", &"hi"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["1 388 268\n"],
+            after: None,
+        },
+        Case {
+            name: "tokenize on the BERT vocabulary: [CLS] … [SEP]",
+            needs: &[Need::Shared("vocab/ggml-vocab-bert-bge.gguf")],
+            args: |_| {
+                let v = shared("vocab/ggml-vocab-bert-bge.gguf").unwrap();
+                os(&[&"tokenize", &v, &"Hello world"])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["101 7592 2088 102\n"],
+            after: None,
+        },
+        Case {
+            name: "golden then check on an add_eos_token model",
+            needs: &[Need::Llama],
+            args: |d| {
+                let m = rewrite_fixture(
+                    d,
+                    "eos.gguf",
+                    &[("tokenizer.ggml.add_eos_token", Value::Bool(true))],
+                    None,
+                );
+                let g = d.join("g");
+                let o = Command::new(env!("CARGO_BIN_EXE_parity"))
+                    .args([
+                        OsStr::new("golden"),
+                        m.as_os_str(),
+                        OsStr::new("-p"),
+                        OsStr::new("hi"),
+                    ])
+                    .args([
+                        OsStr::new("--steps"),
+                        OsStr::new("2"),
+                        OsStr::new("--out"),
+                        g.as_os_str(),
+                    ])
+                    .output()
+                    .unwrap();
+                assert!(
+                    o.status.success(),
+                    "golden: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                let man = std::fs::read_to_string(g.join("manifest.json")).unwrap();
+                let man: serde_json::Value = serde_json::from_str(&man).unwrap();
+                assert_eq!(
+                    man["steps"][0]["tokens"],
+                    serde_json::json!([1, 388, 268, 2])
+                );
+                os(&[&"check", &m, &"-p", &"hi", &"--golden", &g])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["EOS </s> (2) appended", "verdict: parity (8 comparisons)"],
             after: None,
         },
         Case {
@@ -1079,6 +1382,9 @@ fn model_truncated_while_mapped() {
     let mut first = String::new();
     err.read_line(&mut first).unwrap();
     assert!(first.starts_with("prompt ids"), "{first}");
+    let mut second = String::new();
+    err.read_line(&mut second).unwrap();
+    assert!(second.starts_with("backend: reference"), "{second}");
     std::fs::OpenOptions::new()
         .write(true)
         .open(&m)
@@ -1095,4 +1401,83 @@ fn model_truncated_while_mapped() {
         lines[0].contains("SIGBUS") && lines[0].contains("truncated"),
         "{rest}"
     );
+}
+
+/// Ctrl-C (SIGINT), `kill` (SIGTERM) or a closed terminal (SIGHUP) in the middle of a dump:
+/// the unfinished trace is removed, nothing is left under the final name or beside it, one
+/// line says so, and the process still ends by that signal (a shell sees 130 for Ctrl-C).
+#[test]
+fn interrupted_dump_leaves_nothing() {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("m.gguf");
+    let o = common::parity(&[
+        "fixture",
+        "--n-embd",
+        "512",
+        "--n-ff",
+        "1024",
+        "--n-layer",
+        "4",
+        "--n-ctx",
+        "4096",
+        "--type",
+        "f32",
+        "-o",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+    for (sig, name) in [
+        (libc::SIGINT, "INT"),
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGHUP, "HUP"),
+    ] {
+        let out = dir.path().join(format!("t-{name}"));
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_parity"));
+        cmd.arg("dump")
+            .arg(&m)
+            .args(["-p", "hi", "--steps", "4000", "--out"])
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // A test run from a script may inherit SIGINT ignored, which parity respects.
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::signal(sig, libc::SIG_DFL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        let staging = dir.path().join(format!(".t-{name}.partial-{}", child.id()));
+        let t0 = std::time::Instant::now();
+        while !staging.join("s002").exists() {
+            assert!(
+                t0.elapsed().as_secs() < 120,
+                "no staging folder {} after 2 minutes",
+                staging.display()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        // SAFETY: signalling our own child.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, sig);
+        }
+        let o = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.signal(), Some(sig), "SIG{name}: {stderr}");
+        let said: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.contains("interrupted"))
+            .collect();
+        assert_eq!(said.len(), 1, "SIG{name}: {stderr}");
+        assert!(said[0].contains("removed the unfinished trace"), "{stderr}");
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(&format!("t-{name}")))
+            .collect();
+        assert!(left.is_empty(), "SIG{name}: left behind {left:?}");
+    }
 }

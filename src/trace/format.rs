@@ -314,6 +314,21 @@ fn staging_dir(dir: &Path) -> Result<PathBuf, TraceError> {
     Ok(parent.join(tmp))
 }
 
+/// The output folder a staging folder `.NAME.partial-PID` stands for (beside it): where
+/// [`super::staging::remove_stale`] looks.
+fn tmp_target(tmp: &Path, dir: &Path) -> PathBuf {
+    let name = tmp.file_name().map(|n| n.to_string_lossy().into_owned());
+    let name = name
+        .as_deref()
+        .and_then(|n| n.strip_prefix('.'))
+        .and_then(|n| n.rsplit_once(".partial-"))
+        .map(|(n, _)| n.to_string());
+    match (tmp.parent(), name) {
+        (Some(parent), Some(name)) => parent.join(name),
+        _ => dir.to_path_buf(),
+    }
+}
+
 /// Move the finished trace in `tmp` to `dir`: a plain rename when `dir` is absent or empty;
 /// otherwise (`--force`) the old trace's entries are removed, never other files, and the new
 /// ones moved in, `manifest.json` last.
@@ -360,11 +375,8 @@ fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TraceError> {
     std::fs::write(&p, text + "\n").map_err(io_err(&p))
 }
 
-/// Write a little-endian f32 C-order .npy file.
-pub fn write_npy(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), TraceError> {
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-    }
+/// Write a little-endian f32 C-order .npy file into a folder that must exist.
+fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), TraceError> {
     let f = std::fs::File::create(path).map_err(io_err(path))?;
     let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
     let mut w = npyz::WriteOptions::<f32>::new()
@@ -496,10 +508,13 @@ impl TraceWriter {
         if let Some(parent) = tmp.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent))?;
         }
+        // Folders of writers killed outright (SIGKILL, a crash) go now.
+        super::staging::remove_stale(&tmp_target(&tmp, dir));
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
         }
         std::fs::create_dir(&tmp).map_err(io_err(dir))?;
+        super::staging::register(&tmp);
         Ok(TraceWriter {
             dir: dir.to_path_buf(),
             tmp,
@@ -534,7 +549,7 @@ impl TraceWriter {
         m.tensors
             .sort_by_key(|e| TapKey::new(e.step, e.layer, Tap::parse(&e.tap).expect("own tap")));
         write_manifest(&self.tmp, &m)?;
-        publish(&self.tmp, &self.dir)?;
+        super::staging::settle(&self.tmp, || publish(&self.tmp, &self.dir))?;
         self.done = true;
         Ok(m)
     }
@@ -543,7 +558,7 @@ impl TraceWriter {
 impl Drop for TraceWriter {
     fn drop(&mut self) {
         if !self.done {
-            let _ = std::fs::remove_dir_all(&self.tmp);
+            super::staging::settle(&self.tmp, || std::fs::remove_dir_all(&self.tmp).ok());
         }
     }
 }
@@ -553,7 +568,17 @@ impl Sink for TraceWriter {
         self.error.is_none() && self.filter.matches(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
-        match write_npy(&self.tmp.join(key.file()), shape, data) {
+        // The step folder is made inside the staging folder, never the staging folder itself:
+        // once an interrupt has taken it away, writing fails instead of starting it again.
+        let path = self.tmp.join(key.file());
+        let made = match path.parent() {
+            Some(step) if step != self.tmp => match std::fs::create_dir(step) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(io_err(step)(e)),
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        };
+        match made.and_then(|()| write_npy_file(&path, shape, data)) {
             Ok(()) => self.entries.push(entry(&key, shape)),
             Err(e) => self.error = Some(e),
         }
