@@ -22,8 +22,8 @@ pub mod transformer;
 
 use crate::backend::BackendError;
 use crate::gguf::TensorInfo;
-use crate::model::{Activation, Config, RopeType};
-use crate::trace::{Sink, TapKey};
+use crate::model::{Activation, Arch, Config, RopeType};
+use crate::trace::{Sink, Tap, TapKey};
 
 /// RoPE of one layer: ggml_rope_ext with ext_factor 0.
 #[derive(Clone, Copy, Debug)]
@@ -156,6 +156,111 @@ pub trait Ops {
     /// A tap point: hand `x` to the sink if it wants it, then let a replaying sink replace it
     /// (op by op) before the forward goes on from it.
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Self::Buf);
+}
+
+/// The canonical shape of `tap` for a step of `t` tokens from position `pos0`, as 3-d
+/// `[a, b, c]`: `[T, heads, head_dim]` for per-head tensors, `[n_head, T, n_kv]` for the
+/// attention probabilities, `[T, 1, width]` for the rest. What the forward records.
+pub fn tap_dims(c: &Config, tap: Tap, t: usize, pos0: usize) -> [usize; 3] {
+    match tap {
+        Tap::Q | Tap::QNormed | Tap::QRope | Tap::KqvOut => [t, c.n_head, c.head_dim],
+        Tap::K | Tap::KNormed | Tap::V | Tap::KRope => [t, c.n_head_kv, c.head_dim],
+        Tap::KqSoftMax => [c.n_head, t, pos0 + t],
+        Tap::FfnGate | Tap::FfnUp | Tap::FfnAct => [t, 1, c.n_ff],
+        Tap::Logits | Tap::LogitsUncapped => [t, 1, c.n_vocab],
+        Tap::Embd
+        | Tap::EmbdScaled
+        | Tap::AttnNorm
+        | Tap::AttnOut
+        | Tap::AttnPostNorm
+        | Tap::FfnInp
+        | Tap::FfnNorm
+        | Tap::FfnOut
+        | Tap::FfnPostNorm
+        | Tap::LOut
+        | Tap::ResultNorm => [t, 1, c.n_embd],
+    }
+}
+
+/// Whether the forward of a model with config `c` records `tap` (every architecture records
+/// the llama taps; the others only where its data asks for the op). Checked against the
+/// forward itself by a test.
+pub fn records(c: &Config, tap: Tap) -> bool {
+    match tap {
+        Tap::EmbdScaled => c.embd_scale.is_some(),
+        Tap::QNormed | Tap::KNormed => matches!(c.arch, Arch::Qwen3 | Arch::Gemma3),
+        Tap::AttnPostNorm | Tap::FfnPostNorm => matches!(c.arch, Arch::Gemma2 | Arch::Gemma3),
+        Tap::LogitsUncapped => c.final_softcap.is_some(),
+        _ => true,
+    }
+}
+
+/// The keys whose op produced `k` directly (its inputs, the graph's edges), for a trace with
+/// decode steps `steps`: attention reads the cached keys and values of every step so far.
+pub fn tap_inputs(c: &Config, k: &TapKey, steps: &[usize]) -> Vec<TapKey> {
+    let s = k.step;
+    let at = |tap: Tap| TapKey::new(s, k.layer, tap);
+    // The last of `taps` the graph records (each optional one replaces the one before).
+    let last = |layer: Option<usize>, taps: &[Tap]| {
+        let tap = *taps.iter().rev().find(|&&t| records(c, t)).expect("one");
+        TapKey::new(s, layer, tap)
+    };
+    let l_in = |l: usize| {
+        if l == 0 {
+            last(None, &[Tap::Embd, Tap::EmbdScaled])
+        } else {
+            TapKey::new(s, Some(l - 1), Tap::LOut)
+        }
+    };
+    let cached = |tap: Tap| -> Vec<TapKey> {
+        steps
+            .iter()
+            .filter(|&&x| x <= s)
+            .map(|&x| TapKey::new(x, k.layer, tap))
+            .collect()
+    };
+    let layer = k.layer.unwrap_or(0);
+    match k.tap {
+        Tap::Embd => vec![],
+        Tap::EmbdScaled => vec![TapKey::new(s, None, Tap::Embd)],
+        Tap::AttnNorm => vec![l_in(layer)],
+        Tap::Q | Tap::K | Tap::V => vec![at(Tap::AttnNorm)],
+        Tap::QNormed => vec![at(Tap::Q)],
+        Tap::KNormed => vec![at(Tap::K)],
+        Tap::QRope => vec![last(k.layer, &[Tap::Q, Tap::QNormed])],
+        Tap::KRope => vec![last(k.layer, &[Tap::K, Tap::KNormed])],
+        Tap::KqSoftMax => {
+            let mut v = vec![at(Tap::QRope)];
+            v.extend(cached(Tap::KRope));
+            v
+        }
+        Tap::KqvOut => {
+            let mut v = vec![at(Tap::KqSoftMax)];
+            v.extend(cached(Tap::V));
+            v
+        }
+        Tap::AttnOut => vec![at(Tap::KqvOut)],
+        Tap::AttnPostNorm => vec![at(Tap::AttnOut)],
+        Tap::FfnInp => vec![
+            last(k.layer, &[Tap::AttnOut, Tap::AttnPostNorm]),
+            l_in(layer),
+        ],
+        Tap::FfnNorm => vec![at(Tap::FfnInp)],
+        Tap::FfnGate | Tap::FfnUp => vec![at(Tap::FfnNorm)],
+        Tap::FfnAct => vec![at(Tap::FfnGate), at(Tap::FfnUp)],
+        Tap::FfnOut => vec![at(Tap::FfnAct)],
+        Tap::FfnPostNorm => vec![at(Tap::FfnOut)],
+        Tap::LOut => vec![
+            at(Tap::FfnInp),
+            last(k.layer, &[Tap::FfnOut, Tap::FfnPostNorm]),
+        ],
+        Tap::ResultNorm => match c.n_layer {
+            0 => vec![l_in(0)],
+            n => vec![TapKey::new(s, Some(n - 1), Tap::LOut)],
+        },
+        Tap::LogitsUncapped => vec![TapKey::new(s, None, Tap::ResultNorm)],
+        Tap::Logits => vec![last(None, &[Tap::ResultNorm, Tap::LogitsUncapped])],
+    }
 }
 
 /// Refuse what no backend can run, before any op: no tokens, ids past the vocabulary, positions

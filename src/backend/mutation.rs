@@ -288,8 +288,13 @@ impl Mutation {
             Mutation::SwigluSwap => at(0, Tap::FfnAct),
             Mutation::KvOffByOne => at(1, Tap::KqSoftMax),
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
+            // Before a final soft-cap, the projection is tapped on its own.
             Mutation::TransposedLmHead | Mutation::TiedOutput => {
-                Some(TapKey::new(0, None, Tap::Logits))
+                let tap = match model.config.final_softcap {
+                    Some(_) => Tap::LogitsUncapped,
+                    None => Tap::Logits,
+                };
+                Some(TapKey::new(0, None, tap))
             }
             Mutation::NoBos | Mutation::DoubleBos => Some(TapKey::new(0, None, Tap::Embd)),
             Mutation::GemmaNormPlusOne => at(0, Tap::AttnNorm),

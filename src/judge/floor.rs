@@ -103,69 +103,9 @@ pub fn rope_floor(pos_max: usize) -> f64 {
     ROPE.max(10.0 * (1e-7 * pos_max as f64).powi(2))
 }
 
-/// The keys whose op produced `k` directly (its inputs), in the candidate's steps.
-fn inputs(k: &TapKey, n_layer: usize, steps: &[usize]) -> Vec<TapKey> {
-    let s = k.step;
-    let at = |tap: Tap| TapKey::new(s, k.layer, tap);
-    let l_in = |l: usize| {
-        if l == 0 {
-            TapKey::new(s, None, Tap::Embd)
-        } else {
-            TapKey::new(s, Some(l - 1), Tap::LOut)
-        }
-    };
-    let cached = |tap: Tap| -> Vec<TapKey> {
-        steps
-            .iter()
-            .filter(|&&x| x <= s)
-            .map(|&x| TapKey::new(x, k.layer, tap))
-            .collect()
-    };
-    match k.tap {
-        Tap::Embd => vec![],
-        Tap::AttnNorm => vec![l_in(k.layer.unwrap_or(0))],
-        Tap::Q | Tap::K | Tap::V => vec![at(Tap::AttnNorm)],
-        // The new architectures' taps (qwen3, gemma family): each reads the tap before it.
-        Tap::EmbdScaled => vec![TapKey::new(s, None, Tap::Embd)],
-        Tap::QNormed => vec![at(Tap::Q)],
-        Tap::KNormed => vec![at(Tap::K)],
-        Tap::AttnPostNorm => vec![at(Tap::AttnOut)],
-        Tap::FfnPostNorm => vec![at(Tap::FfnOut)],
-        Tap::LogitsUncapped => vec![TapKey::new(s, None, Tap::ResultNorm)],
-        Tap::QRope => vec![at(Tap::Q)],
-        Tap::KRope => vec![at(Tap::K)],
-        Tap::KqSoftMax => {
-            let mut v = vec![at(Tap::QRope)];
-            v.extend(cached(Tap::KRope));
-            v
-        }
-        Tap::KqvOut => {
-            let mut v = vec![at(Tap::KqSoftMax)];
-            v.extend(cached(Tap::V));
-            v
-        }
-        Tap::AttnOut => vec![at(Tap::KqvOut)],
-        Tap::FfnInp => vec![at(Tap::AttnOut), l_in(k.layer.unwrap_or(0))],
-        Tap::FfnNorm => vec![at(Tap::FfnInp)],
-        Tap::FfnGate | Tap::FfnUp => vec![at(Tap::FfnNorm)],
-        Tap::FfnAct => vec![at(Tap::FfnGate), at(Tap::FfnUp)],
-        Tap::FfnOut => vec![at(Tap::FfnAct)],
-        Tap::LOut => vec![at(Tap::FfnInp), at(Tap::FfnOut)],
-        Tap::ResultNorm => {
-            if n_layer == 0 {
-                vec![TapKey::new(s, None, Tap::Embd)]
-            } else {
-                vec![TapKey::new(s, Some(n_layer - 1), Tap::LOut)]
-            }
-        }
-        Tap::Logits => vec![TapKey::new(s, None, Tap::ResultNorm)],
-    }
-}
-
 /// The ops recomputed to reproduce `k` from the candidate's own taps: `k`'s op and, for each
 /// input the candidate did not dump, that input's span. `{k}` when `k` is judged on its own.
 pub fn span(cand: &Candidate, k: &TapKey) -> BTreeSet<TapKey> {
-    let n_layer = cand.config.n_layer;
     let steps = cand.steps();
     let mut out = BTreeSet::new();
     let mut todo = vec![*k];
@@ -173,7 +113,7 @@ pub fn span(cand: &Candidate, k: &TapKey) -> BTreeSet<TapKey> {
         if !out.insert(x) {
             continue;
         }
-        for i in inputs(&x, n_layer, &steps) {
+        for i in crate::arch::tap_inputs(&cand.config, &x, &steps) {
             if !cand.contains(&i) {
                 todo.push(i);
             }

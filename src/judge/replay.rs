@@ -66,14 +66,7 @@ impl<'t> Candidate<'t> {
     pub fn dims(&self, k: &TapKey) -> Option<[usize; 3]> {
         let c = &self.config;
         let (t, pos0) = self.step_shape(k.step)?;
-        Some(match k.tap {
-            Tap::Q | Tap::QRope | Tap::KqvOut => [t, c.n_head, c.head_dim],
-            Tap::K | Tap::V | Tap::KRope => [t, c.n_head_kv, c.head_dim],
-            Tap::KqSoftMax => [c.n_head, t, pos0 + t],
-            Tap::FfnGate | Tap::FfnUp | Tap::FfnAct => [t, 1, c.n_ff],
-            Tap::Logits => [t, 1, c.n_vocab],
-            _ => [t, 1, c.n_embd],
-        })
+        Some(crate::arch::tap_dims(c, k.tap, t, pos0))
     }
 
     /// The tensor exactly as stored (flattened in its own order).
@@ -177,9 +170,9 @@ impl Window {
     /// previous layer's l_out, at every step up to `key`'s) the candidate has.
     pub fn for_key(cand: &Candidate, key: &TapKey) -> Window {
         let n_layer = cand.config.n_layer;
-        let upto = key
-            .layer
-            .unwrap_or(if key.tap == Tap::Embd { 0 } else { n_layer });
+        // The embedding taps come before every layer.
+        let pre = matches!(key.tap, Tap::Embd | Tap::EmbdScaled);
+        let upto = key.layer.unwrap_or(if pre { 0 } else { n_layer });
         let steps: Vec<usize> = cand
             .steps()
             .into_iter()
@@ -200,10 +193,10 @@ impl Window {
             l0,
             l_end: match key.layer {
                 Some(l) => l + 1,
-                None if key.tap == Tap::Embd => 0,
+                None if pre => 0,
                 None => n_layer,
             },
-            end: key.layer.is_none() && key.tap != Tap::Embd,
+            end: key.layer.is_none() && !pre,
         }
     }
 }
@@ -313,7 +306,7 @@ impl JudgeSink<'_, '_> {
     fn map(&self, k: &TapKey) -> Option<TapKey> {
         let w = self.window;
         match (k.tap, k.layer) {
-            (Tap::Embd, _) => (w.l0 == 0).then_some(*k),
+            (Tap::Embd | Tap::EmbdScaled, _) => (w.l0 == 0).then_some(*k),
             (_, Some(l)) => Some(TapKey::new(k.step, Some(l + w.l0), k.tap)),
             (_, None) => w.end.then_some(*k),
         }
@@ -321,6 +314,15 @@ impl JudgeSink<'_, '_> {
 
     fn fail(&mut self, e: JudgeError) {
         self.error.get_or_insert(e);
+    }
+
+    /// The tap whose tensor enters the first layer: the embedding, or its scaled copy.
+    fn entry(&self) -> Tap {
+        if self.cand.config.embd_scale.is_some() {
+            Tap::EmbdScaled
+        } else {
+            Tap::Embd
+        }
     }
 }
 
@@ -336,7 +338,7 @@ impl Sink for JudgeSink<'_, '_> {
 
     fn replays(&self, key: &TapKey) -> bool {
         self.wants(key)
-            || (key.tap == Tap::Embd && self.window.l0 > 0)
+            || (key.tap == self.entry() && self.window.l0 > 0)
             || (self.kv == KvCache::F16 && cached(key.tap))
     }
 
@@ -388,8 +390,8 @@ impl JudgeSink<'_, '_> {
     fn replace(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         let w = self.window;
         // Entering the window: the candidate's l_out of the layer before stands in for the
-        // embedding.
-        let src = if key.tap == Tap::Embd && w.l0 > 0 {
+        // embedding (the scaled one where the model scales it).
+        let src = if key.tap == self.entry() && w.l0 > 0 {
             TapKey::new(key.step, Some(w.l0 - 1), Tap::LOut)
         } else {
             match self.map(key) {
