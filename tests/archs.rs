@@ -367,3 +367,32 @@ fn every_fixture_architecture_runs_in_llama_cpp_and_passes_the_golden_self_check
         }
     }
 }
+
+#[test]
+fn inspect_prints_each_architectures_own_hyperparameters() {
+    let run = |name: &str| {
+        let o = parity(&["inspect", &format!("fixtures/{name}.gguf")]);
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let g2 = run("tiny-gemma2-q8_0");
+    for want in [
+        "activation GeluTanh",
+        "embd_scale 16",
+        "attn_softcap 1.5",
+        "final_softcap 5",
+        "sliding_window 4 layers SF",
+        "post-norms",
+    ] {
+        assert!(g2.contains(want), "{want} not in:\n{g2}");
+    }
+    assert!(run("tiny-gemma3-q8_0").contains("layers SSF (S slides) swa_theta 10000"));
+    let p3 = run("tiny-phi3-q8_0");
+    assert!(
+        p3.contains("rope_factors long+short (long above n_ctx 256)")
+            && p3.contains("fused attn_qkv"),
+        "{p3}"
+    );
+    assert!(run("tiny-llama3-q8_0").contains("rope_freqs (llama3 frequency factors)"));
+    assert!(run("tiny-qwen3-q8_0").contains("q/k norms"));
+}

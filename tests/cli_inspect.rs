@@ -181,7 +181,9 @@ fn check_inspect(path: &Path) {
         .find(|l| l.starts_with("architecture: "))
         .unwrap_or_else(|| panic!("inspect {p}: no architecture line\n{text}"));
     assert!(
-        arch_line == "architecture: llama" || arch_line == "architecture: qwen2",
+        parity::model::Arch::ALL
+            .iter()
+            .any(|a| arch_line == format!("architecture: {}", a.name())),
         "inspect {p}: {arch_line}"
     );
     let hp = text

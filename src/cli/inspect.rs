@@ -111,6 +111,54 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
                 c.tied_embeddings,
                 c.has_qkv_bias
             )?;
+            // The architecture's own data (what its forward reads besides the shapes).
+            let mut extra = vec![
+                format!("activation {:?}", c.activation),
+                format!("kq_scale {}", c.kq_scale),
+            ];
+            if let Some(s) = c.embd_scale {
+                extra.push(format!("embd_scale {s}"));
+            }
+            if let Some(cap) = c.attn_softcap {
+                extra.push(format!("attn_softcap {cap}"));
+            }
+            if let Some(cap) = c.final_softcap {
+                extra.push(format!("final_softcap {cap}"));
+            }
+            if c.n_swa > 0 {
+                let pattern: String = c
+                    .swa_layers
+                    .iter()
+                    .map(|&s| if s { 'S' } else { 'F' })
+                    .collect();
+                extra.push(format!(
+                    "sliding_window {} layers {pattern} (S slides) swa_theta {} swa_freq_scale {}",
+                    c.n_swa, c.rope_theta_swa, c.rope_freq_scale_swa
+                ));
+            }
+            if c.rope_attn_factor != 1.0 {
+                extra.push(format!("rope_attn_factor {}", c.rope_attn_factor));
+            }
+            let names = |n: &str| f.tensor(n).is_some();
+            if names("rope_freqs.weight") {
+                extra.push("rope_freqs (llama3 frequency factors)".into());
+            }
+            if names("rope_factors_long.weight") || names("rope_factors_short.weight") {
+                extra.push(format!(
+                    "rope_factors long+short (long above n_ctx {})",
+                    c.n_ctx_orig
+                ));
+            }
+            if names("blk.0.attn_q_norm.weight") {
+                extra.push("q/k norms".into());
+            }
+            if names("blk.0.post_attention_norm.weight") {
+                extra.push("post-norms".into());
+            }
+            if names("blk.0.attn_qkv.weight") {
+                extra.push("fused attn_qkv".into());
+            }
+            writeln!(o, "  {}", extra.join(", "))?;
         }
         Err(e) if !f.tensors.is_empty() => {
             writeln!(o, "hyperparameters: not a runnable model: {e}")?
