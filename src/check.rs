@@ -32,7 +32,9 @@ pub enum CheckError {
         sha: String,
     },
     #[error(
-        "golden {golden} was made for other token ids {golden_ids:?}, not {ids:?}: make one with `parity golden MODEL -p ... --out DIR`"
+        "golden {golden} was made for other token ids ({}), not these ({}): make one for these ids with `parity golden MODEL -p ... --out DIR`, or run `parity check MODEL --golden {golden}` without -p/--tokens to use the golden's own ids",
+        join_ids(.golden_ids),
+        join_ids(.ids)
     )]
     GoldenOtherIds {
         golden: String,
@@ -59,6 +61,14 @@ pub enum CheckError {
     Trace(#[from] TraceError),
     #[error(transparent)]
     Compare(#[from] CompareError),
+}
+
+/// Ids as text: `1 388 268`.
+fn join_ids(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// What a check runs and where it looks for goldens.

@@ -597,6 +597,43 @@ fn cases() -> Vec<Case> {
             after: None,
         },
         Case {
+            name: "a zip file as model: its magic shown as bytes and text",
+            needs: &[],
+            args: |d| {
+                let p = d.join("model.gguf");
+                std::fs::write(&p, b"PK\x03\x04 not a model at all, a zip").unwrap();
+                os(&[&"inspect", &p])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["not a GGUF file", "50 4B 03 04 (\"PK\\x03\\x04\")"],
+            after: None,
+        },
+        Case {
+            name: "check with a golden made for other ids",
+            needs: &[],
+            args: |_| {
+                os(&[
+                    &"check",
+                    &fix(),
+                    &"-p",
+                    &"a prompt the golden was not made for",
+                    &"--golden",
+                    &root().join(GOLDEN),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &[
+                "other token ids (1 ",
+                "not these (1 ",
+                "without -p/--tokens",
+            ],
+            after: None,
+        },
+        Case {
             name: "inspect --json > /dev/full",
             needs: &[],
             args: |_| os(&[&"inspect", &"--json", &fix()]),

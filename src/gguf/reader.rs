@@ -39,6 +39,18 @@ fn esc(s: &str) -> std::str::EscapeDebug<'_> {
     s.escape_debug()
 }
 
+/// A file's first four bytes as a person reads them: hex, and the text they spell where
+/// printable (`50 4B 03 04 ("PK\x03\x04")`).
+fn show_magic(m: &[u8; 4]) -> String {
+    let hex: Vec<String> = m.iter().map(|b| format!("{b:02X}")).collect();
+    let text: String = m
+        .iter()
+        .flat_map(|&b| std::ascii::escape_default(b))
+        .map(char::from)
+        .collect();
+    format!("{} (\"{text}\")", hex.join(" "))
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
     #[error("{path}: {source}")]
@@ -46,7 +58,7 @@ pub enum GgufError {
         path: String,
         source: std::io::Error,
     },
-    #[error("not a GGUF file (magic {0:?}, expected \"GGUF\")")]
+    #[error("not a GGUF file (its magic is {}, a GGUF file starts with \"GGUF\")", show_magic(.0))]
     BadMagic([u8; 4]),
     #[error(
         "GGUF version 1 is not supported (retired 2023, 32-bit counts); re-convert the model with a current llama.cpp convert script"
@@ -515,7 +527,8 @@ fn read_value(
                 return Err(GgufError::BadMetadata {
                     key: key.into(),
                     what: format!(
-                        "array of {n} {et:?} cannot fit in the remaining {} bytes",
+                        "array of {n} {} cannot fit in the remaining {} bytes",
+                        et.name(),
                         c.remaining()
                     ),
                 });

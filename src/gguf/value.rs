@@ -42,6 +42,26 @@ impl ValueType {
         })
     }
 
+    /// The type's name as gguf.md spells it, lowercase: `u32`, `string`, `array`, ….
+    pub fn name(self) -> &'static str {
+        use ValueType::*;
+        match self {
+            U8 => "u8",
+            I8 => "i8",
+            U16 => "u16",
+            I16 => "i16",
+            U32 => "u32",
+            I32 => "i32",
+            F32 => "f32",
+            Bool => "bool",
+            String => "string",
+            Array => "array",
+            U64 => "u64",
+            I64 => "i64",
+            F64 => "f64",
+        }
+    }
+
     /// The smallest number of bytes one value of this type occupies on disk; used to reject
     /// element counts that cannot fit in the rest of the file before allocating for them.
     pub fn min_size(self) -> u64 {
@@ -163,7 +183,7 @@ impl Value {
             Value::Array(ty, v) => {
                 let head: Vec<String> = v.iter().take(3).map(|x| x.summary()).collect();
                 let more = if v.len() > 3 { ", …" } else { "" };
-                format!("[{:?}; {}] [{}{}]", ty, v.len(), head.join(", "), more)
+                format!("[{}; {}] [{}{}]", ty.name(), v.len(), head.join(", "), more)
             }
             Value::F32(x) => format!("{x}"),
             Value::F64(x) => format!("{x}"),

@@ -56,7 +56,10 @@ pub(super) fn opt_id(f: &GgufFile, key: &str) -> Result<Option<u64>, TokenizerEr
                 Some(_) => Ok(Some(u64::MAX)),
                 None => Err(bad_key(
                     key,
-                    format!("expected an integer token id, found {:?}", v.value_type()),
+                    format!(
+                        "expected an integer token id, found {}",
+                        v.value_type().name()
+                    ),
                 )),
             },
         },
@@ -66,10 +69,12 @@ pub(super) fn opt_id(f: &GgufFile, key: &str) -> Result<Option<u64>, TokenizerEr
 pub(super) fn opt_bool(f: &GgufFile, key: &str) -> Result<Option<bool>, TokenizerError> {
     match f.get(key) {
         None => Ok(None),
-        Some(v) => v
-            .as_bool()
-            .map(Some)
-            .ok_or_else(|| bad_key(key, format!("expected a bool, found {:?}", v.value_type()))),
+        Some(v) => v.as_bool().map(Some).ok_or_else(|| {
+            bad_key(
+                key,
+                format!("expected a bool, found {}", v.value_type().name()),
+            )
+        }),
     }
 }
 
@@ -275,7 +280,10 @@ fn read_vocab(f: &GgufFile) -> Result<Vocab, TokenizerError> {
                     Value::I32(s) => Ok(*s as f32),
                     other => Err(bad_key(
                         KEY_SCORES,
-                        format!("expected f32 or i32 scores, found {:?}", other.value_type()),
+                        format!(
+                            "expected f32 or i32 scores, found {}",
+                            other.value_type().name()
+                        ),
                     )),
                 })
                 .collect::<Result<_, _>>()?
