@@ -4,8 +4,9 @@
 
 use super::Result;
 use crate::backend::mutation::{Mutation, MutationKind};
+use crate::judge::verdict::Verdict as Outcome;
 use crate::model::Model;
-use crate::trace::Trace;
+use crate::trace::{Tap, Trace};
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -107,6 +108,10 @@ pub struct SelftestArgs {
     /// first); the bug must then be found at the right layer.
     #[arg(long)]
     sparse: bool,
+    /// The numpy engine's K/V cache type: f16 is llama.cpp's default cache (parity's own
+    /// engine keeps an f32 cache, so f16 needs --engine numpy).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    kv: String,
     /// Place each compute bug deep: it acts from this layer on (and on the output norm and
     /// projection), so it must be found at this layer with every layer before it clean.
     #[arg(long, default_value_t = 0)]
@@ -164,60 +169,24 @@ struct Row {
     named: Option<String>,
     /// Other hypotheses that reproduce the candidate as well.
     also: Vec<String>,
+    /// The largest cut a hypothesis made of an own error under the floors (a clean row must
+    /// stay below `judge::hypothesis::EXPLAINS`; None when none was tested).
+    below_floor_cut: Option<f64>,
     ok: bool,
     why: String,
 }
 
-/// What `diff` concluded about a candidate, in the terms selftest checks.
-struct Outcome {
-    diverged: bool,
-    /// The verdict's place: the token difference's step, else the first op out of its own
-    /// noise floor, else the first end-to-end divergence.
-    place: Option<crate::trace::TapKey>,
-    named: Option<String>,
-    /// Other hypotheses that reproduce the candidate as well as the named one.
-    also: Vec<String>,
-}
-
+/// `diff`'s verdict on a candidate: the library call `parity diff` makes when it has the model
+/// (`judge::verdict::diff`, with diff's default options), so the two cannot disagree.
 fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Outcome> {
-    use crate::compare::{CompareOptions, PairKind, compare};
-    use crate::judge::{JudgeOptions, judge};
-    use crate::trace::{Tap, TapKey};
-    // The verdict `parity diff` gives when it has the model (cli/diff.rs): token ids first;
-    // each op judged on the candidate's own inputs names the cause; the end-to-end comparison
-    // (tolerances above llama.cpp's own spread) is a finding of its own when it diverges.
-    let aligned = crate::judge::replay::aligned_trace(cand, &model.config)?;
-    let c = compare(
+    use crate::judge::verdict::{DiffOptions, diff};
+    let d = diff(
         golden,
-        aligned.as_ref().unwrap_or(cand),
-        &CompareOptions {
-            pair: PairKind::DifferentRounding,
-            weight_type: model.main_weight_type(),
-            require_same_model: true,
-        },
+        cand,
+        Some(model),
+        &DiffOptions::new(model.main_weight_type()),
     )?;
-    let j = judge(model, cand, &JudgeOptions::default())?;
-    if let Some(tm) = &c.token_mismatch {
-        return Ok(Outcome {
-            diverged: true,
-            place: Some(TapKey::new(tm.step, None, Tap::Embd)),
-            named: Some(tm.kind.name().to_string()),
-            also: Vec::new(),
-        });
-    }
-    let place = match &j.first {
-        Some(f) => Some(f.key),
-        None => c.first_divergence.as_ref().map(|d| d.at.key),
-    };
-    Ok(Outcome {
-        diverged: !j.passed() || c.diverged(),
-        place,
-        named: j
-            .first
-            .as_ref()
-            .and_then(|f| f.catalog.clone().or(f.confirmed.clone())),
-        also: j.first.as_ref().map(|f| f.also.clone()).unwrap_or_default(),
-    })
+    Ok(d.verdict)
 }
 
 /// The name the diagnosis must give for `m`: the catalog name, or for token bugs the kind of
@@ -264,6 +233,7 @@ fn write_trace(
     ggml: bool,
     sparse: bool,
     from_layer: usize,
+    kv: &str,
     dir: &std::path::Path,
 ) -> Result<()> {
     let mut cmd = match engine {
@@ -295,6 +265,7 @@ fn write_trace(
             c.arg(model_path).arg("--golden").arg(golden);
             c.args(["--rounding", if ggml { "ggml" } else { "none" }]);
             c.args(["--taps", if sparse { "sparse" } else { "all" }]);
+            c.args(["--kv", kv]);
             match case {
                 Case::Clean => {}
                 Case::Bug(m) => {
@@ -413,6 +384,12 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         "numpy" => vec![Engine::Numpy],
         _ => vec![Engine::Parity, Engine::Numpy],
     };
+    if a.kv != "f32" && engines.contains(&Engine::Parity) {
+        return Err(super::err(format!(
+            "--kv {} needs --engine numpy (parity's own engine keeps an f32 K/V cache)",
+            a.kv
+        )));
+    }
     let roundings: Vec<bool> = match a.rounding.as_str() {
         "none" => vec![false],
         "ggml" => vec![true],
@@ -446,6 +423,7 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
                         ggml,
                         a.sparse,
                         a.from_layer,
+                        &a.kv,
                         &dir,
                     )?;
                     let cand = Trace::open(&dir)?;
@@ -498,12 +476,17 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         println!(
-            "selftest: {} of {} rows ok on {} (golden {}){}{}",
+            "selftest: {} of {} rows ok on {} (golden {}){}{}{}",
             rows.len() - failed,
             rows.len(),
             model_path.display(),
             golden_dir.display(),
             if a.sparse { ", sparse traces" } else { "" },
+            if a.kv != "f32" {
+                format!(", {} K/V cache", a.kv)
+            } else {
+                String::new()
+            },
             if a.from_layer > 0 {
                 format!(", bugs from layer {}", a.from_layer)
             } else {
@@ -558,6 +541,7 @@ fn judge_row(
         found,
         named: o.named.clone(),
         also: o.also.clone(),
+        below_floor_cut: o.below_floor_cut,
         ok: false,
         why: String::new(),
     };
@@ -579,9 +563,18 @@ fn judge_row(
                 .first_shows_from(model, from_layer)
                 .unwrap_or_else(|| m.first_shows(model));
             // Where the sparse trace first differs from the clean engine's, if that is later.
+            // Graph order: the embedding taps, then the layers, then the output taps.
+            let order = |k: &crate::trace::TapKey| {
+                let at = match (k.layer, k.tap) {
+                    (Some(l), _) => l + 1,
+                    (None, Tap::Embd | Tap::EmbdScaled) => 0,
+                    (None, _) => usize::MAX,
+                };
+                (at, k.tap)
+            };
             if let Some(k) = observable
                 && k.step == exp.step
-                && k.layer.unwrap_or(usize::MAX) > exp.layer.unwrap_or(usize::MAX)
+                && order(&k) > order(&exp)
             {
                 exp = k;
             }
