@@ -7,12 +7,14 @@ an engine author's dump would look to `parity diff`. It shares no code with pari
 decoded by gguf-py, every op is written again here.
 
   numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml]
-      [--taps all|sparse] [--mutate NAME] [--no-bos|--double-bos] [--layout head-major [--declare]]
+      [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
+      [--layout head-major [--declare]]
 
 --rounding ggml quantizes each matmul input as ggml's CPU backend does before the dot product
 (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL weights, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants, f16 for F16;
 the x86 AVX quantizer: 127/amax, round half to even). --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
+--kv f16 stores the K/V cache in f16, as llama.cpp does by default.
 """
 import argparse
 import hashlib
@@ -169,8 +171,11 @@ def round_input(ty, x):
 # ---- the forward pass ---------------------------------------------------------------------
 
 class Engine:
-    def __init__(self, m, rounding, mutation, n_ctx):
+    def __init__(self, m, rounding, mutation, n_ctx, kv="f32"):
         self.m, self.rounding, self.mut = m, rounding, mutation
+        # "f16": the K/V cache stores f16 values, as llama.cpp's default cache type does (the
+        # k_rope and v taps stay the f32 values computed before the store).
+        self.kv = kv
         self.n_ctx = n_ctx
         kv = m.n_head_kv * m.head_dim
         self.k_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
@@ -258,8 +263,12 @@ class Engine:
             rec("k_rope", l, k)
             slot = pos0 + 1 if (mut == "kv-off-by-one" and pos0 > 0) else pos0
             if slot + T <= self.n_ctx:
-                self.k_cache[l][slot:slot + T] = k.reshape(T, -1)
-                self.v_cache[l][slot:slot + T] = v.reshape(T, -1)
+                kst, vst = k.reshape(T, -1), v.reshape(T, -1)
+                if self.kv == "f16":
+                    kst = kst.astype(np.float16).astype(F32)
+                    vst = vst.astype(np.float16).astype(F32)
+                self.k_cache[l][slot:slot + T] = kst
+                self.v_cache[l][slot:slot + T] = vst
             kc = self.k_cache[l][:n_kv].reshape(n_kv, nkv, hd)
             vc = self.v_cache[l][:n_kv].reshape(n_kv, nkv, hd)
             group = nh // nkv
@@ -321,6 +330,8 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
     ap.add_argument("--rounding", choices=["none", "ggml"], default="none")
+    ap.add_argument("--kv", choices=["f32", "f16"], default="f32",
+                    help="K/V cache type (llama.cpp's default cache is f16)")
     ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
     ap.add_argument("--mutate-from-layer", type=int, default=0,
                     help="the bug acts from this layer on (and on the output norm and projection)")
@@ -374,7 +385,7 @@ def main():
         tensors.append({"step": s, "tap": tap, "layer": layer, "file": file,
                         "shape": list(x.shape), "dtype": "<f4"})
 
-    eng = Engine(m, a.rounding, mutation, len(prompt) + n_steps)
+    eng = Engine(m, a.rounding, mutation, len(prompt) + n_steps, a.kv)
     steps = [{"step": 0, "tokens": prompt, "positions": list(range(len(prompt)))}]
     logits = eng.forward(prompt, 0, rec)
     pos = len(prompt)
@@ -391,7 +402,7 @@ def main():
         "format": "parity-trace", "version": 1,
         "model": {"path": a.model, "sha256": sha},
         "producer": {"name": "numpy-engine", "backend": "numpy", "version": "0.1",
-                     "settings": {"rounding": a.rounding, "taps": a.taps,
+                     "settings": {"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
                                   "numpy": np.__version__}},
         "steps": steps, "tensors": tensors,
     }

@@ -438,3 +438,168 @@ fn tempdir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&p).unwrap();
     p
 }
+
+/// An own error under its floor that a known bug removes is that bug. A plain-f32 engine with
+/// rms eps ×10, dumping only embd, l_out, result_norm and logits of TinyStories-656K-Q8_0,
+/// moves layer 0's output by ~6e-11: far under a whole-layer span's floor (1e-5, which admits
+/// an f16 K/V cache), far over f32 noise; replaying the layer under the hypothesis removes it.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared/models")]
+fn a_bug_under_a_span_floor_is_found_by_experiment() {
+    let Some(dir) = shared("models") else {
+        return;
+    };
+    let model = Model::open(dir.join("TinyStories-656K-Q8_0.gguf")).unwrap();
+    let g = Trace::open(root().join("golden/TinyStories-656K-Q8_0")).unwrap();
+    let clean = engine_trace(&model, &g, None, Emulation::None, sparse);
+    let j = judged(&model, &clean);
+    assert!(j.passed(), "clean: {}", judge::render(&j));
+    assert!(
+        j.below_floor
+            .iter()
+            .all(|b| b.cut() < judge::hypothesis::EXPLAINS),
+        "{}",
+        judge::render(&j)
+    );
+    let t = engine_trace(
+        &model,
+        &g,
+        Some(Mutation::RmsEps10x),
+        Emulation::None,
+        sparse,
+    );
+    let j = judged(&model, &t);
+    let f = j.first.as_ref().expect("found");
+    assert!(f.explained, "{}", f.text);
+    assert!(f.own_nmse < f.floor / 1e3, "under the floor: {}", f.text);
+    assert_eq!(f.key, TapKey::new(0, Some(0), Tap::LOut), "{}", f.text);
+    assert_eq!(f.catalog.as_deref(), Some("rms-eps-10x"), "{}", f.text);
+    assert!(
+        f.confirmed_nmse.unwrap() * judge::hypothesis::EXPLAINS <= f.own_nmse,
+        "{}",
+        f.text
+    );
+    // The key is no longer reported as passing.
+    let o = j.ops.iter().find(|o| o.key == f.flagged).unwrap();
+    assert!(!o.pass);
+}
+
+/// `parity diff` and `parity selftest` draw their verdict from one library call
+/// (`judge::verdict::diff`): parity, a numeric bug (own error), a token difference, and the
+/// end-to-end comparison alone when the model is not at hand.
+#[test]
+fn one_verdict_call_names_each_basis() {
+    use parity::judge::verdict::{Basis, DiffOptions, diff};
+    let (model, g) = fixture("tiny-llama-q8_0");
+    let opt = DiffOptions::new(model.main_weight_type());
+    let d = diff(&g, &g, Some(&model), &opt).unwrap();
+    assert!(!d.verdict.diverged, "{:?}", d.verdict);
+    assert_eq!(d.verdict.basis, Basis::Parity);
+    assert!(d.judgement.is_some() && d.verdict.place.is_none());
+
+    let t = engine_trace(
+        &model,
+        &g,
+        Some(Mutation::RopeNeox),
+        Emulation::GgmlCpu,
+        |_| true,
+    );
+    let d = diff(&g, &t, Some(&model), &opt).unwrap();
+    assert!(d.verdict.diverged);
+    assert_eq!(d.verdict.basis, Basis::OwnError);
+    assert_eq!(d.verdict.place, Some(TapKey::new(0, Some(0), Tap::QRope)));
+    assert_eq!(d.verdict.named.as_deref(), Some("rope-neox"));
+    // Without the model: end to end only, the place but no name.
+    let d = diff(&g, &t, None, &opt).unwrap();
+    assert!(d.judgement.is_none());
+    assert_eq!(d.verdict.basis, Basis::EndToEnd, "{:?}", d.verdict);
+    assert!(d.verdict.diverged && d.verdict.named.is_none());
+    assert!(d.verdict.place.is_some());
+
+    // A dropped BOS (an engine process with the bug): the token ids are the finding.
+    let tmp = tempdir("verdict-bos");
+    let out = tmp.join("nobos");
+    let o = parity(&[
+        "dump",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--golden",
+        "golden/tiny-llama-q8_0",
+        "--mutate",
+        "no-bos",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let t = Trace::open(&out).unwrap();
+    let d = diff(&g, &t, Some(&model), &opt).unwrap();
+    assert!(d.verdict.diverged);
+    assert_eq!(d.verdict.basis, Basis::Tokens);
+    assert_eq!(d.verdict.named.as_deref(), Some("bos-missing"));
+    assert_eq!(d.verdict.place, Some(TapKey::new(0, None, Tap::Embd)));
+}
+
+/// An engine with an f16 K/V cache (llama.cpp's default; here the numpy engine, `--kv f16`):
+/// the judge measures the cache type, and with the cache emulated the own errors of a sparse
+/// trace drop back to f32 noise, so the same eps ×10 under a span's floor is found by
+/// experiment; the f32-cache trace is measured as f32.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared/models")]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn an_f16_kv_cache_is_measured_and_emulated() {
+    use parity::judge::replay::KvCache;
+    let (Some(dir), Some(py)) = (shared("models"), numpy_engine_python()) else {
+        return;
+    };
+    let mp = dir.join("TinyStories-656K-Q8_0.gguf");
+    let model = Model::open(&mp).unwrap();
+    let golden = root().join("golden/TinyStories-656K-Q8_0");
+    let tmp = tempdir("judge-kv16");
+    let trace = |kv: &str, mutate: Option<&str>| {
+        let out = tmp.join(format!("{kv}-{}", mutate.unwrap_or("clean")));
+        let mut c = std::process::Command::new(&py);
+        c.arg(root().join("scripts/numpy_engine.py"))
+            .arg(&mp)
+            .arg("--golden")
+            .arg(&golden)
+            .args(["--taps", "sparse", "--kv", kv, "--out"])
+            .arg(&out);
+        if let Some(m) = mutate {
+            c.args(["--mutate", m]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        Trace::open(&out).unwrap()
+    };
+    for kv in [KvCache::F32, KvCache::F16] {
+        let j = judged(&model, &trace(kv.name(), None));
+        assert!(j.passed(), "{kv:?} clean: {}", judge::render(&j));
+        assert_eq!(j.kv, kv, "{}", judge::render(&j));
+        let [a, b] = [&j.kv_fits[0], &j.kv_fits[1]];
+        // The matching cache reproduces attention to f32 noise; the other sits at f16's
+        // rounding, orders above.
+        let (hit, miss) = if kv == KvCache::F32 { (a, b) } else { (b, a) };
+        assert!(hit.median_nmse < 1e-13, "{}", judge::render(&j));
+        assert!(miss.median_nmse > 1e-9, "{}", judge::render(&j));
+
+        let j = judged(&model, &trace(kv.name(), Some("rms-eps-10x")));
+        let f = j.first.as_ref().expect("found");
+        assert!(f.explained, "{kv:?}: {}", f.text);
+        assert_eq!(f.key, TapKey::new(0, Some(0), Tap::LOut), "{}", f.text);
+        assert_eq!(f.catalog.as_deref(), Some("rms-eps-10x"), "{}", f.text);
+    }
+    // Told the wrong cache, the f16 engine's eps bug hides under the cache's own noise.
+    let t = trace("f16", Some("rms-eps-10x"));
+    let j = judge::judge(
+        &model,
+        &t,
+        &JudgeOptions {
+            kv_caches: vec![KvCache::F32],
+            ..JudgeOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(j.passed(), "{}", judge::render(&j));
+}

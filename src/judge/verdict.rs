@@ -1,0 +1,138 @@
+//! The verdict of `parity diff` as one library call: `parity diff` renders it and
+//! `parity selftest` checks it, so the two cannot disagree about a trace.
+//!
+//! Token ids first (`compare`: a dropped or doubled BOS, a template, is the finding); then,
+//! when the model is at hand, each op of the candidate judged on its own inputs (`judge`), whose
+//! first finding names the cause; the end-to-end comparison, with tolerances above llama.cpp's
+//! own spread, is a divergence of its own when it crosses them.
+
+use super::{JudgeError, JudgeOptions, Judgement, judge, replay::aligned_trace};
+use crate::compare::{CompareOptions, Comparison, PairKind, compare};
+use crate::gguf::GgmlType;
+use crate::model::Model;
+use crate::trace::{Tap, TapKey, Trace};
+use serde::Serialize;
+
+/// What `diff` runs.
+pub struct DiffOptions {
+    /// The end-to-end comparison (tolerances by pair kind and weight type).
+    pub compare: CompareOptions,
+    /// The own-error judgement (roundings to try, experiments).
+    pub judge: JudgeOptions,
+}
+
+impl DiffOptions {
+    /// `parity diff` without flags: any candidate is an engine of unknown rounding end to end,
+    /// the manifests must name the same model, every rounding is measured, experiments run.
+    pub fn new(weight_type: GgmlType) -> DiffOptions {
+        DiffOptions {
+            compare: CompareOptions {
+                pair: PairKind::DifferentRounding,
+                weight_type,
+                require_same_model: true,
+            },
+            judge: JudgeOptions::default(),
+        }
+    }
+}
+
+/// What the verdict rests on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Basis {
+    /// The token ids differ.
+    Tokens,
+    /// An op's own error (out of its floor, or under it and explained by experiment).
+    OwnError,
+    /// Only the end-to-end comparison crossed its tolerance.
+    EndToEnd,
+    /// No divergence.
+    Parity,
+}
+
+/// The verdict, in the terms a reader (and `selftest`) checks.
+#[derive(Clone, Debug, Serialize)]
+pub struct Verdict {
+    /// A divergence was found: `diff` exits 1.
+    pub diverged: bool,
+    pub basis: Basis,
+    /// Where: the step whose token ids differ (at its embd), else the judgement's finding,
+    /// else the first end-to-end divergence.
+    pub place: Option<TapKey>,
+    /// The cause's name: the token difference's kind (`bos-missing`, …), else the confirmed
+    /// hypothesis (its catalog name when it is a catalog bug).
+    pub named: Option<String>,
+    /// Other hypotheses that reproduce the candidate as well as the named one.
+    pub also: Vec<String>,
+    /// The largest cut a hypothesis made of an own error under the floors (below
+    /// `hypothesis::EXPLAINS` on a clean trace); None when none was tested.
+    pub below_floor_cut: Option<f64>,
+}
+
+/// The verdict from the end-to-end comparison and, when the model was at hand, the judgement.
+pub fn verdict(e2e: &Comparison, j: Option<&Judgement>) -> Verdict {
+    let below_floor_cut = j.and_then(|j| {
+        j.below_floor
+            .iter()
+            .map(|b| b.cut())
+            .max_by(|a, b| a.total_cmp(b))
+    });
+    if let Some(tm) = &e2e.token_mismatch {
+        return Verdict {
+            diverged: true,
+            basis: Basis::Tokens,
+            place: Some(TapKey::new(tm.step, None, Tap::Embd)),
+            named: Some(tm.kind.name().to_string()),
+            also: Vec::new(),
+            below_floor_cut,
+        };
+    }
+    let first = j.and_then(|j| j.first.as_ref());
+    let e2e_at = e2e.first_divergence.as_ref().map(|d| d.at.key);
+    let (basis, place) = match (first, e2e.diverged()) {
+        (Some(f), _) => (Basis::OwnError, Some(f.key)),
+        (None, true) => (Basis::EndToEnd, e2e_at),
+        (None, false) => (Basis::Parity, None),
+    };
+    Verdict {
+        diverged: basis != Basis::Parity,
+        basis,
+        place,
+        named: first.and_then(|f| f.catalog.clone().or(f.confirmed.clone())),
+        also: first.map(|f| f.also.clone()).unwrap_or_default(),
+        below_floor_cut,
+    }
+}
+
+/// Everything `diff` concluded: the end-to-end comparison (the picture of drift), the
+/// judgement (None without the model), and the verdict drawn from both.
+pub struct Diffed {
+    pub e2e: Comparison,
+    pub judgement: Option<Judgement>,
+    pub verdict: Verdict,
+}
+
+/// `parity diff BASELINE CANDIDATE` as a library call. A layout the candidate declares is
+/// undone before the end-to-end comparison too (the judge does the same on load).
+pub fn diff(
+    baseline: &Trace,
+    cand: &Trace,
+    model: Option<&Model>,
+    opt: &DiffOptions,
+) -> Result<Diffed, JudgeError> {
+    let aligned = match model {
+        Some(m) => aligned_trace(cand, &m.config)?,
+        None => None,
+    };
+    let e2e = compare(baseline, aligned.as_ref().unwrap_or(cand), &opt.compare)?;
+    let judgement = match model {
+        Some(m) => Some(judge(m, cand, &opt.judge)?),
+        None => None,
+    };
+    let verdict = verdict(&e2e, judgement.as_ref());
+    Ok(Diffed {
+        e2e,
+        judgement,
+        verdict,
+    })
+}
