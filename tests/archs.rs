@@ -377,7 +377,7 @@ fn inspect_prints_each_architectures_own_hyperparameters() {
     };
     let g2 = run("tiny-gemma2-q8_0");
     for want in [
-        "activation GeluTanh",
+        "activation gelu-tanh",
         "embd_scale 16",
         "attn_softcap 1.5",
         "final_softcap 5",

@@ -24,9 +24,19 @@ pub struct InspectArgs {
 fn json_value(v: &Value) -> serde_json::Value {
     match v {
         Value::Array(ty, items) if items.len() > 16 => {
-            serde_json::json!({ "array": format!("{ty:?}").to_lowercase(), "len": items.len() })
+            serde_json::json!({ "array": ty.name(), "len": items.len() })
         }
         other => serde_json::to_value(other).unwrap_or(serde_json::Value::Null),
+    }
+}
+
+/// An enum's name as its JSON spells it (`norm`, `neox`, `silu`, `gelu-tanh`): the same words
+/// in the text and in `--json`.
+fn serde_name(v: &impl serde::Serialize) -> String {
+    match serde_json::to_value(v) {
+        Ok(serde_json::Value::String(s)) => s,
+        Ok(other) => other.to_string(),
+        Err(_) => String::new(),
     }
 }
 
@@ -102,9 +112,9 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             )?;
             writeln!(
                 o,
-                "  rms_eps {:e} rope {:?} theta {} n_rot {} freq_scale {} tied_embeddings {} qkv_bias {}",
+                "  rms_eps {:e} rope {} theta {} n_rot {} freq_scale {} tied_embeddings {} qkv_bias {}",
                 c.rms_eps,
-                c.rope_type,
+                serde_name(&c.rope_type),
                 c.rope_theta,
                 c.n_rot,
                 c.rope_freq_scale,
@@ -113,7 +123,7 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             )?;
             // The architecture's own data (what its forward reads besides the shapes).
             let mut extra = vec![
-                format!("activation {:?}", c.activation),
+                format!("activation {}", serde_name(&c.activation)),
                 format!("kq_scale {}", c.kq_scale),
             ];
             if let Some(s) = c.embd_scale {
