@@ -132,7 +132,7 @@ fn curve(c: &Comparison, g: &Grid) -> Result<String, String> {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (w, h)).into_drawing_area();
-        let e = |e: DrawingAreaErrorKind<_>| format!("drawing the curve: {e:?}");
+        let e = |e: DrawingAreaErrorKind<_>| format!("drawing the curve: {e}");
         root.fill(&WHITE).map_err(e)?;
         let (plot, legend) = root.split_horizontally(w - 150);
         let mut chart = ChartBuilder::on(&plot)
@@ -631,7 +631,7 @@ pub fn page(comparisons: &[Comparison], info: &RunInfo) -> Result<String, String
     for (i, c) in comparisons.iter().enumerate() {
         let _ = write!(
             out,
-            "<tr><td><a href=\"#c{i}\">{i}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{:?}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td><a href=\"#c{i}\">{i}</a></td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             esc(&c.candidate),
             esc(&c.baseline),
             pair_name(c.pair),
@@ -654,7 +654,7 @@ pub fn page(comparisons: &[Comparison], info: &RunInfo) -> Result<String, String
         let g = grid(c);
         let _ = write!(
             out,
-            "<h2 id=c{i}>{i}. {} vs {} <span class=\"badge {}\">{}</span></h2><p class=small>{}, {:?} weights.</p><p class=verdict>{}</p>",
+            "<h2 id=c{i}>{i}. {} vs {} <span class=\"badge {}\">{}</span></h2><p class=small>{}, {} weights.</p><p class=verdict>{}</p>",
             esc(&c.candidate),
             esc(&c.baseline),
             if c.diverged() { "no" } else { "ok" },
