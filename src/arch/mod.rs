@@ -18,6 +18,14 @@
 //! through [`Ops::tap`], which a device backend serves only for the keys the sink wants or
 //! replays ([`Sink::wants`], [`Sink::replays`]).
 
+pub mod gemma;
+pub mod gemma2;
+pub mod gemma3;
+pub mod llama;
+pub mod phi3;
+pub mod qwen2;
+pub mod qwen3;
+pub mod spec;
 pub mod transformer;
 
 use crate::backend::BackendError;
@@ -186,10 +194,12 @@ pub fn tap_dims(c: &Config, tap: Tap, t: usize, pos0: usize) -> [usize; 3] {
 /// the llama taps; the others only where its data asks for the op). Checked against the
 /// forward itself by a test.
 pub fn records(c: &Config, tap: Tap) -> bool {
+    // The spec's flags say which optional weights the loader requires in every layer.
+    let spec = Arch::spec(c.arch);
     match tap {
         Tap::EmbdScaled => c.embd_scale.is_some(),
-        Tap::QNormed | Tap::KNormed => matches!(c.arch, Arch::Qwen3 | Arch::Gemma3),
-        Tap::AttnPostNorm | Tap::FfnPostNorm => matches!(c.arch, Arch::Gemma2 | Arch::Gemma3),
+        Tap::QNormed | Tap::KNormed => spec.qk_norm,
+        Tap::AttnPostNorm | Tap::FfnPostNorm => spec.post_norms,
         Tap::LogitsUncapped => c.final_softcap.is_some(),
         _ => true,
     }

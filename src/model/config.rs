@@ -1,5 +1,6 @@
 //! Architecture and hyperparameters, read from GGUF metadata with the keys llama.cpp uses.
 
+use crate::arch::spec::{ArchSpec, Bias, Output, SoftCap, Window};
 use crate::gguf::GgufFile;
 use serde::Serialize;
 
@@ -59,16 +60,24 @@ impl Arch {
         Arch::Phi3,
     ];
 
-    pub fn name(self) -> &'static str {
+    /// What the architecture is, as data: its file in src/arch/ (the one place an architecture
+    /// is mapped to its description).
+    pub fn spec(self) -> &'static ArchSpec {
+        use crate::arch::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
         match self {
-            Arch::Llama => "llama",
-            Arch::Qwen2 => "qwen2",
-            Arch::Qwen3 => "qwen3",
-            Arch::Gemma => "gemma",
-            Arch::Gemma2 => "gemma2",
-            Arch::Gemma3 => "gemma3",
-            Arch::Phi3 => "phi3",
+            Arch::Llama => &llama::SPEC,
+            Arch::Qwen2 => &qwen2::SPEC,
+            Arch::Qwen3 => &qwen3::SPEC,
+            Arch::Gemma => &gemma::SPEC,
+            Arch::Gemma2 => &gemma2::SPEC,
+            Arch::Gemma3 => &gemma3::SPEC,
+            Arch::Phi3 => &phi3::SPEC,
         }
+    }
+
+    /// `general.architecture` of its GGUF files.
+    pub fn name(self) -> &'static str {
+        self.spec().name
     }
 
     pub fn parse(s: &str) -> Option<Arch> {
@@ -144,7 +153,8 @@ pub struct Config {
 impl Config {
     /// Read the hyperparameters as llama.cpp's loader does (`llama_model::load_hparams` and the
     /// architecture's `load_arch_hparams` in src/models/*.cpp): same keys, same defaults, same
-    /// derived values. docs/architectures.md lists them per architecture.
+    /// derived values. What differs between architectures is their [`ArchSpec`]
+    /// (src/arch/<name>.rs); docs/architectures.md lists it per architecture.
     pub fn from_gguf(f: &GgufFile) -> Result<Config, ModelError> {
         let arch_name = f
             .architecture()
@@ -253,32 +263,28 @@ impl Config {
             .tensor("token_embd.weight")
             .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
         let n_vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-        let gemma = matches!(arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3);
-        let rope_type = match arch {
-            Arch::Llama => RopeType::Norm,
-            _ => RopeType::Neox,
+        let spec = arch.spec();
+        let has_qkv_bias = match spec.qkv_bias {
+            Bias::Required => true,
+            Bias::Optional => f.tensor("blk.0.attn_q.bias").is_some(),
+            Bias::Refused => false,
         };
-        let has_qkv_bias = match arch {
-            Arch::Llama => f.tensor("blk.0.attn_q.bias").is_some(),
-            Arch::Qwen2 => true,
-            _ => false,
-        };
-        // gemma2/gemma3 27B (and only they, by layer count) scale q by 1/sqrt(n_embd/n_head).
-        let kq_scale = match (arch, n_layer) {
-            (Arch::Gemma2, 46) | (Arch::Gemma3, 62) => 1.0 / ((n_embd / n_head) as f32).sqrt(),
-            _ => 1.0 / (head_dim as f32).sqrt(),
-        };
-        // Sliding window: gemma2 (default window 4096, period 2), gemma3 (only with a window
-        // key > 0, period 6); the period from `attention.sliding_window_pattern` when present.
-        // phi3's window is read and dropped by llama.cpp (PR #13676); llama/mistral: none.
-        let (n_swa, swa_period) = match arch {
-            Arch::Gemma2 => (opt_usize("attention.sliding_window")?.unwrap_or(4096), 2),
-            Arch::Gemma3 => match f.get(&key("attention.sliding_window")) {
-                Some(v) if v.as_u64() == Some(0) => (0, 6),
-                Some(_) => (req("attention.sliding_window")?, 6),
-                None => (0, 6),
-            },
-            _ => (0, 0),
+        let kq_scale = spec.kq_scale.value(n_layer, n_embd, n_head, head_dim);
+        // Sliding window and its layer period (`attention.sliding_window_pattern` when present);
+        // an architecture without one reads no window (phi3's is read and dropped by llama.cpp).
+        let (n_swa, swa_period) = match spec.sliding_window {
+            None => (0, 0),
+            Some(sw) => {
+                let n = match sw.window {
+                    Window::Default(d) => opt_usize("attention.sliding_window")?.unwrap_or(d),
+                    Window::WhenSet => match f.get(&key("attention.sliding_window")) {
+                        Some(v) if v.as_u64() == Some(0) => 0,
+                        Some(_) => req("attention.sliding_window")?,
+                        None => 0,
+                    },
+                };
+                (n, sw.period)
+            }
         };
         let swa_layers = if n_swa == 0 {
             vec![false; n_layer]
@@ -290,25 +296,22 @@ impl Config {
                 swa_period,
             )?
         };
-        let (rope_theta_swa, rope_freq_scale_swa) = match arch {
-            Arch::Gemma2 => (
-                opt_f32("rope.freq_base_swa")?.unwrap_or(rope_theta),
-                rope_freq_scale,
+        let (rope_theta_swa, rope_freq_scale_swa) = match spec.sliding_window {
+            None => (rope_theta, rope_freq_scale),
+            Some(sw) => (
+                opt_f32("rope.freq_base_swa")?.unwrap_or(sw.rope_base.unwrap_or(rope_theta)),
+                if sw.rope_scaled { rope_freq_scale } else { 1.0 },
             ),
-            Arch::Gemma3 => (opt_f32("rope.freq_base_swa")?.unwrap_or(10000.0), 1.0),
-            _ => (rope_theta, rope_freq_scale),
         };
-        let (attn_softcap, final_softcap) = match arch {
-            Arch::Gemma2 => (
-                Some(opt_f32("attn_logit_softcapping")?.unwrap_or(50.0)),
-                Some(opt_f32("final_logit_softcapping")?.unwrap_or(30.0)),
-            ),
-            Arch::Gemma3 => (
-                None,
-                opt_f32("final_logit_softcapping")?.filter(|&c| c != 0.0),
-            ),
-            _ => (None, None),
+        let softcap = |rule: SoftCap, k: &str| -> Result<Option<f32>, ModelError> {
+            Ok(match rule {
+                SoftCap::None => None,
+                SoftCap::Default(d) => Some(opt_f32(k)?.unwrap_or(d)),
+                SoftCap::WhenSet => opt_f32(k)?.filter(|&c| c != 0.0),
+            })
         };
+        let attn_softcap = softcap(spec.attn_softcap, "attn_logit_softcapping")?;
+        let final_softcap = softcap(spec.final_softcap, "final_logit_softcapping")?;
         for (k, cap) in [
             ("attn_logit_softcapping", attn_softcap),
             ("final_logit_softcapping", final_softcap),
@@ -331,20 +334,17 @@ impl Config {
             n_ff,
             n_ctx_train,
             rms_eps,
-            rope_type,
+            rope_type: spec.rope_type,
             rope_theta,
             n_rot,
             rope_freq_scale,
-            // gemma and gemma2 always read the output projection from token_embd.weight.
-            tied_embeddings: matches!(arch, Arch::Gemma | Arch::Gemma2)
-                || f.tensor("output.weight").is_none(),
-            has_qkv_bias,
-            activation: if gemma {
-                Activation::GeluTanh
-            } else {
-                Activation::Silu
+            tied_embeddings: match spec.output {
+                Output::TokenEmbd => true,
+                Output::OutputElseTokenEmbd => f.tensor("output.weight").is_none(),
             },
-            embd_scale: gemma.then(|| (n_embd as f32).sqrt()),
+            has_qkv_bias,
+            activation: spec.activation,
+            embd_scale: spec.embd_scale.value(n_embd),
             kq_scale,
             attn_softcap,
             final_softcap,

@@ -7,6 +7,7 @@ pub use crate::tokenizer;
 
 pub use config::{Activation, Arch, Config, ModelError, RopeType};
 
+use crate::arch::spec::Bias;
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
 use crate::quant;
 use sha2::Digest;
@@ -139,6 +140,8 @@ impl Model {
             return Err(ModelError::VocabOnly);
         }
         let c = Config::from_gguf(&file)?;
+        // Which optional and fused tensors the architecture has: its spec (src/arch/<name>.rs).
+        let spec = c.arch.spec();
         let get = |name: &str, dims: &[usize]| -> Result<TensorInfo, ModelError> {
             let t = file
                 .tensor(name)
@@ -165,7 +168,7 @@ impl Model {
         let token_embd = get("token_embd.weight", &[e, c.n_vocab])?;
         // Global RoPE factor tensors (llama.cpp duplicates them into every layer).
         let rope_freqs = opt("rope_freqs.weight", &[half_rot])?;
-        let (rope_long, rope_short) = if c.arch == Arch::Phi3 {
+        let (rope_long, rope_short) = if spec.rope_factors_long_short {
             (
                 opt("rope_factors_long.weight", &[half_rot])?,
                 opt("rope_factors_short.weight", &[half_rot])?,
@@ -173,15 +176,12 @@ impl Model {
         } else {
             (None, None)
         };
-        let a = c.arch;
-        let gemma23 = matches!(a, Arch::Gemma2 | Arch::Gemma3);
-        let qk_norm = matches!(a, Arch::Qwen3 | Arch::Gemma3);
         let mut layers = Vec::with_capacity(c.n_layer);
         for l in 0..c.n_layer {
             let n = |s: &str| format!("blk.{l}.{s}");
-            // phi3 may store q|k|v as one matrix and gate|up as one: zero-copy row views.
+            // q|k|v as one matrix and gate|up as one (phi3): zero-copy row views.
             let (wq, wk, wv) = match file.tensor(&n("attn_qkv.weight")) {
-                Some(_) if a == Arch::Phi3 => {
+                Some(_) if spec.fused_qkv => {
                     let fused = get(&n("attn_qkv.weight"), &[e, q + 2 * kv])?;
                     (
                         row_view(&fused, "q", 0, q)?,
@@ -195,7 +195,7 @@ impl Model {
                     get(&n("attn_v.weight"), &[e, kv])?,
                 ),
             };
-            let (w_gate, w_up) = if a == Arch::Phi3 {
+            let (w_gate, w_up) = if spec.fused_gate_up {
                 // ggml_swiglu on the fused output: silu(first half) * second half.
                 let fused = get(&n("ffn_up.weight"), &[e, 2 * ff])?;
                 (
@@ -208,7 +208,7 @@ impl Model {
                     get(&n("ffn_up.weight"), &[e, ff])?,
                 )
             };
-            let (q_norm, k_norm) = if qk_norm {
+            let (q_norm, k_norm) = if spec.qk_norm {
                 (
                     Some(get(&n("attn_q_norm.weight"), &[hd])?),
                     Some(get(&n("attn_k_norm.weight"), &[hd])?),
@@ -216,7 +216,7 @@ impl Model {
             } else {
                 (None, None)
             };
-            let (attn_post_norm, ffn_post_norm) = if gemma23 {
+            let (attn_post_norm, ffn_post_norm) = if spec.post_norms {
                 (
                     Some(get(&n("post_attention_norm.weight"), &[e])?),
                     Some(get(&n("post_ffw_norm.weight"), &[e])?),
@@ -251,10 +251,11 @@ impl Model {
                 },
             });
         }
-        if c.arch == Arch::Qwen2 && layers.iter().any(|l| l.bq.is_none()) {
-            return Err(ModelError::MissingTensor(
-                "blk.N.attn_q.bias (qwen2)".into(),
-            ));
+        if spec.qkv_bias == Bias::Required && layers.iter().any(|l| l.bq.is_none()) {
+            return Err(ModelError::MissingTensor(format!(
+                "blk.N.attn_q.bias ({})",
+                spec.name
+            )));
         }
         if !c.has_qkv_bias && layers.iter().any(|l| l.bq.is_some()) {
             return Err(ModelError::BadShape {
