@@ -39,6 +39,8 @@ fn probe_test_tools(root: &Path) {
         "parity_numpy",
         "parity_gguf_py",
         "parity_shared",
+        "parity_jq",
+        "parity_chromium",
     ] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
@@ -75,6 +77,40 @@ fn probe_test_tools(root: &Path) {
     if shared.is_dir() {
         println!("cargo:rustc-cfg=parity_shared");
     }
+    // Programs on PATH: jq (docs' examples, tests/docs.rs), a Chromium (tests/report_html.rs
+    // renders the HTML report).
+    if on_path(&["jq"]) {
+        println!("cargo:rustc-cfg=parity_jq");
+    }
+    if on_path(CHROMIUMS) {
+        println!("cargo:rustc-cfg=parity_chromium");
+    }
+}
+
+/// The names a headless Chromium goes by (tests/report_html.rs tries the same ones).
+const CHROMIUMS: &[&str] = &["chromium", "chromium-browser", "google-chrome"];
+
+/// Is one of `names` an executable file in a folder of $PATH?
+fn on_path(names: &[&str]) -> bool {
+    let Some(path) = std::env::var_os("PATH") else {
+        return false;
+    };
+    std::env::split_paths(&path).any(|dir| {
+        names
+            .iter()
+            .any(|n| std::fs::metadata(dir.join(n)).is_ok_and(|m| m.is_file() && executable(&m)))
+    })
+}
+
+#[cfg(unix)]
+fn executable(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    m.permissions().mode() & 0o111 != 0
+}
+
+#[cfg(not(unix))]
+fn executable(_: &std::fs::Metadata) -> bool {
+    true
 }
 
 fn main() {

@@ -1,4 +1,5 @@
-//! The tools the build found for the test suite (build.rs: llama_cpp, numpy, gguf-py, ../shared)
+//! The tools the build found for the test suite (build.rs: llama_cpp, numpy, gguf-py, ../shared,
+//! jq, chromium)
 //! are still the ones this machine has: otherwise tests would be ignored that could run (or
 //! the reverse), and this test says how to refresh the probe.
 
@@ -22,6 +23,15 @@ fn can(code: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+fn on_path(names: &[&str]) -> bool {
+    names.iter().any(|n| {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {n}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
 #[test]
 fn the_build_probe_matches_this_machine() {
     let now = [
@@ -36,6 +46,12 @@ fn the_build_probe_matches_this_machine() {
             "../shared",
             root().join("../shared/models").is_dir(),
             cfg!(parity_shared),
+        ),
+        ("jq", on_path(&["jq"]), cfg!(parity_jq)),
+        (
+            "chromium",
+            on_path(&["chromium", "chromium-browser", "google-chrome"]),
+            cfg!(parity_chromium),
         ),
     ];
     for (what, here, built) in now {

@@ -1,0 +1,273 @@
+//! The command blocks of docs/*.md run as written, so the docs cannot drift from the tool.
+//!
+//! A *command block* is a fenced block in `sh`, `bash`, `shell` or `console`, or an unlabelled
+//! block whose lines start with a `$ ` prompt. Each one either runs here (every line, in a
+//! scratch folder laid out like the repository, must exit 0) or is marked in the doc on the
+//! line before its fence with `<!-- not run: REASON -->`. Output, file contents and
+//! synopses go in ```text blocks. The README's walkthrough is run by tests/readme.rs.
+//!
+//! The scratch folder has `fixtures/` and `scripts/` (links to the repository's),
+//! `golden/tiny-llama-q8_0` (the committed golden), `golden/mine` (a copy of it) and `trace`
+//! (parity's dump replaying it); `parity`, `python3` and `python` on PATH are the binary under
+//! test and the Python with numpy that build.rs found.
+
+mod common;
+
+use common::root;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Command blocks of docs that other work owns, not marked in the doc yet: (file, first line of
+/// the block, why it is not run).
+const NOT_RUN_ELSEWHERE: &[(&str, &str, &str)] = &[
+    (
+        "docs/performance.md",
+        "scripts/bench.sh",
+        "benchmarks take minutes on a generated 1.1B model (scripts/bench.sh is the benchmark itself)",
+    ),
+    (
+        "docs/diagnosis.md",
+        "parity selftest [MODEL]",
+        "a synopsis, not a command (an unlabelled block: ```text would say so)",
+    ),
+];
+
+struct Block {
+    file: String,
+    /// 1-based line of the opening fence.
+    line: usize,
+    lang: String,
+    lines: Vec<String>,
+    /// The `<!-- not run: … -->` reason, if marked.
+    not_run: Option<String>,
+}
+
+impl Block {
+    fn is_command(&self) -> bool {
+        matches!(self.lang.as_str(), "sh" | "bash" | "shell" | "console")
+            || (self.lang.is_empty() && self.lines.iter().any(|l| l.starts_with("$ ")))
+    }
+
+    /// The commands: `$ ` lines of a transcript, else every line (a `\` joins the next).
+    fn script(&self) -> String {
+        let prompts = self.lines.iter().any(|l| l.starts_with("$ "));
+        let lines: Vec<&str> = self
+            .lines
+            .iter()
+            .filter_map(|l| {
+                if prompts {
+                    l.strip_prefix("$ ")
+                } else {
+                    Some(l.as_str())
+                }
+            })
+            .collect();
+        lines.join("\n") + "\n"
+    }
+
+    fn needs(&self, tool: &str) -> bool {
+        self.lines.iter().any(|l| {
+            l.split_whitespace()
+                .any(|w| w == tool || w.starts_with(tool))
+        })
+    }
+
+    fn name(&self) -> String {
+        format!("{}:{}", self.file, self.line)
+    }
+}
+
+fn blocks() -> Vec<Block> {
+    let mut out = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    files.sort();
+    for p in files {
+        let text = std::fs::read_to_string(&p).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let file = format!("docs/{}", p.file_name().unwrap().to_string_lossy());
+        let mut i = 0;
+        while i < lines.len() {
+            let Some(lang) = lines[i].trim_start().strip_prefix("```") else {
+                i += 1;
+                continue;
+            };
+            let start = i;
+            let mut body = Vec::new();
+            i += 1;
+            while i < lines.len() && !lines[i].trim_start().starts_with("```") {
+                body.push(lines[i].to_string());
+                i += 1;
+            }
+            let not_run = start
+                .checked_sub(1)
+                .and_then(|j| lines[j].trim().strip_prefix("<!-- not run:"))
+                .and_then(|r| r.strip_suffix("-->"))
+                .map(|r| r.trim().to_string());
+            out.push(Block {
+                file: file.clone(),
+                line: start + 1,
+                lang: lang.trim().to_string(),
+                lines: body,
+                not_run,
+            });
+            i += 1;
+        }
+    }
+    out
+}
+
+fn elsewhere(b: &Block) -> Option<&'static str> {
+    NOT_RUN_ELSEWHERE
+        .iter()
+        .find(|(f, first, _)| *f == b.file && b.lines.first().is_some_and(|l| l.starts_with(first)))
+        .map(|(_, _, why)| *why)
+}
+
+/// The blocks that run, with those that need `tool` (jq, python) kept or left out.
+fn runnable(keep: impl Fn(&Block) -> bool) -> Vec<Block> {
+    blocks()
+        .into_iter()
+        .filter(|b| b.is_command() && b.not_run.is_none() && elsewhere(b).is_none())
+        .filter(keep)
+        .collect()
+}
+
+fn python() -> PathBuf {
+    common::python()
+}
+
+/// The scratch folder the blocks run in (see the module comment).
+fn scratch() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    use std::os::unix::fs::symlink;
+    symlink(root().join("fixtures"), d.join("fixtures")).unwrap();
+    symlink(root().join("scripts"), d.join("scripts")).unwrap();
+    std::fs::create_dir(d.join("golden")).unwrap();
+    symlink(
+        root().join("golden/tiny-llama-q8_0"),
+        d.join("golden/tiny-llama-q8_0"),
+    )
+    .unwrap();
+    common::copy_dir(
+        &root().join("golden/tiny-llama-q8_0"),
+        &d.join("golden/mine"),
+    );
+    std::fs::create_dir(d.join("bin")).unwrap();
+    symlink(env!("CARGO_BIN_EXE_parity"), d.join("bin/parity")).unwrap();
+    // A wrapper, not a link: a venv's Python finds its packages from its own path.
+    for name in ["python3", "python"] {
+        let p = d.join("bin").join(name);
+        std::fs::write(
+            &p,
+            format!("#!/bin/sh\nexec '{}' \"$@\"\n", python().display()),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let o = sh(
+        d,
+        "parity dump fixtures/tiny-llama-q8_0.gguf --golden golden/mine --out trace\n",
+    );
+    assert!(o.status.success(), "setup: {}", common::show(&o));
+    tmp
+}
+
+fn sh(dir: &Path, script: &str) -> std::process::Output {
+    let path = format!(
+        "{}:{}",
+        dir.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    Command::new("bash")
+        .args(["-euo", "pipefail", "-c", script])
+        .current_dir(dir)
+        .env("PATH", path)
+        .env("PARITY_GOLDEN_DIR", dir.join("user-goldens"))
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap()
+}
+
+fn run_all(blocks: Vec<Block>, at_least: usize) {
+    assert!(
+        blocks.len() >= at_least,
+        "only {} blocks to run: {:?}",
+        blocks.len(),
+        blocks.iter().map(Block::name).collect::<Vec<_>>()
+    );
+    let mut failed = Vec::new();
+    for b in &blocks {
+        // Each block in its own scratch folder: none depends on another's leftovers.
+        let tmp = scratch();
+        let o = sh(tmp.path(), &b.script());
+        if o.status.success() {
+            eprintln!("ok    {}", b.name());
+        } else {
+            eprintln!("FAIL  {}\n{}\n{}", b.name(), b.script(), common::show(&o));
+            failed.push(b.name());
+        }
+    }
+    assert!(failed.is_empty(), "doc blocks that fail: {failed:?}");
+}
+
+/// Every command block is run or says why not: a new one cannot slip in unrun.
+#[test]
+fn every_command_block_runs_or_says_why_not() {
+    let all = blocks();
+    assert!(all.len() > 20, "{} blocks found", all.len());
+    let mut unmarked = Vec::new();
+    let mut runs = 0;
+    for b in all.iter().filter(|b| b.is_command()) {
+        let why = b.not_run.as_deref().or_else(|| elsewhere(b));
+        match why {
+            Some("") => unmarked.push(format!("{}: empty reason", b.name())),
+            Some(why) => eprintln!("not run  {}: {why}", b.name()),
+            None => runs += 1,
+        }
+    }
+    for (f, first, _) in NOT_RUN_ELSEWHERE {
+        assert!(
+            all.iter()
+                .any(|b| b.file == *f && b.lines.first().is_some_and(|l| l.starts_with(first))),
+            "{f}: no block starting with {first:?} any more: update NOT_RUN_ELSEWHERE"
+        );
+    }
+    // A bare block of `parity …` lines reads as a command block: give it a language.
+    for b in all.iter().filter(|b| b.lang.is_empty() && !b.is_command()) {
+        if b.lines.iter().any(|l| l.starts_with("parity "))
+            && b.not_run.is_none()
+            && elsewhere(b).is_none()
+        {
+            unmarked.push(format!(
+                "{}: unlabelled block of parity commands (```sh to run it, ```text if it is not a command)",
+                b.name()
+            ));
+        }
+    }
+    assert!(unmarked.is_empty(), "{}", unmarked.join("\n"));
+    assert!(runs >= 4, "{runs} command blocks run");
+}
+
+#[test]
+fn doc_command_blocks_run() {
+    run_all(runnable(|b| !b.needs("jq") && !b.needs("python")), 1);
+}
+
+#[test]
+#[cfg_attr(not(parity_numpy), ignore = "needs numpy in .venv or $PARITY_PYTHON")]
+fn doc_command_blocks_with_python_run() {
+    run_all(runnable(|b| !b.needs("jq") && b.needs("python")), 1);
+}
+
+#[test]
+#[cfg_attr(not(parity_jq), ignore = "needs jq (apt-get install jq)")]
+fn doc_command_blocks_with_jq_run() {
+    run_all(runnable(|b| b.needs("jq")), 2);
+}
