@@ -248,7 +248,7 @@ impl Mutation {
             Mutation::NoSoftcap => c.attn_softcap.is_some() || c.final_softcap.is_some(),
             Mutation::SwaOffByOne => c.n_swa > 0 && c.swa_layers.iter().any(|&s| s),
             Mutation::QkNormSkipped => model.layers.iter().any(|l| l.q_norm.is_some()),
-            Mutation::QkvSplitOrder => model.layers.iter().any(|l| fused_qkv(l)),
+            Mutation::QkvSplitOrder => model.layers.iter().any(fused_qkv),
             Mutation::RopeFactorsIgnored => model.layers.iter().any(|l| {
                 l.rope_freqs
                     .as_ref()

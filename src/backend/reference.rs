@@ -420,21 +420,20 @@ impl Ops for Reference<'_> {
             w
         };
         // A fused QKV split with K and V swapped reads each from the other's rows.
-        let w = match layer {
-            Some(l) if self.mutated(Mutation::QkvSplitOrder, layer) => {
-                let lw = &m.layers[l];
-                if !mutation::fused_qkv(lw) {
-                    w
-                } else if w.offset == lw.wk.offset {
-                    &lw.wv
-                } else if w.offset == lw.wv.offset {
-                    &lw.wk
+        // (Found by offset: a judge window's model holds only some layers.)
+        let swapped = self.mutated(Mutation::QkvSplitOrder, layer).then(|| {
+            m.layers.iter().find_map(|lw| {
+                let fused = mutation::fused_qkv(lw);
+                if fused && w.offset == lw.wk.offset {
+                    Some(&lw.wv)
+                } else if fused && w.offset == lw.wv.offset {
+                    Some(&lw.wk)
                 } else {
-                    w
+                    None
                 }
-            }
-            _ => w,
-        };
+            })
+        });
+        let w = swapped.flatten().unwrap_or(w);
         let t = x.len() / w.rows().0;
         let transposed = (lm_head && self.mutated(Mutation::TransposedLmHead, None))
             || (w.name.ends_with("attn_output.weight")

@@ -579,7 +579,23 @@ fn judge_row(
                 exp = k;
             }
             let name = expected_name(m);
-            let at = o.place.is_some_and(|p| same_place(&exp, &p, sparse));
+            // An eps bug acts on every RMSNorm of the layer; which one shows it first depends
+            // on the scale of its input (deep in a model the residual stream dwarfs eps, a
+            // post-norm's small input does not): any norm of the expected layer is its place.
+            let norm = |t: Tap| {
+                matches!(
+                    t,
+                    Tap::AttnNorm | Tap::AttnPostNorm | Tap::FfnNorm | Tap::FfnPostNorm
+                )
+            };
+            let any_norm = m == Mutation::RmsEps10x && !sparse;
+            let at = o.place.is_some_and(|p| {
+                same_place(&exp, &p, sparse)
+                    || (any_norm
+                        && norm(p.tap)
+                        && norm(exp.tap)
+                        && (p.step, p.layer) == (exp.step, exp.layer))
+            });
             // From a sparse trace, bugs that compute the same layer output cannot be told
             // apart (qk-permute and rope-neox give the same attention scores): there the
             // name may be among those that reproduce the candidate equally well.
