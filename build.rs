@@ -41,10 +41,20 @@ fn probe_test_tools(root: &Path) {
         "parity_shared",
         "parity_jq",
         "parity_chromium",
+        "parity_hf",
     ] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
     println!("cargo:rerun-if-env-changed=PARITY_PYTHON");
+    println!("cargo:rerun-if-env-changed=PARITY_HF_PYTHON");
+    // The HF-checkpoint adapter (tests/instrument.rs) needs torch: several GB, never installed
+    // by CI; a Python that has it is named by PARITY_HF_PYTHON.
+    if let Some(hf) = std::env::var_os("PARITY_HF_PYTHON")
+        && python_can(Path::new(&hf), "import torch, transformers")
+        && root.join("../shared/models/hf").is_dir()
+    {
+        println!("cargo:rustc-cfg=parity_hf");
+    }
     let venv = root.join(".venv/bin/python");
     // Packages installed into the venv change the answer. A venv made after the last build is
     // not seen (watching a missing path would rebuild every time): tests/tools_probe.rs says

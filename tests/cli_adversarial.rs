@@ -4,7 +4,8 @@
 //!
 //! Bad input is answered with one line on stderr and exit code 2: never a panic (101), an abort
 //! (134), a signal, a Python traceback, or exit 1 (which means "divergence found").
-//! Rows that need ../shared or llama.cpp (the repository's .venv) skip with a message.
+//! Rows that need ../shared or llama.cpp (the repository's .venv) are their own tests, shown as
+//! ignored when build.rs did not find them.
 
 mod common;
 
@@ -1310,12 +1311,17 @@ fn run_case(c: &Case) -> Option<Outcome> {
     })
 }
 
-#[test]
-fn every_bad_input_one_line_exit_2() {
+/// Run the rows whose needs are exactly `needs`-compatible: `pick` chooses them.
+fn run_rows(pick: impl Fn(&[Need]) -> bool, at_least: usize) {
     let mut failed = Vec::new();
     let mut ran = 0;
-    for c in cases() {
-        let Some(out) = run_case(&c) else { continue };
+    for c in cases().into_iter().filter(|c| pick(c.needs)) {
+        let Some(out) = run_case(&c) else {
+            panic!(
+                "{}: its tools are missing, though build.rs found them: touch build.rs",
+                c.name
+            )
+        };
         ran += 1;
         match out.result {
             Ok(()) => eprintln!("ok    {}", out.name),
@@ -1326,7 +1332,49 @@ fn every_bad_input_one_line_exit_2() {
         }
     }
     eprintln!("{ran} rows run, {} failed", failed.len());
+    assert!(ran >= at_least, "only {ran} rows");
     assert!(failed.is_empty(), "failed rows: {failed:?}");
+}
+
+fn needs_llama(n: &[Need]) -> bool {
+    n.contains(&Need::Llama)
+}
+
+fn needs_shared(n: &[Need]) -> bool {
+    n.iter().any(|x| matches!(x, Need::Shared(_)))
+}
+
+/// The rows that need nothing but the repository.
+#[test]
+fn every_bad_input_one_line_exit_2() {
+    run_rows(|n| n.is_empty(), 30);
+}
+
+/// The rows that need ../shared (and not llama.cpp).
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
+fn every_bad_input_one_line_exit_2_shared() {
+    run_rows(|n| needs_shared(n) && !needs_llama(n), 1);
+}
+
+/// The rows that run the real llama.cpp (`parity golden`).
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn every_bad_input_one_line_exit_2_llama_cpp() {
+    run_rows(|n| needs_llama(n) && !needs_shared(n), 3);
+}
+
+/// The rows that run the real llama.cpp on a ../shared model.
+#[test]
+#[cfg_attr(
+    not(all(parity_llama_cpp, parity_shared)),
+    ignore = "needs llama-cpp-python and ../shared"
+)]
+fn every_bad_input_one_line_exit_2_llama_cpp_shared() {
+    run_rows(|n| needs_llama(n) && needs_shared(n), 1);
 }
 
 /// The f16 and f64 readers convert exactly what they should (the CLI rows above only show that
@@ -1485,7 +1533,7 @@ fn interrupted_dump_leaves_nothing() {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().unwrap();
+        let child = cmd.spawn().unwrap();
         let staging = dir.path().join(format!(".t-{name}.partial-{}", child.id()));
         let t0 = std::time::Instant::now();
         while !staging.join("s002").exists() {

@@ -597,6 +597,10 @@ fn diff_verdict_does_not_depend_on_the_working_directory() {
 /// different-rounding tolerances, no op-by-op comparison is made (the golden's K/V were
 /// rounded to f16), and the model still reaches parity.
 #[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
 fn golden_with_llama_defaults_is_checked_with_different_rounding() {
     let Some(py) = llama_python_or_skip() else {
         return;

@@ -268,6 +268,7 @@ fn inspect_every_fixture() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn inspect_every_shared_model() {
     let models = shared_models();
     if models.is_empty() {
@@ -280,6 +281,7 @@ fn inspect_every_shared_model() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn inspect_vocab_only_file() {
     let Some(dir) = shared("vocab") else { return };
     let p = dir.join("ggml-vocab-llama-spm.gguf");
@@ -421,6 +423,7 @@ fn tensor_offset_past_the_end_is_refused() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn legacy_gguf_v1_is_refused() {
     let Some(dir) = shared("legacy") else { return };
     let mut n = 0;

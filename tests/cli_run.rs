@@ -66,6 +66,7 @@ const STORY: &str =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn generate_stories260k_both_backends() {
     let Some(models) = shared("models") else {
         return;
@@ -254,6 +255,7 @@ fn check_generate_against_golden(g: &Golden) {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn generate_tinystories_656k_q8_0_matches_llama_cpp() {
     if shared("models").is_none() {
         return;
@@ -334,6 +336,7 @@ fn tokenize_prints_ids_and_matches_llama_cpp() {
 }
 
 #[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models, vocab)")]
 fn tokenize_real_models_and_vocab_only_file() {
     if let Some(models) = shared("models") {
         // golden/stories260K was made from the prompt "Once upon a time".
@@ -646,6 +649,10 @@ fn numpy_python() -> Option<PathBuf> {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_numpy),
+    ignore = "needs numpy (.ci/run installs it; then touch build.rs)"
+)]
 fn numpy_example_trace_diffs() {
     let Some(py) = numpy_python() else { return };
     let tmp = tempfile::tempdir().unwrap();

@@ -84,6 +84,10 @@ fn python_with(modules: &str) -> Option<PathBuf> {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_numpy),
+    ignore = "needs numpy (.ci/run installs it; then touch build.rs)"
+)]
 fn numpy_writer_round_trips_a_golden_and_refuses_bad_taps() {
     let Some(py) = python_with("numpy") else {
         eprintln!("skipped: no Python with numpy (.venv or PARITY_PYTHON)");
@@ -132,6 +136,10 @@ for b in bad:
 /// The HF checkpoint of TinyStories-656K is the F16 GGUF before conversion: its trace says parity
 /// against that GGUF's llama.cpp golden. Needs PARITY_HF_PYTHON (torch + transformers) and ../shared.
 #[test]
+#[cfg_attr(
+    not(parity_hf),
+    ignore = "needs PARITY_HF_PYTHON (a Python with torch and transformers) and ../shared; docs/instrument.md records this run"
+)]
 fn hf_adapter_trace_passes_against_the_f16_golden() {
     let Some(py) = std::env::var_os("PARITY_HF_PYTHON").map(PathBuf::from) else {
         eprintln!(

@@ -386,6 +386,10 @@ fn cli_diff_finds_the_model_by_sha256() {
 /// itself "fast": nothing switches to same-rounding tolerances; the judge measures plain f32
 /// and passes it. Its sparse dump passes too.
 #[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py (.ci/run installs them; then touch build.rs)"
+)]
 fn cli_diff_measures_rounding_not_the_producer_name() {
     let py = std::env::var("PARITY_PYTHON")
         .map(PathBuf::from)

@@ -241,6 +241,10 @@ fn numpy_engine(py: &Path, model: &Path, golden: &Path, out: &Path, extra: &[&st
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py (.ci/run installs them; then touch build.rs)"
+)]
 fn numpy_engine_passes_diff_when_clean_and_is_caught_when_mutated() {
     let Some(py) = numpy_engine_python() else {
         return;
@@ -272,6 +276,10 @@ fn numpy_engine_passes_diff_when_clean_and_is_caught_when_mutated() {
 }
 
 #[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py (.ci/run installs them; then touch build.rs)"
+)]
 fn numpy_engine_with_ggml_rounding_sits_at_the_f32_floor_on_q8_0() {
     let Some(py) = numpy_engine_python() else {
         return;
