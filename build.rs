@@ -42,6 +42,7 @@ fn probe_test_tools(root: &Path) {
         "parity_jq",
         "parity_chromium",
         "parity_hf",
+        "parity_qemu",
     ] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
@@ -95,6 +96,39 @@ fn probe_test_tools(root: &Path) {
     if on_path(CHROMIUMS) {
         println!("cargo:rustc-cfg=parity_chromium");
     }
+    // The NEON kernels under qemu (tests/neon_qemu.rs, which names what is missing).
+    if (on_path(&["qemu-aarch64-static"]) || on_path(&["qemu-aarch64"]))
+        && on_path(&["aarch64-linux-gnu-gcc"])
+        && Path::new("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1").exists()
+        && aarch64_std()
+    {
+        println!("cargo:rustc-cfg=parity_qemu");
+    }
+}
+
+/// Whether rustup's aarch64-unknown-linux-gnu standard library is installed.
+fn aarch64_std() -> bool {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let Some(dir) = std::process::Command::new(rustc)
+        .args([
+            "--print",
+            "target-libdir",
+            "--target",
+            "aarch64-unknown-linux-gnu",
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+    else {
+        return false;
+    };
+    std::fs::read_dir(dir.trim()).is_ok_and(|rd| {
+        rd.flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("libstd-") && n.ends_with(".rlib")
+        })
+    })
 }
 
 /// The names a headless Chromium goes by (tests/report_html.rs tries the same ones).

@@ -1,5 +1,5 @@
 //! The tools the build found for the test suite (build.rs: llama_cpp, numpy, gguf-py, ../shared,
-//! jq, chromium)
+//! jq, chromium, the aarch64 tools for qemu)
 //! are still the ones this machine has: otherwise tests would be ignored that could run (or
 //! the reverse), and this test says how to refresh the probe.
 
@@ -32,6 +32,30 @@ fn on_path(names: &[&str]) -> bool {
     })
 }
 
+/// Whether rustup's aarch64-unknown-linux-gnu standard library is installed.
+fn aarch64_std() -> bool {
+    let Some(dir) = Command::new("rustc")
+        .args([
+            "--print",
+            "target-libdir",
+            "--target",
+            "aarch64-unknown-linux-gnu",
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+    else {
+        return false;
+    };
+    std::fs::read_dir(dir.trim()).is_ok_and(|rd| {
+        rd.flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("libstd-") && n.ends_with(".rlib")
+        })
+    })
+}
+
 #[test]
 fn the_build_probe_matches_this_machine() {
     let now = [
@@ -48,6 +72,15 @@ fn the_build_probe_matches_this_machine() {
             cfg!(parity_shared),
         ),
         ("jq", on_path(&["jq"]), cfg!(parity_jq)),
+        (
+            "qemu (aarch64 cross tools)",
+            (on_path(&["qemu-aarch64-static"]) || on_path(&["qemu-aarch64"]))
+                && on_path(&["aarch64-linux-gnu-gcc"])
+                && std::path::Path::new("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1")
+                    .exists()
+                && aarch64_std(),
+            cfg!(parity_qemu),
+        ),
         (
             "chromium",
             on_path(&["chromium", "chromium-browser", "google-chrome"]),
