@@ -35,6 +35,9 @@
 //! * Special tokens: like llama.cpp's `tokenizer_st_partition`, user-defined tokens are always cut
 //!   out of the text before tokenization; control tokens only when `parse_special` (never in
 //!   [`Tokenizer::encode`]).
+//! * The ids around the text ([`Tokenizer::special_ends`]) are llama.cpp's `add_special` ones:
+//!   BOS when `add_bos_token`, EOS when `add_eos_token`, and for WordPiece always [CLS] … [SEP].
+//!   Every parity command makes a prompt's ids with [`Tokenizer::encode_special`].
 //!
 //! Unicode categories come from the `regex` crate's tables, with the codepoints assigned after
 //! llama.cpp's own tables (Unicode 16.0) marked "undefined" as llama.cpp has them; the category,
