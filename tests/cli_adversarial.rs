@@ -381,8 +381,12 @@ fn cases() -> Vec<Case> {
                 let dead = dead_pid();
                 std::fs::create_dir_all(d.join(format!(".t.partial-{dead}/s000"))).unwrap();
                 std::fs::create_dir_all(d.join(format!(".t.partial-{dead}.gone"))).unwrap();
-                // Another writer's folder, alive (this test process): kept.
+                // Another writer's folder, alive (this test process), and folders that are not
+                // this output's: kept.
                 std::fs::create_dir(d.join(format!(".t.partial-{}", std::process::id()))).unwrap();
+                std::fs::create_dir(d.join(format!(".tt.partial-{dead}"))).unwrap();
+                std::fs::create_dir(d.join(".t.partial-notapid")).unwrap();
+                std::fs::write(d.join("dead-pid"), dead.to_string()).unwrap();
                 os(&[
                     &"dump",
                     &fix(),
@@ -406,7 +410,14 @@ fn cases() -> Vec<Case> {
                     .filter(|n| n.contains(".partial-"))
                     .collect();
                 left.sort();
-                if left != [format!(".t.partial-{}", std::process::id())] {
+                let dead = std::fs::read_to_string(d.join("dead-pid")).unwrap();
+                let mut want = vec![
+                    format!(".t.partial-{}", std::process::id()),
+                    ".t.partial-notapid".to_string(),
+                    format!(".tt.partial-{dead}"),
+                ];
+                want.sort();
+                if left != want {
                     return Some(format!("staging folders left: {left:?}"));
                 }
                 (!d.join("t/manifest.json").is_file()).then(|| "no trace written".into())
