@@ -284,13 +284,28 @@ fn generate_tinystories_656k_q8_0_matches_llama_cpp() {
 
 #[test]
 fn generate_matches_llama_cpp_on_every_golden() {
-    let gs = goldens();
+    let gs: Vec<Golden> = goldens()
+        .into_iter()
+        .filter(|g| g.model.starts_with(root().join("fixtures")))
+        .collect();
+    assert!(gs.len() >= 8, "every fixture should have a golden");
+    for g in &gs {
+        check_generate_against_golden(g);
+    }
+}
+
+/// … and on the goldens of the ../shared models.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models)")]
+fn generate_matches_llama_cpp_on_every_shared_golden() {
+    let gs: Vec<Golden> = goldens()
+        .into_iter()
+        .filter(|g| !g.model.starts_with(root().join("fixtures")))
+        .collect();
     assert!(
-        gs.iter()
-            .filter(|g| g.model.starts_with(root().join("fixtures")))
-            .count()
-            >= 8,
-        "every fixture should have a golden"
+        gs.len() >= 3,
+        "only {} goldens of ../shared models",
+        gs.len()
     );
     for g in &gs {
         check_generate_against_golden(g);
