@@ -95,8 +95,33 @@ fn compute_mutations(model: &Model) -> Vec<Mutation> {
 
 #[test]
 fn llama_cpp_goldens_judged_as_candidates_pass() {
-    let pairs = model_goldens();
+    let fixtures = root().join("fixtures");
+    let pairs: Vec<_> = model_goldens()
+        .into_iter()
+        .filter(|(m, _)| m.starts_with(&fixtures))
+        .collect();
     assert!(pairs.len() >= 8, "the committed fixtures' goldens");
+    goldens_judged_as_candidates_pass(pairs);
+}
+
+/// … and the goldens of the ../shared models.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models)")]
+fn shared_llama_cpp_goldens_judged_as_candidates_pass() {
+    let fixtures = root().join("fixtures");
+    let pairs: Vec<_> = model_goldens()
+        .into_iter()
+        .filter(|(m, _)| !m.starts_with(&fixtures))
+        .collect();
+    assert!(
+        pairs.len() >= 3,
+        "only {} shared models' goldens",
+        pairs.len()
+    );
+    goldens_judged_as_candidates_pass(pairs);
+}
+
+fn goldens_judged_as_candidates_pass(pairs: Vec<(PathBuf, PathBuf)>) {
     for (mp, gp) in pairs {
         let model = Model::open(&mp).unwrap();
         let g = Trace::open(&gp).unwrap();
