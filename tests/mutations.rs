@@ -52,8 +52,27 @@ fn taps(
 
 #[test]
 fn every_mutation_shows_first_at_its_place() {
+    let checked = mutations_show_first_at_their_place(true);
+    assert!(checked >= 8 * 13, "{checked} (model, mutation) pairs");
+}
+
+/// … and on the ../shared models.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (models)")]
+fn every_mutation_shows_first_at_its_place_on_shared_models() {
+    let checked = mutations_show_first_at_their_place(false);
+    assert!(checked >= 3 * 13, "{checked} (model, mutation) pairs");
+}
+
+/// On the fixtures (`fixtures`) or on the other models with goldens: how many (model,
+/// mutation) pairs were checked.
+fn mutations_show_first_at_their_place(fixtures: bool) -> usize {
     let mut checked = 0;
-    for (path, golden) in models_with_goldens() {
+    let dir = root().join("fixtures");
+    for (path, golden) in models_with_goldens()
+        .into_iter()
+        .filter(|(p, _)| p.starts_with(&dir) == fixtures)
+    {
         let model = Model::open(&path).unwrap();
         let g = Trace::open(&golden).unwrap();
         let ids = g.manifest.steps[0].tokens.clone();
@@ -82,7 +101,7 @@ fn every_mutation_shows_first_at_its_place() {
         }
         eprintln!("{}: catalog checked", path.display());
     }
-    assert!(checked >= 8 * 13, "{checked} (model, mutation) pairs");
+    checked
 }
 
 #[test]
