@@ -88,6 +88,12 @@ fn selftest_sparse_traces_on_a_fixture() {
     let (m, g) = fixture("tiny-llama-q8_0");
     let engine = if numpy_ok() { "both" } else { "parity" };
     selftest(&m, &g, &["--engine", engine, "--sparse"]);
+    // An f16 K/V cache on a 64-wide model: one K/V value rounded to the other f16 neighbour
+    // (an f32 ulp upstream decides) flips 8-bit activations downstream; the span floors stay
+    // as they are without the emulation, so the clean run passes and eps x10 is placed.
+    if numpy_ok() {
+        selftest(&m, &g, &["--engine", "numpy", "--kv", "f16", "--sparse"]);
+    }
 }
 
 #[test]
