@@ -1,0 +1,152 @@
+//! Verdicts on every architecture parity runs: on each committed fixture (llama, llama3,
+//! qwen2, qwen3, gemma, gemma2, gemma3, phi3) and on generated 16-layer models with a fresh
+//! llama.cpp golden, `parity check` passes with every backend and op by op, and every
+//! applicable catalog bug — including each architecture's own (gemma's +1 applied twice, a
+//! missing embedding scale or soft-cap, a sliding window off by one, skipped q/k norms, a fused
+//! QKV split in the wrong order, ignored RoPE factors) — is found at its place and named by
+//! `parity diff`, from full and from sparse traces, and placed at layer 11 of 16.
+
+mod common;
+
+use common::{parity, root, show, stdout};
+use std::path::Path;
+
+const ARCHS: &[&str] = &["llama3", "qwen3", "gemma", "gemma2", "gemma3", "phi3"];
+
+/// The catalog bugs that belong to each architecture (each must have a row, and pass).
+fn own_bugs(arch: &str) -> &'static [&'static str] {
+    match arch {
+        "llama3" => &["rope-factors-ignored"],
+        "qwen3" => &["qk-norm-skipped"],
+        "gemma" => &["gemma-norm-plus-one", "no-embd-scale"],
+        "gemma2" => &[
+            "gemma-norm-plus-one",
+            "no-embd-scale",
+            "no-softcap",
+            "swa-off-by-one",
+        ],
+        "gemma3" => &[
+            "gemma-norm-plus-one",
+            "no-embd-scale",
+            "swa-off-by-one",
+            "qk-norm-skipped",
+        ],
+        "phi3" => &["qkv-split-order", "rope-factors-ignored"],
+        _ => &[],
+    }
+}
+
+fn check_passes(model: &Path, golden: Option<&Path>) {
+    let mut args = vec!["check", model.to_str().unwrap()];
+    if let Some(g) = golden {
+        args.extend(["--golden", g.to_str().unwrap()]);
+    }
+    let o = parity(&args);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        out.contains("verdict: parity (8 comparisons)"),
+        "{}",
+        show(&o)
+    );
+    // Op by op ran for both replayable ggml-rounding backends.
+    assert!(
+        out.matches("op by op on the baseline's inputs").count() == 2,
+        "{}",
+        show(&o)
+    );
+}
+
+/// `parity selftest` exits 0 (every row ok) and has an ok row for each of `bugs`.
+fn selftest_finds(model: &Path, golden: Option<&Path>, extra: &[&str], bugs: &[&str]) {
+    let mut args = vec!["selftest", model.to_str().unwrap()];
+    if let Some(g) = golden {
+        args.extend(["--golden", g.to_str().unwrap()]);
+    }
+    args.extend_from_slice(extra);
+    let o = parity(&args);
+    let out = stdout(&o);
+    let failing: Vec<&str> = out.lines().filter(|l| l.contains("FAIL")).collect();
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{} {extra:?}: {}\n{}",
+        model.display(),
+        failing.join("\n"),
+        show(&o)
+    );
+    for bug in bugs {
+        let row = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{bug} ")))
+            .unwrap_or_else(|| panic!("{} {extra:?}: no row for {bug}\n{out}", model.display()));
+        assert!(row.trim_end().ends_with("ok"), "{row}");
+        assert!(row.contains(bug), "named: {row}");
+    }
+}
+
+#[test]
+fn every_architecture_fixture_passes_check_in_every_mode() {
+    for arch in ARCHS.iter().chain(&["llama", "qwen2"]) {
+        let model = root().join(format!("fixtures/tiny-{arch}-q8_0.gguf"));
+        check_passes(&model, None);
+    }
+}
+
+#[test]
+fn every_architecture_bug_is_found_and_named_on_the_fixtures() {
+    for arch in ARCHS {
+        let model = root().join(format!("fixtures/tiny-{arch}-q8_0.gguf"));
+        selftest_finds(&model, None, &[], own_bugs(arch));
+        selftest_finds(&model, None, &["--sparse"], own_bugs(arch));
+    }
+}
+
+/// 16-layer models of the newer architectures (Q4_0, sliding windows, soft-caps, q/k norms,
+/// fused weights), a fresh golden from the real llama.cpp each.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn deep_models_of_every_new_architecture_pass_and_their_bugs_are_placed_at_depth() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ["gemma2", "gemma3", "qwen3", "phi3"] {
+        let model = dir.path().join(format!("{arch}.gguf"));
+        let golden = dir.path().join(format!("golden-{arch}"));
+        let o = parity(&[
+            "fixture",
+            "--arch",
+            arch,
+            "--type",
+            "q4_0",
+            "--n-layer",
+            "16",
+            "--seed",
+            "3",
+            "--out",
+            model.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let o = parity(&[
+            "golden",
+            model.to_str().unwrap(),
+            "-p",
+            "Once upon a time there was a little girl who liked to play",
+            "--steps",
+            "4",
+            "--out",
+            golden.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        check_passes(&model, Some(&golden));
+        let own: Vec<&str> = own_bugs(arch)
+            .iter()
+            .copied()
+            // The embedding is before layer 11: a bug there cannot act from layer 11 on.
+            .filter(|b| *b != "no-embd-scale")
+            .collect();
+        selftest_finds(&model, Some(&golden), &["--from-layer", "11"], &own);
+        selftest_finds(&model, Some(&golden), &["--sparse"], own_bugs(arch));
+    }
+}
