@@ -351,20 +351,22 @@ fn finding(
         Some((t, _)) => match setups.get(&t.hypothesis) {
             // The K/V cache type was measured with the bug in the window; where the bug
             // moves attention more than the cache's rounding does, the measurement can pick
-            // the wrong one: the placement tries the other type too.
-            Some(setup) => match locate(model, cand, setup, ops, &k)? {
-                Some(l) => Some(l),
-                None => {
-                    let other = Setup {
-                        kv: match setup.kv {
-                            KvCache::F32 => KvCache::F16,
-                            KvCache::F16 => KvCache::F32,
-                        },
-                        ..setup.clone()
-                    };
-                    locate(model, cand, &other, ops, &k)?
+            // the wrong one: the placement tries both types and keeps the earliest key.
+            Some(setup) => {
+                let other = Setup {
+                    kv: match setup.kv {
+                        KvCache::F32 => KvCache::F16,
+                        KvCache::F16 => KvCache::F32,
+                    },
+                    ..setup.clone()
+                };
+                let a = locate(model, cand, setup, ops, &k)?;
+                let b = locate(model, cand, &other, ops, &k)?;
+                match (a, b) {
+                    (Some(x), Some(y)) => Some(if y.0 < x.0 { y } else { x }),
+                    (x, y) => x.or(y),
                 }
-            },
+            }
             None => None,
         },
         None => None,
