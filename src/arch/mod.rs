@@ -2,11 +2,12 @@
 //! provides.
 //!
 //! [`transformer::forward`] is the one graph every supported architecture runs (llama, qwen2,
-//! qwen3, gemma, gemma2, gemma3, phi3): what differs between them is data in
-//! [`crate::model::Config`] and the optional weights of [`crate::model::LayerWeights`]
-//! (biases, q/k norms, post-norms, soft-caps, sliding window, RoPE kind and factors, activation,
-//! embedding scale). docs/architectures.md lists, per architecture, what llama.cpp computes and
-//! which of these it sets.
+//! qwen3, gemma, gemma2, gemma3, phi3): what differs between them is data. Each architecture
+//! is one file here (`llama.rs`, `gemma2.rs`, …) holding its [`spec::ArchSpec`]; the model
+//! reads the metadata the spec names into [`crate::model::Config`] and the optional weights of
+//! [`crate::model::LayerWeights`] (biases, q/k norms, post-norms, soft-caps, sliding window,
+//! RoPE kind and factors, activation, embedding scale). docs/architectures.md lists, per
+//! architecture, what llama.cpp computes, checked against the running llama.cpp.
 //!
 //! A backend implements [`Ops`]: `reference` (plain f32, readable, with the bug catalog),
 //! `fast` (SIMD, threads). A new backend adds ops, never a forward; a new architecture adds data
@@ -303,6 +304,56 @@ pub fn check_inputs(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{Emulation, Reference};
+    use crate::model::Model;
+    use crate::trace::{MemorySink, TapFilter};
+
+    /// What `records`, `tap_dims` and `tap_inputs` say about the graph is what the forward
+    /// does, on every committed fixture (every architecture): the same taps, the same shapes,
+    /// and every input of a recorded tap is recorded too.
+    #[test]
+    fn graph_facts_match_the_forward_on_every_architecture() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        let mut archs = std::collections::BTreeSet::new();
+        for e in std::fs::read_dir(dir).unwrap() {
+            let m = Model::open(e.unwrap().path()).unwrap();
+            let c = &m.config;
+            archs.insert(c.arch.name());
+            let mut sink = MemorySink::new(TapFilter::all());
+            let mut r = Reference::new(&m, Emulation::None, 64);
+            crate::backend::run(&mut r, &[1, 5, 9, 20, 7], 2, None, &mut sink).unwrap();
+            let name = &m.file.path().display();
+            for step in 0..3 {
+                let (t, pos0) = if step == 0 { (5, 0) } else { (1, 4 + step) };
+                let recorded: Vec<Tap> = sink
+                    .tensors
+                    .keys()
+                    .filter(|k| k.step == step && k.layer.is_none_or(|l| l == 1))
+                    .map(|k| k.tap)
+                    .collect();
+                let want: Vec<Tap> = Tap::ALL.into_iter().filter(|&x| records(c, x)).collect();
+                let mut got = recorded.clone();
+                got.sort();
+                got.dedup();
+                assert_eq!(got, want, "{name} step {step}: taps");
+                for (k, a) in sink.tensors.iter().filter(|(k, _)| k.step == step) {
+                    let d = tap_dims(c, k.tap, t, pos0);
+                    assert_eq!(a.len(), d.iter().product::<usize>(), "{name} {k}: shape");
+                    let steps: Vec<usize> = (0..=step).collect();
+                    for i in tap_inputs(c, k, &steps) {
+                        assert!(sink.tensors.contains_key(&i), "{name} {k}: input {i}");
+                    }
+                }
+            }
+        }
+        for a in crate::model::Arch::ALL {
+            assert!(
+                archs.contains(a.name()),
+                "no committed fixture of {}",
+                a.name()
+            );
+        }
+    }
 
     #[test]
     fn window_bounds_what_a_query_sees() {
