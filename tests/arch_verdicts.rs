@@ -150,3 +150,41 @@ fn deep_models_of_every_new_architecture_pass_and_their_bugs_are_placed_at_depth
         selftest_finds(&model, Some(&golden), &["--sparse"], own_bugs(arch));
     }
 }
+
+/// A model written by llama.cpp's own GGUF writer (gguf-py) in a shape parity's `fixture` does
+/// not make (head_dim 96, n_head·head_dim ≠ n_embd, 6 over 2 heads, f16): parity reads it as
+/// llama.cpp does, `check` passes against llama.cpp's golden, and the catalog is found.
+#[test]
+#[cfg_attr(
+    not(all(parity_llama_cpp, parity_gguf_py)),
+    ignore = "needs llama-cpp-python and gguf-py (.ci/run installs them; then touch build.rs)"
+)]
+fn models_written_by_gguf_py_in_another_shape_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ["qwen3", "gemma3"] {
+        let model = dir.path().join(format!("{arch}.gguf"));
+        let golden = dir.path().join(format!("golden-{arch}"));
+        let o = std::process::Command::new(common::python())
+            .arg(root().join("scripts/gguf_py_model.py"))
+            .args([arch, model.to_str().unwrap()])
+            .current_dir(root())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let o = parity(&[
+            "golden",
+            model.to_str().unwrap(),
+            "-p",
+            "Once upon a time there was a little girl who liked to play",
+            "--steps",
+            "4",
+            "--out",
+            golden.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let info = stdout(&parity(&["inspect", model.to_str().unwrap()]));
+        assert!(info.contains("head_dim 96"), "{info}");
+        check_passes(&model, Some(&golden));
+        selftest_finds(&model, Some(&golden), &[], own_bugs(arch));
+    }
+}
