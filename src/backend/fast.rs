@@ -304,7 +304,7 @@ fn rope(
 }
 
 /// `f(x[i], y[i])` into `x`, element-wise, in parallel chunks.
-fn zip_in_place(pool: &Pool, x: &mut [f32], y: &[f32], f: &(dyn Fn(f32, f32) -> f32 + Sync)) {
+fn zip_in_place(pool: &Pool, x: &mut [f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     const CHUNK: usize = 4096;
     let n = x.len();
     let xs = SharedMut::new(x);
@@ -479,10 +479,10 @@ impl Ops for Fast<'_> {
 
     fn glu(&mut self, mut gate: Buf, up: &Buf, act: Activation) -> Buf {
         match act {
-            Activation::Silu => zip_in_place(&self.pool, &mut gate, up, &|g, u| {
+            Activation::Silu => zip_in_place(&self.pool, &mut gate, up, |g, u| {
                 g / (1.0 + (-g).exp()) * u
             }),
-            Activation::GeluTanh => zip_in_place(&self.pool, &mut gate, up, &|g, u| {
+            Activation::GeluTanh => zip_in_place(&self.pool, &mut gate, up, |g, u| {
                 gelu(g, Emulation::GgmlCpu) * u
             }),
         }
