@@ -352,6 +352,14 @@ pub fn run(
         }
         .into());
     }
+    // Backends hold the context the golden's engine held (at least the run): a LongRoPE model
+    // picks its RoPE factors by it, as llama.cpp does.
+    let n_ctx = golden
+        .as_ref()
+        .and_then(|(_, g)| g.manifest.producer.settings.get("n_ctx")?.as_u64())
+        .map_or(n_ctx, |g| {
+            (g as usize).clamp(n_ctx, model.config.n_ctx_train.max(n_ctx))
+        });
     let model_ref = ModelRef {
         path: model_path.display().to_string(),
         sha256: model.sha256().to_string(),

@@ -188,3 +188,29 @@ fn models_written_by_gguf_py_in_another_shape_pass() {
         selftest_finds(&model, Some(&golden), &[], own_bugs(arch));
     }
 }
+
+/// phi3's LongRoPE: llama.cpp uses the long factors when its context is longer than the one the
+/// factors were trained for (256 in the fixture). A golden made with a 512-token context must
+/// pass too: parity's backends hold the golden's context and pick the same factors (with the
+/// short ones, q_rope is off by NMSE ~3e-2 at layer 0).
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn phi3_long_context_golden_uses_the_long_rope_factors() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = dir.path().join("phi3-long");
+    let model = root().join("fixtures/tiny-phi3-q8_0.gguf");
+    let o = std::process::Command::new(common::python())
+        .arg(root().join("scripts/llama_golden.py"))
+        .arg(&model)
+        .args(["--tokens", "1,259,300,273,262,264,324,325,329,333,336,325"])
+        .args(["--steps", "3", "--n-ctx", "512", "--out"])
+        .arg(&golden)
+        .current_dir(root())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    check_passes(&model, Some(&golden));
+}

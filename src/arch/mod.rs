@@ -162,6 +162,9 @@ pub trait Ops {
     fn softcap(&mut self, x: Self::Buf, cap: f32) -> Self::Buf;
     /// The last row of `x` (`[T, width]` → `[1, width]`).
     fn last_row(&mut self, x: Self::Buf, width: usize) -> Self::Buf;
+    /// The context length this backend holds a cache for: LongRoPE models (phi3) pick their
+    /// RoPE factors by it, as llama.cpp does by its context size.
+    fn n_ctx(&self) -> usize;
     /// A tap point: hand `x` to the sink if it wants it, then let a replaying sink replace it
     /// (op by op) before the forward goes on from it.
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Self::Buf);

@@ -68,7 +68,7 @@ pub fn forward<O: Ops>(
             tap(ops, ly, Tap::KNormed, &[t, nkv, hd], &mut k);
         }
 
-        let rope = Rope::for_layer(c, l, w.rope_freqs.as_ref());
+        let rope = Rope::for_layer(c, l, w.rope_factors(ops.n_ctx(), c));
         q = ops.rope(q, l, pos0, nh, &rope);
         k = ops.rope(k, l, pos0, nkv, &rope);
         tap(ops, ly, Tap::QRope, &[t, nh, hd], &mut q);

@@ -479,9 +479,9 @@ impl Ops for Fast<'_> {
 
     fn glu(&mut self, mut gate: Buf, up: &Buf, act: Activation) -> Buf {
         match act {
-            Activation::Silu => zip_in_place(&self.pool, &mut gate, up, |g, u| {
-                g / (1.0 + (-g).exp()) * u
-            }),
+            Activation::Silu => {
+                zip_in_place(&self.pool, &mut gate, up, |g, u| g / (1.0 + (-g).exp()) * u)
+            }
             Activation::GeluTanh => zip_in_place(&self.pool, &mut gate, up, |g, u| {
                 gelu(g, Emulation::GgmlCpu) * u
             }),
@@ -499,6 +499,10 @@ impl Ops for Fast<'_> {
     fn softcap(&mut self, mut x: Buf, cap: f32) -> Buf {
         x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
         x
+    }
+
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
     }
 
     fn last_row(&mut self, x: Buf, width: usize) -> Buf {

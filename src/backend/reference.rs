@@ -564,6 +564,10 @@ impl Ops for Reference<'_> {
         x
     }
 
+    fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
     fn last_row(&mut self, x: Vec<f32>, width: usize) -> Vec<f32> {
         x[x.len() - width..].to_vec()
     }
