@@ -328,7 +328,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     let prompt = if a.input.given() {
         let (ids, policy) = a.input.resolve(&model.file)?;
         if !a.report.quiet {
-            eprintln!("prompt ids: {ids:?} — {policy}");
+            eprintln!("prompt ids: {} — {policy}", join_ids(&ids));
         }
         Some(ids)
     } else {
@@ -375,7 +375,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     let r = crate::check::run(&model, &model_path, &opt, &mut on_event)?;
     if !quiet {
         if prompt_from_golden(&r) {
-            eprintln!("prompt ids: {:?} — {}", r.prompt, r.ids_from);
+            eprintln!("prompt ids: {} — {}", join_ids(&r.prompt), r.ids_from);
         }
         match &r.golden {
             Some((p, _)) => eprintln!("golden: {}", p.display()),

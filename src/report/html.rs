@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// One colour per per-layer tap kind (in `COLUMNS` order): distinct hues, darker first half.
-const PALETTE: [(u8, u8, u8); 16] = [
+const PALETTE: [(u8, u8, u8); 20] = [
     (31, 119, 180),
     (255, 127, 14),
     (44, 160, 44),
@@ -29,6 +29,10 @@ const PALETTE: [(u8, u8, u8); 16] = [
     (206, 109, 189),
     (0, 0, 0),
     (107, 110, 207),
+    (231, 203, 148),
+    (82, 84, 163),
+    (140, 162, 82),
+    (189, 158, 57),
 ];
 
 fn esc(s: &str) -> String {

@@ -17,24 +17,34 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 /// Short column headers for the per-layer table, in graph order.
-pub(crate) const COLUMNS: [(Tap, &str); 16] = [
+/// The newer architectures' taps (q/k norms, post-norms) only appear in tables of models that
+/// record them.
+pub(crate) const COLUMNS: [(Tap, &str); 20] = [
     (Tap::AttnNorm, "a_norm"),
     (Tap::Q, "q"),
     (Tap::K, "k"),
     (Tap::V, "v"),
+    (Tap::QNormed, "q_norm"),
+    (Tap::KNormed, "k_norm"),
     (Tap::QRope, "q_rope"),
     (Tap::KRope, "k_rope"),
     (Tap::KqSoftMax, "probs"),
     (Tap::KqvOut, "kqv"),
     (Tap::AttnOut, "a_out"),
+    (Tap::AttnPostNorm, "a_post"),
     (Tap::FfnInp, "f_inp"),
     (Tap::FfnNorm, "f_norm"),
     (Tap::FfnGate, "gate"),
     (Tap::FfnUp, "up"),
     (Tap::FfnAct, "act"),
     (Tap::FfnOut, "f_out"),
+    (Tap::FfnPostNorm, "f_post"),
     (Tap::LOut, "l_out"),
 ];
+
+/// The taps outside the layers: before them, and after them.
+pub(crate) const BEFORE_LAYERS: [Tap; 2] = [Tap::Embd, Tap::EmbdScaled];
+pub(crate) const AFTER_LAYERS: [Tap; 3] = [Tap::ResultNorm, Tap::LogitsUncapped, Tap::Logits];
 
 /// log10 of an NMSE for a table cell: `-13.2`, `exact`, `inf`, with `!` when over threshold.
 fn cell(nmse: f64, fail: bool) -> String {
@@ -110,8 +120,13 @@ pub fn table_styled(c: &Comparison, colour: bool) -> String {
         out,
         "log10 NMSE, worst over steps ('exact' = bit-identical, '!' = over threshold)"
     );
+    // Only the columns this comparison has (a llama model records no q_norm).
+    let columns: Vec<(Tap, &str)> = COLUMNS
+        .into_iter()
+        .filter(|(t, _)| worst.keys().any(|(l, x)| l.is_some() && x == t))
+        .collect();
     let _ = write!(out, "{:>7}", "layer");
-    for (_, h) in COLUMNS {
+    for (_, h) in &columns {
         let _ = write!(out, " {h:>6}");
     }
     out.push('\n');
@@ -120,12 +135,20 @@ pub fn table_styled(c: &Comparison, colour: bool) -> String {
         v.dedup();
         v
     };
-    if let Some(w) = worst.get(&(None, Tap::Embd)) {
-        let _ = writeln!(out, "{:>7} embd {}", "-", show(w, 0));
+    let head: Vec<String> = BEFORE_LAYERS
+        .iter()
+        .filter_map(|&tap| {
+            worst
+                .get(&(None, tap))
+                .map(|w| format!("{tap} {}", show(w, 0)))
+        })
+        .collect();
+    if !head.is_empty() {
+        let _ = writeln!(out, "{:>7} {}", "-", head.join("  "));
     }
     for l in layers {
         let _ = write!(out, "{l:>7}");
-        for (tap, _) in COLUMNS {
+        for &(tap, _) in &columns {
             let s = match worst.get(&(Some(l), tap)) {
                 Some(w) => show(w, 6),
                 None => format!("{:>6}", "-"),
@@ -135,7 +158,7 @@ pub fn table_styled(c: &Comparison, colour: bool) -> String {
         out.push('\n');
     }
     let mut tail = Vec::new();
-    for tap in [Tap::ResultNorm, Tap::Logits] {
+    for tap in AFTER_LAYERS {
         if let Some(w) = worst.get(&(None, tap)) {
             tail.push(format!("{tap} {}", show(w, 0)));
         }

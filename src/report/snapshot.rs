@@ -202,7 +202,7 @@ pub fn body(comparisons: &[Comparison]) -> String {
         if let Some((_, b)) = s.kld {
             let _ = writeln!(out, "logits: kld {} top-1 {}", b.text(), s.top1);
         }
-        for tap in [Tap::Embd, Tap::ResultNorm, Tap::Logits] {
+        for tap in super::BEFORE_LAYERS.into_iter().chain(super::AFTER_LAYERS) {
             if let Some((_, b)) = s.cells.get(&(None, tap)) {
                 let _ = writeln!(out, "{:<11} {}", tap.name(), b.text());
             }
