@@ -1577,3 +1577,31 @@ fn interrupted_dump_leaves_nothing() {
         assert!(left.is_empty(), "SIG{name}: left behind {left:?}");
     }
 }
+
+/// A golden killed outright (SIGKILL: no chance to clean up) leaves its hidden staging folder;
+/// the next `golden` into the same output removes it.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn golden_clears_a_killed_runs_staging_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let stale = tmp.path().join(format!(".g.partial-{}", dead_pid()));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("embd.npy"), b"half written").unwrap();
+    let out = tmp.path().join("g");
+    let o = common::parity(&[
+        "golden",
+        fix().to_str().unwrap(),
+        "-p",
+        "Once upon",
+        "--steps",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", common::show(&o));
+    assert!(!stale.exists(), "the stale staging folder is still there");
+    assert!(out.join("manifest.json").exists());
+}

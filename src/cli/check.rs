@@ -122,6 +122,9 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         }
         _ => {}
     }
+    // A golden killed outright leaves its hidden staging folder (.NAME.partial-PID) beside
+    // the output; the next run clears those whose process is gone.
+    crate::trace::staging::remove_stale(&out_dir);
     drop(model);
     let script = repo_root().join("scripts/llama_golden.py");
     if !script.exists() {
