@@ -555,3 +555,301 @@ fn prompt_ids_match_llama_cpp_add_special() {
     }
     assert_eq!(checked, 13);
 }
+
+/// Every `tokenizer.ggml.pre` parity has a regex table for (src/tokenizer/pre.rs).
+const PRE_TYPES: &[&str] = &[
+    "default",
+    "minicpm5",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+    "deepseek-llm",
+    "deepseek-coder",
+    "deepseek-v3",
+    "hunyuan-dense",
+    "hy_v4",
+    "joyai-llm",
+    "spark2_5",
+    "youtu",
+    "falcon",
+    "mpt",
+    "olmo",
+    "jais",
+    "exaone4",
+    "starcoder",
+    "refact",
+    "codeshell",
+    "exaone",
+    "minerva-7b",
+    "mellum2",
+    "command-r",
+    "smollm",
+    "gpt-2",
+    "phi-2",
+    "jina-es",
+    "jina-de",
+    "gigachat",
+    "jina-v2-es",
+    "jina-v2-de",
+    "a.x-4.0",
+    "mellum",
+    "modern-bert",
+    "trillion",
+    "granite-docling",
+    "jina-v1-en",
+    "jina-v2-code",
+    "roberta-bpe",
+    "jais-2",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "kormo",
+    "f2llmv2",
+    "hunyuan",
+    "solar-open",
+    "grok-2",
+    "megrez",
+    "stablelm2",
+    "qwen35",
+    "dbrx",
+    "smaug-bpe",
+    "poro-chat",
+    "bloom",
+    "gpt3-finnish",
+    "glm4",
+    "chatglm-bpe",
+    "viking",
+    "tekken",
+    "chameleon",
+    "gpt-4o",
+    "llama4",
+    "kanana2",
+    "talkie",
+    "minimax-m2",
+    "granite-embed-multi-97m",
+    "tiny_aya",
+    "cohere2moe",
+    "bailingmoe",
+    "bailingmoe2",
+    "llada-moe",
+    "seed-coder",
+    "ufakzeka",
+    "laguna",
+    "exaone-moe",
+];
+
+/// Strings where the pre-tokenizer regexes disagree: digit runs (`\p{N}` vs `\p{N}{1,3}` vs
+/// one digit), contractions in both cases, letters with marks, CJK, runs of newlines and
+/// whitespace, punctuation runs.
+const PRE_PROBES: &[&str] = &[
+    "12345678",
+    "1234567 89 0",
+    "I'm you'll",
+    "I'M YOU'LL they'Re we'VE",
+    "naïve café Ωμέγα",
+    "nai\u{308}ve",
+    "日本語テキスト",
+    "中文 한국어 ひらがな",
+    "a\n\n  b\t\tc",
+    "\n\n\n",
+    "x \r\n y",
+    "   leading and trailing   ",
+    "hello...world!!",
+    "(a+b)/2 == c; // ok?",
+    "HelloWORLD camelCase",
+    "🦙.cpp 🦙🦙",
+];
+
+/// For each file: llama.cpp's `tokenize(text, add_bos=False, special=False)` ids of every
+/// text, or `None` where llama.cpp refuses to load the file (llama-cpp-python, `vocab_only`).
+fn llama_cpp_plain_ids(files: &[PathBuf], texts: &[String]) -> Vec<Option<Vec<Vec<u32>>>> {
+    const SCRIPT: &str = r#"
+import json, sys, llama_cpp
+req = json.load(sys.stdin)
+out = []
+for path in req["files"]:
+    try:
+        l = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    except Exception:
+        out.append(None)
+        continue
+    out.append([l.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req["texts"]])
+    del l
+print(json.dumps(out))
+"#;
+    let mut child = std::process::Command::new(python())
+        .args(["-c", SCRIPT])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run python");
+    let req = serde_json::json!({ "files": files, "texts": texts });
+    serde_json::to_writer(child.stdin.take().unwrap(), &req).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "llama.cpp tokenization failed");
+    serde_json::from_slice(&out.stdout).expect("ids as JSON")
+}
+
+/// The pre-tokenizer regexes of every `tokenizer.ggml.pre` parity knows, against the real
+/// llama.cpp: the gpt-2 byte-level BPE vocabulary rewritten to each pre-type (llama3's
+/// "llama-bpe", "qwen2", …), tokenizing every gpt-2 test string plus `PRE_PROBES`. Pre-types
+/// llama.cpp 0.3.36 does not know (it refuses the file) are listed and skipped; llama-bpe and
+/// qwen2 must load.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama.cpp (llama-cpp-python) in .venv or $PARITY_PYTHON"
+)]
+fn pre_tokenizers_on_gpt2_vocab_match_llama_cpp() {
+    let Some(dir) = vocab_dir() else { return };
+    let src = dir.join("ggml-vocab-gpt-2.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut texts: Vec<String> = read_tests(&dir, "gpt-2")
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    texts.extend(PRE_PROBES.iter().map(|s| s.to_string()));
+    // A made-up pre-type last: llama.cpp must refuse it, or a refusal would not be seen.
+    let files: Vec<PathBuf> = PRE_TYPES
+        .iter()
+        .chain(&["no-such-pre"])
+        .map(|pre| {
+            let path = tmp.path().join(format!("gpt-2-{pre}.gguf"));
+            rewrite_gguf(
+                &src,
+                &path,
+                &[
+                    ("tokenizer.ggml.pre", Value::String(pre.to_string())),
+                    // jina-v1-en, jina-v2-code and roberta-bpe turn on add_sep, and parity
+                    // refuses an add_sep without a separator id (llama.cpp 0.3.36 loads it);
+                    // unused here, as no special tokens are added.
+                    ("tokenizer.ggml.seperator_token_id", Value::U32(50256)),
+                ],
+            );
+            path
+        })
+        .collect();
+    let want = llama_cpp_plain_ids(&files, &texts);
+    assert_eq!(want.len(), PRE_TYPES.len() + 1);
+    assert!(
+        want[PRE_TYPES.len()].is_none(),
+        "llama.cpp loaded pre = no-such-pre"
+    );
+    // The rewrite reaches llama.cpp: its ids for a digit run differ between gpt-2 (`\p{N}+`),
+    // llama-bpe (`\p{N}{1,3}`) and qwen2 (`\p{N}`).
+    let digits = texts.iter().position(|t| t == "12345678").unwrap();
+    let ids_of = |pre: &str| {
+        let i = PRE_TYPES.iter().position(|p| *p == pre).unwrap();
+        want[i].as_ref().map(|w| w[digits].clone())
+    };
+    let (g, l, q) = (ids_of("gpt-2"), ids_of("llama-bpe"), ids_of("qwen2"));
+    assert!(g != l && l != q && g != q, "{g:?} {l:?} {q:?}");
+    let (mut compared, mut unknown, mut bad) = (Vec::new(), Vec::new(), Vec::new());
+    for ((pre, path), want) in PRE_TYPES.iter().zip(&files).zip(&want) {
+        let Some(want) = want else {
+            unknown.push(*pre);
+            continue;
+        };
+        let tok = Tokenizer::from_gguf(&GgufFile::open(path).unwrap())
+            .unwrap_or_else(|e| panic!("{pre}: {e}"));
+        assert_eq!(tok.pre(), Some(*pre));
+        let mut ok = 0;
+        for (text, want) in texts.iter().zip(want) {
+            let got = tok.encode(text, false).unwrap();
+            if &got == want {
+                ok += 1;
+            } else if bad.len() < 20 {
+                bad.push(format!(
+                    "{pre}: {text:?}\n    want {want:?}\n    got  {got:?}"
+                ));
+            }
+        }
+        compared.push(format!("{pre} {ok}/{}", texts.len()));
+    }
+    eprintln!(
+        "pre-tokenizers on the gpt-2 vocabulary vs llama.cpp: {}",
+        compared.join(", ")
+    );
+    if !unknown.is_empty() {
+        eprintln!(
+            "not known to this llama.cpp (skipped): {}",
+            unknown.join(", ")
+        );
+    }
+    for must in ["llama-bpe", "qwen2", "gpt-2"] {
+        assert!(!unknown.contains(&must), "llama.cpp refused pre = {must}");
+    }
+    assert!(bad.is_empty(), "{}", bad.join("\n"));
+}
+
+/// The SentencePiece vocabulary under gemma's architecture name (the `llama.*` hyperparameters
+/// copied to `gemma.*`, as llama.cpp reads them even for `vocab_only`), as is and with
+/// `add_space_prefix = false` as gemma files carry it: parity's ids equal llama.cpp's on every
+/// llama-spm test string plus `PRE_PROBES`.
+#[test]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab and models)")]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama.cpp (llama-cpp-python) in .venv or $PARITY_PYTHON"
+)]
+fn spm_vocab_as_gemma_matches_llama_cpp() {
+    let Some(dir) = vocab_dir() else { return };
+    let src = dir.join("ggml-vocab-llama-spm.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut texts: Vec<String> = read_tests(&dir, "llama-spm")
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    texts.extend(PRE_PROBES.iter().map(|s| s.to_string()));
+    let f = GgufFile::open(&src).unwrap();
+    let hparams: Vec<(String, Value)> = f
+        .metadata
+        .iter()
+        .filter_map(|(k, v)| Some((format!("gemma.{}", k.strip_prefix("llama.")?), v.clone())))
+        .collect();
+    assert!(
+        hparams.len() > 5,
+        "llama-spm has its llama.* hyperparameters"
+    );
+    let mut files = Vec::new();
+    for space_prefix in [None, Some(false)] {
+        let mut edits: Vec<(&str, Value)> = hparams
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.clone()))
+            .collect();
+        edits.push(("general.architecture", Value::String("gemma".into())));
+        if let Some(b) = space_prefix {
+            edits.push(("tokenizer.ggml.add_space_prefix", Value::Bool(b)));
+        }
+        let path = tmp.path().join(format!("gemma-{}.gguf", files.len()));
+        rewrite_gguf(&src, &path, &edits);
+        files.push(path);
+    }
+    let want = llama_cpp_plain_ids(&files, &texts);
+    for (path, want) in files.iter().zip(&want) {
+        let want = want
+            .as_ref()
+            .unwrap_or_else(|| panic!("llama.cpp refused {}", path.display()));
+        let tok = Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap();
+        assert_eq!(tok.kind(), "llama");
+        for (text, want) in texts.iter().zip(want) {
+            let got = tok.encode(text, false).unwrap();
+            assert_eq!(&got, want, "{}: {text:?}", path.display());
+        }
+    }
+    // The flag reaches llama.cpp: without the space prefix, "Hello" is not " Hello".
+    let hello = texts.iter().position(|t| t == "Hello world").unwrap();
+    let (a, b) = (want[0].as_ref().unwrap(), want[1].as_ref().unwrap());
+    assert_ne!(a[hello], b[hello]);
+    eprintln!(
+        "llama-spm as gemma vs llama.cpp: {} strings x 2 variants",
+        texts.len()
+    );
+}
