@@ -85,6 +85,21 @@ fn selftest_finds(model: &Path, golden: Option<&Path>, extra: &[&str], bugs: &[&
     }
 }
 
+/// A fresh golden of `model` from the real llama.cpp (a 16-token story prompt, 4 decode steps).
+fn make_golden(model: &Path, golden: &Path) {
+    let o = parity(&[
+        "golden",
+        model.to_str().unwrap(),
+        "-p",
+        "Once upon a time there was a little girl who liked to play",
+        "--steps",
+        "4",
+        "--out",
+        golden.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+}
+
 #[test]
 fn every_architecture_fixture_passes_check_in_every_mode() {
     for arch in ARCHS.iter().chain(&["llama", "qwen2"]) {
@@ -128,17 +143,7 @@ fn deep_models_of_every_new_architecture_pass_and_their_bugs_are_placed_at_depth
             model.to_str().unwrap(),
         ]);
         assert!(o.status.success(), "{}", show(&o));
-        let o = parity(&[
-            "golden",
-            model.to_str().unwrap(),
-            "-p",
-            "Once upon a time there was a little girl who liked to play",
-            "--steps",
-            "4",
-            "--out",
-            golden.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", show(&o));
+        make_golden(&model, &golden);
         check_passes(&model, Some(&golden));
         let own: Vec<&str> = own_bugs(arch)
             .iter()
@@ -171,17 +176,7 @@ fn models_written_by_gguf_py_in_another_shape_pass() {
             .output()
             .unwrap();
         assert!(o.status.success(), "{}", show(&o));
-        let o = parity(&[
-            "golden",
-            model.to_str().unwrap(),
-            "-p",
-            "Once upon a time there was a little girl who liked to play",
-            "--steps",
-            "4",
-            "--out",
-            golden.to_str().unwrap(),
-        ]);
-        assert!(o.status.success(), "{}", show(&o));
+        make_golden(&model, &golden);
         let info = stdout(&parity(&["inspect", model.to_str().unwrap()]));
         assert!(info.contains("head_dim 96"), "{info}");
         check_passes(&model, Some(&golden));
