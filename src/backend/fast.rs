@@ -24,12 +24,12 @@
 //! - Each output element is computed by one fixed function of its inputs, whichever thread runs
 //!   it, so results are bit-for-bit the same for any thread count.
 
-use super::reference::gelu;
+use super::reference::{gelu, rope, softcap};
 use super::vecops::{self, rms_norm};
 use super::{Backend, BackendError, Emulation};
 use crate::arch::{self, Attn, Ops, Rope};
 use crate::gguf::TensorInfo;
-use crate::model::{Activation, Model, RopeType};
+use crate::model::{Activation, Model};
 use crate::quant::{self, Tile, TileAct};
 use crate::trace::{Sink, TapKey, tap_mut};
 use pool::{Pool, SharedMut};
@@ -269,40 +269,6 @@ fn prefetch(data: &[u8], start: usize, len: usize) {
     let _ = (data, start, len);
 }
 
-/// Rotate each head of `x` (`[T, n_heads, head_dim]`), as `reference::rope` (same rounding).
-fn rope(
-    x: &mut [f32],
-    pos0: usize,
-    n_heads: usize,
-    r: &Rope,
-    factors: Option<&[f32]>,
-    cache: &mut Vec<(f32, f32)>,
-) {
-    let (hd, n_rot) = (r.head_dim, r.n_rot);
-    fit(cache, n_rot / 2);
-    let theta_scale = r.base.powf(-2.0 / n_rot as f32);
-    for (i, row) in x.chunks_exact_mut(n_heads * hd).enumerate() {
-        let mut theta = (pos0 + i) as f32;
-        for (j, c) in cache[..n_rot / 2].iter_mut().enumerate() {
-            let ff = factors.map_or(1.0, |f| f[j]);
-            let th = r.freq_scale * (theta / ff);
-            *c = (th.cos() * r.attn_factor, th.sin() * r.attn_factor);
-            theta *= theta_scale;
-        }
-        for v in row.chunks_exact_mut(hd) {
-            for (j, &(cos, sin)) in cache[..n_rot / 2].iter().enumerate() {
-                let (a, b) = match r.kind {
-                    RopeType::Norm => (2 * j, 2 * j + 1),
-                    RopeType::Neox => (j, j + n_rot / 2),
-                };
-                let (x0, x1) = (v[a], v[b]);
-                v[a] = x0 * cos - x1 * sin;
-                v[b] = x0 * sin + x1 * cos;
-            }
-        }
-    }
-}
-
 /// `f(x[i], y[i])` into `x`, element-wise, in parallel chunks.
 fn zip_in_place(pool: &Pool, x: &mut [f32], y: &[f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     const CHUNK: usize = 4096;
@@ -435,7 +401,7 @@ impl Ops for Fast<'_> {
                     let mut s = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]);
                     s *= a.kq_scale;
                     if let Some(cap) = a.softcap {
-                        s = (s / cap).tanh() * cap;
+                        s = softcap(s, cap);
                     }
                     *pj = s;
                     max = max.max(s);
@@ -497,7 +463,7 @@ impl Ops for Fast<'_> {
     }
 
     fn softcap(&mut self, mut x: Buf, cap: f32) -> Buf {
-        x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        x.iter_mut().for_each(|v| *v = softcap(*v, cap));
         x
     }
 

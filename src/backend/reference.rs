@@ -261,10 +261,18 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 /// ggml_rope_ext with ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot) / factor_i,
 /// computed by repeated multiplication like ggml's rope cache; cos and sin times attn_factor.
 /// Norm pairs (2i, 2i+1); Neox pairs (i, i + n_rot/2).
-pub(crate) fn rope(x: &mut [f32], pos0: usize, n_heads: usize, r: &Rope, factors: Option<&[f32]>) {
+/// `cache` is scratch for the angles (the fast backend keeps one, so decode does not allocate).
+pub(crate) fn rope(
+    x: &mut [f32],
+    pos0: usize,
+    n_heads: usize,
+    r: &Rope,
+    factors: Option<&[f32]>,
+    cache: &mut Vec<(f32, f32)>,
+) {
     let (hd, n_rot) = (r.head_dim, r.n_rot);
     let theta_scale = r.base.powf(-2.0 / n_rot as f32);
-    let mut cache = vec![(0.0f32, 0.0f32); n_rot / 2];
+    cache.resize(n_rot / 2, (0.0, 0.0));
     for (t, row) in x.chunks_mut(n_heads * hd).enumerate() {
         let mut theta = (pos0 + t) as f32;
         for (i, c) in cache.iter_mut().enumerate() {
@@ -289,6 +297,11 @@ pub(crate) fn rope(x: &mut [f32], pos0: usize, n_heads: usize, r: &Rope, factors
 
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// `cap · tanh(x / cap)`, as ggml's scale, tanh, scale.
+pub(crate) fn softcap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
 }
 
 /// GELU, tanh approximation, as ggml_gelu. ggml's CPU backend looks it up in an f16 table
@@ -471,7 +484,14 @@ impl Ops for Reference<'_> {
             r.factors = None;
         }
         let factors = r.factors.map(|f| self.model.vector(f));
-        rope(&mut x, pos0, n_heads, &r, factors.as_deref());
+        rope(
+            &mut x,
+            pos0,
+            n_heads,
+            &r,
+            factors.as_deref(),
+            &mut Vec::new(),
+        );
         x
     }
 
@@ -505,7 +525,7 @@ impl Ops for Reference<'_> {
                 for j in seen.clone() {
                     let mut s = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
                     if let Some(cap) = a.softcap.filter(|_| !no_cap) {
-                        s = (s / cap).tanh() * cap;
+                        s = softcap(s, cap);
                     }
                     p[j] = s;
                 }
@@ -560,7 +580,7 @@ impl Ops for Reference<'_> {
         if self.mutated(Mutation::NoSoftcap, None) {
             return x;
         }
-        x.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        x.iter_mut().for_each(|v| *v = softcap(*v, cap));
         x
     }
 

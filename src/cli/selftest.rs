@@ -563,18 +563,10 @@ fn judge_row(
                 .first_shows_from(model, from_layer)
                 .unwrap_or_else(|| m.first_shows(model));
             // Where the sparse trace first differs from the clean engine's, if that is later.
-            // Graph order: the embedding taps, then the layers, then the output taps.
-            let order = |k: &crate::trace::TapKey| {
-                let at = match (k.layer, k.tap) {
-                    (Some(l), _) => l + 1,
-                    (None, Tap::Embd | Tap::EmbdScaled) => 0,
-                    (None, _) => usize::MAX,
-                };
-                (at, k.tap)
-            };
+            // (TapKey orders by graph: embedding taps, layers, output taps.)
             if let Some(k) = observable
                 && k.step == exp.step
-                && order(&k) > order(&exp)
+                && k > exp
             {
                 exp = k;
             }
