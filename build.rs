@@ -43,6 +43,7 @@ fn probe_test_tools(root: &Path) {
         "parity_chromium",
         "parity_hf",
         "parity_qemu",
+        "parity_gpu",
     ] {
         println!("cargo::rustc-check-cfg=cfg({cfg})");
     }
@@ -104,6 +105,31 @@ fn probe_test_tools(root: &Path) {
     {
         println!("cargo:rustc-cfg=parity_qemu");
     }
+    // A GPU for the wgpu backend's tests (tests/gpu*.rs): Metal and DX12 come with their OS; on
+    // Linux, the Vulkan loader and at least one driver manifest (lavapipe is Debian's
+    // mesa-vulkan-drivers). The tests ask wgpu for an adapter themselves and say if none came.
+    if vulkan_driver() || cfg!(target_os = "macos") || cfg!(target_os = "windows") {
+        println!("cargo:rustc-cfg=parity_gpu");
+    }
+}
+
+/// The Vulkan loader and an ICD manifest in one of the loader's standard folders (or named by
+/// VK_DRIVER_FILES / VK_ICD_FILENAMES).
+fn vulkan_driver() -> bool {
+    println!("cargo:rerun-if-env-changed=VK_DRIVER_FILES");
+    println!("cargo:rerun-if-env-changed=VK_ICD_FILENAMES");
+    let loader = ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib", "/usr/lib64"]
+        .iter()
+        .any(|d| Path::new(d).join("libvulkan.so.1").exists());
+    let named = ["VK_DRIVER_FILES", "VK_ICD_FILENAMES"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .any(|v| std::env::split_paths(&v).any(|p| p.exists()));
+    let icd = named
+        || ["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d"]
+            .iter()
+            .any(|d| std::fs::read_dir(d).is_ok_and(|mut rd| rd.next().is_some()));
+    loader && icd
 }
 
 /// Whether rustup's aarch64-unknown-linux-gnu standard library is installed.
