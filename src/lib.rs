@@ -13,5 +13,6 @@ pub mod judge;
 pub mod model;
 pub mod quant;
 pub mod report;
+pub mod selftest;
 pub mod tokenizer;
 pub mod trace;

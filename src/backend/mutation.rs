@@ -359,6 +359,52 @@ impl Mutation {
     }
 }
 
+/// What `parity selftest` (`crate::selftest`) holds `diff` to for each bug: the name its
+/// diagnosis must give, and which reported places count as the bug's place — in a full dump
+/// the tap [`Mutation::first_shows`] names, in a sparse one (`selftest::SPARSE_TAPS`: embd,
+/// l_out per layer, result_norm, logits) the layer it is in.
+impl Mutation {
+    /// The name the diagnosis must give: the catalog name, or for token bugs the kind of
+    /// token difference `compare` names.
+    pub fn diagnosed_as(self) -> &'static str {
+        match self {
+            Mutation::NoBos => "bos-missing",
+            Mutation::DoubleBos => "bos-doubled",
+            _ => self.name(),
+        }
+    }
+
+    /// Whether a sparse dump can show the bug: a layout bug stores a tap (q_rope) that a
+    /// sparse dump does not have.
+    pub fn shows_in_sparse(self) -> bool {
+        self.kind() != MutationKind::Layout
+    }
+
+    /// Whether `found` is this bug's place when it first shows at `expected`: exactly, or in
+    /// a sparse dump at the same step and layer (the tap within the layer is not dumped).
+    /// An eps bug acts on every RMSNorm of the layer; which one shows it first depends on the
+    /// scale of its input (deep in a model the residual stream dwarfs eps, a post-norm's
+    /// small input does not): any norm of the expected layer is its place.
+    pub fn found_at(self, expected: &TapKey, found: &TapKey, sparse: bool) -> bool {
+        let same_layer = (expected.step, expected.layer) == (found.step, found.layer);
+        if sparse && expected.layer.is_some() {
+            return same_layer;
+        }
+        let norm = |t: Tap| {
+            matches!(
+                t,
+                Tap::AttnNorm | Tap::AttnPostNorm | Tap::FfnNorm | Tap::FfnPostNorm
+            )
+        };
+        expected == found
+            || (self == Mutation::RmsEps10x
+                && !sparse
+                && norm(found.tap)
+                && norm(expected.tap)
+                && same_layer)
+    }
+}
+
 /// The model's BOS id, if it declares one.
 pub fn bos_id(model: &Model) -> Option<u32> {
     model

@@ -1,0 +1,493 @@
+//! `parity selftest` as a library call: the clean engine and each catalog bug
+//! (`backend::mutation`) write their trace as a separate process, exactly as an external
+//! engine's dump is made, and `diff`'s own library call judges it; each [`Row`] says whether
+//! the clean run passes and each bug is found at its place and named. What each bug must show
+//! (its place in a full and a sparse dump, its name) is the catalog's, beside it in
+//! `backend/mutation.rs`. The CLI renders the rows; nothing here prints.
+
+use crate::backend::mutation::{Mutation, MutationKind};
+use crate::judge::JudgeError;
+use crate::judge::verdict::{DiffOptions, Verdict, diff};
+use crate::model::Model;
+use crate::trace::{TapKey, Trace, TraceError};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SelftestError {
+    #[error("{golden}: the golden is for another model (sha256 {sha}…)")]
+    GoldenOtherModel { golden: String, sha: String },
+    #[error("{0}: selftest needs a golden with a prompt of 2+ ids and 1+ decode steps")]
+    GoldenTooShort(String),
+    #[error("--from-layer {from}: the model has {n_layer} layers")]
+    FromLayer { from: usize, n_layer: usize },
+    #[error("unknown mutation '{0}' (known: {known})", known = Mutation::names())]
+    UnknownMutation(String),
+    #[error("--kv {0} needs --engine numpy (parity's own engine keeps an f32 K/V cache)")]
+    KvNeedsNumpy(String),
+    #[error("running {program} for {case}: {source}")]
+    Spawn {
+        program: String,
+        case: String,
+        source: std::io::Error,
+    },
+    #[error("{engine} engine failed on {case}: {last}")]
+    EngineFailed {
+        engine: &'static str,
+        case: String,
+        last: String,
+    },
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Judge(#[from] JudgeError),
+}
+
+/// Which engine writes the traces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// parity's reference, as `parity dump --mutate` in its own process.
+    Parity,
+    /// scripts/numpy_engine.py.
+    Numpy,
+}
+
+impl Engine {
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Parity => "parity",
+            Engine::Numpy => "numpy",
+        }
+    }
+}
+
+/// The engine's activation rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Rounding {
+    /// Plain f32.
+    None,
+    /// As ggml's CPU backend rounds.
+    Ggml,
+}
+
+impl Rounding {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rounding::None => "none",
+            Rounding::Ggml => "ggml",
+        }
+    }
+}
+
+/// How each engine is started as its own process.
+#[derive(Clone, Debug)]
+pub struct Programs {
+    /// The parity executable (`parity dump`).
+    pub parity: PathBuf,
+    /// The Python that runs the numpy engine, and its script.
+    pub python: PathBuf,
+    pub numpy_engine: PathBuf,
+}
+
+/// What a selftest runs.
+#[derive(Clone, Debug)]
+pub struct SelftestOptions {
+    /// The model's llama.cpp golden folder.
+    pub golden: PathBuf,
+    /// Each engine with each rounding, in this order.
+    pub engines: Vec<Engine>,
+    pub roundings: Vec<Rounding>,
+    /// Dump only [`SPARSE_TAPS`]; a bug must then be found at the right layer.
+    pub sparse: bool,
+    /// The numpy engine's K/V cache type (`f32`, or `f16` as llama.cpp's default cache).
+    pub kv: String,
+    /// Each compute bug acts from this layer on (and on the output norm and projection).
+    pub from_layer: usize,
+    /// Only these mutations by name (the clean run always runs).
+    pub only: Option<Vec<String>>,
+    /// Keep the traces in this folder instead of a temporary one.
+    pub keep: Option<PathBuf>,
+    pub programs: Programs,
+}
+
+/// The taps of a sparse dump: what engine authors dump first.
+pub const SPARSE_TAPS: &str = r"^(embd|l_out-\d+|result_norm|logits)$";
+
+/// One case: the clean engine, or one bug, through one engine configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Case {
+    Clean,
+    Bug(Mutation),
+    /// A layout bug whose manifest declares the layout: must be aligned (pass) or named.
+    Declared(Mutation),
+}
+
+impl Case {
+    pub fn label(self) -> String {
+        match self {
+            Case::Clean => "clean".into(),
+            Case::Bug(m) => m.name().into(),
+            Case::Declared(m) => format!("{m} (declared)"),
+        }
+    }
+}
+
+/// One case through one engine and rounding, judged.
+#[derive(serde::Serialize)]
+pub struct Row {
+    pub case: String,
+    pub engine: Engine,
+    pub rounding: Rounding,
+    pub sparse: bool,
+    /// Where the bug must be found (none for the clean run).
+    pub expected: Option<String>,
+    pub expected_name: Option<String>,
+    /// Whether a divergence was found (exit 1 from `diff`).
+    pub diverged: bool,
+    pub found: Option<String>,
+    /// The name the diagnosis gave (confirmed hypothesis, or the token difference's kind).
+    pub named: Option<String>,
+    /// Other hypotheses that reproduce the candidate as well.
+    pub also: Vec<String>,
+    /// The largest cut a hypothesis made of an own error under the floors (a clean row must
+    /// stay below `judge::hypothesis::EXPLAINS`; None when none was tested).
+    pub below_floor_cut: Option<f64>,
+    pub ok: bool,
+    pub why: String,
+}
+
+/// `step 0, layer 3, q_rope` / `step 1, logits`.
+pub fn place(k: &TapKey) -> String {
+    match k.layer {
+        Some(l) => format!("step {}, layer {l}, {}", k.step, k.tap),
+        None => format!("step {}, {}", k.step, k.tap),
+    }
+}
+
+/// Run the selftest of `model` (at `model_path`): every case through every engine and
+/// rounding. `on_row` hears each row as it is judged.
+pub fn run(
+    model: &Model,
+    model_path: &Path,
+    opt: &SelftestOptions,
+    on_row: &mut dyn FnMut(&Row),
+) -> Result<Vec<Row>, SelftestError> {
+    let golden = open_golden(model, opt)?;
+    let cases = cases(model, opt)?;
+    let tmp = match &opt.keep {
+        Some(k) => k.clone(),
+        None => std::env::temp_dir().join(format!("parity-selftest-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&tmp)?;
+    let mut rows = Vec::new();
+    let result = (|| -> Result<(), SelftestError> {
+        for &engine in &opt.engines {
+            for &rounding in &opt.roundings {
+                // The clean engine's trace (the first case), to see where a bug first makes
+                // a sparse trace differ at all.
+                let mut clean: Option<Trace> = None;
+                for &case in &cases {
+                    let dir = tmp.join(format!(
+                        "{}-{}-{}",
+                        engine.name(),
+                        rounding.name(),
+                        case.label().replace([' ', '(', ')'], "")
+                    ));
+                    write_trace(engine, model_path, case, rounding, opt, &dir)?;
+                    let cand = Trace::open(&dir)?;
+                    let o = outcome(&golden, &cand, model)?;
+                    // In a sparse trace a small bug can leave the first layers' outputs
+                    // bit-identical (activation rounding to 8 bits absorbs it): it cannot be
+                    // placed before the first key where the trace differs at all.
+                    let observable = match (&clean, case) {
+                        (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
+                        _ => None,
+                    };
+                    let mut row = judge_row(case, engine, rounding, opt, model, &o, observable);
+                    if matches!(case, Case::Clean) {
+                        clean = Some(cand);
+                    }
+                    if let (Some(k), Some(exp)) = (observable, &row.expected)
+                        && !row.ok
+                        && place(&k) != *exp
+                    {
+                        row.why = format!(
+                            "{} (first difference in this trace: {})",
+                            row.why,
+                            place(&k)
+                        );
+                    }
+                    on_row(&row);
+                    rows.push(row);
+                }
+            }
+        }
+        Ok(())
+    })();
+    if opt.keep.is_none() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result?;
+    Ok(rows)
+}
+
+/// The golden, checked to be this model's and long enough for every bug to show.
+fn open_golden(model: &Model, opt: &SelftestOptions) -> Result<Trace, SelftestError> {
+    let golden = Trace::open(&opt.golden)?;
+    if golden.manifest.model.sha256 != model.sha256() {
+        return Err(SelftestError::GoldenOtherModel {
+            golden: opt.golden.display().to_string(),
+            sha: golden.manifest.model.sha256.chars().take(12).collect(),
+        });
+    }
+    let prompt_len = golden.manifest.steps.first().map_or(0, |s| s.tokens.len());
+    if prompt_len < 2 || golden.manifest.steps.len() < 2 {
+        return Err(SelftestError::GoldenTooShort(
+            opt.golden.display().to_string(),
+        ));
+    }
+    if opt.from_layer >= model.config.n_layer {
+        return Err(SelftestError::FromLayer {
+            from: opt.from_layer,
+            n_layer: model.config.n_layer,
+        });
+    }
+    Ok(golden)
+}
+
+/// The clean run, then each catalog bug that applies to the model and can show in this
+/// dump at this depth (a layout bug also with its layout declared).
+fn cases(model: &Model, opt: &SelftestOptions) -> Result<Vec<Case>, SelftestError> {
+    let mut cases = vec![Case::Clean];
+    for &m in Mutation::ALL {
+        if let Some(only) = &opt.only
+            && !only.iter().any(|n| n == m.name())
+        {
+            continue;
+        }
+        if !m.applies_to(model) {
+            continue;
+        }
+        if opt.sparse && !m.shows_in_sparse() {
+            continue;
+        }
+        if opt.from_layer > 0
+            && (m.kind() != MutationKind::Compute
+                || m.first_shows_from(model, opt.from_layer).is_none())
+        {
+            continue; // token and layout bugs have no depth
+        }
+        cases.push(Case::Bug(m));
+        if m.kind() == MutationKind::Layout {
+            cases.push(Case::Declared(m));
+        }
+    }
+    if let Some(only) = &opt.only
+        && let Some(bad) = only.iter().find(|n| Mutation::parse(n).is_none())
+    {
+        return Err(SelftestError::UnknownMutation(bad.clone()));
+    }
+    if opt.kv != "f32" && opt.engines.contains(&Engine::Parity) {
+        return Err(SelftestError::KvNeedsNumpy(opt.kv.clone()));
+    }
+    Ok(cases)
+}
+
+/// `diff`'s verdict on a candidate: the library call `parity diff` makes when it has the model
+/// (`judge::verdict::diff`, with diff's default options), so the two cannot disagree.
+fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Verdict, SelftestError> {
+    let d = diff(
+        golden,
+        cand,
+        Some(model),
+        &DiffOptions::new(model.main_weight_type()),
+    )?;
+    Ok(d.verdict)
+}
+
+/// Write the case's trace into `dir` by running the engine as a separate process, as an
+/// external engine's dump would be made.
+fn write_trace(
+    engine: Engine,
+    model_path: &Path,
+    case: Case,
+    rounding: Rounding,
+    opt: &SelftestOptions,
+    dir: &Path,
+) -> Result<(), SelftestError> {
+    let ggml = rounding == Rounding::Ggml;
+    let mut cmd = match engine {
+        Engine::Parity => {
+            let mut c = std::process::Command::new(&opt.programs.parity);
+            c.arg("dump")
+                .arg(model_path)
+                .arg("--golden")
+                .arg(&opt.golden);
+            c.args(["--emulate", if ggml { "ggml-cpu" } else { "none" }]);
+            if opt.sparse {
+                c.args(["--taps", SPARSE_TAPS]);
+            }
+            match case {
+                Case::Clean => {}
+                Case::Bug(m) => {
+                    c.args(["--mutate", m.name()]);
+                    if opt.from_layer > 0 {
+                        c.arg("--mutate-from-layer").arg(opt.from_layer.to_string());
+                    }
+                }
+                Case::Declared(m) => {
+                    c.args(["--mutate", m.name(), "--declare-layout"]);
+                }
+            }
+            c.arg("--force").arg("--out").arg(dir);
+            c
+        }
+        Engine::Numpy => {
+            let mut c = std::process::Command::new(&opt.programs.python);
+            c.arg(&opt.programs.numpy_engine);
+            c.arg(model_path).arg("--golden").arg(&opt.golden);
+            c.args(["--rounding", rounding.name()]);
+            c.args(["--taps", if opt.sparse { "sparse" } else { "all" }]);
+            c.args(["--kv", &opt.kv]);
+            match case {
+                Case::Clean => {}
+                Case::Bug(m) => {
+                    c.args(["--mutate", m.name()]);
+                    if opt.from_layer > 0 {
+                        c.arg("--mutate-from-layer").arg(opt.from_layer.to_string());
+                    }
+                }
+                Case::Declared(m) => {
+                    c.args(["--mutate", m.name(), "--declare"]);
+                }
+            }
+            c.arg("--out").arg(dir);
+            c
+        }
+    };
+    let out = cmd.output().map_err(|e| SelftestError::Spawn {
+        program: cmd.get_program().to_string_lossy().into_owned(),
+        case: case.label(),
+        source: e,
+    })?;
+    if !out.status.success() {
+        let msg = String::from_utf8_lossy(&out.stderr);
+        return Err(SelftestError::EngineFailed {
+            engine: match engine {
+                Engine::Parity => "parity dump",
+                Engine::Numpy => "numpy",
+            },
+            case: case.label(),
+            last: msg.lines().last().unwrap_or("").trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The first key (graph order) where two traces of the same ids differ in any bit.
+fn first_difference(a: &Trace, b: &Trace) -> Result<Option<TapKey>, TraceError> {
+    for k in a.keys() {
+        let (Some(x), Some(y)) = (a.get(k)?, b.get(k)?) else {
+            continue;
+        };
+        if x.len() != y.len()
+            || x.iter()
+                .zip(y.iter())
+                .any(|(p, q)| p.to_bits() != q.to_bits())
+        {
+            return Ok(Some(*k));
+        }
+    }
+    Ok(None)
+}
+
+/// The row of one case: whether `diff`'s verdict `o` is what the case must give.
+fn judge_row(
+    case: Case,
+    engine: Engine,
+    rounding: Rounding,
+    opt: &SelftestOptions,
+    model: &Model,
+    o: &Verdict,
+    observable: Option<TapKey>,
+) -> Row {
+    let sparse = opt.sparse;
+    let base = Row {
+        case: case.label(),
+        engine,
+        rounding,
+        sparse,
+        expected: None,
+        expected_name: None,
+        diverged: o.diverged,
+        found: o.place.as_ref().map(place),
+        named: o.named.clone(),
+        also: o.also.clone(),
+        below_floor_cut: o.below_floor_cut,
+        ok: false,
+        why: String::new(),
+    };
+    match case {
+        Case::Clean => {
+            let ok = !o.diverged;
+            Row {
+                ok,
+                why: if ok {
+                    "clean run passes".into()
+                } else {
+                    "false alarm on the clean run".into()
+                },
+                ..base
+            }
+        }
+        Case::Bug(m) | Case::Declared(m) => {
+            let mut exp = m
+                .first_shows_from(model, opt.from_layer)
+                .unwrap_or_else(|| m.first_shows(model));
+            // Where the sparse trace first differs from the clean engine's, if that is later.
+            // (TapKey orders by graph: embedding taps, layers, output taps.)
+            if let Some(k) = observable
+                && k.step == exp.step
+                && k > exp
+            {
+                exp = k;
+            }
+            let name = m.diagnosed_as();
+            let at = o.place.is_some_and(|p| m.found_at(&exp, &p, sparse));
+            // From a sparse trace, bugs that compute the same layer output cannot be told
+            // apart (qk-permute and rope-neox give the same attention scores): there the
+            // name may be among those that reproduce the candidate equally well.
+            let named = o.named.as_deref() == Some(name)
+                || (sparse && o.diverged && o.also.iter().any(|h| h == name));
+            let (ok, why) = if matches!(case, Case::Declared(_)) {
+                // Declared layouts are aligned (no divergence) or named as layout.
+                match (o.diverged, at && named) {
+                    (false, _) => (true, "declared layout aligned: no divergence".to_string()),
+                    (true, true) => (true, "declared layout named".to_string()),
+                    (true, false) => (
+                        false,
+                        "declared layout reported as a numeric bug".to_string(),
+                    ),
+                }
+            } else if !o.diverged {
+                (false, "not found: diff passed".to_string())
+            } else if !at {
+                (false, "found at the wrong place".to_string())
+            } else if !named {
+                (false, "not named".to_string())
+            } else {
+                (true, "found at its place and named".to_string())
+            };
+            Row {
+                expected: Some(place(&exp)),
+                expected_name: Some(name.to_string()),
+                ok,
+                why,
+                ..base
+            }
+        }
+    }
+}
