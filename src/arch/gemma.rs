@@ -12,8 +12,7 @@
 //! - Output: always `token_embd.weight` (the loader never reads `output.weight`).
 //! - The residual after attention is named `sa_out-L`.
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SoftCap};
-use crate::model::{Activation, RopeType};
+use super::spec::{Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SoftCap};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "gemma",

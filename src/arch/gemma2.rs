@@ -14,8 +14,10 @@
 //!   4… slide. Sliding layers' RoPE base is `rope.freq_base_swa` (default the global base),
 //!   with the same linear scaling.
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SlidingWindow, SoftCap, Window};
-use crate::model::{Activation, RopeType};
+use super::spec::{
+    Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SlidingWindow, SoftCap,
+    Window,
+};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "gemma2",

@@ -13,8 +13,10 @@
 //!   freq_scale 1.
 //! - `output.weight` optional (tied otherwise).
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SlidingWindow, SoftCap, Window};
-use crate::model::{Activation, RopeType};
+use super::spec::{
+    Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SlidingWindow, SoftCap,
+    Window,
+};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "gemma3",

@@ -11,8 +11,7 @@
 //! - **Mistral** GGUFs are tagged `llama`; llama's loader reads no sliding window, so llama.cpp
 //!   attends to the whole context, and so does parity.
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SoftCap};
-use crate::model::{Activation, RopeType};
+use super::spec::{Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SoftCap};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "llama",

@@ -29,10 +29,10 @@ pub mod qwen3;
 pub mod spec;
 pub mod transformer;
 
-use crate::backend::BackendError;
 use crate::gguf::TensorInfo;
-use crate::model::{Activation, Arch, Config, RopeType};
+use crate::model::Config;
 use crate::trace::{Sink, Tap, TapKey};
+use spec::{Activation, Arch, RopeType};
 
 /// RoPE of one layer: ggml_rope_ext with ext_factor 0.
 #[derive(Clone, Copy, Debug)]
@@ -275,33 +275,6 @@ pub fn tap_inputs(c: &Config, k: &TapKey, steps: &[usize]) -> Vec<TapKey> {
         Tap::LogitsUncapped => vec![TapKey::new(s, None, Tap::ResultNorm)],
         Tap::Logits => vec![last(None, &[Tap::ResultNorm, Tap::LogitsUncapped])],
     }
-}
-
-/// Refuse what no backend can run, before any op: no tokens, ids past the vocabulary, positions
-/// past the cache.
-pub fn check_inputs(
-    c: &Config,
-    tokens: &[u32],
-    pos0: usize,
-    n_ctx: usize,
-) -> Result<(), BackendError> {
-    let t = tokens.len();
-    if t == 0 {
-        return Err(BackendError::Empty);
-    }
-    if pos0 + t > n_ctx {
-        return Err(BackendError::ContextOverflow {
-            end: pos0 + t,
-            n_ctx,
-        });
-    }
-    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
-        return Err(BackendError::BadToken {
-            id,
-            n_vocab: c.n_vocab,
-        });
-    }
-    Ok(())
 }
 
 #[cfg(test)]

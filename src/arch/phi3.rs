@@ -15,8 +15,7 @@
 //! - **No sliding window**: the loader reads `attention.sliding_window` and drops it
 //!   (llama.cpp PR #13676, "Phi SWA is currently disabled").
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SoftCap};
-use crate::model::{Activation, RopeType};
+use super::spec::{Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SoftCap};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "phi3",

@@ -4,8 +4,7 @@
 //! (`x[i]`, `x[i + n_rot/2]`), `attn_q/k/v.bias` are in every layer, the RoPE base is usually
 //! 1e6, and the Wo node is unnamed in the graph.
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SoftCap};
-use crate::model::{Activation, RopeType};
+use super::spec::{Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SoftCap};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "qwen2",

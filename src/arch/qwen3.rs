@@ -7,8 +7,7 @@
 //! `attention.key_length` and may exceed n_embd/n_head (the 0.6B: 128 vs 64), so Wq is
 //! `[n_embd, n_head·head_dim]` and Wo `[n_head·head_dim, n_embd]`.
 
-use super::spec::{ArchSpec, Bias, EmbdScale, KqScale, Output, SoftCap};
-use crate::model::{Activation, RopeType};
+use super::spec::{Activation, ArchSpec, Bias, EmbdScale, KqScale, Output, RopeType, SoftCap};
 
 pub const SPEC: ArchSpec = ArchSpec {
     name: "qwen3",

@@ -305,7 +305,7 @@ impl Backend for Fast<'_> {
         sink: &mut dyn Sink,
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
-        arch::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        super::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
         let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
         let nv = m.config.n_vocab;
         let logits = self.logits.insert(logits);

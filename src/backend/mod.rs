@@ -57,6 +57,33 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// Refuse what no backend can run, before any op: no tokens, ids past the vocabulary, positions
+/// past the cache.
+pub fn check_inputs(
+    c: &crate::model::Config,
+    tokens: &[u32],
+    pos0: usize,
+    n_ctx: usize,
+) -> Result<(), BackendError> {
+    let t = tokens.len();
+    if t == 0 {
+        return Err(BackendError::Empty);
+    }
+    if pos0 + t > n_ctx {
+        return Err(BackendError::ContextOverflow {
+            end: pos0 + t,
+            n_ctx,
+        });
+    }
+    if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.n_vocab) {
+        return Err(BackendError::BadToken {
+            id,
+            n_vocab: c.n_vocab,
+        });
+    }
+    Ok(())
+}
+
 /// Prefill `prompt` (step 0), then `n_steps` decode steps of one token each. Each decode step
 /// feeds `forced[i]` when given, else the greedy argmax of the previous logits (teacher forcing
 /// from the greedy continuation). Returns what was fed at each step.

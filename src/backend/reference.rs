@@ -363,7 +363,7 @@ impl Backend for Reference<'_> {
         sink: &mut dyn Sink,
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
-        arch::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        super::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
         let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
         let nv = m.config.n_vocab;
         self.last_logits = logits[logits.len() - nv..].to_vec();

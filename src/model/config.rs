@@ -1,6 +1,6 @@
 //! Architecture and hyperparameters, read from GGUF metadata with the keys llama.cpp uses.
 
-use crate::arch::spec::{ArchSpec, Bias, Output, SoftCap, Window};
+use crate::arch::spec::{Activation, Arch, Bias, Output, RopeType, SoftCap, Window};
 use crate::gguf::GgufFile;
 use serde::Serialize;
 
@@ -24,84 +24,6 @@ pub enum ModelError {
         expected: Vec<u64>,
         found: Vec<u64>,
     },
-}
-
-/// How RoPE pairs the dimensions of a head (ggml `LLAMA_ROPE_TYPE_NORM` / `_NEOX`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RopeType {
-    /// Adjacent pairs (`x[2i]`, `x[2i+1]`): llama.
-    Norm,
-    /// Halves (`x[i]`, `x[i + n_rot/2]`): qwen2 and GPT-NeoX-style models.
-    Neox,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Llama,
-    Qwen2,
-    Qwen3,
-    Gemma,
-    Gemma2,
-    Gemma3,
-    Phi3,
-}
-
-impl Arch {
-    /// Every architecture, as `general.architecture` names it.
-    pub const ALL: &[Arch] = &[
-        Arch::Llama,
-        Arch::Qwen2,
-        Arch::Qwen3,
-        Arch::Gemma,
-        Arch::Gemma2,
-        Arch::Gemma3,
-        Arch::Phi3,
-    ];
-
-    /// What the architecture is, as data: its file in src/arch/ (the one place an architecture
-    /// is mapped to its description).
-    pub fn spec(self) -> &'static ArchSpec {
-        use crate::arch::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
-        match self {
-            Arch::Llama => &llama::SPEC,
-            Arch::Qwen2 => &qwen2::SPEC,
-            Arch::Qwen3 => &qwen3::SPEC,
-            Arch::Gemma => &gemma::SPEC,
-            Arch::Gemma2 => &gemma2::SPEC,
-            Arch::Gemma3 => &gemma3::SPEC,
-            Arch::Phi3 => &phi3::SPEC,
-        }
-    }
-
-    /// `general.architecture` of its GGUF files.
-    pub fn name(self) -> &'static str {
-        self.spec().name
-    }
-
-    pub fn parse(s: &str) -> Option<Arch> {
-        Arch::ALL.iter().copied().find(|a| a.name() == s)
-    }
-
-    /// `llama, qwen2, …` for messages.
-    pub fn supported() -> String {
-        Arch::ALL
-            .iter()
-            .map(|a| a.name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
-/// The activation of the gated feed-forward block: `act(gate) * up`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Activation {
-    /// SwiGLU (llama, qwen, phi3).
-    Silu,
-    /// GELU, tanh approximation (gemma family; ggml_gelu).
-    GeluTanh,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -153,7 +75,7 @@ pub struct Config {
 impl Config {
     /// Read the hyperparameters as llama.cpp's loader does (`llama_model::load_hparams` and the
     /// architecture's `load_arch_hparams` in src/models/*.cpp): same keys, same defaults, same
-    /// derived values. What differs between architectures is their [`ArchSpec`]
+    /// derived values. What differs between architectures is their [`crate::arch::spec::ArchSpec`]
     /// (src/arch/<name>.rs); docs/architectures.md lists it per architecture.
     pub fn from_gguf(f: &GgufFile) -> Result<Config, ModelError> {
         let arch_name = f

@@ -5,7 +5,8 @@ mod config;
 pub mod fixture;
 pub use crate::tokenizer;
 
-pub use config::{Activation, Arch, Config, ModelError, RopeType};
+pub use crate::arch::spec::{Activation, Arch, RopeType};
+pub use config::{Config, ModelError};
 
 use crate::arch::spec::Bias;
 use crate::gguf::{GgmlType, GgufError, GgufFile, TensorInfo};
