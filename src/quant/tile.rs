@@ -3,12 +3,18 @@
 //! checks and fallback every such `vec_dot_tile` shares ([`run`]), and on x86 the driver that
 //! walks row groups and token pairs plus the one [`tile_kernels!`] that stamps out a format's
 //! AVX2 and AVX-VNNI kernels from its three per-block steps.
+//!
+//! This is the floor below the formats that have tile kernels (`q4_0.rs`, `q8_0.rs` use it):
+//! it reads Q8_0's block size and activation quantizer from the table, never from `q8_0.rs`.
 
 #[cfg(target_arch = "x86_64")]
 use super::cpu::{Simd, simd};
 use super::ggml::f16_le;
-use super::q8_0::{BLOCK, BYTES};
-use super::{Dot, q8_0};
+use super::{Dot, GgmlType};
+
+/// Q8_0's block: 32 quants after an f16 scale.
+const BLOCK: usize = GgmlType::Q8_0.format().block;
+const BYTES: usize = GgmlType::Q8_0.format().bytes;
 
 /// One activation block as the tile kernels read it (64 bytes, one cache line): the 32 quants,
 /// then `−8·(q[4k] + … + q[4k+3])` for k in 0..8 (the term that turns Q4_0's unsigned nibbles
@@ -25,7 +31,7 @@ pub struct TileBlock {
 #[repr(C, align(32))]
 pub struct Lanes(pub(in crate::quant) [f32; 8]);
 
-/// Activation rows quantized to Q8_0 exactly as [`q8_0::quantize_x86_avx`] does, kept as plain Q8_0
+/// Activation rows quantized to Q8_0 exactly as `q8_0::quantize_x86_avx` does, kept as plain Q8_0
 /// rows and also re-laid out for the multi-row kernels (`q8_0::vec_dot_tile`, `q4_0::vec_dot_tile`):
 /// per block a [`TileBlock`] and the scale as an f32. Buffers only grow, so refilling one per
 /// matmul allocates nothing in steady state.
@@ -49,7 +55,8 @@ impl TileAct {
         self.resize(x.len() / n.max(1), n);
         let rb = n / BLOCK * BYTES;
         for (x, q) in x.chunks_exact(n).zip(self.q8.chunks_exact_mut(rb)) {
-            q8_0::quantize_x86_avx(x, q);
+            // Q8_0's `from_float`: `q8_0::quantize_x86_avx`.
+            (GgmlType::Q8_0.format().from_float)(x, q);
         }
         self.relayout();
     }
@@ -184,7 +191,7 @@ pub(crate) mod x86 {
         let mut min = _mm256_setzero_si256();
         for ((b, t), d) in q8.chunks_exact(BYTES).zip(blocks).zip(d) {
             *d = f16c_at(b);
-            let y = crate::quant::q8_0::x86::load_qs(b);
+            let y = load_u8x32(&b[2..]);
             let sum4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, y), ones16);
             min = _mm256_or_si256(min, _mm256_cmpeq_epi8(y, _mm256_set1_epi8(-128)));
             // SAFETY: `t` is 64 writable bytes (32 of quants, then 8 i32).
