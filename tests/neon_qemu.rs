@@ -10,55 +10,10 @@
 use std::path::Path;
 use std::process::Command;
 
-fn have(cmd: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {cmd} >/dev/null 2>&1")])
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// What this machine lacks to run the aarch64 tests, if anything.
-fn missing() -> Vec<String> {
-    let mut m = Vec::new();
-    if !have("qemu-aarch64-static") && !have("qemu-aarch64") {
-        m.push("qemu-aarch64 (Debian: qemu-user-static)".to_string());
-    }
-    if !have("aarch64-linux-gnu-gcc") {
-        m.push("aarch64-linux-gnu-gcc (Debian: gcc-aarch64-linux-gnu)".to_string());
-    }
-    if !Path::new("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1").exists() {
-        m.push("the aarch64 glibc (Debian: libc6-dev-arm64-cross)".to_string());
-    }
-    let std_installed = Command::new("rustc")
-        .args([
-            "--print",
-            "target-libdir",
-            "--target",
-            "aarch64-unknown-linux-gnu",
-        ])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .is_some_and(|d| has_std(d.trim()));
-    if !std_installed {
-        m.push(
-            "Rust's aarch64 standard library (rustup target add aarch64-unknown-linux-gnu)"
-                .to_string(),
-        );
-    }
-    m
-}
-
-/// Whether `dir` holds a `libstd-*.rlib`.
-fn has_std(dir: &str) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|rd| {
-        rd.flatten().any(|e| {
-            let n = e.file_name();
-            let n = n.to_string_lossy();
-            n.starts_with("libstd-") && n.ends_with(".rlib")
-        })
-    })
+/// The probe build.rs ran for the `parity_qemu` cfg (`include!`d): what this machine lacks.
+#[allow(dead_code)]
+mod probe {
+    include!("../build/probe.rs");
 }
 
 #[test]
@@ -71,7 +26,7 @@ fn neon_twins_pass_under_qemu() {
         eprintln!("skipped: on an aarch64 host `cargo test` runs the NEON kernels natively");
         return;
     }
-    let lacking = missing();
+    let lacking = probe::qemu_missing();
     if !lacking.is_empty() {
         eprintln!(
             "skipped: the aarch64 (NEON) tests need {}; .ci/run installs the Debian packages",

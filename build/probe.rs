@@ -1,0 +1,169 @@
+// The test suite's tool probes, written once: build.rs turns each into a `parity_*` cfg (a
+// test that cannot run shows as ignored, with its reason), and tests/tools_probe.rs and
+// tests/neon_qemu.rs `include!` this same file to check the cfgs still match the machine and
+// to say what is missing. (Plain comments: an included file cannot carry inner doc comments.)
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// Every probe: its cfg, what it stands for in words, and whether this machine has it.
+pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
+    let python = python(root);
+    let can = |code: &str| python_can(&python, code);
+    vec![
+        ("parity_llama_cpp", "llama_cpp", can("import llama_cpp, numpy")),
+        ("parity_numpy", "numpy", can("import numpy")),
+        ("parity_gguf_py", "gguf-py", can("import numpy, gguf")),
+        (
+            "parity_shared",
+            "../shared",
+            root.join("../shared/models").is_dir(),
+        ),
+        // Programs on PATH: jq (docs' examples, tests/docs.rs), a Chromium (tests/report_html.rs
+        // renders the HTML report).
+        ("parity_jq", "jq", on_path(&["jq"])),
+        ("parity_chromium", "chromium", on_path(CHROMIUMS)),
+        // The HF-checkpoint adapter (tests/instrument.rs) needs torch: several GB, never
+        // installed by CI; a Python that has it is named by PARITY_HF_PYTHON.
+        ("parity_hf", "PARITY_HF_PYTHON with torch and ../shared/models/hf", hf(root)),
+        // The NEON kernels under qemu (tests/neon_qemu.rs, which names what is missing).
+        (
+            "parity_qemu",
+            "qemu (aarch64 cross tools)",
+            qemu_missing().is_empty(),
+        ),
+        // A GPU for the wgpu backend's tests (tests/gpu*.rs): Metal and DX12 come with their
+        // OS; on Linux, the Vulkan loader and at least one driver manifest (lavapipe is
+        // Debian's mesa-vulkan-drivers). The tests ask wgpu for an adapter themselves and say
+        // if none came.
+        (
+            "parity_gpu",
+            "a Vulkan loader and driver (or macOS, Windows)",
+            vulkan_driver() || cfg!(target_os = "macos") || cfg!(target_os = "windows"),
+        ),
+    ]
+}
+
+/// The Python that runs scripts/: $PARITY_PYTHON, else the checkout's .venv, else python3.
+pub fn python(root: &Path) -> PathBuf {
+    std::env::var_os("PARITY_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let venv = root.join(".venv/bin/python");
+            if venv.exists() {
+                venv
+            } else {
+                PathBuf::from("python3")
+            }
+        })
+}
+
+/// Does `python -c code` succeed?
+pub fn python_can(python: &Path, code: &str) -> bool {
+    Command::new(python)
+        .args(["-c", code])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn hf(root: &Path) -> bool {
+    std::env::var_os("PARITY_HF_PYTHON").is_some_and(|hf| {
+        python_can(Path::new(&hf), "import torch, transformers")
+            && root.join("../shared/models/hf").is_dir()
+    })
+}
+
+/// What the aarch64 tests under qemu need and this machine lacks, with where to get it.
+pub fn qemu_missing() -> Vec<&'static str> {
+    let mut m = Vec::new();
+    if !on_path(&["qemu-aarch64-static", "qemu-aarch64"]) {
+        m.push("qemu-aarch64 (Debian: qemu-user-static)");
+    }
+    if !on_path(&["aarch64-linux-gnu-gcc"]) {
+        m.push("aarch64-linux-gnu-gcc (Debian: gcc-aarch64-linux-gnu)");
+    }
+    if !Path::new("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1").exists() {
+        m.push("the aarch64 glibc (Debian: libc6-dev-arm64-cross)");
+    }
+    if !aarch64_std() {
+        m.push("Rust's aarch64 standard library (rustup target add aarch64-unknown-linux-gnu)");
+    }
+    m
+}
+
+/// Whether rustup's aarch64-unknown-linux-gnu standard library is installed.
+fn aarch64_std() -> bool {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let Some(dir) = Command::new(rustc)
+        .args([
+            "--print",
+            "target-libdir",
+            "--target",
+            "aarch64-unknown-linux-gnu",
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+    else {
+        return false;
+    };
+    std::fs::read_dir(dir.trim()).is_ok_and(|rd| {
+        rd.flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("libstd-") && n.ends_with(".rlib")
+        })
+    })
+}
+
+/// The Vulkan loader and an ICD manifest in one of the loader's standard folders (or named by
+/// VK_DRIVER_FILES / VK_ICD_FILENAMES).
+pub fn vulkan_driver() -> bool {
+    let loader = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+        "/usr/lib64",
+    ]
+    .iter()
+    .any(|d| Path::new(d).join("libvulkan.so.1").exists());
+    let named = ["VK_DRIVER_FILES", "VK_ICD_FILENAMES"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .any(|v| std::env::split_paths(&v).any(|p| p.exists()));
+    let icd = named
+        || [
+            "/usr/share/vulkan/icd.d",
+            "/etc/vulkan/icd.d",
+            "/usr/local/share/vulkan/icd.d",
+        ]
+        .iter()
+        .any(|d| std::fs::read_dir(d).is_ok_and(|mut rd| rd.next().is_some()));
+    loader && icd
+}
+
+/// The names a headless Chromium goes by (tests/report_html.rs tries the same ones).
+pub const CHROMIUMS: &[&str] = &["chromium", "chromium-browser", "google-chrome"];
+
+/// Is one of `names` an executable file in a folder of $PATH?
+pub fn on_path(names: &[&str]) -> bool {
+    let Some(path) = std::env::var_os("PATH") else {
+        return false;
+    };
+    std::env::split_paths(&path).any(|dir| {
+        names
+            .iter()
+            .any(|n| std::fs::metadata(dir.join(n)).is_ok_and(|m| m.is_file() && executable(&m)))
+    })
+}
+
+#[cfg(unix)]
+fn executable(m: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    m.permissions().mode() & 0o111 != 0
+}
+
+#[cfg(not(unix))]
+fn executable(_: &std::fs::Metadata) -> bool {
+    true
+}
