@@ -1,7 +1,8 @@
 //! parity: find where an LLM inference engine stops agreeing with llama.cpp.
 //!
-//! Layers, dependencies pointing down only (docs/architecture.md):
-//! `cli` → `report` → `compare` → `trace`; `backend` → `model` → `tokenizer` → `gguf` → `quant`.
+//! Layers, dependencies pointing down only (docs/architecture.md; tests/house_order.rs checks
+//! it): `cli`, `selftest`, `check`, `report`, `judge`, `compare`, `backend`, `arch` (the
+//! forward), `trace`, `model`, `arch::spec`, `tokenizer`, `gguf`, `quant`.
 
 pub mod arch;
 pub mod backend;
