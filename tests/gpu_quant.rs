@@ -362,6 +362,128 @@ fn poisoned_memory() {
     assert!(text.contains("11 passed"), "{text}");
 }
 
+/// `encode_rows` on `g`: rows `ids` of a random n_rows × n_in weight at byte `w_offset`,
+/// against `dequantize_row`. Weights without a min term are the same bits; with one (Q4_1,
+/// Q5_1, Q4_K, Q5_K) the device may fuse d·q ± m: within 4u·(|w| + |m|). An id past the tensor
+/// leaves its row of y (NaN) alone.
+fn check_rows(g: &Gpu, ty: GgmlType, n_in: usize, n_rows: usize, ids: &[u32], w_offset: usize) {
+    let mut rng = Rng(n_in as u64 * 7919 + n_rows as u64 + w_offset as u64);
+    let mut wbytes = Vec::new();
+    for _ in 0..n_rows {
+        let r: Vec<f32> = (0..n_in).map(|_| rng.normal()).collect();
+        wbytes.extend(quantize_row(ty, &r).expect("whole blocks"));
+    }
+    let row_bytes = wbytes.len() / n_rows;
+    let mut wb = vec![0xffu8; w_offset];
+    wb.extend_from_slice(&wbytes);
+    let w = upload_weight(&g.device, &wb);
+    let ibuf = g
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("ids"),
+            contents: bytemuck::cast_slice(ids),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let ny = ids.len() * n_in + GUARD;
+    let nan = f32::from_bits(0x7fc0_1234);
+    let ybuf = g
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("y"),
+            contents: bytemuck::cast_slice(&vec![nan; ny]),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        });
+    let read = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("readback"),
+        size: (ny * 4) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut enc = g.device.create_command_encoder(&Default::default());
+    g.tree.encode_rows(
+        &g.device,
+        &mut enc,
+        ty,
+        &w,
+        w_offset as u64,
+        n_in as u32,
+        n_rows as u32,
+        &ibuf,
+        ids.len() as u32,
+        &ybuf,
+    );
+    enc.copy_buffer_to_buffer(&ybuf, 0, &read, 0, (ny * 4) as u64);
+    g.queue.submit([enc.finish()]);
+    let slice = read.slice(..);
+    slice.map_async(wgpu::MapMode::Read, |r| r.expect("map"));
+    g.device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .expect("poll");
+    let y: Vec<f32> = bytemuck::cast_slice(&slice.get_mapped_range().expect("mapped")).to_vec();
+    let fused = matches!(
+        ty,
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K
+    );
+    let u = f32::EPSILON as f64 / 2.0;
+    for (i, &id) in ids.iter().enumerate() {
+        let got = &y[i * n_in..(i + 1) * n_in];
+        if id as usize >= n_rows {
+            assert!(
+                got.iter().all(|v| v.to_bits() == nan.to_bits()),
+                "{ty}: id {id} past the tensor wrote its row"
+            );
+            continue;
+        }
+        let rb = &wbytes[id as usize * row_bytes..(id as usize + 1) * row_bytes];
+        let mut want = vec![0.0f32; n_in];
+        dequantize_row(ty, rb, &mut want).expect("decode");
+        let off = offsets(ty, rb, n_in);
+        for k in 0..n_in {
+            let (a, b) = (got[k], want[k]);
+            let ok = if fused {
+                (a as f64 - b as f64).abs() <= 4.0 * u * (b.abs() as f64 + off[k] as f64)
+            } else {
+                a.to_bits() == b.to_bits()
+            };
+            assert!(
+                ok,
+                "{ty} {n_rows}x{n_in} off={w_offset}: row {id} element {k}: device {a:e}, CPU {b:e}"
+            );
+        }
+    }
+    for (i, v) in y[ids.len() * n_in..].iter().enumerate() {
+        assert_eq!(
+            v.to_bits(),
+            nan.to_bits(),
+            "{ty}: rows wrote guard element {i}"
+        );
+    }
+}
+
+/// The row decoder of every type against the CPU's, element by element: repeated ids, an id
+/// past the tensor, odd byte offsets, K not a multiple of 8 (unquantized types); then on a
+/// device with 4 KiB bindings (windows of rows and of ids).
+#[test]
+#[cfg_attr(
+    not(parity_gpu),
+    ignore = "no GPU adapter: install a Vulkan driver (Debian: mesa-vulkan-drivers)"
+)]
+fn rows_match_cpu_decoder() {
+    let small = open(|l| l.max_storage_buffer_binding_size = 4096);
+    for &ty in &TYPES {
+        let ks: &[usize] = match ty.block_size() {
+            256 => &[256, 768],
+            32 => &[96, 256],
+            _ => &[37, 256],
+        };
+        for (j, &k) in ks.iter().enumerate() {
+            let ids = [3, 0, 6, 3, 1, 99, 2, 5, 4];
+            check_rows(gpu(), ty, k, 7, &ids, [0, 5][j]);
+            check_rows(&small, ty, k, 7, &ids, [1, 258][j]);
+        }
+    }
+}
+
 mod props {
     use super::*;
     use proptest::prelude::*;

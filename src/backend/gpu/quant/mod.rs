@@ -56,6 +56,7 @@ const Q32: &str = include_str!("q32.wgsl");
 const KQUANT: &str = include_str!("kquant.wgsl");
 const REDUCE_SUBGROUP: &str = include_str!("reduce_subgroup.wgsl");
 const REDUCE_TREE: &str = include_str!("reduce_tree.wgsl");
+const ROWS: &str = include_str!("rows.wgsl");
 
 /// The WGSL decoder of `ty` (its function name and the file that defines it).
 fn decoder(ty: GgmlType) -> Option<(&'static str, &'static str)> {
@@ -96,6 +97,25 @@ pub fn shader_source(ty: GgmlType, tile_tokens: u32, reduction: Reduction) -> Op
     Some(s)
 }
 
+/// The WGSL source of the row decoder of `ty` ([`QuantMatmul::encode_rows`]).
+pub fn rows_source(ty: GgmlType) -> Option<String> {
+    let (deq, family) = decoder(ty)?;
+    Some([&ROWS.replace("DEQ(", &format!("{deq}(")), COMMON, family].concat())
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct RowParams {
+    n_in: u32,
+    n_rows: u32,
+    row0: u32,
+    row_bytes: u32,
+    w_off: u32,
+    n_ids: u32,
+    ids_off: u32,
+    y_off: u32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
@@ -119,6 +139,8 @@ pub struct QuantMatmul {
     /// `[type][0: decode (1 token), 1: prefill (TILE_TOKENS)]`, compiled on first use unless
     /// `new` compiled them all.
     pipelines: Vec<[OnceLock<wgpu::ComputePipeline>; 2]>,
+    /// `[type]`: the row decoders, compiled on first use.
+    rows: Vec<OnceLock<wgpu::ComputePipeline>>,
 }
 
 impl QuantMatmul {
@@ -183,6 +205,7 @@ impl QuantMatmul {
             pipeline_layout,
             reduction,
             pipelines: TYPES.iter().map(|_| Default::default()).collect(),
+            rows: TYPES.iter().map(|_| Default::default()).collect(),
         }
     }
 
@@ -195,33 +218,93 @@ impl QuantMatmul {
         TYPES.contains(&ty)
     }
 
+    fn index(ty: GgmlType) -> usize {
+        TYPES
+            .iter()
+            .position(|&t| t == ty)
+            .unwrap_or_else(|| panic!("quant matmul: {ty} is not decoded on the device"))
+    }
+
+    fn compile(&self, device: &wgpu::Device, label: &str, src: String) -> wgpu::ComputePipeline {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(src.into()),
+        });
+        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(label),
+            layout: Some(&self.pipeline_layout),
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    }
+
     fn pipeline(
         &self,
         device: &wgpu::Device,
         ty: GgmlType,
         tile_tokens: u32,
     ) -> &wgpu::ComputePipeline {
-        let i = TYPES
-            .iter()
-            .position(|&t| t == ty)
-            .unwrap_or_else(|| panic!("quant matmul: {ty} is not decoded on the device"));
         let slot = usize::from(tile_tokens != 1);
-        self.pipelines[i][slot].get_or_init(|| {
+        self.pipelines[Self::index(ty)][slot].get_or_init(|| {
             let src = shader_source(ty, tile_tokens, self.reduction).expect("supported type");
             let label = format!("matmul {ty} tt={tile_tokens} {:?}", self.reduction);
-            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(&label),
-                source: wgpu::ShaderSource::Wgsl(src.into()),
-            });
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(&label),
-                layout: Some(&self.pipeline_layout),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            })
+            self.compile(device, &label, src)
         })
+    }
+
+    /// One dispatch: `params` as the uniform, the three (buffer, offset, size) windows as
+    /// bindings 1..=3, a grid of `groups` workgroups laid over x and y, `gz` deep.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        device: &wgpu::Device,
+        enc: &mut wgpu::CommandEncoder,
+        pipeline: &wgpu::ComputePipeline,
+        params: &[u8],
+        windows: [(&wgpu::Buffer, u64, u64); 3],
+        groups: u64,
+        gz: u64,
+    ) {
+        let max_groups = device.limits().max_compute_workgroups_per_dimension.max(1) as u64;
+        let gx = groups.min(max_groups);
+        let gy = groups.div_ceil(gx);
+        assert!(
+            gy <= max_groups && gz <= max_groups,
+            "quant matmul: a grid of {groups}×{gz} workgroups exceeds the device's limits"
+        );
+        let ubuf = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("quant matmul params"),
+            contents: params,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: ubuf.as_entire_binding(),
+        }];
+        for (i, (buffer, offset, size)) in windows.into_iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer,
+                    offset,
+                    size: std::num::NonZeroU64::new(size),
+                }),
+            });
+        }
+        let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("quant matmul"),
+            layout: &self.layout,
+            entries: &entries,
+        });
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("quant matmul"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(pipeline);
+        pass.set_bind_group(0, &bind, &[]);
+        pass.dispatch_workgroups(gx as u32, gy as u32, gz as u32);
     }
 
     /// y[T, n_out] = x[T, n_in] · Wᵀ, W = the tensor's GGUF bytes (uploaded as is, padded to 4
@@ -266,14 +349,7 @@ impl QuantMatmul {
         if n_out == 0 || n_tokens == 0 {
             return;
         }
-        let row_bytes = ty
-            .bytes_for(n_in as u64)
-            .unwrap_or_else(|| panic!("quant matmul: {n_in} is not a whole number of {ty} blocks"));
-        assert!(
-            w_offset + row_bytes * n_out as u64 <= w.size(),
-            "quant matmul: {n_out} rows of {row_bytes} bytes at {w_offset} overrun the weight buffer ({} bytes)",
-            w.size()
-        );
+        let lim = Windows::new(device, ty, w, w_offset, n_in, n_out);
         assert!(
             x.size() >= n_tokens as u64 * n_in as u64 * 4,
             "quant matmul: x too small"
@@ -282,50 +358,28 @@ impl QuantMatmul {
             y.size() >= n_tokens as u64 * n_out as u64 * 4,
             "quant matmul: y too small"
         );
-        let limits = device.limits();
-        let align = limits.min_storage_buffer_offset_alignment as u64;
-        let max_bind = max_binding(&limits);
-        let per_window = (max_bind - align - 4) / row_bytes.max(1);
-        assert!(
-            per_window >= 1,
-            "quant matmul: a {ty} row of {row_bytes} bytes exceeds the device's storage binding limit ({max_bind} bytes)"
-        );
         let tt = if n_tokens == 1 { 1 } else { TILE_TOKENS };
         let pipeline = self.pipeline(device, ty, tt);
-        let max_groups = limits.max_compute_workgroups_per_dimension.max(1) as u64;
+        let max_groups = device.limits().max_compute_workgroups_per_dimension.max(1) as u64;
         // Tokens per dispatch: the grid's z, and x's and y's windows within one binding.
-        let tok_window = (max_bind - align) / (4 * (n_in as u64).max(n_out as u64));
-        assert!(
-            tok_window >= 1,
-            "quant matmul: one token's activations exceed the device's storage binding limit ({max_bind} bytes)"
-        );
-        let tok_per_dispatch = (max_groups * tt as u64).min(tok_window);
-        // A window of `len` bytes at byte `start` of `buf`: the aligned binding and the element
-        // offset of `start` inside it.
-        let window = |buf: &wgpu::Buffer, start: u64, len: u64| {
-            let base = start / align * align;
-            let size = ((start - base + len + 3) & !3).min(buf.size() - base);
-            (base, size, start - base)
-        };
+        let tok_per_dispatch = (max_groups * tt as u64).min(lim.items(n_in.max(n_out) as u64 * 4));
         let mut r0 = 0u64;
         while r0 < n_out as u64 {
-            let nr = per_window.min(n_out as u64 - r0);
-            let (w_base, w_size, w_off) = window(w, w_offset + r0 * row_bytes, nr * row_bytes);
-            let groups = nr.div_ceil(ROWS_PER_WORKGROUP as u64);
-            let gx = groups.min(max_groups);
-            let gy = groups.div_ceil(gx);
-            assert!(gy <= max_groups, "quant matmul: {n_out} rows is too many");
+            let nr = lim.rows_per_window.min(n_out as u64 - r0);
+            let (w_base, w_size, w_off) =
+                lim.window(w, w_offset + r0 * lim.row_bytes, nr * lim.row_bytes);
             let mut t0 = 0u64;
             while t0 < n_tokens as u64 {
                 let nt = tok_per_dispatch.min(n_tokens as u64 - t0);
-                let (x_base, x_size, x_off) = window(x, t0 * n_in as u64 * 4, nt * n_in as u64 * 4);
-                let (y_base, y_size, y_off) =
-                    window(y, t0 * n_out as u64 * 4, nt * n_out as u64 * 4);
+                let xrow = n_in as u64 * 4;
+                let (x_base, x_size, x_off) = lim.window(x, t0 * xrow, nt * xrow);
+                let yrow = n_out as u64 * 4;
+                let (y_base, y_size, y_off) = lim.window(y, t0 * yrow, nt * yrow);
                 let params = Params {
                     n_in,
                     n_rows: nr as u32,
                     n_tokens: nt as u32,
-                    row_bytes: row_bytes as u32,
+                    row_bytes: lim.row_bytes as u32,
                     w_off: w_off as u32,
                     row0: r0 as u32,
                     n_out,
@@ -333,52 +387,165 @@ impl QuantMatmul {
                     y_off: (y_off / 4) as u32,
                     _pad: [0; 3],
                 };
-                let ubuf = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("quant matmul params"),
-                    contents: bytemuck::bytes_of(&params),
-                    usage: wgpu::BufferUsages::UNIFORM,
-                });
-                let range = |buffer, offset, size| {
-                    wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                        buffer,
-                        offset,
-                        size: std::num::NonZeroU64::new(size),
-                    })
-                };
-                let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("quant matmul"),
-                    layout: &self.layout,
-                    entries: &[
-                        wgpu::BindGroupEntry {
-                            binding: 0,
-                            resource: ubuf.as_entire_binding(),
-                        },
-                        wgpu::BindGroupEntry {
-                            binding: 1,
-                            resource: range(w, w_base, w_size),
-                        },
-                        wgpu::BindGroupEntry {
-                            binding: 2,
-                            resource: range(x, x_base, x_size),
-                        },
-                        wgpu::BindGroupEntry {
-                            binding: 3,
-                            resource: range(y, y_base, y_size),
-                        },
+                self.dispatch(
+                    device,
+                    enc,
+                    pipeline,
+                    bytemuck::bytes_of(&params),
+                    [
+                        (w, w_base, w_size),
+                        (x, x_base, x_size),
+                        (y, y_base, y_size),
                     ],
-                });
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("quant matmul"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, &bind, &[]);
-                pass.dispatch_workgroups(gx as u32, gy as u32, nt.div_ceil(tt as u64) as u32);
-                drop(pass);
+                    nr.div_ceil(ROWS_PER_WORKGROUP as u64),
+                    nt.div_ceil(tt as u64),
+                );
                 t0 += nt;
             }
             r0 += nr;
         }
+    }
+
+    /// Rows of a weight decoded to f32 on the device: `y[i, :] = W[ids[i], :]` for the
+    /// `n_ids` u32 row indices in `ids` (an embedding lookup; ids 0..n_rows give the whole
+    /// tensor). W: `n_rows` rows of `n_in` elements of type `ty` at byte `w_offset` of `w`.
+    /// Each weight is the same f32 the matmul multiplies. An id ≥ n_rows leaves its row of y
+    /// as it was (callers check token ids).
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_rows(
+        &self,
+        device: &wgpu::Device,
+        enc: &mut wgpu::CommandEncoder,
+        ty: GgmlType,
+        w: &wgpu::Buffer,
+        w_offset: u64,
+        n_in: u32,
+        n_rows: u32,
+        ids: &wgpu::Buffer,
+        n_ids: u32,
+        y: &wgpu::Buffer,
+    ) {
+        if n_rows == 0 || n_ids == 0 || n_in == 0 {
+            return;
+        }
+        let lim = Windows::new(device, ty, w, w_offset, n_in, n_rows);
+        assert!(ids.size() >= n_ids as u64 * 4, "quant rows: ids too small");
+        assert!(
+            y.size() >= n_ids as u64 * n_in as u64 * 4,
+            "quant rows: y too small"
+        );
+        let pipeline = self.rows[Self::index(ty)].get_or_init(|| {
+            self.compile(
+                device,
+                &format!("rows {ty}"),
+                rows_source(ty).expect("supported type"),
+            )
+        });
+        let units = (n_in as u64).div_ceil(8);
+        let max_groups = device.limits().max_compute_workgroups_per_dimension.max(1) as u64;
+        // Ids per dispatch: y's window within one binding, and the grid (x·y workgroups of 256).
+        let ids_per_dispatch = lim
+            .items(n_in as u64 * 4)
+            .min(max_groups * max_groups * 256 / units)
+            .min(1 << 24);
+        let mut r0 = 0u64;
+        while r0 < n_rows as u64 {
+            let nr = lim.rows_per_window.min(n_rows as u64 - r0);
+            let (w_base, w_size, w_off) =
+                lim.window(w, w_offset + r0 * lim.row_bytes, nr * lim.row_bytes);
+            let mut i0 = 0u64;
+            while i0 < n_ids as u64 {
+                let ni = ids_per_dispatch.min(n_ids as u64 - i0);
+                let (i_base, i_size, i_off) = lim.window(ids, i0 * 4, ni * 4);
+                let yrow = n_in as u64 * 4;
+                let (y_base, y_size, y_off) = lim.window(y, i0 * yrow, ni * yrow);
+                let params = RowParams {
+                    n_in,
+                    n_rows: nr as u32,
+                    row0: r0 as u32,
+                    row_bytes: lim.row_bytes as u32,
+                    w_off: w_off as u32,
+                    n_ids: ni as u32,
+                    ids_off: (i_off / 4) as u32,
+                    y_off: (y_off / 4) as u32,
+                };
+                self.dispatch(
+                    device,
+                    enc,
+                    pipeline,
+                    bytemuck::bytes_of(&params),
+                    [
+                        (w, w_base, w_size),
+                        (ids, i_base, i_size),
+                        (y, y_base, y_size),
+                    ],
+                    (ni * units).div_ceil(256),
+                    1,
+                );
+                i0 += ni;
+            }
+            r0 += nr;
+        }
+    }
+}
+
+/// How a tensor is cut into bindings on one device.
+struct Windows {
+    align: u64,
+    max_bind: u64,
+    row_bytes: u64,
+    rows_per_window: u64,
+}
+
+impl Windows {
+    fn new(
+        device: &wgpu::Device,
+        ty: GgmlType,
+        w: &wgpu::Buffer,
+        w_offset: u64,
+        n_in: u32,
+        n_rows: u32,
+    ) -> Windows {
+        let row_bytes = ty
+            .bytes_for(n_in as u64)
+            .unwrap_or_else(|| panic!("quant matmul: {n_in} is not a whole number of {ty} blocks"));
+        assert!(
+            w_offset + row_bytes * n_rows as u64 <= w.size(),
+            "quant matmul: {n_rows} rows of {row_bytes} bytes at {w_offset} overrun the weight buffer ({} bytes)",
+            w.size()
+        );
+        let limits = device.limits();
+        let max_bind = max_binding(&limits);
+        assert!(
+            row_bytes <= max_row_bytes(&limits),
+            "quant matmul: a {ty} row of {row_bytes} bytes exceeds the device's storage binding limit ({max_bind} bytes)"
+        );
+        let align = limits.min_storage_buffer_offset_alignment as u64;
+        Windows {
+            align,
+            max_bind,
+            row_bytes,
+            rows_per_window: max_row_bytes(&limits) / row_bytes.max(1),
+        }
+    }
+
+    /// How many items of `bytes` bytes one binding holds (panics if not one).
+    fn items(&self, bytes: u64) -> u64 {
+        let n = (self.max_bind - self.align - 4) / bytes.max(1);
+        assert!(
+            n >= 1,
+            "quant matmul: {bytes} bytes of activations exceed the device's storage binding limit ({} bytes)",
+            self.max_bind
+        );
+        n
+    }
+
+    /// The binding of `len` bytes at byte `start` of `buf`: (aligned offset, size, offset of
+    /// `start` inside it). The size is rounded up to 4 bytes within the buffer.
+    fn window(&self, buf: &wgpu::Buffer, start: u64, len: u64) -> (u64, u64, u64) {
+        let base = start / self.align * self.align;
+        let size = ((start - base + len + 3) & !3).min(buf.size() - base);
+        (base, size, start - base)
     }
 }
 
