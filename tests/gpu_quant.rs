@@ -484,6 +484,67 @@ fn rows_match_cpu_decoder() {
     }
 }
 
+/// Every f16 and bf16 bit pattern (subnormals, infinities, NaNs) decoded on the device as on
+/// the CPU: the same bits, NaN for NaN (a device may quieten a NaN's payload on the way).
+#[test]
+#[cfg_attr(
+    not(parity_gpu),
+    ignore = "no GPU adapter: install a Vulkan driver (Debian: mesa-vulkan-drivers)"
+)]
+fn every_half_pattern_decodes_as_on_cpu() {
+    let g = gpu();
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        let bytes: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+        let n = 1 << 16;
+        let w = upload_weight(&g.device, &bytes);
+        let ids = g
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("ids"),
+                contents: bytemuck::cast_slice(&[0u32]),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+        let y = g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("y"),
+            size: n as u64 * 4,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let mut enc = g.device.create_command_encoder(&Default::default());
+        g.tree
+            .encode_rows(&g.device, &mut enc, ty, &w, 0, n, 1, &ids, 1, &y);
+        let got = read_back(g, enc, &y);
+        let mut want = vec![0.0f32; n as usize];
+        dequantize_row(ty, &bytes, &mut want).expect("decode");
+        for (h, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "{ty} {h:#06x}: device {a:e} ({:#010x}), CPU {b:e} ({:#010x})",
+                a.to_bits(),
+                b.to_bits()
+            );
+        }
+    }
+}
+
+/// Submit `enc` with a copy of `buf` to a mappable buffer; its f32 contents.
+fn read_back(g: &Gpu, mut enc: wgpu::CommandEncoder, buf: &wgpu::Buffer) -> Vec<f32> {
+    let read = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("readback"),
+        size: buf.size(),
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    enc.copy_buffer_to_buffer(buf, 0, &read, 0, buf.size());
+    g.queue.submit([enc.finish()]);
+    let slice = read.slice(..);
+    slice.map_async(wgpu::MapMode::Read, |r| r.expect("map"));
+    g.device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .expect("poll");
+    bytemuck::cast_slice(&slice.get_mapped_range().expect("mapped")).to_vec()
+}
+
 mod props {
     use super::*;
     use proptest::prelude::*;
