@@ -363,6 +363,7 @@ pub fn run(
     let model_ref = ModelRef {
         path: model_path.display().to_string(),
         sha256: model.sha256().to_string(),
+        size: Some(model.file.bytes().len() as u64),
     };
     let producer = |b: &dyn backend::Backend, suffix: &str| Producer {
         name: "parity".into(),

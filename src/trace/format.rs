@@ -36,6 +36,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
 pub struct ModelRef {
     pub path: String,
     pub sha256: String,
+    /// The file's size in bytes: `diff` looks for the model among files of this size only
+    /// (older manifests have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

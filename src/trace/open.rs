@@ -83,6 +83,26 @@ pub fn read_bounded(path: &Path, max: u64, what: &str) -> std::io::Result<Vec<u8
     Ok(buf)
 }
 
+/// The hex sha256 and size of a regular file, read in pieces (a model of many GB is never held
+/// in memory).
+pub fn sha256_file(path: &Path) -> std::io::Result<(String, u64)> {
+    use sha2::Digest;
+    let mut f = open_regular(path)?;
+    let mut h = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f.read(&mut buf)?;
+        if k == 0 {
+            break;
+        }
+        h.update(&buf[..k]);
+        n += k as u64;
+    }
+    let hex = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    Ok((hex, n))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
