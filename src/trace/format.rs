@@ -36,6 +36,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
 pub struct ModelRef {
     pub path: String,
     pub sha256: String,
+    /// The file's size in bytes: `diff` looks for the model among files of this size only
+    /// (older manifests have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -137,12 +141,13 @@ impl Trace {
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
         let dir = dir.as_ref();
         let mpath = dir.join("manifest.json");
-        let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
+        let bytes = super::open::read_bounded(&mpath, MAX_MANIFEST_BYTES, "a trace manifest")
+            .map_err(io_err(&mpath))?;
         let bad = |what: String| TraceError::BadManifest {
             path: mpath.display().to_string(),
             what,
         };
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
         if manifest.format != FORMAT {
             return Err(bad(format!(
                 "format is '{}', expected '{FORMAT}'",
@@ -155,7 +160,24 @@ impl Trace {
                 manifest.version
             )));
         }
-        for s in &manifest.steps {
+        for (i, s) in manifest.steps.iter().enumerate() {
+            // Steps index the tensors and feed position arithmetic (`pos0 + T`): their order
+            // and range are checked here, once, before any of it.
+            if s.step != i {
+                return Err(bad(format!(
+                    "steps[{i}] is step {} (steps are listed in order from 0, one entry each)",
+                    s.step
+                )));
+            }
+            if s.tokens.is_empty() {
+                return Err(bad(format!("step {} has no tokens", s.step)));
+            }
+            if let Some(p) = s.positions.iter().find(|&&p| p > MAX_POSITION) {
+                return Err(bad(format!(
+                    "step {} has position {p}, past any context ({MAX_POSITION} at most)",
+                    s.step
+                )));
+            }
             if s.positions.len() != s.tokens.len() {
                 return Err(bad(format!(
                     "step {} has {} tokens but {} positions (one position per token)",
@@ -187,6 +209,21 @@ impl Trace {
                 return Err(bad(format!(
                     "tensor file '{}' leaves the trace folder",
                     t.file
+                )));
+            }
+            if t.step >= manifest.steps.len() {
+                return Err(bad(format!(
+                    "tensor '{}' is for step {}, which the manifest's steps do not list",
+                    t.file, t.step
+                )));
+            }
+            if let Some(l) = t.layer.filter(|&l| l > MAX_POSITION) {
+                return Err(bad(format!("tensor '{}' has layer {l}", t.file)));
+            }
+            if npy_bound(t).is_none() {
+                return Err(bad(format!(
+                    "tensor '{}': shape {:?} of dtype '{}' is not a float tensor parity can hold",
+                    t.file, t.shape, t.dtype
                 )));
             }
             let key = TapKey::new(t.step, t.layer, tap);
@@ -231,7 +268,8 @@ impl Trace {
             Source::Memory(m) => Ok(m.get(key).cloned()),
             Source::Dir(dir) => {
                 let e = &self.manifest.tensors[i];
-                let a = read_npy(&dir.join(&e.file))?;
+                let max = npy_bound(e).expect("checked at open");
+                let a = read_npy_bounded(&dir.join(&e.file), max)?;
                 if a.shape() != e.shape.as_slice() {
                     return Err(TraceError::BadTensor {
                         path: dir.join(&e.file).display().to_string(),
@@ -389,14 +427,50 @@ fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Trac
     w.finish().map_err(io_err(path))
 }
 
+/// Largest manifest read: a 70B model's 80 layers × 20 taps × 100 steps of entries is ~30 MB.
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+/// Largest position or layer index a manifest may name (llama.cpp's contexts and layer counts
+/// are far below; the bound keeps `pos0 + T` and friends far from overflow).
+pub const MAX_POSITION: usize = 1 << 24;
+/// Largest tensor a tap may hold (elements): the logits of a 256k vocabulary over a 16k-token
+/// prefill are 2^32; a bigger shape is a corrupt manifest, not a tap.
+const MAX_TAP_ELEMENTS: u64 = 1 << 33;
+/// Room for the .npy header (numpy writes far less; version 1 headers are < 64 KiB).
+const NPY_HEADER_MAX: u64 = 1 << 20;
+
+/// Bytes element of a manifest dtype (what `read_npy` accepts).
+fn dtype_size(d: &str) -> Option<u64> {
+    match d {
+        "<f4" | ">f4" | "float32" | "f4" => Some(4),
+        "<f2" | ">f2" | "float16" | "f2" => Some(2),
+        "<f8" | ">f8" | "float64" | "f8" => Some(8),
+        _ => None,
+    }
+}
+
+/// The most bytes the .npy of entry `e` may hold: its shape in its dtype plus a header; None for
+/// a shape too large for a tap or a dtype that is not one parity reads.
+fn npy_bound(e: &TensorEntry) -> Option<u64> {
+    let n = e
+        .shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        .filter(|&n| n <= MAX_TAP_ELEMENTS)?;
+    // An unknown dtype string may still be a float the file's own header names: allow f64's size.
+    let size = dtype_size(&e.dtype).unwrap_or(8);
+    Some(n * size + NPY_HEADER_MAX)
+}
+
 /// Read a .npy file of f32, f16 or f64, either byte order, C or Fortran order, as an f32
-/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf).
-pub fn read_npy(path: &Path) -> Result<ArrayD<f32>, TraceError> {
+/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf). The file
+/// must be a regular file of at most `max` bytes.
+fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
         what,
     };
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes =
+        super::open::read_bounded(path, max, "this tap's shape and dtype").map_err(io_err(path))?;
     let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad(format!("not a .npy file: {e}")))?;
     let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
     let fortran = npy.order() == npyz::Order::Fortran;
