@@ -192,6 +192,7 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
 }
 
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
+    a.report.validate()?;
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
     for (t, side) in [(&base, "baseline"), (&cand, "candidate")] {

@@ -312,10 +312,50 @@ fn check_out_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
             if non_empty && !force {
                 return Err(TraceError::NotEmpty(dir.display().to_string()));
             }
+            if non_empty {
+                foreign_entries(dir)?;
+            }
             Ok(())
         }
         Err(_) => Ok(()),
     }
+}
+
+/// `--force` replaces a trace, never what is not one: a folder with `sNNN` entries but no
+/// manifest (or an `sNNN` that is a file) is refused before any work, so that publishing
+/// cannot stop half way on a name it may not replace.
+fn foreign_entries(dir: &Path) -> Result<(), TraceError> {
+    let was_trace = dir.join("manifest.json").is_file();
+    for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
+        let name = e.file_name();
+        if name == "manifest.json" || !is_trace_entry(&name) {
+            if name == "manifest.json" && !was_trace {
+                return Err(TraceError::Io {
+                    path: e.path().display().to_string(),
+                    source: std::io::Error::other(
+                        "is not a file: --force replaces a trace only, remove it or choose another --out",
+                    ),
+                });
+            }
+            continue;
+        }
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if !was_trace || !is_dir {
+            return Err(TraceError::Io {
+                path: e.path().display().to_string(),
+                source: std::io::Error::other(format!(
+                    "{} not a trace parity wrote ({}): --force replaces a trace only, remove it or choose another --out",
+                    if is_dir { "is" } else { "is a file," },
+                    if was_trace {
+                        "a step entry that is not a folder"
+                    } else {
+                        "the folder has no manifest.json"
+                    }
+                )),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Is `name` one of the entries a trace consists of (`manifest.json`, `sNNN/`)?
@@ -368,8 +408,9 @@ fn tmp_target(tmp: &Path, dir: &Path) -> PathBuf {
 }
 
 /// Move the finished trace in `tmp` to `dir`: a plain rename when `dir` is absent or empty;
-/// otherwise (`--force`) the old trace's entries are removed, never other files, and the new
-/// ones moved in, `manifest.json` last.
+/// otherwise (`--force`) the old trace's entries are moved aside, never other files, the new
+/// ones moved in, `manifest.json` last, and the old ones removed. A failure half way puts the
+/// old trace back: `dir` holds the whole new trace or is as it was.
 fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
     let empty = match std::fs::read_dir(dir) {
         Ok(mut it) => it.next().is_none(),
@@ -381,29 +422,51 @@ fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
         std::fs::remove_dir(dir).map_err(io_err(dir))?;
         return std::fs::rename(tmp, dir).map_err(io_err(dir));
     }
-    // `sNNN/` folders are a trace's only beside its manifest: never touch them otherwise.
-    let was_trace = dir.join("manifest.json").is_file();
-    for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
-        let p = e.path();
-        if !is_trace_entry(&e.file_name()) || (!was_trace && e.file_name() != "manifest.json") {
-            continue;
-        }
-        if p.is_dir() {
-            std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
-        } else {
-            std::fs::remove_file(&p).map_err(io_err(&p))?;
-        }
-    }
-    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(tmp)
-        .map_err(io_err(tmp))?
+    // Checked again now: the folder may have changed while the backend ran.
+    foreign_entries(dir)?;
+    let mut old = tmp.as_os_str().to_owned();
+    old.push(".old");
+    let old = PathBuf::from(old);
+    std::fs::create_dir(&old).map_err(io_err(&old))?;
+    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
         .flatten()
         .map(|e| e.file_name())
+        .filter(|n| is_trace_entry(n))
         .collect();
-    names.sort_by_key(|n| n == "manifest.json");
-    for n in names {
-        let (from, to) = (tmp.join(&n), dir.join(&n));
-        std::fs::rename(&from, &to).map_err(io_err(&to))?;
+    // The manifest first: from the first move on, `dir` is not a trace until the new one lands.
+    names.sort_by_key(|n| n != "manifest.json");
+    let mut moved_old = Vec::new();
+    let mut moved_new = Vec::new();
+    let result = (|| {
+        for n in &names {
+            std::fs::rename(dir.join(n), old.join(n)).map_err(io_err(&dir.join(n)))?;
+            moved_old.push(n.clone());
+        }
+        let mut new: Vec<std::ffi::OsString> = std::fs::read_dir(tmp)
+            .map_err(io_err(tmp))?
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        new.sort_by_key(|n| n == "manifest.json");
+        for n in new {
+            let to = dir.join(&n);
+            std::fs::rename(tmp.join(&n), &to).map_err(io_err(&to))?;
+            moved_new.push(n);
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        for n in moved_new.iter().rev() {
+            let _ = std::fs::rename(dir.join(n), tmp.join(n));
+        }
+        for n in moved_old.iter().rev() {
+            let _ = std::fs::rename(old.join(n), dir.join(n));
+        }
+        let _ = std::fs::remove_dir_all(&old);
+        return Err(e);
     }
+    let _ = std::fs::remove_dir_all(&old);
     std::fs::remove_dir(tmp).map_err(io_err(tmp))
 }
 
@@ -573,6 +636,8 @@ pub struct TraceWriter {
     entries: Vec<TensorEntry>,
     error: Option<TraceError>,
     done: bool,
+    /// This process alone writes `dir` until the writer is dropped.
+    _lock: super::staging::Lock,
 }
 
 impl TraceWriter {
@@ -582,6 +647,10 @@ impl TraceWriter {
         if let Some(parent) = tmp.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent))?;
         }
+        // One writer of `dir` at a time; the folder checked again under the lock (another
+        // writer may have published since).
+        let lock = super::staging::lock(dir).map_err(io_err(dir))?;
+        check_out_dir(dir, force)?;
         // Folders of writers killed outright (SIGKILL, a crash) go now.
         super::staging::remove_stale(&tmp_target(&tmp, dir));
         if tmp.exists() {
@@ -596,6 +665,7 @@ impl TraceWriter {
             entries: Vec::new(),
             error: None,
             done: false,
+            _lock: lock,
         })
     }
 
