@@ -282,6 +282,7 @@ pub fn model_ref(path: &Path, model: &Model) -> ModelRef {
     ModelRef {
         path: path.display().to_string(),
         sha256: model.sha256().to_string(),
+        size: Some(model.file.bytes().len() as u64),
     }
 }
 
