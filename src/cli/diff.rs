@@ -177,8 +177,18 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     }
     let found = match &a.model {
         Some(p) => {
-            if !p.is_file() {
-                return Err(err(format!("{}: no such file", p.display())));
+            match std::fs::metadata(p) {
+                Ok(m) if m.is_dir() => {
+                    return Err(err(format!(
+                        "--model {}: is a folder, not a GGUF file",
+                        p.display()
+                    )));
+                }
+                Ok(m) if !m.is_file() => {
+                    return Err(err(format!("--model {}: not a regular file", p.display())));
+                }
+                Ok(_) => {}
+                Err(e) => return Err(err(format!("--model {}: {e}", p.display()))),
             }
             let m = Model::open(p)?;
             let want = &cand.manifest.model.sha256;
