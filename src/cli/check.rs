@@ -38,7 +38,7 @@ pub struct GoldenArgs {
     #[arg(long)]
     llama_defaults: bool,
     /// llama.cpp threads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     threads: usize,
     /// Overwrite a non-empty output folder.
     #[arg(long)]
@@ -284,7 +284,7 @@ pub struct CheckArgs {
     )]
     backends: Vec<String>,
     /// Worker threads for the fast backend (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
     /// A golden trace folder, or a folder of goldens searched by model sha256 (default:
     /// ./golden, then the goldens that ship with parity).
@@ -345,6 +345,13 @@ pub fn user_golden_dir() -> Option<PathBuf> {
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
     a.report.validate()?;
+    for (i, b) in a.backends.iter().enumerate() {
+        if a.backends[..i].contains(b) {
+            return Err(err(format!(
+                "--backends names {b} twice: a backend compared with itself proves nothing"
+            )));
+        }
+    }
     let model_path = a
         .model
         .clone()
