@@ -598,3 +598,45 @@ pub fn sum_order_bound(k: usize, mag: f64) -> f64 {
     let gamma = k * U / (1.0 - k * U);
     (gamma * (2.0 + 4.0 * U) + 4.0 * U) * mag + 4.0 * k * f64::from(f32::MIN_POSITIVE)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wgpu::naga;
+
+    /// Every pipeline's WGSL parses and validates (naga, as wgpu does before any driver sees
+    /// it), with and without subgroups: runs on machines without a GPU too.
+    #[test]
+    fn every_shader_validates() {
+        let caps = naga::valid::Capabilities::all();
+        for ty in TYPES {
+            let mut sources = vec![(format!("rows {ty}"), rows_source(ty).unwrap())];
+            for tt in [1, TILE_TOKENS] {
+                for red in [Reduction::Subgroup, Reduction::Tree] {
+                    sources.push((
+                        format!("matmul {ty} tt={tt} {red:?}"),
+                        shader_source(ty, tt, red).unwrap(),
+                    ));
+                }
+            }
+            for (name, src) in sources {
+                let module = naga::front::wgsl::parse_str(&src)
+                    .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&src)));
+                naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
+                    .validate(&module)
+                    .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&src)));
+            }
+        }
+        for ty in [GgmlType::Q2_K, GgmlType::IQ4_XS, GgmlType::Q8_1] {
+            assert!(!QuantMatmul::supports(ty) && shader_source(ty, 1, Reduction::Tree).is_none());
+        }
+    }
+
+    #[test]
+    fn bound_grows_with_length_and_magnitude() {
+        // K = 4096, Σ|w||x| = 100: about 2·4096·2⁻²⁴·100 ≈ 0.049.
+        let b = sum_order_bound(4096, 100.0);
+        assert!(b > 0.0488 && b < 0.0489, "{b}");
+        assert!(sum_order_bound(8192, 100.0) > b && sum_order_bound(4096, 200.0) > b);
+    }
+}
