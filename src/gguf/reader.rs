@@ -442,6 +442,22 @@ impl GgufFile {
                 });
             }
         }
+        // llama.cpp's gguf reader wants the tensors back to back in index order, each padded to
+        // the alignment, and refuses a file with any other offset ("tensor 'X' has offset A,
+        // expected B"): slack between tensors is refused as it does.
+        let mut expected = 0u64;
+        for t in &tensors {
+            if t.offset != expected {
+                return Err(GgufError::BadTensor {
+                    name: t.name.clone(),
+                    what: format!(
+                        "data offset {} where llama.cpp expects {expected} (tensors follow one another in index order, each padded to the alignment {alignment}; llama.cpp refuses the file)",
+                        t.offset
+                    ),
+                });
+            }
+            expected = expected.saturating_add(t.n_bytes.div_ceil(alignment) * alignment);
+        }
 
         Ok(GgufFile {
             path,
