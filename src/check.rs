@@ -413,6 +413,7 @@ fn plan<'m>(
         model_ref: ModelRef {
             path: model_path.display().to_string(),
             sha256: model.sha256().to_string(),
+            size: Some(model.file.bytes().len() as u64),
         },
         prompt,
         steps,

@@ -36,8 +36,13 @@ pub enum SelftestError {
         case: String,
         last: String,
     },
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
+    /// The folder the traces are written to cannot be made (`flag`: `--keep ` when given).
+    #[error("{flag}{path}: {what}")]
+    TraceFolder {
+        flag: &'static str,
+        path: String,
+        what: String,
+    },
     #[error(transparent)]
     Trace(#[from] TraceError),
     #[error(transparent)]
@@ -181,7 +186,18 @@ pub fn run(
         Some(k) => k.clone(),
         None => std::env::temp_dir().join(format!("parity-selftest-{}", std::process::id())),
     };
-    std::fs::create_dir_all(&tmp)?;
+    std::fs::create_dir_all(&tmp).map_err(|e| {
+        let what = match (&opt.keep, std::fs::metadata(&tmp)) {
+            (Some(_), Ok(m)) if !m.is_dir() => "exists and is not a folder".to_string(),
+            _ => e.to_string(),
+        };
+        let flag = if opt.keep.is_some() { "--keep " } else { "" };
+        SelftestError::TraceFolder {
+            flag,
+            path: tmp.display().to_string(),
+            what,
+        }
+    })?;
     let mut rows = Vec::new();
     let result = (|| -> Result<(), SelftestError> {
         for &engine in &opt.engines {
