@@ -359,14 +359,9 @@ fn cases() -> Vec<Case> {
                     &[("llama.context_length", Value::U32(6))],
                     None,
                 );
-                os(&[
-                    &"dump",
-                    &m,
-                    &"--golden",
-                    &root().join(GOLDEN),
-                    &"--out",
-                    &d.join("t"),
-                ])
+                // The golden's model check skipped (`"sha256": ""`): the context is what fails.
+                let g = trace_copy(d, "g", |_, m| m["model"]["sha256"] = "".into());
+                os(&[&"dump", &m, &"--golden", &g, &"--out", &d.join("t")])
             },
             env: &[],
             stdout_to: None,
@@ -732,6 +727,408 @@ fn cases() -> Vec<Case> {
                 (std::fs::read_to_string(d.join("mine.gguf")).unwrap() != "precious")
                     .then(|| "the existing file was overwritten".to_string())
             }),
+        },
+        // ---- outputs: checked before the work, whole or not at all, never a non-regular file
+        Case {
+            name: "fixture --force over a FIFO",
+            needs: &[],
+            args: |d| {
+                let f = d.join("fifo.gguf");
+                let c = std::ffi::CString::new(f.as_os_str().as_bytes()).unwrap();
+                // SAFETY: mkfifo on a path we own.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+                os(&[&"fixture", &"--force", &"-o", &f])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--out", "fifo.gguf", "not a regular file"],
+            after: Some(|d| {
+                use std::os::unix::fs::FileTypeExt;
+                let m = std::fs::symlink_metadata(d.join("fifo.gguf")).unwrap();
+                (!m.file_type().is_fifo())
+                    .then(|| "the FIFO was replaced".to_string())
+                    .or_else(|| clean(d, &[]))
+            }),
+        },
+        Case {
+            name: "fixture --force over a folder",
+            needs: &[],
+            args: |d| {
+                std::fs::create_dir(d.join("dir.gguf")).unwrap();
+                std::fs::write(d.join("dir.gguf/keep"), "mine").unwrap();
+                os(&[&"fixture", &"--force", &"-o", &d.join("dir.gguf")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--out", "dir.gguf", "is a folder"],
+            after: Some(|d| {
+                (std::fs::read_to_string(d.join("dir.gguf/keep"))
+                    .ok()
+                    .as_deref()
+                    != Some("mine"))
+                .then(|| "the folder was touched".to_string())
+            }),
+        },
+        Case {
+            name: "fixture --force over a device node",
+            needs: &[],
+            args: |_| os(&[&"fixture", &"--force", &"-o", &"/dev/null"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--out", "/dev/null", "not a regular file"],
+            after: Some(|_| {
+                use std::os::unix::fs::FileTypeExt;
+                let m = std::fs::symlink_metadata("/dev/null").unwrap();
+                (!m.file_type().is_char_device()).then(|| "/dev/null was replaced".to_string())
+            }),
+        },
+        Case {
+            name: "fixture: a stale staging file of a dead writer is removed",
+            needs: &[],
+            args: |d| {
+                let stale = d.join(format!(".f.gguf.partial-{}", dead_pid()));
+                std::fs::write(stale, "half a fixture").unwrap();
+                os(&[&"fixture", &"-o", &d.join("f.gguf")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote"],
+            after: Some(|d| {
+                clean(d, &[]).or_else(|| {
+                    (!d.join("f.gguf").is_file()).then(|| "no fixture written".to_string())
+                })
+            }),
+        },
+        Case {
+            name: "check --json ok.json --html nodir/r.html fails before the run",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"check",
+                    &fix(),
+                    &"--json",
+                    &d.join("ok.json"),
+                    &"--html",
+                    &d.join("nodir/r.html"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--html", "nodir", "No such file"],
+            after: Some(|d| clean(d, &["ok.json", "nodir"])),
+        },
+        Case {
+            name: "check --json - --html - (one stdout at most)",
+            needs: &[],
+            args: |_| os(&[&"check", &fix(), &"--json", &"-", &"--html", &"-"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--html -", "only --json", "stdout"],
+            after: Some(|_| {
+                root()
+                    .join("-")
+                    .exists()
+                    .then(|| "a file named - was written".to_string())
+            }),
+        },
+        Case {
+            name: "check --html and --snapshot on one path",
+            needs: &[],
+            args: |d| {
+                let p = d.join("r.out");
+                os(&[&"check", &fix(), &"--html", &p, &"--snapshot", &p])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--snapshot", "r.out", "same file as --html"],
+            after: Some(|d| clean(d, &["r.out"])),
+        },
+        Case {
+            name: "check --html into a FIFO",
+            needs: &[],
+            args: |d| {
+                let f = d.join("page.html");
+                let c = std::ffi::CString::new(f.as_os_str().as_bytes()).unwrap();
+                // SAFETY: mkfifo on a path we own.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+                os(&[&"check", &fix(), &"--html", &f])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--html", "page.html", "not a regular file"],
+            after: Some(|d| clean(d, &[])),
+        },
+        Case {
+            name: "diff --snapshot into a folder",
+            needs: &[],
+            args: |d| {
+                std::fs::create_dir(d.join("snap")).unwrap();
+                os(&[&"diff", &GOLDEN, &GOLDEN, &"--snapshot", &d.join("snap")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--snapshot", "snap", "is a folder"],
+            after: None,
+        },
+        Case {
+            name: "diff --against a missing snapshot fails before the run",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"diff",
+                    &GOLDEN,
+                    &GOLDEN,
+                    &"--json",
+                    &d.join("r.json"),
+                    &"--against",
+                    &d.join("none.snap"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--against", "none.snap", "--snapshot"],
+            after: Some(|d| clean(d, &["r.json", "none.snap.new"])),
+        },
+        Case {
+            name: "dump --force into a folder with a foreign s001/",
+            needs: &[],
+            args: |d| {
+                std::fs::create_dir_all(d.join("t/s001")).unwrap();
+                std::fs::write(d.join("t/s001/mine.npy"), "mine").unwrap();
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--force",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["s001", "not a trace", "--force"],
+            after: Some(|d| {
+                let names: Vec<String> = std::fs::read_dir(d.join("t"))
+                    .unwrap()
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect();
+                (names != ["s001"] || !d.join("t/s001/mine.npy").is_file())
+                    .then(|| format!("the folder was changed: {names:?}"))
+                    .or_else(|| clean(d, &[]))
+            }),
+        },
+        Case {
+            name: "dump --force over a trace replaces it whole",
+            needs: &[],
+            args: |d| {
+                copy_dir(&root().join(GOLDEN), &d.join("t"));
+                std::fs::write(d.join("t/notes.txt"), "mine").unwrap();
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--force",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 0,
+            words: &["wrote", "over 2 steps"],
+            after: Some(|d| {
+                let t = d.join("t");
+                let steps = std::fs::read_dir(&t)
+                    .unwrap()
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with('s'))
+                    .count();
+                (steps != 2 || !t.join("manifest.json").is_file())
+                    .then(|| format!("{steps} step folders (the old trace's left?)"))
+                    .or_else(|| {
+                        (std::fs::read_to_string(t.join("notes.txt")).ok().as_deref()
+                            != Some("mine"))
+                        .then(|| "a file that is not the trace's was touched".to_string())
+                    })
+                    .or_else(|| clean(d, &[]))
+            }),
+        },
+        Case {
+            name: "dump: a lock held by another writer refuses the second",
+            needs: &[],
+            args: |d| {
+                // A process holds the lock of d/t (as a running dump would) for the row's time.
+                let lock = d.join(".t.lock");
+                let f = std::fs::File::create(&lock).unwrap();
+                use std::os::unix::io::AsRawFd;
+                // SAFETY: flock on a file we own; leaked so that the lock outlives this fn
+                // (parity is another process: the open description holds it).
+                assert_eq!(unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) }, 0);
+                std::mem::forget(f);
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--steps",
+                    &"1",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["/t:", "is writing it now", ".t.lock"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        // ---- flags that agree across subcommands
+        Case {
+            name: "dump --golden G --steps 10 (the golden has fewer)",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"--golden",
+                    &GOLDEN,
+                    &"--steps",
+                    &"10",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--steps 10", "golden"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "dump --forced 5,6 --steps 7",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--forced",
+                    &"5,6",
+                    &"--steps",
+                    &"7",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--steps 7", "--forced"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "dump M --golden <another model's golden>",
+            needs: &[],
+            args: |d| {
+                let m = rewrite_fixture(
+                    d,
+                    "other.gguf",
+                    &[("general.name", Value::String("other".into()))],
+                    None,
+                );
+                os(&[&"dump", &m, &"--golden", &GOLDEN, &"--out", &d.join("t")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--golden", "another model", "other.gguf"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "check --backends fast,fast",
+            needs: &[],
+            args: |_| os(&[&"check", &fix(), &"--backends", &"fast,fast"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--backends", "fast twice"],
+            after: None,
+        },
+        Case {
+            name: "selftest --keep FILE",
+            needs: &[],
+            args: |d| {
+                std::fs::write(d.join("kept"), "mine").unwrap();
+                os(&[&"selftest", &"--keep", &d.join("kept")])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--keep", "kept", "exists and is not a folder"],
+            after: Some(|d| {
+                (std::fs::read_to_string(d.join("kept")).ok().as_deref() != Some("mine"))
+                    .then(|| "the file was touched".to_string())
+            }),
+        },
+        Case {
+            name: "diff --model DIR",
+            needs: &[],
+            args: |d| os(&[&"diff", &GOLDEN, &GOLDEN, &"--model", &d]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--model", "is a folder"],
+            after: None,
+        },
+        Case {
+            name: "dump --threads -1",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"dump",
+                    &fix(),
+                    &"-p",
+                    &"hi",
+                    &"--threads",
+                    &"-1",
+                    &"--out",
+                    &d.join("t"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--threads", "-1"],
+            after: Some(|d| clean(d, &["t"])),
+        },
+        Case {
+            name: "check --threads -1",
+            needs: &[],
+            args: |_| os(&[&"check", &fix(), &"--threads", &"-1"]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--threads", "-1"],
+            after: None,
         },
         // ---- models
         Case {
@@ -1604,4 +2001,291 @@ fn golden_clears_a_killed_runs_staging_folder() {
     assert!(o.status.success(), "{}", common::show(&o));
     assert!(!stale.exists(), "the stale staging folder is still there");
     assert!(out.join("manifest.json").exists());
+}
+
+/// A file system that fills up while the reports are written (RLIMIT_FSIZE: a write past the
+/// limit fails with EFBIG, as a full disk fails with ENOSPC): exit 2 naming the output, and
+/// none of the outputs left, not even the ones that fitted.
+#[test]
+fn outputs_on_a_full_file_system_leave_nothing() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_parity"));
+    cmd.arg("check")
+        .arg(fix())
+        .args([
+            "-p",
+            "hi",
+            "--steps",
+            "1",
+            "--backends",
+            "reference,fast",
+            "--snapshot",
+        ])
+        .arg(d.join("r.snap"))
+        .arg("--html")
+        .arg(d.join("r.html"))
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // The snapshot (a few KB) fits under 16 KB, the HTML page (tens of KB) does not.
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let lim = libc::rlimit {
+                rlim_cur: 16 << 10,
+                rlim_max: 16 << 10,
+            };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{}", common::show(&o));
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(
+        errors[0].contains("--html") && errors[0].contains("r.html"),
+        "{stderr}"
+    );
+    let left: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// A fixture big enough to take a moment to write.
+fn slow_model(dir: &Path) -> PathBuf {
+    let m = dir.join("m.gguf");
+    let o = common::parity(&[
+        "fixture",
+        "--n-embd",
+        "512",
+        "--n-ff",
+        "1024",
+        "--n-layer",
+        "4",
+        "--n-ctx",
+        "4096",
+        "--type",
+        "f32",
+        "-o",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+    m
+}
+
+/// Two `dump`s into one folder at once: the second is refused in one line while the first
+/// writes, the first publishes a whole trace, and a later `dump --force` replaces it.
+#[test]
+fn two_dumps_into_one_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = slow_model(dir.path());
+    let out = dir.path().join("t");
+    let first = Command::new(env!("CARGO_BIN_EXE_parity"))
+        .arg("dump")
+        .arg(&m)
+        .args(["-p", "hi", "--steps", "60", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let staging = dir.path().join(format!(".t.partial-{}", first.id()));
+    let t0 = std::time::Instant::now();
+    while !staging.join("s001").exists() {
+        assert!(t0.elapsed().as_secs() < 120, "the first dump did not start");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    for force in [false, true] {
+        let mut args = vec!["dump", m.to_str().unwrap(), "-p", "hi", "--steps", "1"];
+        if force {
+            args.push("--force");
+        }
+        args.extend(["--out", out.to_str().unwrap()]);
+        let o = common::parity(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "force {force}: {}",
+            common::show(&o)
+        );
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("error")).collect();
+        assert_eq!(errors.len(), 1, "{stderr}");
+        assert!(
+            errors[0].contains(&format!("process {}", first.id()))
+                && errors[0].contains("is writing it now"),
+            "{stderr}"
+        );
+    }
+    let o = first.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let written = || {
+        parity::trace::Trace::open(&out)
+            .unwrap()
+            .manifest
+            .steps
+            .len()
+    };
+    assert_eq!(written(), 61);
+    let o = common::parity(&[
+        "dump",
+        m.to_str().unwrap(),
+        "-p",
+        "hi",
+        "--steps",
+        "1",
+        "--force",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", common::show(&o));
+    assert_eq!(written(), 2);
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('.'))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// `fixture` stopped by SIGINT, SIGTERM or SIGHUP while its file is being written removes its
+/// `.NAME.partial-PID` and leaves no output.
+#[test]
+fn interrupted_fixture_leaves_nothing() {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let dir = tempfile::tempdir().unwrap();
+    for (sig, name) in [
+        (libc::SIGINT, "INT"),
+        (libc::SIGTERM, "TERM"),
+        (libc::SIGHUP, "HUP"),
+    ] {
+        let out = dir.path().join(format!("f-{name}.gguf"));
+        // Several tries: the signal must land while the file is written (it is built in
+        // memory first); a run that finished before is retried.
+        let mut caught = false;
+        for _ in 0..5 {
+            let _ = std::fs::remove_file(&out);
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_parity"));
+            cmd.args([
+                "fixture",
+                "--n-embd",
+                "1024",
+                "--n-ff",
+                "4096",
+                "--n-layer",
+                "6",
+                "--type",
+                "f32",
+                "-o",
+            ])
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+            // SAFETY: only async-signal-safe calls between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    libc::signal(sig, libc::SIG_DFL);
+                    Ok(())
+                });
+            }
+            let mut child = cmd.spawn().unwrap();
+            let staging = dir
+                .path()
+                .join(format!(".f-{name}.gguf.partial-{}", child.id()));
+            while !staging.exists() && child.try_wait().unwrap().is_none() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            // SAFETY: signalling our own child (a no-op if it has ended).
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, sig);
+            }
+            let o = child.wait_with_output().unwrap();
+            if o.status.signal() == Some(sig) {
+                caught = true;
+                let left: Vec<String> = std::fs::read_dir(dir.path())
+                    .unwrap()
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.contains(&format!("f-{name}")))
+                    .collect();
+                assert!(left.is_empty(), "SIG{name}: left behind {left:?}");
+                break;
+            }
+        }
+        assert!(
+            caught,
+            "SIG{name} never landed while the fixture was written"
+        );
+    }
+}
+
+/// `golden` stopped by SIGTERM while llama.cpp runs: its child is stopped with it, and
+/// nothing is published, then or later.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn golden_stopped_by_a_signal_stops_llama_cpp() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let m = slow_model(dir.path());
+    let out = dir.path().join("g");
+    let child = Command::new(env!("CARGO_BIN_EXE_parity"))
+        .arg("golden")
+        .arg(&m)
+        .args(["-p", "hi", "--steps", "200", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The script's staging folder names its own PID.
+    let t0 = std::time::Instant::now();
+    let (staging, py) = loop {
+        let found = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .find_map(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                let pid = n.strip_prefix(".g.partial-")?.parse::<i32>().ok()?;
+                Some((e.path(), pid))
+            });
+        if let Some(f) = found
+            && f.0.join("s001").exists()
+        {
+            break f;
+        }
+        assert!(t0.elapsed().as_secs() < 120, "the golden did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    // SAFETY: signalling our own child.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(
+        o.status.signal(),
+        Some(libc::SIGTERM),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    // SAFETY: signal 0 asks whether the process exists.
+    let alive = unsafe { libc::kill(py, 0) } == 0;
+    assert!(!alive, "llama.cpp's script (pid {py}) runs on");
+    assert!(
+        !out.exists(),
+        "the golden was published after parity stopped"
+    );
+    assert!(!staging.exists(), "its staging folder is left");
 }

@@ -128,3 +128,39 @@ fn the_readme_walkthrough_runs_as_written() {
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     assert!(stdout(&o).contains("bos-doubled"), "{}", show(&o));
 }
+
+/// A newcomer's test command is CI's run: the README's first block runs `.ci/run`, and
+/// `.ci/run` installs every tool build.rs probes for (so that no test is ignored), makes
+/// build.rs look again after an install, and ends in `cargo test` over the whole suite.
+#[test]
+fn the_readme_test_command_is_ci_run() {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let open = readme.find("```\n").unwrap() + 4;
+    let close = open + readme[open..].find("```").unwrap();
+    let cmds: Vec<&str> = readme[open..close]
+        .lines()
+        .map(|l| l.split(" # ").next().unwrap().trim())
+        .collect();
+    assert!(cmds.contains(&"bash .ci/run"), "{cmds:?}");
+    let ci = std::fs::read_to_string(root().join(".ci/run")).unwrap();
+    let last = ci
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty() && !l.starts_with('#'))
+        .unwrap();
+    assert_eq!(last, "cargo test \"$@\"");
+    for what in [
+        "llama-cpp-python",
+        "qemu-user-static",
+        "gcc-aarch64-linux-gnu",
+        "libc6-dev-arm64-cross",
+        "aarch64-unknown-linux-gnu",
+        "mesa-vulkan-drivers",
+        "libvulkan1",
+        "chromium",
+        "jq",
+        "touch build.rs",
+    ] {
+        assert!(ci.contains(what), ".ci/run does not install {what}");
+    }
+}

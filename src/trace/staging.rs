@@ -18,6 +18,13 @@ fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Lock files held by this process: removed (silently) on an interrupt too.
+static LOCKS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+fn locks() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LOCKS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Child processes that write for this process (`golden`'s llama.cpp script): killed with it.
 static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
@@ -307,7 +314,7 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
                 .map_err(|e| {
                     std::io::Error::new(
                         e.kind(),
-                        format!("cannot make its lock {}: {e}", path.display()),
+                        format!("cannot write there (its lock {}: {e})", path.display()),
                     )
                 })?;
             // SAFETY: flock on a descriptor we own.
@@ -338,6 +345,9 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
             let _ = file.set_len(0);
             let _ = file.rewind();
             let _ = write!(file, "{}", std::process::id());
+            #[cfg(unix)]
+            signals::install();
+            locks().push(path.clone());
             return Ok(Lock { _file: file, path });
         }
         Err(std::io::Error::other(format!(
@@ -354,7 +364,9 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
 impl Drop for Lock {
     fn drop(&mut self) {
         // Removed while still held: a waiter that opened the old file sees it is gone.
+        let mut l = locks();
         let _ = std::fs::remove_file(&self.path);
+        l.retain(|p| p != &self.path);
     }
 }
 
@@ -487,9 +499,16 @@ mod signals {
         // Holding the lock: a writer publishing its trace finishes first (see `settle`).
         let dirs = live();
         for d in dirs.iter() {
+            let what = if d.is_dir() { "trace" } else { "file" };
             if remove_now(d) {
-                eprintln!("\ninterrupted: removed the unfinished {}", d.display());
+                eprintln!(
+                    "\ninterrupted: removed the unfinished {what} {}",
+                    d.display()
+                );
             }
+        }
+        for l in super::locks().iter() {
+            let _ = std::fs::remove_file(l);
         }
         // SAFETY: back to the default action, then the same signal again: the process ends
         // as the signal would have ended it.
