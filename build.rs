@@ -118,17 +118,26 @@ fn probe_test_tools(root: &Path) {
 fn vulkan_driver() -> bool {
     println!("cargo:rerun-if-env-changed=VK_DRIVER_FILES");
     println!("cargo:rerun-if-env-changed=VK_ICD_FILENAMES");
-    let loader = ["/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib", "/usr/lib64"]
-        .iter()
-        .any(|d| Path::new(d).join("libvulkan.so.1").exists());
+    let loader = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+        "/usr/lib64",
+    ]
+    .iter()
+    .any(|d| Path::new(d).join("libvulkan.so.1").exists());
     let named = ["VK_DRIVER_FILES", "VK_ICD_FILENAMES"]
         .iter()
         .filter_map(std::env::var_os)
         .any(|v| std::env::split_paths(&v).any(|p| p.exists()));
     let icd = named
-        || ["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d", "/usr/local/share/vulkan/icd.d"]
-            .iter()
-            .any(|d| std::fs::read_dir(d).is_ok_and(|mut rd| rd.next().is_some()));
+        || [
+            "/usr/share/vulkan/icd.d",
+            "/etc/vulkan/icd.d",
+            "/usr/local/share/vulkan/icd.d",
+        ]
+        .iter()
+        .any(|d| std::fs::read_dir(d).is_ok_and(|mut rd| rd.next().is_some()));
     loader && icd
 }
 

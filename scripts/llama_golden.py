@@ -1043,7 +1043,8 @@ def main(argv=None):
     manifest = {
         "format": "parity-trace",
         "version": 1,
-        "model": {"path": args.model, "sha256": sha256_file(args.model)},
+        "model": {"path": args.model, "sha256": sha256_file(args.model),
+                  "size": os.path.getsize(args.model)},
         "producer": {"name": "llama.cpp", "backend": "llama.cpp-cpu", "version": L.__version__,
                      "settings": settings},
         "steps": steps,

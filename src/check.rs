@@ -7,7 +7,8 @@ use crate::backend::{self, BackendError, registry};
 use crate::compare::{CompareError, CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
 use crate::trace::{
-    MemorySink, ModelRef, Producer, ReplaySink, Sink, Tap, TapFilter, TapKey, Trace, TraceError,
+    MemorySink, ModelRef, Producer, ReplaySink, Sink, StepInfo, Tap, TapFilter, TapKey, Trace,
+    TraceError,
 };
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -219,10 +220,50 @@ pub fn peak_rss_bytes() -> Option<u64> {
     None
 }
 
+/// Run the check, in its stages: the backends, the golden and the ids, the steps and the
+/// context, the end-to-end passes, the op-by-op passes, the comparisons. `events` hears about progress (pass
+/// `&mut |_| {}` for none).
+pub fn run(
+    model: &Model,
+    model_path: &Path,
+    opt: &CheckOptions,
+    events: &mut dyn FnMut(Event),
+) -> Result<CheckReport, CheckError> {
+    let entries = backends(opt)?;
+    let (golden, prompt, golden_forced, ids_from) = select_golden(model, model_path, opt)?;
+    let plan = plan(model, model_path, opt, &golden, prompt, &golden_forced)?;
+    let mut passes = Vec::new();
+    let (traces, forced) = end_to_end(&plan, &entries, &golden_forced, &mut passes, events)?;
+    let traces_op = op_by_op(&plan, &entries, golden.as_ref(), opt, &mut passes, events)?;
+    let comparisons = compare_all(model, golden.as_ref(), &traces, &traces_op, events)?;
+    Ok(CheckReport {
+        prompt: plan.prompt,
+        forced,
+        ids_from,
+        golden,
+        traces,
+        traces_op,
+        comparisons,
+        passes,
+    })
+}
+
+/// Stage 1: the registry rows of the backends asked for, in order.
+fn backends(opt: &CheckOptions) -> Result<Vec<&'static registry::Entry>, CheckError> {
+    if opt.backends.is_empty() {
+        return Err(CheckError::NoBackend);
+    }
+    Ok(opt
+        .backends
+        .iter()
+        .map(|n| registry::find(n))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
 /// The golden (if any), the prompt ids, the golden's decode ids, and where the ids came from.
 type Selected = (Option<(PathBuf, Trace)>, Vec<u32>, Vec<u32>, String);
 
-/// Settle the golden and the ids.
+/// Stage 2: settle the golden and the ids.
 fn select_golden(
     model: &Model,
     model_path: &Path,
@@ -313,27 +354,34 @@ fn select_golden(
     }
 }
 
-/// Run the check. `events` hears about progress (pass `&mut |_| {}` for none).
-pub fn run(
-    model: &Model,
+/// What every pass runs: the model, the prompt, the decode steps and the context the
+/// backends hold.
+struct Plan<'m> {
+    model: &'m Model,
+    model_ref: ModelRef,
+    prompt: Vec<u32>,
+    steps: usize,
+    n_ctx: usize,
+    threads: usize,
+    /// A golden exists: its decode ids are forced into every backend.
+    has_golden: bool,
+}
+
+/// Stage 3: the steps and the context, refused when the golden cannot cover them or the
+/// model cannot hold them.
+fn plan<'m>(
+    model: &'m Model,
     model_path: &Path,
     opt: &CheckOptions,
-    events: &mut dyn FnMut(Event),
-) -> Result<CheckReport, CheckError> {
-    if opt.backends.is_empty() {
-        return Err(CheckError::NoBackend);
-    }
-    let entries = opt
-        .backends
-        .iter()
-        .map(|n| registry::find(n))
-        .collect::<Result<Vec<_>, _>>()?;
-    let (golden, prompt, golden_forced, ids_from) = select_golden(model, model_path, opt)?;
+    golden: &Option<(PathBuf, Trace)>,
+    prompt: Vec<u32>,
+    golden_forced: &[u32],
+) -> Result<Plan<'m>, CheckError> {
     if prompt.is_empty() {
         return Err(BackendError::Empty.into());
     }
     // Steps: the golden's, or fewer if asked; more than it has cannot be compared.
-    let steps = match (&golden, opt.steps) {
+    let steps = match (golden, opt.steps) {
         (Some((p, _)), Some(n)) if n > golden_forced.len() => {
             return Err(CheckError::StepsPastGolden {
                 steps: n,
@@ -360,110 +408,144 @@ pub fn run(
         .map_or(n_ctx, |g| {
             (g as usize).clamp(n_ctx, model.config.n_ctx_train.max(n_ctx))
         });
-    let model_ref = ModelRef {
-        path: model_path.display().to_string(),
-        sha256: model.sha256().to_string(),
-    };
-    let producer = |b: &dyn backend::Backend, suffix: &str| Producer {
-        name: "parity".into(),
-        backend: format!("{}{suffix}", b.name()),
-        version: env!("CARGO_PKG_VERSION").into(),
-        settings: serde_json::json!({ "rounding": b.rounding().name() }),
-    };
+    Ok(Plan {
+        model,
+        model_ref: ModelRef {
+            path: model_path.display().to_string(),
+            sha256: model.sha256().to_string(),
+            size: Some(model.file.bytes().len() as u64),
+        },
+        prompt,
+        steps,
+        n_ctx,
+        threads: opt.threads,
+        has_golden: golden.is_some(),
+    })
+}
 
-    let mut passes = Vec::new();
-    let mut traces = Vec::new();
-    // One sequence for every backend: the golden's ids, else the first backend's own greedy
-    // continuation forced into the others (their greedy agreement is a statistic of the
-    // logits comparison, never a divergence of its own).
-    let mut forced: Option<Vec<u32>> = golden.as_ref().map(|_| golden_forced[..steps].to_vec());
-    for e in &entries {
+impl Plan<'_> {
+    /// One backend pass into `sink`: its trace parts, the sink back, and its time and memory.
+    fn pass<S: Sink>(
+        &self,
+        e: &registry::Entry,
+        op_by_op: bool,
+        sink: S,
+        forced: Option<&[u32]>,
+        events: &mut dyn FnMut(Event),
+    ) -> Result<(Vec<StepInfo>, S, Producer, Pass), CheckError> {
         events(Event::PassStart {
             backend: e.name,
-            op_by_op: false,
-            forwards: steps + 1,
+            op_by_op,
+            forwards: self.steps + 1,
         });
         let t0 = Instant::now();
-        let mut b = e.build(model, n_ctx, opt.threads);
+        let mut b = e.build(self.model, self.n_ctx, self.threads);
         let mut sink = Counting {
-            inner: MemorySink::new(TapFilter::all()),
+            inner: sink,
             events: &mut *events,
         };
-        let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
-        let tensors = sink.inner.tensors;
+        let info = backend::run(b.as_mut(), &self.prompt, self.steps, forced, &mut sink)?;
+        let sink = sink.inner;
         events(Event::PassEnd);
+        let producer = Producer {
+            name: "parity".into(),
+            backend: format!("{}{}", b.name(), if op_by_op { "/op-by-op" } else { "" }),
+            version: env!("CARGO_PKG_VERSION").into(),
+            settings: serde_json::json!({ "rounding": b.rounding().name() }),
+        };
+        let pass = Pass {
+            backend: e.name.into(),
+            op_by_op,
+            seconds: t0.elapsed().as_secs_f64(),
+            peak_rss_bytes: peak_rss_bytes(),
+        };
+        Ok((info, sink, producer, pass))
+    }
+}
+
+/// Stage 4: every backend end to end, each recording every tap. One sequence for every
+/// backend: the golden's ids, else the first backend's own greedy continuation forced into
+/// the others (their greedy agreement is a statistic of the logits comparison, never a
+/// divergence of its own). Returns the traces and the decode ids fed.
+fn end_to_end(
+    plan: &Plan,
+    entries: &[&registry::Entry],
+    golden_forced: &[u32],
+    passes: &mut Vec<Pass>,
+    events: &mut dyn FnMut(Event),
+) -> Result<(Vec<Trace>, Vec<u32>), CheckError> {
+    let mut forced: Option<Vec<u32>> = plan
+        .has_golden
+        .then(|| golden_forced[..plan.steps].to_vec());
+    let mut traces = Vec::new();
+    for e in entries {
+        let sink = MemorySink::new(TapFilter::all());
+        let (info, sink, producer, pass) = plan.pass(e, false, sink, forced.as_deref(), events)?;
         if forced.is_none() {
             forced = Some(info.iter().skip(1).flat_map(|s| s.tokens.clone()).collect());
         }
-        passes.push(Pass {
-            backend: e.name.into(),
-            op_by_op: false,
-            seconds: t0.elapsed().as_secs_f64(),
-            peak_rss_bytes: peak_rss_bytes(),
-        });
+        passes.push(pass);
         traces.push(Trace::from_memory(
-            model_ref.clone(),
-            producer(b.as_ref(), ""),
+            plan.model_ref.clone(),
+            producer,
             info,
-            tensors,
+            sink.tensors,
         ));
     }
+    Ok((traces, forced.unwrap_or_default()))
+}
 
-    // Op by op: each replayable backend that rounds like ggml's CPU, fed the golden's tensor
-    // at every tap (ReplaySink), so each op is judged on identical inputs.
-    let mut traces_op = Vec::new();
-    if let Some((_, g)) = golden
-        .as_ref()
-        .filter(|(_, g)| opt.op_by_op && golden_is_tight(g))
+/// Stage 5: op by op, each replayable backend that rounds like ggml's CPU, fed a tight
+/// golden's tensor at every tap (ReplaySink), so each op is judged on identical inputs.
+fn op_by_op(
+    plan: &Plan,
+    entries: &[&registry::Entry],
+    golden: Option<&(PathBuf, Trace)>,
+    opt: &CheckOptions,
+    passes: &mut Vec<Pass>,
+    events: &mut dyn FnMut(Event),
+) -> Result<Vec<Trace>, CheckError> {
+    let mut traces = Vec::new();
+    let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_tight(g)) else {
+        return Ok(traces);
+    };
+    let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();
+    for e in entries
+        .iter()
+        .filter(|e| e.replayable && e.rounding == backend::Emulation::GgmlCpu)
     {
-        let forced: Vec<u32> = g.manifest.decode_tokens()[..steps].to_vec();
-        for e in entries
-            .iter()
-            .filter(|e| e.replayable && e.rounding == backend::Emulation::GgmlCpu)
-        {
-            events(Event::PassStart {
-                backend: e.name,
-                op_by_op: true,
-                forwards: steps + 1,
-            });
-            let t0 = Instant::now();
-            let mut b = e.build(model, n_ctx, opt.threads);
-            let mut sink = Counting {
-                inner: ReplaySink::new(g),
-                events: &mut *events,
-            };
-            let info = backend::run(b.as_mut(), &prompt, steps, Some(&forced), &mut sink)?;
-            let sink = sink.inner;
-            events(Event::PassEnd);
-            if let Some(err) = sink.error {
-                return Err(err.into());
-            }
-            passes.push(Pass {
-                backend: e.name.into(),
-                op_by_op: true,
-                seconds: t0.elapsed().as_secs_f64(),
-                peak_rss_bytes: peak_rss_bytes(),
-            });
-            traces_op.push(Trace::from_memory(
-                model_ref.clone(),
-                producer(b.as_ref(), "/op-by-op"),
-                info,
-                sink.inner.tensors,
-            ));
+        let (info, sink, producer, pass) =
+            plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
+        if let Some(err) = sink.error {
+            return Err(err.into());
         }
+        passes.push(pass);
+        traces.push(Trace::from_memory(
+            plan.model_ref.clone(),
+            producer,
+            info,
+            sink.inner.tensors,
+        ));
     }
+    Ok(traces)
+}
 
-    // Every trace against the golden (op by op first: it is the tight verdict), then every
-    // pair of backends.
-    let wtype = model.main_weight_type();
+/// Stage 6: every trace against the golden (op by op first: it is the tight verdict), then
+/// every pair of backends.
+fn compare_all(
+    model: &Model,
+    golden: Option<&(PathBuf, Trace)>,
+    traces: &[Trace],
+    traces_op: &[Trace],
+    events: &mut dyn FnMut(Event),
+) -> Result<Vec<Judged>, CheckError> {
     let mut todo: Vec<(&Trace, &Trace, PairKind, bool)> = Vec::new();
-    if let Some((_, g)) = &golden {
+    if let Some((_, g)) = golden {
         todo.extend(traces_op.iter().map(|t| (g, t, PairKind::OpByOp, true)));
         todo.extend(traces.iter().map(|t| (g, t, pair_kind(g, t), true)));
     }
-    for i in 0..traces.len() {
-        for j in i + 1..traces.len() {
-            let (a, b) = (&traces[i], &traces[j]);
+    for (i, a) in traces.iter().enumerate() {
+        for b in &traces[i + 1..] {
             todo.push((a, b, pair_kind(a, b), false));
         }
     }
@@ -471,11 +553,12 @@ pub fn run(
         return Err(CheckError::NothingToCompare);
     }
     events(Event::Comparing { n: todo.len() });
+    let weight_type = model.main_weight_type();
     let mut comparisons = Vec::with_capacity(todo.len());
     for (base, cand, pair, against_golden) in todo {
         let opt = CompareOptions {
             pair,
-            weight_type: wtype,
+            weight_type,
             require_same_model: true,
         };
         comparisons.push(Judged {
@@ -484,16 +567,7 @@ pub fn run(
         });
         events(Event::Compared);
     }
-    Ok(CheckReport {
-        prompt,
-        forced: forced.unwrap_or_default(),
-        ids_from,
-        golden,
-        traces,
-        traces_op,
-        comparisons,
-        passes,
-    })
+    Ok(comparisons)
 }
 
 /// A sink that reports each finished forward call (the logits are its last tap) and

@@ -23,6 +23,7 @@ fn run_against_golden(model: &Model, golden: &str, pair: PairKind) -> Comparison
         ModelRef {
             path: String::new(),
             sha256: model.sha256().into(),
+            size: None,
         },
         Producer {
             name: "parity".into(),
@@ -117,6 +118,7 @@ fn plain_f32_activations_on_a_quantized_model_pass_only_with_different_rounding_
         ModelRef {
             path: String::new(),
             sha256: m.sha256().into(),
+            size: None,
         },
         Producer {
             name: "parity".into(),

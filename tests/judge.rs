@@ -65,6 +65,7 @@ fn engine_trace(
         ModelRef {
             path: String::new(),
             sha256: String::new(),
+            size: None,
         },
         Producer {
             name: "test-engine".into(),

@@ -2,6 +2,7 @@
 //! `reference` is the readable truth; `fast` is held to it tap by tap.
 
 pub mod fast;
+pub mod gpu;
 pub mod mutation;
 pub mod reference;
 pub mod registry;

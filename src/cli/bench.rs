@@ -21,7 +21,7 @@ pub struct BenchArgs {
     /// GGUF file.
     model: PathBuf,
     /// Worker threads, the same for both engines (0 = every core).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
     /// Prompt length (a fixed pseudo-random id sequence after BOS).
     #[arg(long, default_value_t = 64)]

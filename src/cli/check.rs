@@ -38,7 +38,7 @@ pub struct GoldenArgs {
     #[arg(long)]
     llama_defaults: bool,
     /// llama.cpp threads.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     threads: usize,
     /// Overwrite a non-empty output folder.
     #[arg(long)]
@@ -109,6 +109,13 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     if a.threads == 0 {
         return Err(err("--threads must be at least 1"));
     }
+    // One writer of the folder at a time, held until the script has published (or failed).
+    if let Some(parent) = std::path::absolute(&out_dir)?.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| err(format!("{out_what} {out_s}: {}: {e}", parent.display())))?;
+    }
+    let _lock = crate::trace::staging::lock(&out_dir)
+        .map_err(|e| err(format!("{out_what} {out_s}: {e}")))?;
     match std::fs::metadata(&out_dir) {
         Ok(m) if !m.is_dir() => {
             return Err(err(format!(
@@ -172,15 +179,34 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     } else {
         cmd.stderr(std::process::Stdio::piped());
     }
+    // llama.cpp stops with parity: killed outright with it (Linux), and on SIGINT/SIGTERM/
+    // SIGHUP killed and its unfinished folder removed before parity ends, so that nothing is
+    // published after the user stopped the run.
+    crate::trace::staging::die_with_parent(&mut cmd);
     let child = cmd
         .spawn()
         .map_err(|e| err(format!("running {}: {e}", py.display())))?;
     let pid = child.id();
+    crate::trace::staging::register_child(pid);
+    let child_tmp = crate::trace::staging::partial_path(&out_dir)
+        .ok()
+        .and_then(|p| {
+            let n = p.file_name()?.to_string_lossy().into_owned();
+            let (base, _) = n.rsplit_once(".partial-")?;
+            Some(p.with_file_name(format!("{base}.partial-{pid}")))
+        });
+    if let Some(t) = &child_tmp {
+        crate::trace::staging::register(t);
+    }
     // A spinner while llama.cpp runs (its log is captured unless --verbose shows it).
     let spin = (!a.verbose).then(|| Progress::spinner("llama.cpp golden", false));
-    let out = child
-        .wait_with_output()
-        .map_err(|e| err(format!("running {}: {e}", py.display())))?;
+    let out = child.wait_with_output();
+    crate::trace::staging::forget_child(pid);
+    if let Some(t) = &child_tmp {
+        // The script published or removed it itself (or a signal killed it: removed below).
+        crate::trace::staging::settle(t, || ());
+    }
+    let out = out.map_err(|e| err(format!("running {}: {e}", py.display())))?;
     drop(spin);
     let log = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
@@ -258,7 +284,7 @@ pub struct CheckArgs {
     )]
     backends: Vec<String>,
     /// Worker threads for the fast backend (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
     /// A golden trace folder, or a folder of goldens searched by model sha256 (default:
     /// ./golden, then the goldens that ship with parity).
@@ -318,6 +344,14 @@ pub fn user_golden_dir() -> Option<PathBuf> {
 }
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
+    a.report.validate()?;
+    for (i, b) in a.backends.iter().enumerate() {
+        if a.backends[..i].contains(b) {
+            return Err(err(format!(
+                "--backends names {b} twice: a backend compared with itself proves nothing"
+            )));
+        }
+    }
     let model_path = a
         .model
         .clone()

@@ -9,7 +9,7 @@ use super::{Result, err, repo_root};
 use crate::backend::Emulation;
 use crate::compare::{Comparison, Divergence, PairKind, TapResult};
 use crate::judge::{self, JudgeOptions, Judgement};
-use crate::model::{Model, sha256_hex};
+use crate::model::Model;
 use crate::report;
 use crate::trace::{TapKey, Trace};
 use clap::Args;
@@ -24,9 +24,14 @@ pub struct DiffArgs {
     candidate: PathBuf,
     /// The GGUF model the traces were made from: with it, each op of the candidate is judged on
     /// its own inputs (default: the model path in the candidate's or the baseline's manifest,
-    /// else a file with the recorded sha256 in ., fixtures/ or ../shared/models).
+    /// else a file of the recorded size and sha256 in --model-dir, fixtures/ or
+    /// ../shared/models).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// A folder to look for the model in (its files of the size the manifest records, hashed;
+    /// without a recorded size, the file of the manifest's name only).
+    #[arg(long = "model-dir", value_name = "DIR", conflicts_with = "model")]
+    model_dir: Vec<PathBuf>,
     /// Weight type for the end-to-end tolerances when the model is not at hand (e.g. q8_0).
     #[arg(long = "weight-type")]
     weight_type: Option<String>,
@@ -51,66 +56,90 @@ pub struct DiffArgs {
     report: ReportArgs,
 }
 
-/// A model file at `p` (as written, or relative to the repository) whose sha256 is `sha`
-/// (any, when `sha` is empty).
-fn open_if(p: &Path, sha: &str) -> Option<Model> {
-    [p.to_path_buf(), repo_root().join(p)]
-        .iter()
-        .filter(|c| c.is_file())
-        .filter_map(|c| Model::open(c).ok())
-        .find(|m| sha.is_empty() || m.sha256() == sha)
-}
-
-/// The model a trace pair was made from: the manifests' paths, else a file with the recorded
-/// sha256 among ./*.gguf, the repository's fixtures/ and ../shared/models.
-fn find_model(base: &Trace, cand: &Trace) -> Option<(PathBuf, Model)> {
+/// The recorded model's sha256 and size: the candidate's, else the baseline's (an engine that
+/// records a path but no sha256 is trusted only where the other side's sha256 agrees).
+fn wanted(base: &Trace, cand: &Trace) -> (String, Option<u64>) {
     let (cm, bm) = (&cand.manifest.model, &base.manifest.model);
-    for r in [cm, bm] {
-        if r.path.is_empty() {
-            continue;
-        }
-        let sha = if r.sha256.is_empty() {
-            // An engine that records a path but no sha256: trust it only if the other side's
-            // sha256 (when known) agrees.
-            &bm.sha256
-        } else {
-            &r.sha256
-        };
-        if let Some(m) = open_if(Path::new(&r.path), sha) {
-            return Some((PathBuf::from(&r.path), m));
-        }
-    }
     let sha = if cm.sha256.is_empty() {
         &bm.sha256
     } else {
         &cm.sha256
     };
+    (sha.clone(), cm.size.or(bm.size))
+}
+
+/// The file at `p`, if it is a regular file of the recorded size (when one is recorded) whose
+/// streamed sha256 is `sha`. A FIFO, a device or a folder is never opened.
+fn open_if(p: &Path, sha: &str, size: Option<u64>) -> Option<Model> {
+    let meta = std::fs::metadata(p).ok()?;
+    if !meta.is_file() || size.is_some_and(|n| meta.len() != n) {
+        return None;
+    }
+    let (hex, _) = crate::trace::open::sha256_file(p).ok()?;
+    if hex != sha {
+        return None;
+    }
+    Model::open(p).ok()
+}
+
+/// The model a trace pair was made from: the file at a manifest's path (as written, or
+/// relative to the repository), else one in the search folders (`--model-dir`, the
+/// repository's fixtures/ and ../shared/models) of the recorded size; without a recorded size
+/// only the file named as the manifest names it is hashed there. Never the working folder by
+/// glob, never a file when no sha256 is recorded (any file would do then).
+fn find_model(base: &Trace, cand: &Trace, dirs: &[PathBuf]) -> Option<(PathBuf, Model)> {
+    let (sha, size) = wanted(base, cand);
     if sha.is_empty() {
         return None;
     }
     let root = repo_root();
-    for dir in [
-        PathBuf::from("."),
-        root.join("fixtures"),
-        root.join("../shared/models"),
-    ] {
-        let Ok(rd) = std::fs::read_dir(&dir) else {
+    let mut tried: Vec<PathBuf> = Vec::new();
+    let mut try_at = |p: PathBuf| -> Option<(PathBuf, Model)> {
+        if tried.contains(&p) {
+            return None;
+        }
+        tried.push(p.clone());
+        open_if(&p, &sha, size).map(|m| (p, m))
+    };
+    for r in [&cand.manifest.model, &base.manifest.model] {
+        if r.path.is_empty() {
             continue;
+        }
+        let p = Path::new(&r.path);
+        for c in [p.to_path_buf(), root.join(p)] {
+            if let Some(found) = try_at(c) {
+                return Some(found);
+            }
+        }
+    }
+    let names: Vec<std::ffi::OsString> = [&cand.manifest.model, &base.manifest.model]
+        .iter()
+        .filter_map(|r| Path::new(&r.path).file_name().map(|n| n.to_os_string()))
+        .collect();
+    let search = dirs
+        .iter()
+        .cloned()
+        .chain([root.join("fixtures"), root.join("../shared/models")]);
+    for dir in search {
+        let files: Vec<PathBuf> = match size {
+            // Only files of the recorded size are hashed.
+            Some(n) => {
+                let Ok(rd) = std::fs::read_dir(&dir) else {
+                    continue;
+                };
+                let mut v: Vec<PathBuf> = rd
+                    .flatten()
+                    .map(|e| e.path())
+                    .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.len() == n))
+                    .collect();
+                v.sort();
+                v
+            }
+            None => names.iter().map(|n| dir.join(n)).collect(),
         };
-        let mut files: Vec<PathBuf> = rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
-            .collect();
-        files.sort();
         for f in files {
-            let Ok(bytes) = std::fs::read(&f) else {
-                continue;
-            };
-            if sha256_hex(&bytes) == *sha
-                && let Ok(m) = Model::open(&f)
-            {
-                return Some((f, m));
+            if let Some(found) = try_at(f) {
+                return Some(found);
             }
         }
     }
@@ -174,6 +203,7 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
 }
 
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
+    a.report.validate()?;
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
     for (t, side) in [(&base, "baseline"), (&cand, "candidate")] {
@@ -187,10 +217,14 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     }
     let found = match &a.model {
         Some(p) => {
-            if !p.is_file() {
-                return Err(err(format!("{}: no such file", p.display())));
+            if p.is_dir() {
+                return Err(err(format!(
+                    "--model {}: is a folder; pass the GGUF file, or --model-dir {} to look for it there",
+                    p.display(),
+                    p.display()
+                )));
             }
-            let m = Model::open(p)?;
+            let m = Model::open(p).map_err(|e| err(format!("--model {e}")))?;
             let want = &cand.manifest.model.sha256;
             if !a.allow_model_mismatch && !want.is_empty() && m.sha256() != want {
                 return Err(err(format!(
@@ -202,16 +236,29 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
             }
             Some((p.clone(), m))
         }
-        None => find_model(&base, &cand),
+        None => {
+            for d in &a.model_dir {
+                if !d.is_dir() {
+                    return Err(err(format!("--model-dir {}: not a folder", d.display())));
+                }
+            }
+            find_model(&base, &cand, &a.model_dir)
+        }
     };
     let wtype = match (&found, &a.weight_type) {
         (_, Some(s)) => crate::gguf::GgmlType::parse(s)
             .ok_or_else(|| err(format!("unknown weight type '{s}'")))?,
         (Some((_, m)), None) => m.main_weight_type(),
         (None, None) => {
+            let (sha, _) = wanted(&base, &cand);
+            let why = if sha.is_empty() {
+                "the manifests record no sha256 to recognise it by"
+            } else {
+                "nor a file of its size and sha256 in --model-dir, fixtures/ or ../shared/models"
+            };
             return Err(err(format!(
-                "the model {} is not found here (nor a file with its sha256 in ., fixtures/ or ../shared/models): pass --model FILE to judge each op, or --weight-type (e.g. q8_0) to compare end to end only",
-                base.manifest.model.path
+                "the model '{}' is not found here ({why}): pass --model FILE (or --model-dir DIR) to judge each op, or --weight-type (e.g. q8_0) to compare end to end only",
+                cand.manifest.model.path
             )));
         }
     };

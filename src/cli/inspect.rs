@@ -360,9 +360,15 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
             .ok_or_else(|| err(format!("unknown weight type '{}'", a.weight_type)))?
     };
     check_fixture_sizes(&a, ty)?;
+    // Only an absent path or (with --force) a regular file is written: a FIFO, a device or a
+    // folder is refused, never replaced.
+    crate::trace::staging::check_output_file(&a.out, "--out").map_err(err)?;
+    // One writer at a time; checked again under the lock (another may have just finished).
+    let _lock = crate::trace::staging::lock(&a.out)
+        .map_err(|e| err(format!("--out {}: {e}", a.out.display())))?;
     if !a.force && std::fs::symlink_metadata(&a.out).is_ok() {
         return Err(err(format!(
-            "{} exists (pass --force to overwrite)",
+            "--out {}: exists (pass --force to overwrite)",
             a.out.display()
         )));
     }
@@ -397,21 +403,8 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Write `bytes` to a temporary name beside `path`, then rename: an interrupted or failed
-/// write never leaves a half file under the final name.
+/// Write `bytes` whole or not at all ([`crate::trace::staging::write_whole`]: an interrupt
+/// or a full disk leaves no half file, and no `.NAME.partial-PID` either).
 fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    let shown = path.display();
-    let Some(name) = path.file_name() else {
-        return Err(err(format!("{shown}: not a file name")));
-    };
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(".partial-{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(err(format!("{shown}: {e}")));
-    }
-    Ok(())
+    crate::trace::staging::write_whole(path, bytes).map_err(|e| err(format!("--out {e}")))
 }

@@ -43,6 +43,58 @@ impl ReportArgs {
     fn json_to_stdout(&self) -> bool {
         self.json.as_deref() == Some(Path::new("-"))
     }
+
+    /// Every output path checked before any work: its folder exists and takes a file, it is
+    /// absent or a regular file, no two outputs share a path, and only `--json` may be `-`
+    /// (stdout). A bad path fails here, in one line, with nothing written.
+    pub fn validate(&self) -> Result<()> {
+        let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+        for (flag, p) in [
+            ("--json", &self.json),
+            ("--html", &self.html),
+            ("--snapshot", &self.snapshot),
+        ] {
+            let Some(p) = p else { continue };
+            if p.as_os_str() == "-" {
+                if flag == "--json" {
+                    continue;
+                }
+                return Err(err(format!(
+                    "{flag} -: only --json can go to stdout (give {flag} a file name)"
+                )));
+            }
+            crate::trace::staging::check_output_file(p, flag).map_err(err)?;
+            let abs = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+            if let Some((other, _)) = seen.iter().find(|(_, q)| *q == abs) {
+                return Err(err(format!(
+                    "{flag} {}: the same file as {other}: give each output its own path",
+                    p.display()
+                )));
+            }
+            seen.push((flag, abs));
+        }
+        if let Some(p) = &self.against {
+            match std::fs::metadata(p) {
+                Ok(m) if m.is_file() => {}
+                Ok(_) => {
+                    return Err(err(format!(
+                        "--against {}: not a regular file",
+                        p.display()
+                    )));
+                }
+                Err(e) => {
+                    return Err(err(format!(
+                        "--against {}: {e} (write one first with --snapshot {})",
+                        p.display(),
+                        p.display()
+                    )));
+                }
+            }
+            let new = PathBuf::from(format!("{}.new", p.display()));
+            crate::trace::staging::check_output_file(&new, "--against (its .new)").map_err(err)?;
+        }
+        Ok(())
+    }
 }
 
 /// Print one comparison for people: a header, the per-layer table when `with_table`, the verdict
@@ -125,8 +177,9 @@ fn decode_texts(info: &mut RunInfo, comparisons: &[Comparison]) -> Vec<Compariso
     out
 }
 
-fn write_file(p: &Path, text: &str) -> Result<()> {
-    std::fs::write(p, text).map_err(|e| err(format!("{}: {e}", p.display())))
+/// Whole or not at all (a full disk leaves no half page), the message naming the flag.
+fn write_file(flag: &str, p: &Path, text: &str) -> Result<()> {
+    crate::trace::staging::write_whole(p, text.as_bytes()).map_err(|e| err(format!("{flag} {e}")))
 }
 
 /// The command for the snapshot header: `parity check`, `parity diff`.
@@ -144,6 +197,7 @@ pub fn finish_with(
     info: &RunInfo,
     out: &ReportArgs,
 ) -> Result<ExitCode> {
+    out.validate()?;
     // Read the gate's snapshot before anything is written (it may be the --snapshot path too).
     let old = match &out.against {
         Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
@@ -163,23 +217,40 @@ pub fn finish_with(
     } else {
         comparisons
     };
+    // Every file staged first, then all put in place: a failure (a full disk) leaves none
+    // of them, and never half of one.
+    let mut staged = Vec::new();
+    let stage = |flag: &str, p: &Path, text: &str| {
+        crate::trace::staging::stage(p, text.as_bytes()).map_err(|e| err(format!("{flag} {e}")))
+    };
+    let mut json_stdout = None;
     if let Some(p) = &out.json {
         let text = serde_json::to_string_pretty(&report::json::report(comparisons, &info))? + "\n";
         if out.json_to_stdout() {
-            let mut so = std::io::stdout().lock();
-            so.write_all(text.as_bytes())
-                .and_then(|_| so.flush())
-                .map_err(|e| err(format!("stdout: {e}")))?;
+            json_stdout = Some(text);
         } else {
-            write_file(p, &text)?;
+            staged.push(stage("--json", p, &text)?);
         }
     }
     if let Some(p) = &out.html {
         let page = report::html::page(comparisons, &info).map_err(err)?;
-        write_file(p, &page)?;
+        staged.push(stage("--html", p, &page)?);
     }
     if let Some(p) = &out.snapshot {
-        write_file(p, &snapshot::file(comparisons, &command()))?;
+        staged.push(stage(
+            "--snapshot",
+            p,
+            &snapshot::file(comparisons, &command()),
+        )?);
+    }
+    for s in staged {
+        s.commit().map_err(err)?;
+    }
+    if let Some(text) = json_stdout {
+        let mut so = std::io::stdout().lock();
+        so.write_all(text.as_bytes())
+            .and_then(|_| so.flush())
+            .map_err(|e| err(format!("stdout: {e}")))?;
     }
     // Human text goes to stderr when stdout carries the JSON.
     let say = |line: String| {
@@ -189,6 +260,12 @@ pub fn finish_with(
             println!("{line}")
         }
     };
+    if let Some(p) = &out.html
+        && !out.quiet
+    {
+        let abs = std::path::absolute(p).unwrap_or_else(|_| p.clone());
+        say(format!("html: wrote the report to {}", abs.display()));
+    }
     let colour = !out.json_to_stdout() && report::colour_stdout();
     let paint = |s: &str, c: AnsiColor| {
         if colour {
@@ -215,7 +292,7 @@ pub fn finish_with(
             ));
         } else if !moved.is_empty() {
             moved_any = true;
-            write_file(&new, &snapshot::file(comparisons, &command()))?;
+            write_file("--against", &new, &snapshot::file(comparisons, &command()))?;
             say(format!(
                 "gate: {} {} moved against {}:",
                 paint("FAILED", AnsiColor::Red),

@@ -282,6 +282,7 @@ pub fn model_ref(path: &Path, model: &Model) -> ModelRef {
     ModelRef {
         path: path.display().to_string(),
         sha256: model.sha256().to_string(),
+        size: Some(model.file.bytes().len() as u64),
     }
 }
 
@@ -305,7 +306,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     ignore_eos: bool,
     /// Worker threads for the fast backend (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
     /// Behave like an engine with this known bug (see `parity mutations`).
     #[arg(long, value_name = "NAME")]
@@ -403,9 +404,10 @@ pub struct DumpArgs {
     model: PathBuf,
     #[command(flatten)]
     input: InputArgs,
-    /// Decode steps after the prefill (teacher-forced from the greedy continuation).
-    #[arg(long, default_value_t = 4)]
-    steps: usize,
+    /// Decode steps after the prefill (teacher-forced from the greedy continuation; default 4,
+    /// or as many as --forced or --golden give).
+    #[arg(long)]
+    steps: Option<usize>,
     /// Force these decode tokens instead of the greedy ones (sets --steps).
     #[arg(long, value_delimiter = ',')]
     forced: Option<Vec<u32>>,
@@ -426,7 +428,7 @@ pub struct DumpArgs {
     #[arg(long)]
     force: bool,
     /// Worker threads for the fast backend (0 = all cores).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
     /// Replay a golden's ids: its prompt (step 0) and its decode tokens (forced).
     #[arg(long, conflicts_with_all = ["prompt", "tokens", "forced"])]
@@ -450,6 +452,16 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     let (mut ids, policy, forced) = match &a.golden {
         Some(dir) => {
             let g = Trace::open(dir)?;
+            let want = &g.manifest.model.sha256;
+            if !want.is_empty() && want != model.sha256() {
+                return Err(err(format!(
+                    "--golden {} was made for another model (sha256 {}…), not {} (sha256 {}…)",
+                    dir.display(),
+                    want.chars().take(12).collect::<String>(),
+                    a.model.display(),
+                    &model.sha256()[..12]
+                )));
+            }
             let ids = g.manifest.steps.first().map(|s| s.tokens.clone());
             let ids = ids
                 .filter(|t| !t.is_empty())
@@ -488,7 +500,20 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         eprintln!("mutation: {m} — {}", m.describe());
     }
     eprintln!("prompt ids: {} — {policy}", ids_text(&ids));
-    let steps = forced.as_ref().map_or(a.steps, |f| f.len());
+    let steps = match (&forced, a.steps) {
+        (Some(f), Some(s)) if s != f.len() => {
+            let from = if a.golden.is_some() {
+                format!("the golden's {} decode ids", f.len())
+            } else {
+                format!("--forced ({} ids)", f.len())
+            };
+            return Err(err(format!(
+                "--steps {s} disagrees with {from}: give one of them"
+            )));
+        }
+        (Some(f), _) => f.len(),
+        (None, s) => s.unwrap_or(4),
+    };
     let what = if forced.is_some() {
         "forced decode ids"
     } else {

@@ -399,7 +399,14 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         Some(k) => k.clone(),
         None => std::env::temp_dir().join(format!("parity-selftest-{}", std::process::id())),
     };
-    std::fs::create_dir_all(&tmp)?;
+    std::fs::create_dir_all(&tmp).map_err(|e| {
+        let what = match (&a.keep, std::fs::metadata(&tmp)) {
+            (Some(_), Ok(m)) if !m.is_dir() => "exists and is not a folder".to_string(),
+            _ => e.to_string(),
+        };
+        let flag = if a.keep.is_some() { "--keep " } else { "" };
+        super::err(format!("{flag}{}: {what}", tmp.display()))
+    })?;
 
     let mut rows = Vec::new();
     let result = (|| -> Result<()> {

@@ -158,6 +158,51 @@ impl std::fmt::Debug for GgufFile {
     }
 }
 
+/// Open `path` if it is (or links to) a regular file: a FIFO is refused without blocking
+/// (O_NONBLOCK, then the descriptor's type), a device or folder by name, before any mapping.
+fn open_regular(path: &Path) -> std::io::Result<std::fs::File> {
+    let what = |ft: std::fs::FileType| {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileTypeExt;
+            if ft.is_fifo() {
+                return "a named pipe (FIFO)";
+            }
+            if ft.is_char_device() || ft.is_block_device() {
+                return "a device";
+            }
+        }
+        if ft.is_dir() {
+            "a folder"
+        } else {
+            "not a regular file"
+        }
+    };
+    let refuse = |ft| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("is {}, not a GGUF file", what(ft)),
+        )
+    };
+    let ft = std::fs::metadata(path)?.file_type();
+    if !ft.is_file() {
+        return Err(refuse(ft));
+    }
+    let mut o = std::fs::OpenOptions::new();
+    o.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_NONBLOCK);
+    }
+    let f = o.open(path)?;
+    let ft = f.metadata()?.file_type();
+    if !ft.is_file() {
+        return Err(refuse(ft));
+    }
+    Ok(f)
+}
+
 struct Cursor<'a> {
     buf: &'a [u8],
     pos: u64,
@@ -220,7 +265,7 @@ impl GgufFile {
             path: path.display().to_string(),
             source,
         };
-        let file = std::fs::File::open(path).map_err(io)?;
+        let file = open_regular(path).map_err(io)?;
         // SAFETY: the map is read-only; like every mmap reader we assume the file is not
         // truncated underneath us while open.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
@@ -396,6 +441,22 @@ impl GgufFile {
                     b: w[1].name.clone(),
                 });
             }
+        }
+        // llama.cpp's gguf reader wants the tensors back to back in index order, each padded to
+        // the alignment, and refuses a file with any other offset ("tensor 'X' has offset A,
+        // expected B"): slack between tensors is refused as it does.
+        let mut expected = 0u64;
+        for t in &tensors {
+            if t.offset != expected {
+                return Err(GgufError::BadTensor {
+                    name: t.name.clone(),
+                    what: format!(
+                        "data offset {} where llama.cpp expects {expected} (tensors follow one another in index order, each padded to the alignment {alignment}; llama.cpp refuses the file)",
+                        t.offset
+                    ),
+                });
+            }
+            expected = expected.saturating_add(t.n_bytes.div_ceil(alignment) * alignment);
         }
 
         Ok(GgufFile {

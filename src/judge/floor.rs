@@ -15,12 +15,13 @@
 //! round the other way than in the engine (f32 noise upstream decides), so spans through a
 //! rounded matmul carry a flip floor.
 
-use super::replay::Candidate;
 use crate::backend::Emulation;
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
 use std::collections::BTreeSet;
+
+pub use super::span::span;
 
 /// What kind of arithmetic an op does (its floor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -101,25 +102,6 @@ pub const F16_STORAGE: f64 = 1e-6;
 /// growing like pos · 1e-7.
 pub fn rope_floor(pos_max: usize) -> f64 {
     ROPE.max(10.0 * (1e-7 * pos_max as f64).powi(2))
-}
-
-/// The ops recomputed to reproduce `k` from the candidate's own taps: `k`'s op and, for each
-/// input the candidate did not dump, that input's span. `{k}` when `k` is judged on its own.
-pub fn span(cand: &Candidate, k: &TapKey) -> BTreeSet<TapKey> {
-    let steps = cand.steps();
-    let mut out = BTreeSet::new();
-    let mut todo = vec![*k];
-    while let Some(x) = todo.pop() {
-        if !out.insert(x) {
-            continue;
-        }
-        for i in crate::arch::tap_inputs(&cand.config, &x, &steps) {
-            if !cand.contains(&i) {
-                todo.push(i);
-            }
-        }
-    }
-    out
 }
 
 /// Whether the reference rounds the inputs of a matmul with weights `ty` under `r`.

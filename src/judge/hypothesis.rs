@@ -554,6 +554,7 @@ fn heuristic(
     let mref = ModelRef {
         path: String::new(),
         sha256: String::new(),
+        size: None,
     };
     let prod = |b: &str| Producer {
         name: "parity".into(),

@@ -16,6 +16,8 @@ pub mod floor;
 pub mod hypothesis;
 pub mod layout;
 pub mod replay;
+pub mod rounding;
+pub mod span;
 pub mod verdict;
 
 use crate::backend::{BackendError, Emulation};
@@ -23,9 +25,11 @@ use crate::compare::{CompareError, Metrics};
 use crate::gguf::GgufError;
 use crate::model::{Model, ModelError};
 use crate::trace::{TapKey, Trace, TraceError};
-use floor::{Floors, OpClass, class, median, span};
+use floor::{Floors, OpClass, class, median};
 use replay::{Candidate, KvCache, Setup, Window, replay};
+pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name, short};
 use serde::Serialize;
+use span::span;
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -84,21 +88,6 @@ impl Default for JudgeOptions {
 /// The K/V cache types parity emulates, in order of preference on ties.
 pub const KV_CACHES: [KvCache; 2] = [KvCache::F32, KvCache::F16];
 
-/// A rounding whose median matmul own NMSE is this low reproduces the engine (f32 summation
-/// noise is ~1e-14; the nearest other rounding sits at ~1e-8 for f16, ~1e-5 for 8-bit).
-pub const EXACT_FIT: f64 = 1e-11;
-
-/// The activation roundings parity knows, in order of preference on ties.
-pub const ROUNDINGS: [Emulation; 3] = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
-
-pub fn rounding_name(r: Emulation) -> &'static str {
-    match r {
-        Emulation::None => "plain f32",
-        Emulation::GgmlCpu => "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
-        Emulation::F16 => "f16 (matmul inputs rounded to f16)",
-    }
-}
-
 /// One key's own error.
 #[derive(Clone, Debug, Serialize)]
 pub struct OpResult {
@@ -116,22 +105,6 @@ pub struct OpResult {
     pub class: OpClass,
     /// Whether the candidate stored this tensor in f16 (floor raised to f16's rounding).
     pub f16_storage: bool,
-}
-
-/// How well one K/V cache type reproduced the candidate's attention.
-#[derive(Clone, Debug, Serialize)]
-pub struct KvFit {
-    pub kv: KvCache,
-    /// Median own NMSE over the keys through attention in the first step's first two layers.
-    pub median_nmse: f64,
-}
-
-/// How well one rounding reproduced the candidate's matmuls.
-#[derive(Clone, Debug, Serialize)]
-pub struct RoundingFit {
-    pub rounding: Emulation,
-    /// Median own NMSE over the keys through a matmul in the detection window.
-    pub median_nmse: f64,
 }
 
 /// One experiment at the flagged op.
@@ -194,54 +167,6 @@ impl Judgement {
     }
 }
 
-/// How well a replay reproduced the candidate's matmuls: the median own NMSE over the matmuls
-/// judged on their own, else over the spans through a matmul.
-fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
-    let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in &r.metrics {
-        let s = span(cand, k);
-        if s.len() == 1 && class(k.tap) == OpClass::Matmul {
-            own.push(m.nmse);
-        } else if s.iter().any(|x| class(x.tap) == OpClass::Matmul) {
-            spans.push(m.nmse);
-        }
-    }
-    median(own).or(median(spans))
-}
-
-/// Where the rounding is measured: around the trace's first matmul judged on its own (two
-/// layers from it, or the output projection alone when only result_norm and logits are
-/// dumped), else the first step's first two layers.
-fn detection_window(cand: &Candidate, first_step: usize) -> Window {
-    let n_layer = cand.config.n_layer;
-    let own_mm = cand
-        .trace
-        .keys()
-        .find(|k| class(k.tap) == OpClass::Matmul && span(cand, k).len() == 1);
-    match own_mm {
-        Some(k) => {
-            let w = Window::for_key(cand, k);
-            match k.layer {
-                Some(l) => {
-                    let l_end = (l + 2).min(n_layer);
-                    Window {
-                        l_end,
-                        end: l_end == n_layer,
-                        ..w
-                    }
-                }
-                None => w,
-            }
-        }
-        None => Window {
-            s_max: first_step,
-            l0: 0,
-            l_end: n_layer.min(2),
-            end: n_layer <= 2,
-        },
-    }
-}
-
 /// Judge `trace` against `model`: own error per key, rounding, first op out of its floor, and
 /// (with `opt.hypotheses`) the bug named by experiment.
 pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
@@ -264,132 +189,16 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     }
     let n_layer = model.config.n_layer;
     let none = BTreeSet::new();
-
-    // The rounding: the one that reproduces the candidate's matmuls best, measured in a small
-    // window (`detection_window`). ggml-cpu first (what most engines that match llama.cpp do); skipped when it rounds no
-    // weight of this model (F32: the same arithmetic as plain f32, reported as plain).
-    let mut roundings = opt.roundings.clone();
-    if roundings.is_empty() {
-        roundings = ROUNDINGS.to_vec();
-    }
-    if roundings.len() > 1 {
-        let ggml_rounds = model
-            .layers
-            .iter()
-            .flat_map(|l| {
-                [
-                    l.wq.ty,
-                    l.wk.ty,
-                    l.wv.ty,
-                    l.wo.ty,
-                    l.w_gate.ty,
-                    l.w_up.ty,
-                    l.w_down.ty,
-                ]
-            })
-            .chain([model.output.ty])
-            .any(|ty| floor::rounds_inputs(Emulation::GgmlCpu, ty));
-        roundings.retain(|&r| r != Emulation::GgmlCpu);
-        if ggml_rounds {
-            roundings.insert(0, Emulation::GgmlCpu);
-        }
-    }
     let first_step = steps.iter().copied().min().unwrap_or(0);
-    let detect = detection_window(&cand, first_step);
-    let mut fits = Vec::new();
-    // (rounding, fit, its replay, whether that replay covered the whole trace)
-    let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
-    if roundings.len() > 1 {
-        for &r in &roundings {
-            let setup = Setup {
-                rounding: r,
-                kv: KvCache::F32,
-                mutation: None,
-                rms_eps: None,
-                rope_theta: None,
-                window: detect,
-            };
-            let rep = replay(model, &cand, &setup, &none)?;
-            let (f, rep, whole) = match fit(&cand, &rep) {
-                Some(f) => (f, rep, detect == Window::full(n_layer, s_max)),
-                None => {
-                    // Nothing through a matmul in the window: measure on the whole trace.
-                    let full = Setup {
-                        window: Window::full(n_layer, s_max),
-                        ..setup
-                    };
-                    let rep = replay(model, &cand, &full, &none)?;
-                    (fit(&cand, &rep).unwrap_or(0.0), rep, true)
-                }
-            };
-            fits.push(RoundingFit {
-                rounding: r,
-                median_nmse: f,
-            });
-            if best.as_ref().is_none_or(|b| f < b.1) {
-                best = Some((r, f, rep, whole));
-            }
-            // A rounding that reproduces the matmuls to f32 summation noise cannot be beaten.
-            if f <= EXACT_FIT {
-                break;
-            }
-        }
-    }
-    let rounding = best.as_ref().map_or(roundings[0], |b| b.0);
 
-    // The K/V cache type: the one whose replay reproduces the candidate's attention best, in
-    // the first step's first two layers (every prompt row reads the cache, its own K/V too).
-    // An f16 cache (llama.cpp's default) moves attention by ~1e-8..1e-7 and a whole-layer
-    // span by as much: reproduced, the own errors drop back to f32 noise, and a small bug
-    // under the floors stays visible to the below-floor experiments.
-    let mut kv = opt.kv_caches.first().copied().unwrap_or_default();
-    let mut kv_fits = Vec::new();
-    if opt.kv_caches.len() > 1 {
-        let window = Window {
-            s_max: first_step,
-            l0: 0,
-            l_end: n_layer.min(2),
-            end: n_layer <= 2,
-        };
-        for &c in &opt.kv_caches {
-            let setup = Setup {
-                rounding,
-                kv: c,
-                mutation: None,
-                rms_eps: None,
-                rope_theta: None,
-                window,
-            };
-            let rep = replay(model, &cand, &setup, &none)?;
-            let through_attention: Vec<f64> = rep
-                .metrics
-                .iter()
-                .filter(|(k, _)| {
-                    span(&cand, k)
-                        .iter()
-                        .any(|x| class(x.tap) == OpClass::Attention)
-                })
-                .map(|(_, m)| m.nmse)
-                .collect();
-            let Some(m) = median(through_attention) else {
-                break; // nothing through attention to tell them apart
-            };
-            kv_fits.push(KvFit {
-                kv: c,
-                median_nmse: m,
-            });
-        }
-        // Another type only when it reproduces the attention clearly better (2x).
-        if let Some(first) = kv_fits.first() {
-            let mut best = first;
-            for f in &kv_fits[1..] {
-                if f.median_nmse * 2.0 < best.median_nmse {
-                    best = f;
-                }
-            }
-            kv = best.kv;
-        }
-    }
+    let measured = rounding::measure(model, &cand, opt, first_step, &none)?;
+    let rounding::Measured {
+        rounding,
+        fits,
+        best,
+        kv,
+        kv_fits,
+    } = measured;
 
     // The whole trace under the chosen rounding and cache (unless detection already ran it
     // whole).
@@ -622,12 +431,4 @@ pub fn render(j: &Judgement) -> String {
         }
     }
     s
-}
-
-pub fn short(r: Emulation) -> &'static str {
-    match r {
-        Emulation::None => "plain-f32",
-        Emulation::GgmlCpu => "ggml-cpu",
-        Emulation::F16 => "f16",
-    }
 }

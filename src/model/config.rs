@@ -18,6 +18,16 @@ pub enum ModelError {
         "vocab-only file: no tensors (a tokenizer's vocabulary, not a model: use it with `parity tokenize`)"
     )]
     VocabOnly,
+    #[error("tensor '{name}' is {ty}: {why}")]
+    BadType {
+        name: String,
+        ty: String,
+        why: String,
+    },
+    #[error(
+        "the vocabulary holds {tokens} tokens (tokenizer.ggml.tokens) but tensor 'token_embd.weight' has {rows} rows: llama.cpp refuses a vocabulary of another size than the embeddings"
+    )]
+    VocabSize { tokens: usize, rows: usize },
     #[error("tensor '{name}': expected dims {expected:?} (ggml ne order), found {found:?}")]
     BadShape {
         name: String,

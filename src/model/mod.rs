@@ -102,6 +102,9 @@ pub enum OpenError {
     Model(#[from] ModelError),
     #[error("{0}: is a directory, not a GGUF file")]
     Directory(String),
+    /// A file that is no model parity (or llama.cpp) runs, named.
+    #[error("{path}: {source}")]
+    Refused { path: String, source: ModelError },
     /// A malformed file, named (the reader's own messages say what, not which file).
     #[error("{path}: {source}")]
     Malformed { path: String, source: GgufError },
@@ -132,7 +135,10 @@ pub fn check_model_path(path: &Path) -> Result<(), OpenError> {
 impl Model {
     pub fn open(path: impl AsRef<Path>) -> Result<Model, OpenError> {
         let file = open_gguf(path.as_ref())?;
-        Ok(Self::from_gguf(file)?)
+        Self::from_gguf(file).map_err(|source| OpenError::Refused {
+            path: path.as_ref().display().to_string(),
+            source,
+        })
     }
 
     pub fn from_gguf(file: GgufFile) -> Result<Model, ModelError> {
@@ -140,6 +146,9 @@ impl Model {
             return Err(ModelError::VocabOnly);
         }
         let c = Config::from_gguf(&file)?;
+        // What llama.cpp refuses, refused before anything is sized by the metadata.
+        check_layers(&file, c.n_layer)?;
+        check_vocab(&file, c.n_vocab)?;
         // Which optional and fused tensors the architecture has: its spec (src/arch/<name>.rs).
         let spec = c.arch.spec();
         let get = |name: &str, dims: &[usize]| -> Result<TensorInfo, ModelError> {
@@ -270,6 +279,36 @@ impl Model {
         } else {
             get("output.weight", &[e, c.n_vocab])?
         };
+        // Norm weights, biases and RoPE factors are ggml_mul / ggml_add / rope operands: ggml's
+        // CPU ops take them as f32 only (llama.cpp aborts in binary_op on a q8_0 norm).
+        let vectors = layers
+            .iter()
+            .flat_map(|l| {
+                [
+                    Some(&l.attn_norm),
+                    Some(&l.ffn_norm),
+                    l.bq.as_ref(),
+                    l.bk.as_ref(),
+                    l.bv.as_ref(),
+                    l.q_norm.as_ref(),
+                    l.k_norm.as_ref(),
+                    l.attn_post_norm.as_ref(),
+                    l.ffn_post_norm.as_ref(),
+                    l.rope_freqs.as_ref(),
+                    l.rope_freqs_long.as_ref(),
+                ]
+            })
+            .chain([Some(&output_norm)])
+            .flatten();
+        for t in vectors {
+            if t.ty != GgmlType::F32 {
+                return Err(ModelError::BadType {
+                    name: t.name.clone(),
+                    ty: t.ty.to_string(),
+                    why: "a norm weight, bias or RoPE factor must be f32 (ggml's CPU ops refuse any other type for it; llama.cpp aborts)".into(),
+                });
+            }
+        }
         Ok(Model {
             file,
             config: c,
@@ -313,6 +352,57 @@ impl Model {
     pub fn sha256(&self) -> &str {
         self.sha256.get_or_init(|| sha256_hex(self.file.bytes()))
     }
+}
+
+/// llama.cpp loads exactly the tensors of `block_count` layers and refuses a file holding more
+/// ("wrong number of tensors"): a `blk.N.*` tensor with N at or past it is refused, and so is a
+/// count whose last layer has no tensors, before any per-layer allocation.
+fn check_layers(f: &GgufFile, n_layer: usize) -> Result<(), ModelError> {
+    let mut seen = 0usize;
+    for t in &f.tensors {
+        let Some(n) = t
+            .name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(n, _)| n.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if n >= n_layer {
+            return Err(ModelError::BadKey {
+                key: format!("{}.block_count", f.architecture().unwrap_or("?")),
+                what: format!(
+                    "{n_layer} layers, but the file holds tensor '{}' of layer {n} (llama.cpp refuses: wrong number of tensors)",
+                    t.name
+                ),
+            });
+        }
+        seen = seen.max(n + 1);
+    }
+    if seen < n_layer {
+        return Err(ModelError::BadKey {
+            key: format!("{}.block_count", f.architecture().unwrap_or("?")),
+            what: format!(
+                "{n_layer} layers, but the file holds tensors for {seen} (no blk.{seen}.* tensors)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// llama.cpp sizes token_embd (and output) by the vocabulary: a vocabulary of another size than
+/// the embedding's rows is refused ("tensor 'token_embd.weight' has wrong shape").
+fn check_vocab(f: &GgufFile, n_vocab: usize) -> Result<(), ModelError> {
+    let Some(tokens) = f.get_array("tokenizer.ggml.tokens") else {
+        return Ok(());
+    };
+    if tokens.len() != n_vocab {
+        return Err(ModelError::VocabSize {
+            tokens: tokens.len(),
+            rows: n_vocab,
+        });
+    }
+    Ok(())
 }
 
 pub fn sha256_hex(bytes: &[u8]) -> String {

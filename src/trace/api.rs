@@ -55,13 +55,14 @@ impl TraceWriter {
         backend: &str,
     ) -> Result<TraceWriter, TraceError> {
         let m = model.as_ref();
-        let bytes = std::fs::read(m).map_err(|source| TraceError::Io {
+        let (sha256, size) = super::open::sha256_file(m).map_err(|source| TraceError::Io {
             path: m.display().to_string(),
             source,
         })?;
         let model = ModelRef {
             path: m.display().to_string(),
-            sha256: crate::model::sha256_hex(&bytes),
+            sha256,
+            size: Some(size),
         };
         Self::with_model(dir, model, engine, backend)
     }
@@ -197,6 +198,7 @@ mod tests {
         let model = ModelRef {
             path: "m.gguf".into(),
             sha256: String::new(),
+            size: None,
         };
         let mut w = TraceWriter::with_model(dir.path(), model, "toy", "cpu").unwrap();
         assert!(

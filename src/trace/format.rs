@@ -36,6 +36,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
 pub struct ModelRef {
     pub path: String,
     pub sha256: String,
+    /// The file's size in bytes: `diff` looks for the model among files of this size only
+    /// (older manifests have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -137,12 +141,13 @@ impl Trace {
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
         let dir = dir.as_ref();
         let mpath = dir.join("manifest.json");
-        let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
+        let bytes = super::open::read_bounded(&mpath, MAX_MANIFEST_BYTES, "a trace manifest")
+            .map_err(io_err(&mpath))?;
         let bad = |what: String| TraceError::BadManifest {
             path: mpath.display().to_string(),
             what,
         };
-        let manifest: Manifest = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
         if manifest.format != FORMAT {
             return Err(bad(format!(
                 "format is '{}', expected '{FORMAT}'",
@@ -155,7 +160,24 @@ impl Trace {
                 manifest.version
             )));
         }
-        for s in &manifest.steps {
+        for (i, s) in manifest.steps.iter().enumerate() {
+            // Steps index the tensors and feed position arithmetic (`pos0 + T`): their order
+            // and range are checked here, once, before any of it.
+            if s.step != i {
+                return Err(bad(format!(
+                    "steps[{i}] is step {} (steps are listed in order from 0, one entry each)",
+                    s.step
+                )));
+            }
+            if s.tokens.is_empty() {
+                return Err(bad(format!("step {} has no tokens", s.step)));
+            }
+            if let Some(p) = s.positions.iter().find(|&&p| p > MAX_POSITION) {
+                return Err(bad(format!(
+                    "step {} has position {p}, past any context ({MAX_POSITION} at most)",
+                    s.step
+                )));
+            }
             if s.positions.len() != s.tokens.len() {
                 return Err(bad(format!(
                     "step {} has {} tokens but {} positions (one position per token)",
@@ -187,6 +209,21 @@ impl Trace {
                 return Err(bad(format!(
                     "tensor file '{}' leaves the trace folder",
                     t.file
+                )));
+            }
+            if t.step >= manifest.steps.len() {
+                return Err(bad(format!(
+                    "tensor '{}' is for step {}, which the manifest's steps do not list",
+                    t.file, t.step
+                )));
+            }
+            if let Some(l) = t.layer.filter(|&l| l > MAX_POSITION) {
+                return Err(bad(format!("tensor '{}' has layer {l}", t.file)));
+            }
+            if npy_bound(t).is_none() {
+                return Err(bad(format!(
+                    "tensor '{}': shape {:?} of dtype '{}' is not a float tensor parity can hold",
+                    t.file, t.shape, t.dtype
                 )));
             }
             let key = TapKey::new(t.step, t.layer, tap);
@@ -231,7 +268,8 @@ impl Trace {
             Source::Memory(m) => Ok(m.get(key).cloned()),
             Source::Dir(dir) => {
                 let e = &self.manifest.tensors[i];
-                let a = read_npy(&dir.join(&e.file))?;
+                let max = npy_bound(e).expect("checked at open");
+                let a = read_npy_bounded(&dir.join(&e.file), max)?;
                 if a.shape() != e.shape.as_slice() {
                     return Err(TraceError::BadTensor {
                         path: dir.join(&e.file).display().to_string(),
@@ -274,10 +312,50 @@ fn check_out_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
             if non_empty && !force {
                 return Err(TraceError::NotEmpty(dir.display().to_string()));
             }
+            if non_empty {
+                foreign_entries(dir)?;
+            }
             Ok(())
         }
         Err(_) => Ok(()),
     }
+}
+
+/// `--force` replaces a trace, never what is not one: a folder with `sNNN` entries but no
+/// manifest (or an `sNNN` that is a file) is refused before any work, so that publishing
+/// cannot stop half way on a name it may not replace.
+fn foreign_entries(dir: &Path) -> Result<(), TraceError> {
+    let was_trace = dir.join("manifest.json").is_file();
+    for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
+        let name = e.file_name();
+        if name == "manifest.json" || !is_trace_entry(&name) {
+            if name == "manifest.json" && !was_trace {
+                return Err(TraceError::Io {
+                    path: e.path().display().to_string(),
+                    source: std::io::Error::other(
+                        "is not a file: --force replaces a trace only, remove it or choose another --out",
+                    ),
+                });
+            }
+            continue;
+        }
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if !was_trace || !is_dir {
+            return Err(TraceError::Io {
+                path: e.path().display().to_string(),
+                source: std::io::Error::other(format!(
+                    "{} not a trace parity wrote ({}): --force replaces a trace only, remove it or choose another --out",
+                    if is_dir { "is" } else { "is a file," },
+                    if was_trace {
+                        "a step entry that is not a folder"
+                    } else {
+                        "the folder has no manifest.json"
+                    }
+                )),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Is `name` one of the entries a trace consists of (`manifest.json`, `sNNN/`)?
@@ -330,8 +408,9 @@ fn tmp_target(tmp: &Path, dir: &Path) -> PathBuf {
 }
 
 /// Move the finished trace in `tmp` to `dir`: a plain rename when `dir` is absent or empty;
-/// otherwise (`--force`) the old trace's entries are removed, never other files, and the new
-/// ones moved in, `manifest.json` last.
+/// otherwise (`--force`) the old trace's entries are moved aside, never other files, the new
+/// ones moved in, `manifest.json` last, and the old ones removed. A failure half way puts the
+/// old trace back: `dir` holds the whole new trace or is as it was.
 fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
     let empty = match std::fs::read_dir(dir) {
         Ok(mut it) => it.next().is_none(),
@@ -343,29 +422,51 @@ fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
         std::fs::remove_dir(dir).map_err(io_err(dir))?;
         return std::fs::rename(tmp, dir).map_err(io_err(dir));
     }
-    // `sNNN/` folders are a trace's only beside its manifest: never touch them otherwise.
-    let was_trace = dir.join("manifest.json").is_file();
-    for e in std::fs::read_dir(dir).map_err(io_err(dir))?.flatten() {
-        let p = e.path();
-        if !is_trace_entry(&e.file_name()) || (!was_trace && e.file_name() != "manifest.json") {
-            continue;
-        }
-        if p.is_dir() {
-            std::fs::remove_dir_all(&p).map_err(io_err(&p))?;
-        } else {
-            std::fs::remove_file(&p).map_err(io_err(&p))?;
-        }
-    }
-    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(tmp)
-        .map_err(io_err(tmp))?
+    // Checked again now: the folder may have changed while the backend ran.
+    foreign_entries(dir)?;
+    let mut old = tmp.as_os_str().to_owned();
+    old.push(".old");
+    let old = PathBuf::from(old);
+    std::fs::create_dir(&old).map_err(io_err(&old))?;
+    let mut names: Vec<std::ffi::OsString> = std::fs::read_dir(dir)
+        .map_err(io_err(dir))?
         .flatten()
         .map(|e| e.file_name())
+        .filter(|n| is_trace_entry(n))
         .collect();
-    names.sort_by_key(|n| n == "manifest.json");
-    for n in names {
-        let (from, to) = (tmp.join(&n), dir.join(&n));
-        std::fs::rename(&from, &to).map_err(io_err(&to))?;
+    // The manifest first: from the first move on, `dir` is not a trace until the new one lands.
+    names.sort_by_key(|n| n != "manifest.json");
+    let mut moved_old = Vec::new();
+    let mut moved_new = Vec::new();
+    let result = (|| {
+        for n in &names {
+            std::fs::rename(dir.join(n), old.join(n)).map_err(io_err(&dir.join(n)))?;
+            moved_old.push(n.clone());
+        }
+        let mut new: Vec<std::ffi::OsString> = std::fs::read_dir(tmp)
+            .map_err(io_err(tmp))?
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        new.sort_by_key(|n| n == "manifest.json");
+        for n in new {
+            let to = dir.join(&n);
+            std::fs::rename(tmp.join(&n), &to).map_err(io_err(&to))?;
+            moved_new.push(n);
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        for n in moved_new.iter().rev() {
+            let _ = std::fs::rename(dir.join(n), tmp.join(n));
+        }
+        for n in moved_old.iter().rev() {
+            let _ = std::fs::rename(old.join(n), dir.join(n));
+        }
+        let _ = std::fs::remove_dir_all(&old);
+        return Err(e);
     }
+    let _ = std::fs::remove_dir_all(&old);
     std::fs::remove_dir(tmp).map_err(io_err(tmp))
 }
 
@@ -389,14 +490,50 @@ fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Trac
     w.finish().map_err(io_err(path))
 }
 
+/// Largest manifest read: a 70B model's 80 layers × 20 taps × 100 steps of entries is ~30 MB.
+const MAX_MANIFEST_BYTES: u64 = 64 << 20;
+/// Largest position or layer index a manifest may name (llama.cpp's contexts and layer counts
+/// are far below; the bound keeps `pos0 + T` and friends far from overflow).
+pub const MAX_POSITION: usize = 1 << 24;
+/// Largest tensor a tap may hold (elements): the logits of a 256k vocabulary over a 16k-token
+/// prefill are 2^32; a bigger shape is a corrupt manifest, not a tap.
+const MAX_TAP_ELEMENTS: u64 = 1 << 33;
+/// Room for the .npy header (numpy writes far less; version 1 headers are < 64 KiB).
+const NPY_HEADER_MAX: u64 = 1 << 20;
+
+/// Bytes element of a manifest dtype (what `read_npy` accepts).
+fn dtype_size(d: &str) -> Option<u64> {
+    match d {
+        "<f4" | ">f4" | "float32" | "f4" => Some(4),
+        "<f2" | ">f2" | "float16" | "f2" => Some(2),
+        "<f8" | ">f8" | "float64" | "f8" => Some(8),
+        _ => None,
+    }
+}
+
+/// The most bytes the .npy of entry `e` may hold: its shape in its dtype plus a header; None for
+/// a shape too large for a tap or a dtype that is not one parity reads.
+fn npy_bound(e: &TensorEntry) -> Option<u64> {
+    let n = e
+        .shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
+        .filter(|&n| n <= MAX_TAP_ELEMENTS)?;
+    // An unknown dtype string may still be a float the file's own header names: allow f64's size.
+    let size = dtype_size(&e.dtype).unwrap_or(8);
+    Some(n * size + NPY_HEADER_MAX)
+}
+
 /// Read a .npy file of f32, f16 or f64, either byte order, C or Fortran order, as an f32
-/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf).
-pub fn read_npy(path: &Path) -> Result<ArrayD<f32>, TraceError> {
+/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf). The file
+/// must be a regular file of at most `max` bytes.
+fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
         what,
     };
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    let bytes =
+        super::open::read_bounded(path, max, "this tap's shape and dtype").map_err(io_err(path))?;
     let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad(format!("not a .npy file: {e}")))?;
     let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
     let fortran = npy.order() == npyz::Order::Fortran;
@@ -499,6 +636,8 @@ pub struct TraceWriter {
     entries: Vec<TensorEntry>,
     error: Option<TraceError>,
     done: bool,
+    /// This process alone writes `dir` until the writer is dropped.
+    _lock: super::staging::Lock,
 }
 
 impl TraceWriter {
@@ -508,6 +647,10 @@ impl TraceWriter {
         if let Some(parent) = tmp.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent))?;
         }
+        // One writer of `dir` at a time; the folder checked again under the lock (another
+        // writer may have published since).
+        let lock = super::staging::lock(dir).map_err(io_err(dir))?;
+        check_out_dir(dir, force)?;
         // Folders of writers killed outright (SIGKILL, a crash) go now.
         super::staging::remove_stale(&tmp_target(&tmp, dir));
         if tmp.exists() {
@@ -522,6 +665,7 @@ impl TraceWriter {
             entries: Vec::new(),
             error: None,
             done: false,
+            _lock: lock,
         })
     }
 

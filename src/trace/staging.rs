@@ -5,7 +5,8 @@
 //! process as it would have (only for signals whose action is still the default: a program
 //! with its own handler keeps it); a process killed outright (SIGKILL, a crash, a power cut) leaves
 //! its folder behind, and the next writer of the same output removes it once its process is
-//! gone.
+//! gone. Single output files (a fixture, a JSON or HTML report, a snapshot) go the same way
+//! ([`write_whole`]), and every writer of a target holds its lock ([`lock`]) while it works.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -17,16 +18,54 @@ fn live() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Child processes that write for this process (`golden`'s llama.cpp script): killed with it.
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
 /// `dir` is being written: remove it if the process is interrupted.
-pub(super) fn register(dir: &Path) {
+pub fn register(dir: &Path) {
     #[cfg(unix)]
     signals::install();
     live().push(dir.to_path_buf());
 }
 
+/// `pid` writes for this process: an interrupt kills it (before the folders it writes are
+/// removed), so that nothing is published after parity is gone. Spawn it with
+/// [`die_with_parent`] too: that covers parity killed outright.
+pub fn register_child(pid: u32) {
+    #[cfg(unix)]
+    signals::install();
+    CHILDREN.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+}
+
+/// `pid` has ended (waited for): no longer killed on an interrupt.
+pub fn forget_child(pid: u32) {
+    CHILDREN
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|&p| p != pid);
+}
+
+/// Make `cmd`'s process receive SIGKILL when parity ends, however it ends (Linux's
+/// `PR_SET_PDEATHSIG`; elsewhere the interrupt watcher alone stops it).
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: prctl is async-signal-safe and touches nothing of the parent's.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 /// Run `f` (publishing or removing `dir`) without an interrupt cutting it in half: the
 /// watcher waits for the lock, and by then `dir` is no longer listed.
-pub(super) fn settle<T>(dir: &Path, f: impl FnOnce() -> T) -> T {
+pub fn settle<T>(dir: &Path, f: impl FnOnce() -> T) -> T {
     let mut l = live();
     let r = f();
     l.retain(|d| d != dir);
@@ -66,11 +105,257 @@ pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
             continue;
         }
         let p = e.path();
-        if std::fs::remove_dir_all(&p).is_ok() {
+        if remove_any(&p).is_ok() {
             removed.push(p);
         }
     }
     removed
+}
+
+/// Remove a staging file or folder (a symlink is removed, never followed).
+fn remove_any(p: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(e) => Err(e),
+    }
+}
+
+/// `.NAME.partial-PID` beside `path`: where `path` is written until it is whole.
+pub fn partial_path(path: &Path) -> std::io::Result<PathBuf> {
+    let abs = std::path::absolute(path)?;
+    let (Some(parent), Some(name)) = (abs.parent(), abs.file_name()) else {
+        return Err(std::io::Error::other("not a file name"));
+    };
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".partial-{}", std::process::id()));
+    Ok(parent.join(tmp))
+}
+
+/// Can an output file be written at `path`? Its folder must exist and take a new file, and
+/// `path` must be absent or a regular file (a FIFO, a device, a folder is never replaced).
+/// Asked before the work starts, so that a bad path costs nothing; `flag` names the option
+/// in the message (`--json`). Creates and removes a probe file: writable by what the kernel
+/// says (a read-only file system, permissions, root), not by mode bits.
+pub fn check_output_file(path: &Path, flag: &str) -> Result<(), String> {
+    let shown = path.display();
+    if path.as_os_str().is_empty() {
+        return Err(format!("{flag}: an empty path"));
+    }
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => return Err(format!("{flag} {shown}: is a folder, not a file")),
+        Ok(m) if !m.is_file() => {
+            return Err(format!(
+                "{flag} {shown}: exists and is not a regular file (a FIFO, socket or device is never replaced)"
+            ));
+        }
+        _ => {}
+    }
+    let probe = partial_path(path).map_err(|e| format!("{flag} {shown}: {e}"))?;
+    let parent = probe.parent().unwrap_or(Path::new("/"));
+    match std::fs::metadata(parent) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(format!(
+                "{flag} {shown}: {} is not a folder",
+                parent.display()
+            ));
+        }
+        Err(e) => {
+            return Err(format!(
+                "{flag} {shown}: its folder {} cannot be used: {e}",
+                parent.display()
+            ));
+        }
+    }
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&probe)
+    {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        // A probe of this process left by an earlier writer of the same path: it is ours.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(format!(
+            "{flag} {shown}: cannot write in {}: {e}",
+            parent.display()
+        )),
+    }
+}
+
+/// Write `bytes` to `path` whole or not at all: into `.NAME.partial-PID` beside it, synced,
+/// then renamed over it. A failure (a full disk), an error, an interrupt leaves `path` as it
+/// was and no staging file; staging files of writers killed outright go first.
+/// Errors name the path.
+pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    stage(path, bytes)?.commit()
+}
+
+/// A file written whole beside its target, not yet in place: [`Staged::commit`] renames it
+/// over the target; dropped uncommitted, it is removed. Several outputs staged first and
+/// committed after make a run that leaves all its outputs or none.
+pub struct Staged {
+    tmp: PathBuf,
+    path: PathBuf,
+    done: bool,
+}
+
+/// Write `bytes` to the staging file of `path` (see [`write_whole`]).
+pub fn stage(path: &Path, bytes: &[u8]) -> Result<Staged, String> {
+    use std::io::Write;
+    let shown = path.display();
+    if let Ok(m) = std::fs::metadata(path)
+        && !m.is_file()
+    {
+        return Err(format!(
+            "{shown}: exists and is not a regular file (only a regular file is replaced)"
+        ));
+    }
+    let tmp = partial_path(path).map_err(|e| format!("{shown}: {e}"))?;
+    remove_stale(&tmp_target(&tmp));
+    #[cfg(unix)]
+    signals::install();
+    live().push(tmp.clone());
+    // From here on the drop removes the staging file, whatever fails.
+    let staged = Staged {
+        tmp,
+        path: path.to_path_buf(),
+        done: false,
+    };
+    let written = (|| {
+        let _ = std::fs::remove_file(&staged.tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&staged.tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    written.map_err(|e| format!("{shown}: {e}"))?;
+    Ok(staged)
+}
+
+impl Staged {
+    /// Put the file in place (a rename: atomic).
+    pub fn commit(mut self) -> Result<(), String> {
+        let r = settle(&self.tmp, || std::fs::rename(&self.tmp, &self.path));
+        self.done = r.is_ok();
+        r.map_err(|e| format!("{}: {e}", self.path.display()))
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.done {
+            settle(&self.tmp, || std::fs::remove_file(&self.tmp).ok());
+        }
+    }
+}
+
+/// The target a staging path `.NAME.partial-PID` stands for.
+fn tmp_target(tmp: &Path) -> PathBuf {
+    let name = tmp.file_name().map(|n| n.to_string_lossy().into_owned());
+    let name = name
+        .as_deref()
+        .and_then(|n| n.strip_prefix('.'))
+        .and_then(|n| n.rsplit_once(".partial-"))
+        .map(|(n, _)| n.to_string());
+    match (tmp.parent(), name) {
+        (Some(parent), Some(name)) => parent.join(name),
+        _ => tmp.to_path_buf(),
+    }
+}
+
+/// Held while one process writes a target (a trace folder, a fixture, a golden): a second
+/// writer of the same target is refused instead of racing the first. The lock is an
+/// `flock` on `.NAME.lock` beside the target, removed when released.
+pub struct Lock {
+    /// Open while held: closing it releases the flock.
+    #[cfg(unix)]
+    _file: std::fs::File,
+    path: PathBuf,
+}
+
+/// Take the writer's lock of `target`, or say (an error of kind `WouldBlock`) that another
+/// process holds it. The caller names `target` in its message.
+pub fn lock(target: &Path) -> std::io::Result<Lock> {
+    let abs = std::path::absolute(target)?;
+    let (Some(parent), Some(name)) = (abs.parent(), abs.file_name()) else {
+        return Err(std::io::Error::other("not a file or folder name"));
+    };
+    let mut n = std::ffi::OsString::from(".");
+    n.push(name);
+    n.push(".lock");
+    let path = parent.join(n);
+    #[cfg(unix)]
+    {
+        use std::io::{Read, Seek, Write};
+        use std::os::unix::fs::MetadataExt;
+        use std::os::unix::io::AsRawFd;
+        // Retried when the file was removed by its last holder between our open and flock.
+        for _ in 0..100 {
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("cannot make its lock {}: {e}", path.display()),
+                    )
+                })?;
+            // SAFETY: flock on a descriptor we own.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                let holder = holder.trim();
+                let who = if holder.is_empty() {
+                    "another process".to_string()
+                } else {
+                    format!("process {holder}")
+                };
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    format!(
+                        "{who} is writing it now (lock {}); wait for it or choose another output",
+                        path.display()
+                    ),
+                ));
+            }
+            let same = match (file.metadata(), std::fs::metadata(&path)) {
+                (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
+                _ => false,
+            };
+            if !same {
+                continue;
+            }
+            let _ = file.set_len(0);
+            let _ = file.rewind();
+            let _ = write!(file, "{}", std::process::id());
+            return Ok(Lock { _file: file, path });
+        }
+        Err(std::io::Error::other(format!(
+            "its lock {} keeps changing",
+            path.display()
+        )))
+    }
+    #[cfg(not(unix))]
+    {
+        Ok(Lock { path })
+    }
+}
+
+impl Drop for Lock {
+    fn drop(&mut self) {
+        // Removed while still held: a waiter that opened the old file sees it is gone.
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 #[cfg(unix)]
@@ -153,6 +438,9 @@ mod signals {
     /// writer's next file then fails, it never makes the folder again), then removed, retried
     /// while a file created in the moment of the move still lands in it.
     fn remove_now(d: &std::path::Path) -> bool {
+        if std::fs::symlink_metadata(d).is_ok_and(|m| !m.is_dir()) {
+            return std::fs::remove_file(d).is_ok();
+        }
         let mut gone = d.as_os_str().to_owned();
         gone.push(".gone");
         let target = if std::fs::rename(d, &gone).is_ok() {
@@ -183,14 +471,24 @@ mod signals {
             return;
         }
         let sig = libc::c_int::from(b);
+        // The children first: a llama.cpp script still running would publish its golden.
+        let children = super::CHILDREN
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for pid in children {
+            if let Ok(pid) = libc::pid_t::try_from(pid) {
+                // SAFETY: a plain kill of a child we spawned and have not waited for.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                }
+            }
+        }
         // Holding the lock: a writer publishing its trace finishes first (see `settle`).
         let dirs = live();
         for d in dirs.iter() {
             if remove_now(d) {
-                eprintln!(
-                    "\ninterrupted: removed the unfinished trace {}",
-                    d.display()
-                );
+                eprintln!("\ninterrupted: removed the unfinished {}", d.display());
             }
         }
         // SAFETY: back to the default action, then the same signal again: the process ends
