@@ -5,7 +5,10 @@
 # line per model; JSON reports stay in OUT for scripts/depth_summary.py (docs/tolerances.md).
 #
 # Usage: scripts/depth_matrix.sh OUT SHAPE TYPE...
-#   SHAPE: tl  (TinyLlama-1.1B: 2048/5632, 22 layers, 32/4 heads, 32000 vocab)
+#   SHAPE: 7b  (Llama-2-7B: 4096/11008, 32 layers, 32/32 heads, 32000 vocab; q4_0 3.8 GB)
+#          8b  (Llama-3-8B: llama3 arch, 4096/14336, 32 layers, 32/8 heads, vocab cut to 4000)
+#          w32 (32 layers, 512/1408, 8/8 heads, 4000 vocab: the 7B depth at CI width)
+#          tl  (TinyLlama-1.1B: 2048/5632, 22 layers, 32/4 heads, 32000 vocab)
 #          d64 (64 layers, 512/1408, 8/2 heads, 4000 vocab)
 #          d16 (16 layers, 256/512, 4/2 heads, built-in vocab)
 #   TYPE: f32 f16 q8_0 q4_0 q4_k q4_k_m q6_k …
@@ -15,6 +18,12 @@ P=${PARITY:-$root/target/release/parity}
 out=$1; shape=$2; shift 2
 mkdir -p "$out"
 case $shape in
+  7b) args=(--n-embd 4096 --n-ff 11008 --n-layer 32 --n-head 32 --n-head-kv 32 --n-vocab 32000 --n-ctx 4096)
+      ids=1,450,4996,17354,1701,432,17204,975,278,17366,11203,29889,1576,338,263,1243 ;;
+  8b) args=(--arch llama3 --n-embd 4096 --n-ff 14336 --n-layer 32 --n-head 32 --n-head-kv 8 --n-vocab 4000 --n-ctx 8192)
+      ids=1,450,496,1735,170,432,1720,975,278,1736,1120,2988,1576,338,263,1243 ;;
+  w32) args=(--n-embd 512 --n-ff 1408 --n-layer 32 --n-head 8 --n-head-kv 8 --n-vocab 4000 --n-ctx 512)
+      ids=1,450,496,1735,170,432,1720,975,278,1736,1120,2988,1576,338,263,1243 ;;
   tl) args=(--n-embd 2048 --n-ff 5632 --n-layer 22 --n-head 32 --n-head-kv 4 --n-vocab 32000 --n-ctx 2048)
       ids=1,450,4996,17354,1701,432,17204,975,278,17366,11203,29889,1576,338,263,1243 ;;
   d64) args=(--n-embd 512 --n-ff 1408 --n-layer 64 --n-head 8 --n-head-kv 2 --n-vocab 4000 --n-ctx 512)
@@ -38,6 +47,10 @@ for ty in "$@"; do
   s1=$(date +%s.%N)
   "$P" diff "$g" "$gd" --json "$out/spread-$shape-$ty.json" > "$out/spread-$shape-$ty.txt" 2>&1
   rs=$?
+  # No golden: the backends against each other only (an empty folder holds no golden).
+  mkdir -p "$out/none"
+  "$P" check "$m" --tokens "$ids" --steps 4 --golden "$out/none" --threads 2 --json "$out/nogolden-$shape-$ty.json" > "$out/nogolden-$shape-$ty.txt" 2>&1
+  rn=$?
   set -e
-  echo "$shape $ty: check exit $rc ($(tail -1 "$out/check-$shape-$ty.txt")) in $(python3 -c "print(f'{$s1-$s0:.1f}')") s; llama.cpp tight vs defaults: exit $rs"
+  echo "$shape $ty: check exit $rc ($(tail -1 "$out/check-$shape-$ty.txt")) in $(python3 -c "print(f'{$s1-$s0:.1f}')") s; without a golden: exit $rn; llama.cpp tight vs defaults: exit $rs"
 done

@@ -11,7 +11,7 @@ use crate::compare::{Comparison, Divergence, PairKind, TapResult};
 use crate::judge::{self, JudgeOptions, Judgement};
 use crate::model::Model;
 use crate::report;
-use crate::trace::Trace;
+use crate::trace::{TapKey, Trace};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -149,26 +149,37 @@ fn find_model(base: &Trace, cand: &Trace, dirs: &[PathBuf]) -> Option<(PathBuf, 
 /// The judgement as a comparison (own errors against the floors), so every report format and
 /// the exit code render it; the token-id finding of the end-to-end comparison comes first.
 fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Comparison {
-    // An own error under its floor that a known bug explains is held to the f32 noise level.
-    let explained = j.first.as_ref().filter(|f| f.explained).map(|f| f.flagged);
+    // An own error under its floor that a known bug explains is held to the f32 noise level:
+    // the flagged key's when it is, and the key the bug was placed at by experiment (where the
+    // confirmed hypothesis removes an own error under that key's floor).
+    let first = j.first.as_ref().filter(|_| e2e.token_mismatch.is_none());
+    let explained = |k: TapKey| {
+        first.is_some_and(|f| (f.explained && f.flagged == k) || (f.key != f.flagged && f.key == k))
+    };
     let results: Vec<TapResult> = j
         .ops
         .iter()
-        .map(|o| TapResult {
-            key: o.key,
-            metrics: o.metrics,
-            threshold: if explained == Some(o.key) {
-                judge::hypothesis::VISIBLE
-            } else {
-                o.floor
-            },
-            pass: o.pass,
+        .map(|o| {
+            let held = explained(o.key);
+            TapResult {
+                key: o.key,
+                metrics: o.metrics,
+                threshold: if held {
+                    judge::hypothesis::VISIBLE
+                } else {
+                    o.floor
+                },
+                pass: o.pass && !(held && o.metrics.nmse > judge::hypothesis::VISIBLE),
+                gating: true,
+            }
         })
         .collect();
-    let first_divergence = j.first.as_ref().map(|f| {
+    // One place for the text and the JSON: where the bug first shows (the finding's key, placed
+    // by experiment when it was), and none when the ids differ (the ids are then the verdict).
+    let first_divergence = first.map(|f| {
         let i = results
             .iter()
-            .position(|r| r.key == f.flagged)
+            .position(|r| r.key == f.key)
             .expect("finding is a judged key");
         Divergence {
             at: results[i].clone(),

@@ -6,7 +6,7 @@ pub mod metrics;
 pub mod tolerance;
 
 pub use metrics::{LogitStats, Metrics, logit_stats, metrics};
-pub use tolerance::{PairKind, kld_threshold, nmse_threshold};
+pub use tolerance::{PairKind, gates, kld_threshold, nmse_threshold};
 
 use crate::gguf::GgmlType;
 use crate::trace::{Tap, TapKey, Trace, TraceError};
@@ -38,6 +38,10 @@ pub struct TapResult {
     pub metrics: Metrics,
     pub threshold: f64,
     pub pass: bool,
+    /// Whether the NMSE is judged against `threshold` (false: an intermediate tap between
+    /// different roundings end to end, drawn as drift against `threshold` but failing only on
+    /// non-finite values; see [`tolerance::gates`]).
+    pub gating: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -182,6 +186,12 @@ pub fn compare(
     if common.is_empty() && token_mismatch.is_none() {
         return Err(CompareError::NothingInCommon);
     }
+    // Layers in the run: the end-to-end bounds on the logits grow with depth.
+    let depth = common
+        .iter()
+        .filter_map(|k| k.layer)
+        .max()
+        .map_or(0, |l| l + 1);
     let mut results = Vec::with_capacity(common.len() + 1);
     if let Some(tm) = &token_mismatch
         && let Some(r) = aligned_embd(base, cand, tm)?
@@ -207,8 +217,9 @@ pub fn compare(
                 .unwrap()
                 .into_dyn(),
         );
-        let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap);
-        let pass = !m.non_finite_failure() && m.nmse <= threshold;
+        let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap, depth);
+        let gating = gates(opt.pair, key.tap);
+        let pass = !m.non_finite_failure() && (!gating || m.nmse <= threshold);
         if !pass && first.is_none() {
             first = Some(results.len());
         }
@@ -220,9 +231,13 @@ pub fn compare(
             metrics: m,
             threshold,
             pass,
+            gating,
         });
     }
 
+    // Different ids: the verdict is the ids (the text names nothing else), so no tensor is
+    // named as the first divergence either.
+    let first = first.filter(|_| token_mismatch.is_none());
     let first_divergence = match first {
         Some(i) => {
             let matched_before = matched_before(&results, i);
@@ -244,7 +259,7 @@ pub fn compare(
         token_mismatch,
         results,
         logits,
-        kld_threshold: kld_threshold(opt.pair, opt.weight_type),
+        kld_threshold: kld_threshold(opt.pair, opt.weight_type, depth),
         first_divergence,
         // Taps outside parity's names are kept by `Trace::open` and counted here as not compared.
         only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count() + base.extra.len(),
@@ -350,12 +365,13 @@ fn aligned_embd(
     let a = ndarray::Array2::from_shape_vec((rows, w), xa).expect("whole rows");
     let b = ndarray::Array2::from_shape_vec((rows, w), xb).expect("whole rows");
     let m = metrics(&a.into_dyn().view(), &b.into_dyn().view());
-    let threshold = nmse_threshold(PairKind::OpByOp, GgmlType::F32, Tap::Embd);
+    let threshold = nmse_threshold(PairKind::OpByOp, GgmlType::F32, Tap::Embd, 0);
     Ok(Some(TapResult {
         key,
         pass: !m.non_finite_failure() && m.nmse <= threshold,
         metrics: m,
         threshold,
+        gating: true,
     }))
 }
 

@@ -109,7 +109,9 @@ pub struct ComparisonReport {
     pub explanation: String,
     /// The first token id that differs, if any (then no tensor can be judged).
     pub token_mismatch: Option<TokenMismatchReport>,
-    /// The first tap over its threshold, in graph order.
+    /// The place the verdict names: the first tap over its threshold in graph order (for
+    /// `own-inputs`, where the bug first shows, placed by experiment when it was); null when
+    /// the token ids differ (the ids are then the verdict) or nothing diverged.
     pub first_divergence: Option<DivergenceReport>,
     /// Every tap both traces have, in graph order (step, then embd, layers, result_norm, logits).
     pub results: Vec<TapReport>,
@@ -181,9 +183,19 @@ pub struct KeyReport {
 pub struct TapReport {
     pub key: KeyReport,
     pub metrics: MetricsReport,
-    /// The NMSE above which this tap fails.
+    /// The NMSE above which this tap fails, when `gating`; otherwise the level its drift is
+    /// drawn against.
     pub threshold: f64,
     pub pass: bool,
+    /// Whether the NMSE is judged against `threshold`. False for the intermediate taps of an
+    /// end-to-end comparison between different roundings: compounded rounding noise, drawn as
+    /// drift and failing only on non-finite values (docs/tolerances.md, "Verdicts at depth").
+    #[serde(default = "yes")]
+    pub gating: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// How the candidate tensor `b` differs from the baseline `a` (over the values finite on both sides).
@@ -249,6 +261,7 @@ fn tap(r: &TapResult) -> TapReport {
         },
         threshold: r.threshold,
         pass: r.pass,
+        gating: r.gating,
     }
 }
 
