@@ -132,12 +132,14 @@ fn an_unknown_architecture_is_refused_in_one_line_listing_the_supported_ones() {
         e,
         "unsupported architecture 'falcon' (parity supports: llama, qwen2, qwen3, gemma, gemma2, gemma3, phi3)"
     );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.gguf");
     let o = parity(&[
         "fixture",
         "--arch",
         "falcon",
         "--out",
-        "/nonexistent/x.gguf",
+        out.to_str().unwrap(),
     ]);
     assert_eq!(o.status.code(), Some(2), "{}", show(&o));
     let err = String::from_utf8_lossy(&o.stderr);
@@ -146,6 +148,7 @@ fn an_unknown_architecture_is_refused_in_one_line_listing_the_supported_ones() {
         err.contains("llama, llama3, qwen2, qwen3, gemma, gemma2, gemma3, phi3"),
         "{err}"
     );
+    assert!(!out.exists(), "a refused fixture leaves no file");
 }
 
 #[test]
