@@ -90,6 +90,9 @@ pub struct CheckOptions {
     pub golden_dirs: Vec<PathBuf>,
     /// Prompt ids given by the user (None: take them from the golden).
     pub prompt: Option<Vec<u32>>,
+    /// A device backend (gpu) whose device is missing is left out with a note instead of
+    /// failing the check: the default set asks for gpu only where an adapter exists.
+    pub device_optional: bool,
 }
 
 /// What a check is doing, for progress displays.
@@ -138,6 +141,9 @@ pub struct CheckReport {
     pub traces_op: Vec<Trace>,
     pub comparisons: Vec<Judged>,
     pub passes: Vec<Pass>,
+    /// What the backends said about themselves (the GPU they ran on, weights dequantized at
+    /// load), and the backends left out (no GPU adapter: not checked).
+    pub notes: Vec<String>,
 }
 
 impl CheckReport {
@@ -373,6 +379,25 @@ pub fn run(
 
     let mut passes = Vec::new();
     let mut traces = Vec::new();
+    let mut notes: Vec<String> = Vec::new();
+    // A device backend without its device: left out with a note when optional.
+    let mut entries = entries;
+    if opt.device_optional {
+        let mut kept = Vec::new();
+        for e in entries {
+            if e.device
+                && let Err(err) = e.build(model, n_ctx, opt.threads)
+            {
+                notes.push(format!("{}: not checked — {err}", e.name));
+                continue;
+            }
+            kept.push(e);
+        }
+        entries = kept;
+        if entries.is_empty() {
+            return Err(CheckError::NoBackend);
+        }
+    }
     // One sequence for every backend: the golden's ids, else the first backend's own greedy
     // continuation forced into the others (their greedy agreement is a statistic of the
     // logits comparison, never a divergence of its own).
@@ -384,12 +409,17 @@ pub fn run(
             forwards: steps + 1,
         });
         let t0 = Instant::now();
-        let mut b = e.build(model, n_ctx, opt.threads);
+        let mut b = e.build(model, n_ctx, opt.threads)?;
         let mut sink = Counting {
             inner: MemorySink::new(TapFilter::all()),
             events: &mut *events,
         };
         let info = backend::run(b.as_mut(), &prompt, steps, forced.as_deref(), &mut sink)?;
+        for n in b.notes() {
+            if !notes.contains(&n) {
+                notes.push(n);
+            }
+        }
         let tensors = sink.inner.tensors;
         events(Event::PassEnd);
         if forced.is_none() {
@@ -427,7 +457,7 @@ pub fn run(
                 forwards: steps + 1,
             });
             let t0 = Instant::now();
-            let mut b = e.build(model, n_ctx, opt.threads);
+            let mut b = e.build(model, n_ctx, opt.threads)?;
             let mut sink = Counting {
                 inner: ReplaySink::new(g),
                 events: &mut *events,
@@ -493,6 +523,7 @@ pub fn run(
         traces_op,
         comparisons,
         passes,
+        notes,
     })
 }
 
