@@ -440,17 +440,33 @@ pub fn run(
     }
 
     // Op by op: each replayable backend that rounds like ggml's CPU, fed the golden's tensor
-    // at every tap (ReplaySink), so each op is judged on identical inputs.
+    // at every tap (ReplaySink), so each op is judged on identical inputs. A device backend
+    // (gpu, f32 activations) is fed the same inputs and judged against the reference fed
+    // them too: the golden's own ops round activations as ggml's CPU does, the gpu does not.
     let mut traces_op = Vec::new();
+    // Index in traces_op of the reference's op-by-op trace, baseline of the device ones.
+    let mut plain_op: Option<usize> = None;
+    let mut device_op: Vec<usize> = Vec::new();
     if let Some((_, g)) = golden
         .as_ref()
         .filter(|(_, g)| opt.op_by_op && golden_is_tight(g))
     {
         let forced: Vec<u32> = g.manifest.decode_tokens()[..steps].to_vec();
-        for e in entries
+        let mut op_entries: Vec<&registry::Entry> = entries
             .iter()
+            .copied()
             .filter(|e| e.replayable && e.rounding == backend::Emulation::GgmlCpu)
-        {
+            .collect();
+        let devices: Vec<&registry::Entry> = entries
+            .iter()
+            .copied()
+            .filter(|e| e.replayable && e.device)
+            .collect();
+        if !devices.is_empty() {
+            op_entries.push(registry::find("reference")?);
+            op_entries.extend(devices);
+        }
+        for e in op_entries {
             events(Event::PassStart {
                 backend: e.name,
                 op_by_op: true,
@@ -474,6 +490,11 @@ pub fn run(
                 seconds: t0.elapsed().as_secs_f64(),
                 peak_rss_bytes: peak_rss_bytes(),
             });
+            if e.device {
+                device_op.push(traces_op.len());
+            } else if e.rounding == backend::Emulation::None {
+                plain_op = Some(traces_op.len());
+            }
             traces_op.push(Trace::from_memory(
                 model_ref.clone(),
                 producer(b.as_ref(), "/op-by-op"),
@@ -488,7 +509,20 @@ pub fn run(
     let wtype = model.main_weight_type();
     let mut todo: Vec<(&Trace, &Trace, PairKind, bool)> = Vec::new();
     if let Some((_, g)) = &golden {
-        todo.extend(traces_op.iter().map(|t| (g, t, PairKind::OpByOp, true)));
+        todo.extend(
+            traces_op
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| Some(*i) != plain_op && !device_op.contains(i))
+                .map(|(_, t)| (g, t, PairKind::OpByOp, true)),
+        );
+        if let Some(p) = plain_op {
+            todo.extend(
+                device_op
+                    .iter()
+                    .map(|&i| (&traces_op[p], &traces_op[i], PairKind::OpByOp, false)),
+            );
+        }
         todo.extend(traces.iter().map(|t| (g, t, pair_kind(g, t), true)));
     }
     for i in 0..traces.len() {

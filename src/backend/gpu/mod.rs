@@ -19,6 +19,7 @@ use crate::trace::{Sink, TapKey};
 use context::Context;
 use kernels::Kernels;
 use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
 
 /// A deliberately broken kernel, for the tests that prove a GPU bug is found at its tap and
 /// named. Reached only through [`Gpu::with_bug`] or the `PARITY_GPU_TEST_BUG` variable
@@ -55,10 +56,24 @@ pub struct GpuBuf {
     len: usize,
 }
 
+/// The device and its compiled kernels, made once per process: `check` builds the backend
+/// for each pass, and compiling the kernels is most of a small model's run on a software
+/// device.
+fn device() -> Result<Arc<(Context, Kernels)>, BackendError> {
+    static DEVICE: OnceLock<Result<Arc<(Context, Kernels)>, String>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let cx = Context::new()?;
+            let k = Kernels::new(&cx)?;
+            Ok(Arc::new((cx, k)))
+        })
+        .clone()
+        .map_err(BackendError::Gpu)
+}
+
 pub struct Gpu<'m> {
     model: &'m Model,
-    cx: Context,
-    k: Kernels,
+    dev: Arc<(Context, Kernels)>,
     n_ctx: usize,
     /// Weights by data offset, uploaded on first use.
     weights: HashMap<u64, wgpu::Buffer>,
@@ -81,7 +96,8 @@ impl<'m> Gpu<'m> {
     /// A gpu backend over `model` with room for `n_ctx` positions. Fails with one line when
     /// there is no adapter, or when a weight (as the kernels read it) exceeds one binding.
     pub fn new(model: &'m Model, n_ctx: usize) -> Result<Gpu<'m>, BackendError> {
-        let cx = Context::new().map_err(BackendError::Gpu)?;
+        let dev = device()?;
+        let cx = &dev.0;
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
         let max = cx.info.max_binding.min(cx.info.max_buffer);
@@ -106,7 +122,6 @@ impl<'m> Gpu<'m> {
                 kv * 4
             )));
         }
-        let k = Kernels::new(&cx).map_err(BackendError::Gpu)?;
         let k_cache = (0..c.n_layer).map(|_| cx.buffer(kv)).collect();
         let v_cache = (0..c.n_layer).map(|_| cx.buffer(kv)).collect();
         let bug = std::env::var("PARITY_GPU_TEST_BUG")
@@ -114,8 +129,7 @@ impl<'m> Gpu<'m> {
             .and_then(|s| GpuBug::parse(&s));
         Ok(Gpu {
             model,
-            cx,
-            k,
+            dev: dev.clone(),
             n_ctx,
             weights: HashMap::new(),
             dequantized: Vec::new(),
@@ -134,7 +148,7 @@ impl<'m> Gpu<'m> {
     }
 
     pub fn info(&self) -> &context::GpuInfo {
-        &self.cx.info
+        &self.dev.0.info
     }
 
     /// Matmul weights held as f32 on the device because no kernel reads their type directly.
@@ -148,7 +162,7 @@ impl<'m> Gpu<'m> {
     }
 
     fn enc(&mut self) -> &mut wgpu::CommandEncoder {
-        let cx = &self.cx;
+        let cx = &self.dev.0;
         self.enc.get_or_insert_with(|| cx.encoder())
     }
 
@@ -164,7 +178,7 @@ impl<'m> Gpu<'m> {
             if matmul && w.ty != GgmlType::F32 {
                 self.dequantized.push(w.name.clone());
             }
-            let buf = self.cx.upload(&data);
+            let buf = self.dev.0.upload(&data);
             self.weights.insert(w.offset, buf);
         }
         &self.weights[&w.offset]
@@ -172,13 +186,13 @@ impl<'m> Gpu<'m> {
 
     /// Read `x` back (submitting what is pending).
     fn read(&mut self, x: &GpuBuf, offset: usize, n: usize) -> Vec<f32> {
-        let enc = self.enc.take().unwrap_or_else(|| self.cx.encoder());
-        self.cx.read(enc, &x.buf, offset, n)
+        let enc = self.enc.take().unwrap_or_else(|| self.dev.0.encoder());
+        self.dev.0.read(enc, &x.buf, offset, n)
     }
 
     fn new_buf(&self, n: usize) -> GpuBuf {
         GpuBuf {
-            buf: self.cx.buffer(n),
+            buf: self.dev.0.buffer(n),
             len: n,
         }
     }
@@ -191,7 +205,7 @@ impl<'m> Gpu<'m> {
     /// `data` on the device (tests).
     pub fn from_host(&self, data: &[f32]) -> GpuBuf {
         GpuBuf {
-            buf: self.cx.upload(data),
+            buf: self.dev.0.upload(data),
             len: data.len(),
         }
     }
@@ -229,17 +243,17 @@ impl Backend for Gpu<'_> {
     fn reset(&mut self) {
         // Positions past pos0 + T are never read (attention sees only what was stored), so
         // the cache need not be cleared; clearing keeps a poisoned-memory run honest anyway.
-        let mut enc = self.cx.encoder();
+        let mut enc = self.dev.0.encoder();
         for b in self.k_cache.iter().chain(&self.v_cache) {
             enc.clear_buffer(b, 0, None);
         }
-        self.cx.queue.submit([enc.finish()]);
+        self.dev.0.queue.submit([enc.finish()]);
     }
 
     fn notes(&self) -> Vec<String> {
         let mut v = vec![format!(
             "gpu: {} ({}, {})",
-            self.cx.info.adapter, self.cx.info.api, self.cx.info.driver
+            self.dev.0.info.adapter, self.dev.0.info.api, self.dev.0.info.driver
         )];
         if !self.dequantized.is_empty() {
             v.push(format!(
@@ -280,7 +294,7 @@ impl Ops for Gpu<'_> {
     }
 
     fn scale(&mut self, x: GpuBuf, s: f32) -> GpuBuf {
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.scale(cx, enc, &x.buf, x.len, s);
         x
@@ -292,7 +306,7 @@ impl Ops for Gpu<'_> {
         let y = self.new_buf(x.len);
         self.weight(w, false);
         self.enc();
-        let (cx, k, wb) = (&self.cx, &self.k, &self.weights[&w.offset]);
+        let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
         let enc = self.enc.as_mut().expect("made above");
         k.rms_norm(cx, enc, &x.buf, wb, &y.buf, n, x.len / n, eps, bug);
         y
@@ -309,7 +323,7 @@ impl Ops for Gpu<'_> {
         let y = self.new_buf(t * n_out);
         self.weight(w, true);
         self.enc();
-        let (cx, k, wb) = (&self.cx, &self.k, &self.weights[&w.offset]);
+        let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
         let enc = self.enc.as_mut().expect("made above");
         k.matmul_f32(cx, enc, wb, &x.buf, &y.buf, n_in, n_out, t, transposed);
         y
@@ -318,7 +332,7 @@ impl Ops for Gpu<'_> {
     fn add_bias(&mut self, x: GpuBuf, b: &TensorInfo) -> GpuBuf {
         self.weight(b, false);
         self.enc();
-        let (cx, k, bb) = (&self.cx, &self.k, &self.weights[&b.offset]);
+        let (cx, k, bb) = (&self.dev.0, &self.dev.1, &self.weights[&b.offset]);
         let enc = self.enc.as_mut().expect("made above");
         k.add_bias(cx, enc, &x.buf, bb, x.len, b.rows().0);
         x
@@ -327,12 +341,12 @@ impl Ops for Gpu<'_> {
     fn rope(&mut self, x: GpuBuf, layer: usize, pos0: usize, n_heads: usize, r: &Rope) -> GpuBuf {
         let t = x.len / (n_heads * r.head_dim);
         let table = self.rope_table(t, pos0, r);
-        let cs = self.cx.upload(&table);
+        let cs = self.dev.0.upload(&table);
         let mut neox = r.kind == RopeType::Neox;
         if self.bugged(GpuBug::RopePairs, Some(layer)) {
             neox = !neox;
         }
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.rope(cx, enc, &x.buf, &cs, t, n_heads, r.head_dim, r.n_rot, neox);
         x
@@ -343,7 +357,7 @@ impl Ops for Gpu<'_> {
         let off = (pos0 * ekv * 4) as u64;
         let size = (k.len * 4) as u64;
         let (kc, vc) = (&self.k_cache[layer], &self.v_cache[layer]);
-        let cx = &self.cx;
+        let cx = &self.dev.0;
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         enc.copy_buffer_to_buffer(&k.buf, 0, kc, off, size);
         enc.copy_buffer_to_buffer(&v.buf, 0, vc, off, size);
@@ -351,7 +365,7 @@ impl Ops for Gpu<'_> {
 
     fn attn_probs(&mut self, layer: usize, q: &GpuBuf, a: &Attn) -> GpuBuf {
         let out = self.new_buf(a.n_head * a.n_tokens * a.n_kv());
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.probs(cx, enc, a, &q.buf, &self.k_cache[layer], &out.buf);
         out
@@ -359,7 +373,7 @@ impl Ops for Gpu<'_> {
 
     fn attn_values(&mut self, layer: usize, p: &GpuBuf, a: &Attn) -> GpuBuf {
         let out = self.new_buf(a.n_tokens * a.n_head * a.head_dim);
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.values(cx, enc, a, &p.buf, &self.v_cache[layer], &out.buf);
         out
@@ -367,21 +381,21 @@ impl Ops for Gpu<'_> {
 
     fn glu(&mut self, gate: GpuBuf, up: &GpuBuf, act: Activation) -> GpuBuf {
         let gelu = act == Activation::GeluTanh;
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.glu(cx, enc, &gate.buf, &up.buf, gate.len, gelu);
         gate
     }
 
     fn add(&mut self, a: GpuBuf, b: &GpuBuf) -> GpuBuf {
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.add(cx, enc, &a.buf, &b.buf, a.len);
         a
     }
 
     fn softcap(&mut self, x: GpuBuf, cap: f32) -> GpuBuf {
-        let (cx, k) = (&self.cx, &self.k);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
         let enc = self.enc.get_or_insert_with(|| cx.encoder());
         k.softcap(cx, enc, &x.buf, x.len, cap);
         x
@@ -410,7 +424,8 @@ impl Ops for Gpu<'_> {
         }
         if replays && sink.substitute(&key, &mut data) {
             // Everything recorded so far was submitted by the read: the next commands see it.
-            self.cx
+            self.dev
+                .0
                 .queue
                 .write_buffer(&x.buf, 0, bytemuck::cast_slice(&data));
         }
