@@ -583,4 +583,7 @@ impl<S: Sink> Sink for Counting<'_, S> {
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         self.inner.substitute(key, data)
     }
+    fn replays(&self, key: &TapKey) -> bool {
+        self.inner.replays(key)
+    }
 }

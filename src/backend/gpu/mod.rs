@@ -422,7 +422,7 @@ impl Ops for Gpu<'_> {
         if wants {
             sink.record(key, shape, &data);
         }
-        if replays && sink.substitute(&key, &mut data) {
+        if sink.substitute(&key, &mut data) {
             // Everything recorded so far was submitted by the read: the next commands see it.
             self.dev
                 .0
