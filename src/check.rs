@@ -91,6 +91,9 @@ pub struct CheckOptions {
     pub golden_dirs: Vec<PathBuf>,
     /// Prompt ids given by the user (None: take them from the golden).
     pub prompt: Option<Vec<u32>>,
+    /// A device backend (gpu) whose device is missing is left out with a note instead of
+    /// failing the check: the default set asks for gpu only where an adapter exists.
+    pub device_optional: bool,
 }
 
 /// What a check is doing, for progress displays.
@@ -139,6 +142,9 @@ pub struct CheckReport {
     pub traces_op: Vec<Trace>,
     pub comparisons: Vec<Judged>,
     pub passes: Vec<Pass>,
+    /// What the backends said about themselves (the GPU they ran on, weights dequantized at
+    /// load), and the backends left out (no GPU adapter: not checked).
+    pub notes: Vec<String>,
 }
 
 impl CheckReport {
@@ -232,10 +238,20 @@ pub fn run(
     let entries = backends(opt)?;
     let (golden, prompt, golden_forced, ids_from) = select_golden(model, model_path, opt)?;
     let plan = plan(model, model_path, opt, &golden, prompt, &golden_forced)?;
+    let mut notes = Vec::new();
+    let entries = with_devices(&plan, entries, opt, &mut notes)?;
     let mut passes = Vec::new();
-    let (traces, forced) = end_to_end(&plan, &entries, &golden_forced, &mut passes, events)?;
-    let traces_op = op_by_op(&plan, &entries, golden.as_ref(), opt, &mut passes, events)?;
-    let comparisons = compare_all(model, golden.as_ref(), &traces, &traces_op, events)?;
+    let (traces, forced) = end_to_end(
+        &plan,
+        &entries,
+        &golden_forced,
+        &mut passes,
+        &mut notes,
+        events,
+    )?;
+    let op = op_by_op(&plan, &entries, golden.as_ref(), opt, &mut passes, events)?;
+    let comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
+    let traces_op = op.traces;
     Ok(CheckReport {
         prompt: plan.prompt,
         forced,
@@ -245,7 +261,35 @@ pub fn run(
         traces_op,
         comparisons,
         passes,
+        notes,
     })
+}
+
+/// Stage 3b: a device backend (gpu) without its device is left out with a note when the
+/// caller made devices optional (the default set); asked for by name, it is an error.
+fn with_devices<'e>(
+    plan: &Plan,
+    entries: Vec<&'e registry::Entry>,
+    opt: &CheckOptions,
+    notes: &mut Vec<String>,
+) -> Result<Vec<&'e registry::Entry>, CheckError> {
+    if !opt.device_optional {
+        return Ok(entries);
+    }
+    let mut kept = Vec::new();
+    for e in entries {
+        if e.device
+            && let Err(err) = e.build(plan.model, plan.n_ctx, plan.threads)
+        {
+            notes.push(format!("{}: not checked — {err}", e.name));
+            continue;
+        }
+        kept.push(e);
+    }
+    if kept.is_empty() {
+        return Err(CheckError::NoBackend);
+    }
+    Ok(kept)
 }
 
 /// Stage 1: the registry rows of the backends asked for, in order.
@@ -432,20 +476,21 @@ impl Plan<'_> {
         sink: S,
         forced: Option<&[u32]>,
         events: &mut dyn FnMut(Event),
-    ) -> Result<(Vec<StepInfo>, S, Producer, Pass), CheckError> {
+    ) -> Result<Ran<S>, CheckError> {
         events(Event::PassStart {
             backend: e.name,
             op_by_op,
             forwards: self.steps + 1,
         });
         let t0 = Instant::now();
-        let mut b = e.build(self.model, self.n_ctx, self.threads);
+        let mut b = e.build(self.model, self.n_ctx, self.threads)?;
         let mut sink = Counting {
             inner: sink,
             events: &mut *events,
         };
         let info = backend::run(b.as_mut(), &self.prompt, self.steps, forced, &mut sink)?;
         let sink = sink.inner;
+        let notes = b.notes();
         events(Event::PassEnd);
         let producer = Producer {
             name: "parity".into(),
@@ -459,8 +504,23 @@ impl Plan<'_> {
             seconds: t0.elapsed().as_secs_f64(),
             peak_rss_bytes: peak_rss_bytes(),
         };
-        Ok((info, sink, producer, pass))
+        Ok(Ran {
+            info,
+            sink,
+            producer,
+            pass,
+            notes,
+        })
     }
+}
+
+/// One backend pass done: its steps, its sink, who produced it, its time, what it noted.
+struct Ran<S> {
+    info: Vec<StepInfo>,
+    sink: S,
+    producer: Producer,
+    pass: Pass,
+    notes: Vec<String>,
 }
 
 /// Stage 4: every backend end to end, each recording every tap. One sequence for every
@@ -472,6 +532,7 @@ fn end_to_end(
     entries: &[&registry::Entry],
     golden_forced: &[u32],
     passes: &mut Vec<Pass>,
+    notes: &mut Vec<String>,
     events: &mut dyn FnMut(Event),
 ) -> Result<(Vec<Trace>, Vec<u32>), CheckError> {
     let mut forced: Option<Vec<u32>> = plan
@@ -480,23 +541,47 @@ fn end_to_end(
     let mut traces = Vec::new();
     for e in entries {
         let sink = MemorySink::new(TapFilter::all());
-        let (info, sink, producer, pass) = plan.pass(e, false, sink, forced.as_deref(), events)?;
+        let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
         if forced.is_none() {
-            forced = Some(info.iter().skip(1).flat_map(|s| s.tokens.clone()).collect());
+            forced = Some(
+                ran.info
+                    .iter()
+                    .skip(1)
+                    .flat_map(|s| s.tokens.clone())
+                    .collect(),
+            );
         }
-        passes.push(pass);
+        for n in ran.notes {
+            if !notes.contains(&n) {
+                notes.push(n);
+            }
+        }
+        passes.push(ran.pass);
         traces.push(Trace::from_memory(
             plan.model_ref.clone(),
-            producer,
-            info,
-            sink.tensors,
+            ran.producer,
+            ran.info,
+            ran.sink.tensors,
         ));
     }
     Ok((traces, forced.unwrap_or_default()))
 }
 
+/// The op-by-op traces, and which of them are judged against what.
+#[derive(Default)]
+struct OpTraces {
+    traces: Vec<Trace>,
+    /// Index of the plain reference's trace: the baseline of the device ones.
+    plain: Option<usize>,
+    /// Indices of the device backends' traces (f32 activations, judged against `plain`).
+    devices: Vec<usize>,
+}
+
 /// Stage 5: op by op, each replayable backend that rounds like ggml's CPU, fed a tight
-/// golden's tensor at every tap (ReplaySink), so each op is judged on identical inputs.
+/// golden's tensor at every tap (ReplaySink), so each op is judged on identical inputs. A
+/// device backend (gpu, f32 activations) is fed the same inputs and judged against the plain
+/// reference fed them too: the golden's own ops round activations as ggml's CPU does, the
+/// gpu does not.
 fn op_by_op(
     plan: &Plan,
     entries: &[&registry::Entry],
@@ -504,30 +589,45 @@ fn op_by_op(
     opt: &CheckOptions,
     passes: &mut Vec<Pass>,
     events: &mut dyn FnMut(Event),
-) -> Result<Vec<Trace>, CheckError> {
-    let mut traces = Vec::new();
+) -> Result<OpTraces, CheckError> {
+    let mut out = OpTraces::default();
     let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_tight(g)) else {
-        return Ok(traces);
+        return Ok(out);
     };
     let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();
-    for e in entries
+    let mut op_entries: Vec<&registry::Entry> = entries
         .iter()
+        .copied()
         .filter(|e| e.replayable && e.rounding == backend::Emulation::GgmlCpu)
-    {
-        let (info, sink, producer, pass) =
-            plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
-        if let Some(err) = sink.error {
+        .collect();
+    let devices: Vec<&registry::Entry> = entries
+        .iter()
+        .copied()
+        .filter(|e| e.replayable && e.device)
+        .collect();
+    if !devices.is_empty() {
+        op_entries.push(registry::find("reference")?);
+        op_entries.extend(devices);
+    }
+    for e in op_entries {
+        let ran = plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
+        if let Some(err) = ran.sink.error {
             return Err(err.into());
         }
-        passes.push(pass);
-        traces.push(Trace::from_memory(
+        passes.push(ran.pass);
+        if e.device {
+            out.devices.push(out.traces.len());
+        } else if e.rounding == backend::Emulation::None {
+            out.plain = Some(out.traces.len());
+        }
+        out.traces.push(Trace::from_memory(
             plan.model_ref.clone(),
-            producer,
-            info,
-            sink.inner.tensors,
+            ran.producer,
+            ran.info,
+            ran.sink.inner.tensors,
         ));
     }
-    Ok(traces)
+    Ok(out)
 }
 
 /// Stage 6: every trace against the golden (op by op first: it is the tight verdict), then
@@ -536,12 +636,25 @@ fn compare_all(
     model: &Model,
     golden: Option<&(PathBuf, Trace)>,
     traces: &[Trace],
-    traces_op: &[Trace],
+    op: &OpTraces,
     events: &mut dyn FnMut(Event),
 ) -> Result<Vec<Judged>, CheckError> {
     let mut todo: Vec<(&Trace, &Trace, PairKind, bool)> = Vec::new();
     if let Some((_, g)) = golden {
-        todo.extend(traces_op.iter().map(|t| (g, t, PairKind::OpByOp, true)));
+        todo.extend(
+            op.traces
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| Some(*i) != op.plain && !op.devices.contains(i))
+                .map(|(_, t)| (g, t, PairKind::OpByOp, true)),
+        );
+        if let Some(p) = op.plain {
+            todo.extend(
+                op.devices
+                    .iter()
+                    .map(|&i| (&op.traces[p], &op.traces[i], PairKind::OpByOp, false)),
+            );
+        }
         todo.extend(traces.iter().map(|t| (g, t, pair_kind(g, t), true)));
     }
     for (i, a) in traces.iter().enumerate() {
@@ -591,5 +704,7 @@ impl<S: Sink> Sink for Counting<'_, S> {
     }
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         self.inner.substitute(key, data)
+    }    fn replays(&self, key: &TapKey) -> bool {
+        self.inner.replays(key)
     }
 }

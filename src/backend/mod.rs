@@ -21,6 +21,9 @@ pub enum BackendError {
     ContextOverflow { end: usize, n_ctx: usize },
     #[error("nothing to run: no tokens")]
     Empty,
+    /// The gpu backend could not start (no adapter, a tensor past the binding limit): one line.
+    #[error("{0}")]
+    Gpu(String),
     #[error("unknown backend '{0}' (available: {names})", names = registry::names())]
     Unknown(String),
 }
@@ -45,6 +48,12 @@ pub trait Backend {
     /// The activation rounding this backend applies before matmuls (recorded in the manifests
     /// of its traces as `producer.settings.rounding`).
     fn rounding(&self) -> Emulation;
+
+    /// Lines a check prints about this backend (the device it ran on, weights it holds in
+    /// another form than the file's). Default: none.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// Index of the largest logit; the first one on ties (as llama.cpp's greedy sampler).

@@ -2,7 +2,7 @@
 //! applies, whether it can be replayed op by op, and how to build it. The CLI, `check` and
 //! the reports ask this table instead of spelling backend names themselves.
 
-use super::{Backend, BackendError, Emulation, Fast, Reference};
+use super::{Backend, BackendError, Emulation, Fast, Reference, gpu::Gpu};
 use crate::model::Model;
 
 pub struct Entry {
@@ -14,18 +14,21 @@ pub struct Entry {
     /// (op by op).
     pub replayable: bool,
     pub about: &'static str,
-    build: for<'m> fn(&'m Model, usize, usize) -> Box<dyn Backend + 'm>,
+    /// Needs a GPU adapter: `check`'s default set includes it only when one exists.
+    pub device: bool,
+    build: for<'m> fn(&'m Model, usize, usize) -> Result<Box<dyn Backend + 'm>, BackendError>,
 }
 
 impl Entry {
     /// A backend over `model` with room for `n_ctx` positions; `threads` (0 = all cores) is
-    /// for backends that use their own pool.
+    /// for backends that use their own pool. Fails (one line) only for a device backend
+    /// without its device.
     pub fn build<'m>(
         &self,
         model: &'m Model,
         n_ctx: usize,
         threads: usize,
-    ) -> Box<dyn Backend + 'm> {
+    ) -> Result<Box<dyn Backend + 'm>, BackendError> {
         (self.build)(model, n_ctx, threads)
     }
 }
@@ -48,7 +51,8 @@ pub const BACKENDS: &[Entry] = &[
         rounding: Emulation::None,
         replayable: true,
         about: "plain f32, readable: the forward pass as written",
-        build: |m, n_ctx, _| Box::new(Reference::new(m, Emulation::None, n_ctx)),
+        device: false,
+        build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::None, n_ctx))),
     },
     Entry {
         name: "reference:ggml-cpu",
@@ -56,7 +60,8 @@ pub const BACKENDS: &[Entry] = &[
         rounding: Emulation::GgmlCpu,
         replayable: true,
         about: "the reference rounding matmul inputs as ggml's CPU backend does",
-        build: |m, n_ctx, _| Box::new(Reference::new(m, Emulation::GgmlCpu, n_ctx)),
+        device: false,
+        build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::GgmlCpu, n_ctx))),
     },
     Entry {
         name: "fast",
@@ -64,7 +69,17 @@ pub const BACKENDS: &[Entry] = &[
         rounding: Emulation::GgmlCpu,
         replayable: true,
         about: "SIMD and threads, ggml's CPU rounding",
-        build: |m, n_ctx, threads| Box::new(Fast::new(m, n_ctx, resolve_threads(threads))),
+        device: false,
+        build: |m, n_ctx, threads| Ok(Box::new(Fast::new(m, n_ctx, resolve_threads(threads)))),
+    },
+    Entry {
+        name: "gpu",
+        aliases: &[],
+        rounding: Emulation::None,
+        replayable: true,
+        about: "the GPU through wgpu (Vulkan, Metal, DX12): f32 activations, f32 accumulation",
+        device: true,
+        build: |m, n_ctx, _| Ok(Box::new(Gpu::new(m, n_ctx)?)),
     },
 ];
 
@@ -93,9 +108,12 @@ mod tests {
     fn names_and_aliases_resolve_to_their_rows() {
         assert_eq!(find("emulated").unwrap().name, "reference:ggml-cpu");
         assert_eq!(find("fast").unwrap().rounding, Emulation::GgmlCpu);
-        let e = find("gpu").err().unwrap().to_string();
-        assert!(e.contains("unknown backend 'gpu'"), "{e}");
-        assert!(e.contains("reference, reference:ggml-cpu, fast"), "{e}");
+        let e = find("vulkan").err().unwrap().to_string();
+        assert!(e.contains("unknown backend 'vulkan'"), "{e}");
+        assert!(
+            e.contains("reference, reference:ggml-cpu, fast, gpu"),
+            "{e}"
+        );
     }
 
     #[test]

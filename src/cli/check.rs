@@ -276,13 +276,10 @@ pub struct CheckArgs {
     #[arg(long)]
     steps: Option<usize>,
     /// Backends to run: reference (plain f32), reference:ggml-cpu (emulating ggml's CPU
-    /// activation rounding), fast.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "reference,reference:ggml-cpu,fast"
-    )]
-    backends: Vec<String>,
+    /// activation rounding), fast, gpu (wgpu). Default: reference,reference:ggml-cpu,fast and
+    /// gpu when a GPU adapter exists (else the verdict says the GPU was not checked).
+    #[arg(long, value_delimiter = ',')]
+    backends: Option<Vec<String>>,
     /// Worker threads for the fast backend (0 = all cores).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     threads: usize,
@@ -345,8 +342,9 @@ pub fn user_golden_dir() -> Option<PathBuf> {
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
     a.report.validate()?;
-    for (i, b) in a.backends.iter().enumerate() {
-        if a.backends[..i].contains(b) {
+    let named = a.backends.as_deref().unwrap_or_default();
+    for (i, b) in named.iter().enumerate() {
+        if named[..i].contains(b) {
             return Err(err(format!(
                 "--backends names {b} twice: a backend compared with itself proves nothing"
             )));
@@ -372,7 +370,12 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         None
     };
     let opt = CheckOptions {
-        backends: a.backends.clone(),
+        backends: a.backends.clone().unwrap_or_else(|| {
+            ["reference", "reference:ggml-cpu", "fast", "gpu"]
+                .map(String::from)
+                .to_vec()
+        }),
+        device_optional: a.backends.is_none(),
         threads: a.threads,
         steps: a.steps,
         op_by_op: !a.no_op_by_op,
@@ -460,10 +463,13 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ));
         }
         line.pop();
-        if a.report.json.as_deref() == Some(Path::new("-")) {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
+        let to_stderr = a.report.json.as_deref() == Some(Path::new("-"));
+        for l in std::iter::once(&line).chain(&r.notes) {
+            if to_stderr {
+                eprintln!("{l}");
+            } else {
+                println!("{l}");
+            }
         }
     }
     let info = run_info(

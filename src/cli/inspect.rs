@@ -21,6 +21,54 @@ pub struct InspectArgs {
     metadata: bool,
 }
 
+#[derive(Args)]
+pub struct GpuArgs {
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `parity gpu`: the adapter and what the kernels use of it; no adapter is one line, exit 2.
+pub fn gpu(a: GpuArgs) -> Result<ExitCode> {
+    let cx = crate::backend::gpu::context::Context::new().map_err(err)?;
+    let i = &cx.info;
+    let reduce = if i.subgroups {
+        "subgroup ops"
+    } else {
+        "shared memory"
+    };
+    if a.json {
+        let v = serde_json::json!({
+            "adapter": i.adapter, "driver": i.driver, "driver_info": i.driver_info,
+            "api": i.api, "device_type": i.device_type,
+            "max_storage_binding_bytes": i.max_binding, "max_buffer_bytes": i.max_buffer,
+            "workgroup_storage_bytes": i.workgroup_storage,
+            "max_invocations_per_workgroup": i.max_invocations,
+            "workgroup_size": crate::backend::gpu::context::WG,
+            "subgroup_size": [i.subgroup.0, i.subgroup.1], "reductions": reduce, "f16": i.f16,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("adapter: {} ({})", i.adapter, i.device_type);
+    println!("driver: {} {}", i.driver, i.driver_info);
+    println!("api: {}", i.api);
+    println!(
+        "limits used: max storage binding {} bytes, max buffer {} bytes, workgroup storage {} bytes, {} invocations per workgroup (kernels use {})",
+        i.max_binding,
+        i.max_buffer,
+        i.workgroup_storage,
+        i.max_invocations,
+        crate::backend::gpu::context::WG
+    );
+    println!(
+        "subgroup size: {}..{} (reductions: {reduce})",
+        i.subgroup.0, i.subgroup.1
+    );
+    println!("f16: {}", if i.f16 { "yes" } else { "no" });
+    Ok(ExitCode::SUCCESS)
+}
+
 fn json_value(v: &Value) -> serde_json::Value {
     match v {
         Value::Array(ty, items) if items.len() > 16 => {

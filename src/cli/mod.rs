@@ -38,6 +38,8 @@ pub struct Cli {
 enum Cmd {
     /// Print architecture, hyperparameters, tokenizer summary and the tensor table of a GGUF file.
     Inspect(inspect::InspectArgs),
+    /// Print the GPU adapter the gpu backend uses: driver, API, limits, subgroup size, f16.
+    Gpu(inspect::GpuArgs),
     /// Write a deterministic tiny random-weight model (for tests and goldens).
     Fixture(inspect::FixtureArgs),
     /// Print the token ids of TEXT, space-separated, on one line.
@@ -89,6 +91,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::inspect(a),
+        Cmd::Gpu(a) => inspect::gpu(a),
         Cmd::Fixture(a) => inspect::fixture(a),
         Cmd::Tokenize(a) => run::tokenize(a),
         Cmd::Generate(a) => run::generate(a),

@@ -143,7 +143,7 @@ pub fn make_backend<'m>(
     n_ctx: usize,
     threads: usize,
 ) -> Result<Box<dyn Backend + 'm>> {
-    Ok(backend::registry::find(name)?.build(model, n_ctx, threads))
+    Ok(backend::registry::find(name)?.build(model, n_ctx, threads)?)
 }
 
 /// `--mutate NAME`: the mutation, refused (one line, exit 2) when unknown or when it cannot

@@ -1,0 +1,247 @@
+//! The device: adapter, limits and features read from it, and the small helpers every kernel
+//! uses (pipelines, buffers, one dispatch, read-back).
+
+use std::borrow::Cow;
+use wgpu::util::DeviceExt;
+
+/// The one line printed when no adapter exists (the other backends go on without it).
+pub const NO_ADAPTER: &str = "no GPU adapter: install a Vulkan driver, e.g. Debian's mesa-vulkan-drivers for a software device";
+
+/// Invocations per workgroup of every kernel: 256 is the most every device must allow.
+pub const WG: u32 = 256;
+
+/// What `parity gpu` prints and the kernels are built for.
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub adapter: String,
+    pub driver: String,
+    pub driver_info: String,
+    pub api: String,
+    pub device_type: String,
+    pub max_binding: u64,
+    pub max_buffer: u64,
+    pub workgroup_storage: u32,
+    pub max_invocations: u32,
+    pub max_groups_per_dim: u32,
+    /// Subgroup size range (min, max) the adapter reports; (0, 0) when it has none.
+    pub subgroup: (u32, u32),
+    /// The reductions use subgroup ops (else the shared-memory fallback).
+    pub subgroups: bool,
+    pub f16: bool,
+}
+
+pub struct Context {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub info: GpuInfo,
+}
+
+impl Context {
+    /// The first adapter wgpu finds (high performance preferred), with the adapter's own
+    /// limits (not wgpu's conservative defaults: a 128 MiB binding would refuse real models).
+    /// `PARITY_GPU_NO_SUBGROUPS=1` forces the shared-memory reductions (tests use it).
+    pub fn new() -> Result<Context, String> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
+            power_preference: wgpu::PowerPreference::HighPerformance,
+            ..Default::default()
+        }))
+        .map_err(|_| NO_ADAPTER.to_string())?;
+        let feats = adapter.features();
+        let no_sg = std::env::var_os("PARITY_GPU_NO_SUBGROUPS").is_some_and(|v| v == "1");
+        let subgroups = feats.contains(wgpu::Features::SUBGROUP) && !no_sg;
+        let f16 = feats.contains(wgpu::Features::SHADER_F16);
+        let mut want = wgpu::Features::empty();
+        if subgroups {
+            want |= wgpu::Features::SUBGROUP;
+        }
+        if f16 {
+            want |= wgpu::Features::SHADER_F16;
+        }
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("parity"),
+            required_features: want,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| format!("GPU device: {e}"))?;
+        let a = adapter.get_info();
+        let info = GpuInfo {
+            adapter: a.name.clone(),
+            driver: a.driver.clone(),
+            driver_info: a.driver_info.clone(),
+            api: format!("{:?}", a.backend),
+            device_type: format!("{:?}", a.device_type),
+            max_binding: limits.max_storage_buffer_binding_size as u64,
+            max_buffer: limits.max_buffer_size,
+            workgroup_storage: limits.max_compute_workgroup_storage_size,
+            max_invocations: limits.max_compute_invocations_per_workgroup,
+            max_groups_per_dim: limits.max_compute_workgroups_per_dimension,
+            subgroup: (a.subgroup_min_size, a.subgroup_max_size),
+            subgroups,
+            f16,
+        };
+        if info.max_invocations < WG {
+            return Err(format!(
+                "GPU adapter {} allows {} invocations per workgroup; parity's kernels need {WG}",
+                info.adapter, info.max_invocations
+            ));
+        }
+        Ok(Context {
+            device,
+            queue,
+            info,
+        })
+    }
+
+    /// A compute pipeline for `entry` of the WGSL `src`, with the reduction helpers of this
+    /// device (subgroup ops or shared memory) prepended.
+    pub fn pipeline(&self, src: &str, entry: &str) -> wgpu::ComputePipeline {
+        let reduce = if self.info.subgroups {
+            include_str!("reduce_subgroup.wgsl")
+        } else {
+            include_str!("reduce_shared.wgsl")
+        };
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(entry),
+                source: wgpu::ShaderSource::Wgsl(Cow::Owned(format!("{reduce}\n{src}"))),
+            });
+        self.device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: None,
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+    }
+
+    /// An f32 storage buffer of `n` elements (at least one: zero-sized bindings are invalid).
+    pub fn buffer(&self, n: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: (n.max(1) * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// A storage buffer holding `data`.
+    pub fn upload(&self, data: &[f32]) -> wgpu::Buffer {
+        let one = [0.0f32];
+        let data = if data.is_empty() { &one[..] } else { data };
+        self.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+            })
+    }
+
+    /// Record one dispatch of `pipe` into `enc`: binding 0 is a uniform holding `params`
+    /// (u32 words, f32 given by `to_bits`), bindings 1.. are `bufs`. `groups` workgroups
+    /// are spread over x and y when they exceed the per-dimension limit; kernels recover
+    /// the linear index as `wid.x + wid.y * nwg.x`.
+    pub fn dispatch(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        pipe: &wgpu::ComputePipeline,
+        params: &[u32],
+        bufs: &[&wgpu::Buffer],
+        groups: u32,
+    ) {
+        let mut words = params.to_vec();
+        words.resize(params.len().div_ceil(4).max(1) * 4, 0);
+        let uni = self
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: None,
+                contents: bytemuck::cast_slice(&words),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: uni.as_entire_binding(),
+        }];
+        for (i, b) in bufs.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipe.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        let max = self.info.max_groups_per_dim.max(1);
+        let (x, y) = if groups <= max {
+            (groups.max(1), 1)
+        } else {
+            (max, groups.div_ceil(max))
+        };
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        pass.set_pipeline(pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(x, y, 1);
+    }
+
+    /// Submit `enc` and read `n` f32 from `buf` at element `offset`.
+    pub fn read(
+        &self,
+        mut enc: wgpu::CommandEncoder,
+        buf: &wgpu::Buffer,
+        offset: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        if n == 0 {
+            self.queue.submit([enc.finish()]);
+            return Vec::new();
+        }
+        let size = (n * 4) as u64;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        enc.copy_buffer_to_buffer(buf, (offset * 4) as u64, &staging, 0, size);
+        self.queue.submit([enc.finish()]);
+        let slice = staging.slice(..);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: None,
+            })
+            .expect("GPU device lost while waiting");
+        rx.recv()
+            .expect("map callback")
+            .expect("GPU read-back failed");
+        let out = {
+            let view = slice.get_mapped_range().expect("mapped above");
+            bytemuck::cast_slice::<u8, f32>(&view).to_vec()
+        };
+        staging.unmap();
+        out
+    }
+
+    pub fn encoder(&self) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor::default())
+    }
+}
