@@ -587,7 +587,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             }
             v
         };
-        let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}x"));
+        let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{}x", fmt_rate(Some(x))));
         let mut rows = vec![
             row(
                 "prompt (pp) tok/s",
