@@ -139,3 +139,37 @@ fn bench_refuses_bad_backend_lists() {
         assert!(err.contains(why), "{extra:?}: {err}");
     }
 }
+
+/// With no adapter (the Vulkan loader pointed at a driver list that does not exist), asking
+/// for the gpu backend stops bench in one line naming the driver to install, exit 2, before
+/// anything is timed (the fast backend named first prints no table).
+#[test]
+#[cfg(target_os = "linux")]
+fn bench_without_an_adapter_says_so_in_one_line() {
+    let args = [
+        "bench",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--backends",
+        "fast,gpu",
+        "--no-llama",
+        "--reps",
+        "1",
+    ];
+    let none = "/nonexistent/parity-no-driver.json";
+    let o = parity_env(
+        &args,
+        &[("VK_DRIVER_FILES", none), ("VK_ICD_FILENAMES", none)],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.contains("XDG_RUNTIME_DIR"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    assert!(
+        lines[0].contains("no GPU adapter") && lines[0].contains("mesa-vulkan-drivers"),
+        "{err}"
+    );
+    assert!(o.stdout.is_empty(), "{}", show(&o));
+}

@@ -331,36 +331,57 @@ struct GpuRun {
 
 fn time_ours(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Result<Vec<Ours>> {
     let n_ctx = ids.len() + a.n_gen;
+    // The gpu backend is made before anything is timed, so that a missing adapter stops the
+    // run at once; the others are made in turn (an idle CPU pool must not run beside a timing).
+    let wants_gpu = a
+        .backends
+        .iter()
+        .any(|b| registry::find(b).is_ok_and(|e| e.name == "gpu"));
+    let mut gpu = if wants_gpu {
+        Some(Box::new(Gpu::new(model, n_ctx)?))
+    } else {
+        None
+    };
+    enum Built<'m> {
+        Gpu(Box<Gpu<'m>>),
+        Other(Box<dyn Backend + 'm>),
+    }
     let mut out = Vec::new();
     for name in &a.backends {
         let entry = registry::find(name)?;
-        let (timing, device, as_f32) = if entry.name == "gpu" {
-            let mut g = Gpu::new(model, n_ctx)?;
-            let timing = time_backend(&mut g, ids, a)?;
-            let i = g.info();
-            let (peak, from) = match a.peak_gbs {
-                Some(p) => (Some(p), Some("--peak-gbs")),
-                None => {
-                    let k = known_peak_gbs(&i.adapter);
-                    (k, k.map(|_| "parity's table of vendor figures"))
-                }
-            };
-            let dev = GpuRun {
-                adapter: i.adapter.clone(),
-                device_type: i.device_type.clone(),
-                api: i.api.clone(),
-                driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
-                cpu_device: i.device_type == "Cpu",
-                dequantized_at_load: g.dequantized().to_vec(),
-                peak_gb_s: peak,
-                peak_from: from,
-                tg_share_of_peak: None,
-            };
-            let f32s = dev.dequantized_at_load.clone();
-            (timing, Some(dev), f32s)
-        } else {
-            let mut b = entry.build(model, n_ctx, threads)?;
-            (time_backend(b.as_mut(), ids, a)?, None, Vec::new())
+        let b = match gpu.take() {
+            Some(g) if entry.name == "gpu" => Built::Gpu(g),
+            g => {
+                gpu = g;
+                Built::Other(entry.build(model, n_ctx, threads)?)
+            }
+        };
+        let (timing, device, as_f32) = match b {
+            Built::Gpu(mut g) => {
+                let timing = time_backend(g.as_mut(), ids, a)?;
+                let i = g.info();
+                let (peak, from) = match a.peak_gbs {
+                    Some(p) => (Some(p), Some("--peak-gbs")),
+                    None => {
+                        let k = known_peak_gbs(&i.adapter);
+                        (k, k.map(|_| "parity's table of vendor figures"))
+                    }
+                };
+                let dev = GpuRun {
+                    adapter: i.adapter.clone(),
+                    device_type: i.device_type.clone(),
+                    api: i.api.clone(),
+                    driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
+                    cpu_device: i.device_type == "Cpu",
+                    dequantized_at_load: g.dequantized().to_vec(),
+                    peak_gb_s: peak,
+                    peak_from: from,
+                    tg_share_of_peak: None,
+                };
+                let f32s = dev.dequantized_at_load.clone();
+                (timing, Some(dev), f32s)
+            }
+            Built::Other(mut b) => (time_backend(b.as_mut(), ids, a)?, None, Vec::new()),
         };
         let bytes = weight_bytes(model, &as_f32);
         let gbs = timing.tg_tok_s.map(|r| bytes as f64 * r / 1e9);
