@@ -381,7 +381,9 @@ fn gpu_matches_the_reference_on_a_16_layer_model() {
 fn broken_kernels_are_found_at_their_tap_by_diff() {
     let golden = root().join("golden/tiny-llama-f32");
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, Option<(usize, usize, &str)>); 4] = [
+    // (bug, where diff must find it: step, layer, tap)
+    type Want = Option<(usize, usize, &'static str)>;
+    let cases: [(&str, Want); 4] = [
         ("", None),
         ("matmul-transposed@1", Some((0, 1, "q"))),
         ("rope-pairs@1", Some((0, 1, "q_rope"))),
