@@ -28,6 +28,17 @@ pub enum Emulation {
     GgmlCpu,
     /// Round matmul inputs to f16, as GPU engines that keep activations in f16 do.
     F16,
+    /// ggml's scalar reference quantizers (`quantize_row_q8_0_ref`: `1/(max|x|/127)`, `roundf`,
+    /// ties half away from zero), as engines that port them do; GELU in f32.
+    GgmlScalar,
+    /// Q8_K activations (blocks of 256) before every quantized matmul, as an AVX512-VNNI
+    /// engine does; rows not a multiple of 256 are rounded as ggml-cpu does.
+    Q8K,
+    /// llama.cpp's GPU `quantize_q8_1` (CUDA/Vulkan MMVQ) before every quantized matmul:
+    /// blocks of 32, `d = max|x|/127`, `q = roundf(x / d)`, `d` stored as f16; GELU in f32.
+    Q8_1Gpu,
+    /// Round matmul inputs to bf16 (round to nearest even).
+    Bf16,
 }
 
 impl Emulation {
@@ -37,15 +48,70 @@ impl Emulation {
             Emulation::None => "none",
             Emulation::GgmlCpu => "ggml-cpu",
             Emulation::F16 => "f16",
+            Emulation::GgmlScalar => "ggml-scalar",
+            Emulation::Q8K => "q8k",
+            Emulation::Q8_1Gpu => "q8_1-gpu",
+            Emulation::Bf16 => "bf16",
         }
     }
 
+    pub const ALL: [Emulation; 7] = [
+        Emulation::None,
+        Emulation::GgmlCpu,
+        Emulation::F16,
+        Emulation::GgmlScalar,
+        Emulation::Q8K,
+        Emulation::Q8_1Gpu,
+        Emulation::Bf16,
+    ];
+
     pub fn parse(s: &str) -> Option<Emulation> {
-        match s {
-            "none" => Some(Emulation::None),
-            "ggml-cpu" => Some(Emulation::GgmlCpu),
-            "f16" => Some(Emulation::F16),
-            _ => None,
+        Emulation::ALL.into_iter().find(|e| e.name() == s)
+    }
+
+    /// The roundings that differ from this one only where an element lands on (or next to) a
+    /// rounding tie: the same 8-bit grid, another tie rule or inverse-scale formula. An element
+    /// on a tie may take either neighbour, so an own error one of them removes is no finding.
+    pub fn tie_twins(self) -> &'static [Emulation] {
+        match self {
+            Emulation::GgmlCpu => &[Emulation::GgmlScalar, Emulation::Q8_1Gpu],
+            Emulation::GgmlScalar => &[Emulation::GgmlCpu],
+            Emulation::Q8_1Gpu => &[Emulation::GgmlScalar],
+            _ => &[],
+        }
+    }
+
+    /// The activation type the inputs of a matmul with `ty` weights are quantized to (F32:
+    /// not quantized; F16/BF16: rounded to that type).
+    pub fn act_type(self, ty: GgmlType, n_in: usize) -> GgmlType {
+        let cpu = quant::vec_dot_type(ty);
+        let quantized = matches!(cpu, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K);
+        match self {
+            Emulation::None => GgmlType::F32,
+            Emulation::F16 => GgmlType::F16,
+            Emulation::Bf16 => GgmlType::BF16,
+            Emulation::GgmlCpu | Emulation::GgmlScalar => cpu,
+            Emulation::Q8K if quantized && n_in % 256 == 0 => GgmlType::Q8_K,
+            Emulation::Q8K => cpu,
+            Emulation::Q8_1Gpu if quantized => GgmlType::Q8_1,
+            Emulation::Q8_1Gpu => cpu,
+        }
+    }
+}
+
+/// llama.cpp's GPU `quantize_q8_1`, dequantized: per block of 32, `d = max|x|/127`,
+/// `q = roundf(x / d)`, times `d` as the f16 the block stores.
+fn q8_1_gpu(src: &[f32], dst: &mut [f32]) {
+    for (x, y) in src.chunks(32).zip(dst.chunks_mut(32)) {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let dh = half::f16::from_f32(d).to_f32();
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = if amax == 0.0 {
+                0.0
+            } else {
+                (v / d).round() * dh
+            };
         }
     }
 }
@@ -181,19 +247,33 @@ impl<'m> Reference<'m> {
         out
     }
 
-    /// The activation rounding ggml's CPU applies before a matmul with a `ty` weight.
+    /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
     fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
-        if self.emulation == Emulation::F16 {
-            return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-        }
-        let act = quant::vec_dot_type(ty);
-        if self.emulation == Emulation::None || act == GgmlType::F32 {
-            return x.to_vec();
+        let e = self.emulation;
+        let act = e.act_type(ty, n_in);
+        match act {
+            GgmlType::F32 => return x.to_vec(),
+            GgmlType::F16 => return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            GgmlType::BF16 => {
+                return x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect();
+            }
+            _ => {}
         }
         let mut y = vec![0.0f32; x.len()];
+        if e == Emulation::Q8_1Gpu && act == GgmlType::Q8_1 {
+            q8_1_gpu(x, &mut y);
+            return y;
+        }
         let mut q = vec![0u8; act.bytes_for(n_in as u64).expect("whole blocks") as usize];
         for (src, dst) in x.chunks(n_in).zip(y.chunks_mut(n_in)) {
-            quant::quantize_activation(act, src, &mut q);
+            if e == Emulation::GgmlScalar {
+                quant::quantize_row_into(act, src, &mut q).expect("whole blocks");
+            } else {
+                quant::quantize_activation(act, src, &mut q);
+            }
             quant::dequantize_row(act, &q, dst).expect("same length");
         }
         y
@@ -341,7 +421,7 @@ impl Backend for Reference<'_> {
         match self.emulation {
             Emulation::None => "reference".into(),
             Emulation::GgmlCpu => "reference:ggml-cpu".into(),
-            Emulation::F16 => "reference:f16".into(),
+            e => format!("reference:{}", e.name()),
         }
     }
 
