@@ -9,6 +9,8 @@
 //! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
+pub use super::family::Emulation;
+use super::family::{Gelu, Quantizer};
 use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
 use crate::arch::{self, Attn, Ops, Rope};
@@ -18,86 +20,6 @@ use crate::quant;
 use crate::trace::{Sink, Tap, TapKey, tap, tap_mut};
 use rayon::prelude::*;
 use std::ops::Range;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Emulation {
-    /// Plain f32 activations.
-    None,
-    /// Quantize matmul inputs the way ggml's CPU backend does.
-    GgmlCpu,
-    /// Round matmul inputs to f16, as GPU engines that keep activations in f16 do.
-    F16,
-    /// ggml's scalar reference quantizers (`quantize_row_q8_0_ref`: `1/(max|x|/127)`, `roundf`,
-    /// ties half away from zero), as engines that port them do; GELU in f32.
-    GgmlScalar,
-    /// Q8_K activations (blocks of 256) before every quantized matmul, as an AVX512-VNNI
-    /// engine does; rows not a multiple of 256 are rounded as ggml-cpu does.
-    Q8K,
-    /// llama.cpp's GPU `quantize_q8_1` (CUDA/Vulkan MMVQ) before every quantized matmul:
-    /// blocks of 32, `d = max|x|/127`, `q = roundf(x / d)`, `d` stored as f16; GELU in f32.
-    Q8_1Gpu,
-    /// Round matmul inputs to bf16 (round to nearest even).
-    Bf16,
-}
-
-impl Emulation {
-    /// The name `parse` reads and manifests record.
-    pub fn name(self) -> &'static str {
-        match self {
-            Emulation::None => "none",
-            Emulation::GgmlCpu => "ggml-cpu",
-            Emulation::F16 => "f16",
-            Emulation::GgmlScalar => "ggml-scalar",
-            Emulation::Q8K => "q8k",
-            Emulation::Q8_1Gpu => "q8_1-gpu",
-            Emulation::Bf16 => "bf16",
-        }
-    }
-
-    pub const ALL: [Emulation; 7] = [
-        Emulation::None,
-        Emulation::GgmlCpu,
-        Emulation::F16,
-        Emulation::GgmlScalar,
-        Emulation::Q8K,
-        Emulation::Q8_1Gpu,
-        Emulation::Bf16,
-    ];
-
-    pub fn parse(s: &str) -> Option<Emulation> {
-        Emulation::ALL.into_iter().find(|e| e.name() == s)
-    }
-
-    /// The roundings that differ from this one only where an element lands on (or next to) a
-    /// rounding tie: the same 8-bit grid, another tie rule or inverse-scale formula. An element
-    /// on a tie may take either neighbour, so an own error one of them removes is no finding.
-    pub fn tie_twins(self) -> &'static [Emulation] {
-        match self {
-            Emulation::GgmlCpu => &[Emulation::GgmlScalar, Emulation::Q8_1Gpu],
-            Emulation::GgmlScalar => &[Emulation::GgmlCpu],
-            Emulation::Q8_1Gpu => &[Emulation::GgmlScalar],
-            _ => &[],
-        }
-    }
-
-    /// The activation type the inputs of a matmul with `ty` weights are quantized to (F32:
-    /// not quantized; F16/BF16: rounded to that type).
-    pub fn act_type(self, ty: GgmlType, n_in: usize) -> GgmlType {
-        let cpu = quant::vec_dot_type(ty);
-        let quantized = matches!(cpu, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K);
-        match self {
-            Emulation::None => GgmlType::F32,
-            Emulation::F16 => GgmlType::F16,
-            Emulation::Bf16 => GgmlType::BF16,
-            Emulation::GgmlCpu | Emulation::GgmlScalar => cpu,
-            Emulation::Q8K if quantized && n_in % 256 == 0 => GgmlType::Q8_K,
-            Emulation::Q8K => cpu,
-            Emulation::Q8_1Gpu if quantized => GgmlType::Q8_1,
-            Emulation::Q8_1Gpu => cpu,
-        }
-    }
-}
 
 /// llama.cpp's GPU `quantize_q8_1`, dequantized: per block of 32, `d = max|x|/127`,
 /// `q = roundf(x / d)`, times `d` as the f16 the block stores.
@@ -263,13 +185,14 @@ impl<'m> Reference<'m> {
             _ => {}
         }
         let mut y = vec![0.0f32; x.len()];
-        if e == Emulation::Q8_1Gpu && act == GgmlType::Q8_1 {
+        let quantizer = e.family().quantizer;
+        if quantizer == Quantizer::Gpu && act == GgmlType::Q8_1 {
             q8_1_gpu(x, &mut y);
             return y;
         }
         let mut q = vec![0u8; act.bytes_for(n_in as u64).expect("whole blocks") as usize];
         for (src, dst) in x.chunks(n_in).zip(y.chunks_mut(n_in)) {
-            if e == Emulation::GgmlScalar {
+            if quantizer == Quantizer::Scalar {
                 quant::quantize_row_into(act, src, &mut q).expect("whole blocks");
             } else {
                 quant::quantize_activation(act, src, &mut q);
@@ -386,12 +309,12 @@ pub(crate) fn softcap(x: f32, cap: f32) -> f32 {
 
 /// GELU, tanh approximation, as ggml_gelu. ggml's CPU backend looks it up in an f16 table
 /// (`GGML_GELU_FP16`): the input rounded to f16, the output stored as f16, and exact past
-/// ±10; `Emulation::GgmlCpu` does the same.
+/// ±10; a family whose row says `Gelu::F16Table` (ggml-cpu) does the same.
 pub(crate) fn gelu(x: f32, emulation: Emulation) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
     let exact = |x: f32| 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-    if emulation != Emulation::GgmlCpu {
+    if emulation.gelu() != Gelu::F16Table {
         return exact(x);
     }
     if x <= -10.0 {

@@ -199,6 +199,7 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
         first_divergence,
         only_in_baseline: 0,
         only_in_candidate: 0,
+        rounding_family: Some(j.rounding.name()),
     }
 }
 

@@ -363,15 +363,7 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
 fn rounding_line(b: &dyn Backend, model: &Model) -> String {
     let w = model.main_weight_type();
     let rounding = b.rounding();
-    let how = match rounding {
-        Emulation::None => "plain f32 activations",
-        Emulation::GgmlCpu => "activations rounded as llama.cpp's CPU backend does",
-        Emulation::F16 => "activations rounded to f16",
-        Emulation::GgmlScalar => "activations rounded as ggml's scalar reference quantizers do",
-        Emulation::Q8K => "activations quantized to Q8_K before every quantized matmul",
-        Emulation::Q8_1Gpu => "activations quantized as llama.cpp's GPU MMVQ does (Q8_1)",
-        Emulation::Bf16 => "activations rounded to bf16",
-    };
+    let how = rounding.family().activations;
     let mut line = format!("backend: {} ({how}; {w} weights)", b.name());
     if rounding != Emulation::GgmlCpu && w != crate::gguf::GgmlType::F32 {
         line.push_str(&format!(

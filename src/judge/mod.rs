@@ -224,19 +224,23 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     // Rounding ties: an element that lands exactly on a tie (or next to one, where the
     // inverse-scale formulas differ by an ulp) may take either neighbour, and which one is no
     // bug. Where a key through a matmul sits above the tight matmul floor, the tie twins of the
-    // chosen rounding are replayed too and each key keeps the closer of the two.
+    // chosen rounding (`Family::tie_twins`: the same grid, another tie rule) are replayed too
+    // and each key keeps the closer of the two.
     let mut ties = Vec::new();
+    // The GELU is measured the same way, per op kind: ggml-cpu's f16 table beside its
+    // quantized matmuls, or GELU in f32 (a GPU's) beside the same matmul grid (its twins).
+    let gelu = model.config.activation == crate::model::Activation::GeluTanh;
     let above_noise = rep.metrics.iter().any(|(k, m)| {
         m.nmse > floor::MM_ABS
-            && span(&cand, k)
-                .iter()
-                .any(|x| class(x.tap) == OpClass::Matmul)
+            && span(&cand, k).iter().any(|x| {
+                class(x.tap) == OpClass::Matmul || (gelu && x.tap == crate::trace::Tap::FfnAct)
+            })
     });
     let mut rounding = rounding;
     if above_noise {
         let base = rep.metrics.clone();
         // Per twin: keys it reproduces closer than the chosen rounding, and farther.
-        let mut tally: Vec<(Emulation, usize, usize)> = Vec::new();
+        let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
         let twins = rounding::twins(model, rounding);
         for t in twins {
             let setup = Setup {
@@ -249,6 +253,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
             };
             let twin = replay(model, &cand, &setup, &none)?;
             let (mut wins, mut losses) = (0, 0);
+            let total: f64 = twin.metrics.values().map(|m| m.nmse).sum();
             for (k, m) in twin.metrics {
                 let Some(b) = base.get(&k) else { continue };
                 if m.nmse > b.nmse {
@@ -264,15 +269,14 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
                     }
                 }
             }
-            tally.push((t, wins, losses));
+            tally.push((t, wins, losses, total));
         }
-        // A twin that is closer somewhere and farther nowhere is the engine's family: named.
-        // (The first of equals: ggml-scalar before q8_1-gpu.)
-        if let Some(&(t, _, _)) = tally
+        // A twin that is closer somewhere and farther nowhere is the engine's family: named
+        // (of several, the closest over the trace; the first of equals).
+        if let Some(&(t, ..)) = tally
             .iter()
-            .rev()
             .filter(|x| x.1 > 0 && x.2 == 0)
-            .max_by_key(|x| x.1)
+            .min_by(|a, b| a.3.total_cmp(&b.3))
         {
             rounding = t;
             ties.retain(|(_, x)| *x != t);
@@ -403,7 +407,7 @@ pub fn render(j: &Judgement) -> String {
         if !j.fits.iter().any(|f| f.rounding == j.rounding) {
             let _ = writeln!(
                 s,
-                "  named by its rounding ties: it reproduces keys the best fit does not, on the same grid, and none worse"
+                "  named by its twins: on the best fit's matmul grid it reproduces keys the best fit does not (a rounding tie, or the GELU), and none worse"
             );
         }
     } else {
@@ -431,7 +435,7 @@ pub fn render(j: &Judgement) -> String {
         let twins: BTreeSet<&str> = j.ties.iter().map(|(_, t)| short(*t)).collect();
         let _ = writeln!(
             s,
-            "rounding ties: {} keys reproduced closer by {} (the same 8-bit grid, the other tie rule: an element on a tie may take either neighbour; judged under it, never a finding)",
+            "rounding twins: {} keys reproduced closer by {} (the same matmul grid with the other tie rule, or GELU in f32 instead of ggml-cpu's f16 table: an element on a tie may take either neighbour; judged under it, never a finding)",
             j.ties.len(),
             twins.into_iter().collect::<Vec<_>>().join(", ")
         );

@@ -7,6 +7,7 @@ use super::floor::{OpClass, class, median, span};
 use super::replay::{self, Candidate, KvCache, Setup, Window, replay};
 use super::{JudgeError, JudgeOptions};
 use crate::backend::Emulation;
+use crate::backend::family::Quantizer;
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::TapKey;
@@ -24,21 +25,7 @@ pub const EXACT_FIT: f64 = 1e-11;
 pub const ROUNDINGS: [Emulation; 7] = Emulation::ALL;
 
 pub fn rounding_name(r: Emulation) -> &'static str {
-    match r {
-        Emulation::None => "plain f32",
-        Emulation::GgmlCpu => "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
-        Emulation::F16 => "f16 (matmul inputs rounded to f16)",
-        Emulation::GgmlScalar => {
-            "ggml-scalar (matmul inputs quantized by ggml's reference quantizers: ties half away from zero)"
-        }
-        Emulation::Q8K => {
-            "q8k (inputs of every quantized matmul quantized to Q8_K, as AVX512-VNNI engines)"
-        }
-        Emulation::Q8_1Gpu => {
-            "q8_1-gpu (inputs of every quantized matmul quantized to Q8_1 as llama.cpp's GPU MMVQ)"
-        }
-        Emulation::Bf16 => "bf16 (matmul inputs rounded to bf16)",
-    }
+    r.family().about
 }
 
 /// How well one K/V cache type reproduced the candidate's attention.
@@ -144,15 +131,13 @@ pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
 
 /// What `r` does to the inputs of each of these weights: the activation type and the
 /// quantizer (SIMD, scalar reference, GPU). Two roundings with one signature are one.
-fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> Vec<(GgmlType, u8)> {
+fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> Vec<(GgmlType, Quantizer)> {
     tys.iter()
         .map(|&(ty, n)| {
             let act = r.act_type(ty, n);
-            let q = match (r, act) {
-                (_, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) => 0,
-                (Emulation::GgmlScalar, GgmlType::Q8_0 | GgmlType::Q8_1) => 1,
-                (Emulation::Q8_1Gpu, GgmlType::Q8_1) => 2,
-                _ => 0,
+            let q = match act {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Quantizer::Simd,
+                _ => r.family().quantizer,
             };
             (act, q)
         })
@@ -196,7 +181,7 @@ pub fn measure(
             roundings.retain(|&r| r != Emulation::GgmlCpu);
             roundings.insert(0, Emulation::GgmlCpu);
         }
-        let mut seen: Vec<Vec<(GgmlType, u8)>> = Vec::new();
+        let mut seen: Vec<Vec<(GgmlType, Quantizer)>> = Vec::new();
         if roundings.contains(&Emulation::None) {
             seen.push(signature(Emulation::None, &tys));
         }
