@@ -6,7 +6,7 @@ cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format
 an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
 decoded by gguf-py, every op is written again here.
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
@@ -15,7 +15,9 @@ decoded by gguf-py, every op is written again here.
 the x86 AVX quantizer: 127/amax, round half to even). The other rounding families:
 ggml-scalar (ggml's quantize_row_q8_0_ref: 1/(amax/127), roundf, half away from zero), q8k (Q8_K
 activations for every quantized weight, as an AVX512-VNNI engine), q8_1 (llama.cpp's GPU MMVQ:
-x / (amax/127), roundf), f16 and bf16 (every matmul input rounded). --mutate switches on one of parity's
+x / (amax/127), roundf), f16 and bf16 (every matmul input rounded), f16-acc (inputs and weights
+rounded to f16, products summed in order in one f16 running sum: a GPU tiled matmul with an f16
+accumulator). --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default.
 """
@@ -205,6 +207,18 @@ def round_input(ty, x, family="ggml"):
     return x
 
 
+def f16_acc_matmul(x, w):
+    """The f16-acc family (a GPU tiled matmul with an f16 accumulator): inputs and weights
+    rounded to f16, then for each output the products over k = 0..K-1 added in that order into
+    one f16 running sum, one rounding per step (an f16 fma: product and sum exact in f64)."""
+    x16 = x.astype(np.float16).astype(F64)
+    w16 = w.astype(np.float16).astype(F64)
+    acc = np.zeros((x.shape[0], w.shape[0]), np.float16)
+    for k in range(x.shape[1]):
+        acc = (acc.astype(F64) + x16[:, k, None] * w16[None, :, k]).astype(np.float16)
+    return acc.astype(F32)
+
+
 # ---- the forward pass ---------------------------------------------------------------------
 
 class Engine:
@@ -224,6 +238,8 @@ class Engine:
             # out[r] = sum_i W_flat[i * n_out + r] x[i]: the flat data read as [n_in, n_out].
             n_out, n_in = w.shape
             w = w.reshape(n_in, n_out).T
+        if self.rounding == "f16-acc":
+            return f16_acc_matmul(x, w)
         if self.rounding != "none":
             x = round_input(self.m.ty(name), x, self.rounding)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
@@ -356,6 +372,9 @@ class Engine:
 SPARSE = {"embd", "l_out", "result_norm", "logits"}
 
 
+ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -367,7 +386,10 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
     ap.add_argument("--rounding", default="none",
-                    choices=["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16"])
+                    choices=ROUNDINGS)
+    ap.add_argument("--prefill-rounding", choices=ROUNDINGS,
+                    help="the prompt step's rounding, where it differs from the decode steps' "
+                         "--rounding (llama.cpp Vulkan: f16-acc tiled prefill, f32 decode)")
     ap.add_argument("--kv", choices=["f32", "f16"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16)")
     ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
@@ -423,9 +445,10 @@ def main():
         tensors.append({"step": s, "tap": tap, "layer": layer, "file": file,
                         "shape": list(x.shape), "dtype": "<f4"})
 
-    eng = Engine(m, a.rounding, mutation, len(prompt) + n_steps, a.kv)
+    eng = Engine(m, a.prefill_rounding or a.rounding, mutation, len(prompt) + n_steps, a.kv)
     steps = [{"step": 0, "tokens": prompt, "positions": list(range(len(prompt)))}]
     logits = eng.forward(prompt, 0, rec)
+    eng.rounding = a.rounding
     pos = len(prompt)
     for s in range(1, n_steps + 1):
         tok = forced[s - 1] if forced is not None else int(np.argmax(logits))
@@ -441,6 +464,7 @@ def main():
         "model": {"path": a.model, "sha256": sha},
         "producer": {"name": "numpy-engine", "backend": "numpy", "version": "0.1",
                      "settings": {"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
+                                  "prefill_rounding": a.prefill_rounding or a.rounding,
                                   "numpy": np.__version__}},
         "steps": steps, "tensors": tensors,
     }

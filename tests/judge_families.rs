@@ -77,6 +77,8 @@ fn assert_clean(model: &Path, golden: &Path, out: &Path, accepted: &[&str], what
     let m = Model::open(model).unwrap();
     let j = judge::judge(&m, &Trace::open(out).unwrap(), &JudgeOptions::default()).unwrap();
     assert!(j.passed(), "{what}: {}", judge::render(&j));
+    // One rounding throughout is measured as one (not split by step kind).
+    assert_eq!(j.decode_rounding, None, "{what}: {}", judge::render(&j));
     assert!(
         j.matmul_floor <= TIGHT,
         "{what}: matmul floor {:.0e}: {}",
@@ -111,11 +113,13 @@ fn every_family_passes_at_its_own_floor() {
         ("q8_1", &["q8_1-gpu", "ggml-scalar", "ggml-cpu"][..]),
         ("f16", &["f16"][..]),
         ("bf16", &["bf16"][..]),
+        ("f16-acc", &["f16-acc"][..]),
     ] {
         cases.push((q8.clone(), "tiny-llama-q8_0", fam, ok));
     }
     let q4k = root().join("fixtures/tiny-llama-q4_k.gguf");
     cases.push((q4k.clone(), "tiny-llama-q4_k", "q8_1", &["q8_1-gpu"]));
+    cases.push((q4k.clone(), "tiny-llama-q4_k", "f16-acc", &["f16-acc"]));
     cases.push((
         q4k,
         "tiny-llama-q4_k",
@@ -190,6 +194,78 @@ fn every_emulated_family_passes_on_a_gelu_model() {
             let ok: Vec<&str> = ok.to_vec();
             assert_clean(&model, &golden, &out, &ok, &format!("{} {taps}", e.name()));
         }
+    }
+}
+
+/// An engine whose prefill rounds one way and whose decode steps another (llama.cpp Vulkan:
+/// an f16-accumulating tiled matmul for the prompt, f32 for the decode steps): the numpy
+/// engine with `--prefill-rounding f16-acc --rounding none` passes at the tight floor, full
+/// and sparse, both families named, nothing confirmed.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn prefill_and_decode_are_measured_apart() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempdir("families-per-step");
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let golden = root().join("golden/tiny-llama-q8_0");
+    for taps in ["all", "sparse"] {
+        let out = tmp.join(taps);
+        let mut c = std::process::Command::new(&py);
+        c.arg(root().join("scripts/numpy_engine.py"))
+            .arg(&model)
+            .arg("--golden")
+            .arg(&golden)
+            .args(["--rounding", "none", "--prefill-rounding", "f16-acc"])
+            .args(["--taps", taps, "--out"])
+            .arg(&out)
+            .current_dir(root());
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let o = parity(&[
+            "diff",
+            golden.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{taps}: {}", show(&o));
+        let text = String::from_utf8_lossy(&o.stderr);
+        assert!(!text.contains("confirmed by experiment"), "{taps}: {text}");
+        assert!(
+            text.contains("prefill: f16-acc, decode: plain-f32"),
+            "{taps}: {text}"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let own = v["comparisons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["pair"] == "own-inputs")
+            .expect("an own-inputs comparison");
+        assert_eq!(own["rounding_family"], "f16-acc", "{taps}");
+        assert!(
+            own["baseline"]
+                .as_str()
+                .unwrap()
+                .ends_with("prefill: f16-acc, decode: plain-f32"),
+            "{taps}: {own}"
+        );
+        let m = Model::open(&model).unwrap();
+        let j = judge::judge(&m, &Trace::open(&out).unwrap(), &JudgeOptions::default()).unwrap();
+        assert!(j.passed(), "{taps}: {}", judge::render(&j));
+        assert_eq!(
+            j.decode_rounding,
+            Some(parity::backend::Emulation::None),
+            "{taps}"
+        );
+        assert!(j.matmul_floor <= TIGHT, "{taps}: {}", judge::render(&j));
     }
 }
 

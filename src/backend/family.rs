@@ -24,6 +24,8 @@ pub enum Emulation {
     Q8_1Gpu,
     /// Round matmul inputs to bf16.
     Bf16,
+    /// f16 inputs and weights summed in an f16 running sum (GPU tiled matmuls).
+    F16Acc,
 }
 
 /// The type a family rounds a matmul's input to.
@@ -43,6 +45,18 @@ pub enum Act {
     Q8KQuantized,
     /// Q8_1 for every quantized weight; the `vec_dot_type` otherwise.
     Q8_1Quantized,
+}
+
+/// How a matmul sums its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accum {
+    /// Exactly enough that the order does not matter (the reference sums in f64).
+    F32,
+    /// Weights rounded to f16 (as a tiled GPU matmul dequantizes them into shared memory),
+    /// then for each output the products over k = 0, 1, …, K-1 added in that order into one
+    /// f16 running sum, one rounding per step (an f16 fma): llama.cpp Vulkan's `mul_mm` with
+    /// an f16 accumulator, one K tile after another, no f32 stage.
+    F16,
 }
 
 /// How an 8-bit activation quantizer computes `q` from `x` in a block with `d = max|x|/127`.
@@ -78,6 +92,7 @@ pub struct Family {
     pub act: Act,
     pub quantizer: Quantizer,
     pub gelu: Gelu,
+    pub accum: Accum,
     /// Families on the same 8-bit grid with another tie rule or inverse-scale formula: they
     /// differ from this one only where an element lands on (or next to) a rounding tie, and
     /// an element on a tie may take either neighbour.
@@ -95,6 +110,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::F32,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F32,
+        accum: Accum::F32,
         tie_twins: &[],
     },
     Family {
@@ -106,6 +122,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::VecDot,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F16Table,
+        accum: Accum::F32,
         tie_twins: &[Emulation::GgmlScalar, Emulation::Q8_1Gpu],
     },
     Family {
@@ -117,6 +134,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::F16,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F32,
+        accum: Accum::F32,
         tie_twins: &[],
     },
     Family {
@@ -128,6 +146,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::VecDot,
         quantizer: Quantizer::Scalar,
         gelu: Gelu::F32,
+        accum: Accum::F32,
         tie_twins: &[Emulation::GgmlCpu, Emulation::Q8_1Gpu],
     },
     Family {
@@ -139,6 +158,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::Q8KQuantized,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F32,
+        accum: Accum::F32,
         tie_twins: &[],
     },
     Family {
@@ -150,6 +170,7 @@ pub const FAMILIES: &[Family] = &[
         act: Act::Q8_1Quantized,
         quantizer: Quantizer::Gpu,
         gelu: Gelu::F32,
+        accum: Accum::F32,
         tie_twins: &[Emulation::GgmlScalar, Emulation::GgmlCpu],
     },
     Family {
@@ -161,12 +182,25 @@ pub const FAMILIES: &[Family] = &[
         act: Act::Bf16,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F32,
+        accum: Accum::F32,
+        tie_twins: &[],
+    },
+    Family {
+        emulation: Emulation::F16Acc,
+        name: "f16-acc",
+        about: "f16-acc (matmul inputs and weights rounded to f16, products summed over k in order in one f16 running sum)",
+        activations: "activations and weights rounded to f16, products summed in f16",
+        engines: "GPU tiled matmuls with f16 accumulators (llama.cpp Vulkan prefill of more than 8 tokens)",
+        act: Act::F16,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        accum: Accum::F16,
         tie_twins: &[],
     },
 ];
 
 impl Emulation {
-    pub const ALL: [Emulation; 7] = [
+    pub const ALL: [Emulation; 8] = [
         Emulation::None,
         Emulation::GgmlCpu,
         Emulation::F16,
@@ -174,6 +208,7 @@ impl Emulation {
         Emulation::Q8K,
         Emulation::Q8_1Gpu,
         Emulation::Bf16,
+        Emulation::F16Acc,
     ];
 
     /// Its row of [`FAMILIES`].
@@ -195,6 +230,10 @@ impl Emulation {
 
     pub fn tie_twins(self) -> &'static [Emulation] {
         self.family().tie_twins
+    }
+
+    pub fn accum(self) -> Accum {
+        self.family().accum
     }
 
     pub fn gelu(self) -> Gelu {

@@ -10,7 +10,7 @@
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
 pub use super::family::Emulation;
-use super::family::{Gelu, Quantizer};
+use super::family::{Accum, Gelu, Quantizer};
 use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
 use crate::arch::{self, Attn, Ops, Rope};
@@ -56,6 +56,12 @@ pub struct Reference<'m> {
 }
 
 impl<'m> Reference<'m> {
+    /// The rounding of the forwards from now on (an engine whose decode steps round otherwise
+    /// than its prefill).
+    pub fn set_emulation(&mut self, e: Emulation) {
+        self.emulation = e;
+    }
+
     pub fn new(model: &'m Model, emulation: Emulation, n_ctx: usize) -> Self {
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
@@ -132,7 +138,7 @@ impl<'m> Reference<'m> {
                 &flat[r * n_in..(r + 1) * n_in]
             };
             for i in 0..t {
-                out[i * n_out + r] = dot(wr, &x[i * n_in..(i + 1) * n_in]);
+                out[i * n_out + r] = self.dot(wr, &x[i * n_in..(i + 1) * n_in]);
             }
         }
         out
@@ -156,7 +162,7 @@ impl<'m> Reference<'m> {
                 for (k, o) in chunk.chunks_mut(t).enumerate() {
                     self.model.row(w, c * ROWS + k, &mut row);
                     for (i, v) in o.iter_mut().enumerate() {
-                        *v = dot(&row, &x[i * n_in..(i + 1) * n_in]);
+                        *v = self.dot(&row, &x[i * n_in..(i + 1) * n_in]);
                     }
                 }
             });
@@ -167,6 +173,15 @@ impl<'m> Reference<'m> {
             }
         }
         out
+    }
+
+    /// One output of a weight matmul (`w` a weight row, `x` an already rounded input row),
+    /// summed as the emulated family sums.
+    fn dot(&self, w: &[f32], x: &[f32]) -> f32 {
+        match self.emulation.accum() {
+            Accum::F32 => dot(w, x),
+            Accum::F16 => dot_f16_acc(w, x),
+        }
     }
 
     /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
@@ -242,6 +257,43 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x as f64 * y as f64).sum();
     (acc.iter().sum::<f64>() + tail) as f32
+}
+
+/// `Accum::F16`: the weight rounded to f16 (the input already is), the products added in
+/// order into an f16 running sum with one rounding per step (an f16 fma: the f16×f16 product
+/// and the sum are exact in f64 before the rounding).
+pub(crate) fn dot_f16_acc(w: &[f32], x: &[f32]) -> f32 {
+    use half::f16;
+    let mut acc = f16::ZERO;
+    for (&a, &b) in w.iter().zip(x) {
+        let p = f16::from_f32(a).to_f64() * b as f64;
+        acc = f16_nearest(acc.to_f64() + p);
+    }
+    acc.to_f32()
+}
+
+/// `v` rounded to the nearest f16, ties to even, in one rounding. `half`'s `from_f64` is not:
+/// with F16C it goes through f32 (a second rounding an fma has not), and its fallback misses
+/// the nearest value on about one in 2000 inputs; the candidate it gives is within one step.
+fn f16_nearest(v: f64) -> half::f16 {
+    use half::f16;
+    let r = f16::from_f64_const(v);
+    if !r.is_finite() {
+        return r;
+    }
+    let mut best = r;
+    for b in [r.to_bits().wrapping_sub(1), r.to_bits().wrapping_add(1)] {
+        let c = f16::from_bits(b);
+        // Bit neighbours are value neighbours (across zero: NaN, or ±0's tiny neighbour).
+        if !c.is_finite() {
+            continue;
+        }
+        let (dc, db) = ((c.to_f64() - v).abs(), (best.to_f64() - v).abs());
+        if dc < db || (dc == db && c.to_bits() & 1 == 0) {
+            best = c;
+        }
+    }
+    best
 }
 
 /// RMSNorm in ggml's order: mean of squares summed in f64, scale = 1/sqrt(mean + eps) in f32,
@@ -627,5 +679,41 @@ pub(crate) fn softmax(x: &mut [f32]) {
     let inv = (1.0 / sum) as f32;
     for v in x.iter_mut() {
         *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every f16 pair (a, next a) and points between them: the exact midpoint goes to the even
+    /// one, a hair either side of it to the nearer one (what `half::f16::from_f64` misses).
+    #[test]
+    fn f16_nearest_rounds_once_to_nearest_even() {
+        use half::f16;
+        for bits in 0..0x7bffu16 {
+            let (a, b) = (f16::from_bits(bits), f16::from_bits(bits + 1));
+            let (x, y) = (a.to_f64(), b.to_f64());
+            let mid = (x + y) / 2.0;
+            let even = if bits & 1 == 0 { a } else { b };
+            let eps = (y - x) * 1e-6;
+            for (v, want) in [
+                (x, a),
+                (mid, even),
+                (mid - eps, a),
+                (mid + eps, b),
+                (-(mid + eps), -b),
+            ] {
+                assert_eq!(f16_nearest(v), want, "{v:e}");
+            }
+        }
+    }
+
+    #[test]
+    fn f16_acc_dot_sums_in_f16() {
+        // 2048 + 1 + 1 in f16: each +1 is a tie at 2048 (step 2), kept at 2048 (even).
+        assert_eq!(dot_f16_acc(&[2048.0, 1.0, 1.0], &[1.0, 1.0, 1.0]), 2048.0);
+        // In the other order the ones add up before the big term.
+        assert_eq!(dot_f16_acc(&[1.0, 1.0, 2048.0], &[1.0, 1.0, 1.0]), 2050.0);
     }
 }

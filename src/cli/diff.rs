@@ -188,7 +188,7 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
         }
     });
     Comparison {
-        baseline: format!("own inputs/{}", judge::short(j.rounding)),
+        baseline: format!("own inputs/{}", judge::rounding_label(j)),
         candidate: cand_label.to_string(),
         pair: PairKind::OwnInputs,
         weight_type: e2e.weight_type,

@@ -108,7 +108,7 @@ pub fn rope_floor(pos_max: usize) -> f64 {
 pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
     match r {
         Emulation::None => false,
-        Emulation::F16 | Emulation::Bf16 => true,
+        Emulation::F16 | Emulation::Bf16 | Emulation::F16Acc => true,
         // Whatever the row length (Q8_K falls back to the CPU's type on short rows).
         _ => r.act_type(ty, 256) != GgmlType::F32,
     }
@@ -117,6 +117,8 @@ pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
 /// The floor policy for one judgement: the chosen rounding and the trace's matmul noise.
 pub struct Floors {
     pub rounding: Emulation,
+    /// The decode steps' rounding where it differs (`Setup::decode`).
+    pub decode: Option<Emulation>,
     /// Median own NMSE of the matmuls judged on their own (None: the trace has none).
     pub mm_median_own: Option<f64>,
     /// Median own NMSE of the spans that contain a matmul.
@@ -126,15 +128,21 @@ pub struct Floors {
 }
 
 impl Floors {
-    pub fn new(model: &Model, rounding: Emulation, pos_max: usize) -> Floors {
+    pub fn new(
+        model: &Model,
+        rounding: Emulation,
+        decode: Option<Emulation>,
+        pos_max: usize,
+    ) -> Floors {
         let flips = model
             .layers
             .iter()
             .flat_map(|l| [l.wq.ty, l.w_down.ty])
             .chain([model.output.ty])
-            .any(|ty| rounds_inputs(rounding, ty));
+            .any(|ty| rounds_inputs(rounding, ty) || decode.is_some_and(|d| rounds_inputs(d, ty)));
         Floors {
             rounding,
+            decode,
             mm_median_own: None,
             mm_median_span: None,
             flips,

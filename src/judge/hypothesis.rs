@@ -108,6 +108,7 @@ fn experiments(
     let window = Window::for_key(cand, &k);
     let base = Setup {
         rounding: floors.rounding,
+        decode: floors.decode,
         kv,
         mutation: None,
         rms_eps: None,

@@ -146,7 +146,11 @@ pub struct Finding {
 #[derive(Clone, Debug, Serialize)]
 pub struct Judgement {
     pub rounding: Emulation,
+    /// The decode steps' rounding where it differs from the prefill's (`rounding`).
+    pub decode_rounding: Option<Emulation>,
     pub fits: Vec<RoundingFit>,
+    /// How each rounding fitted the first decode step, the prefill under `rounding`.
+    pub decode_fits: Vec<RoundingFit>,
     /// The K/V cache type that reproduces the engine's attention best.
     pub kv: KvCache,
     pub kv_fits: Vec<KvFit>,
@@ -197,6 +201,8 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let measured = rounding::measure(model, &cand, opt, first_step, &none)?;
     let rounding::Measured {
         rounding,
+        decode,
+        decode_fits,
         fits,
         best,
         kv,
@@ -211,6 +217,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         _ => {
             let setup = Setup {
                 rounding,
+                decode,
                 kv,
                 mutation: None,
                 rms_eps: None,
@@ -245,6 +252,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         for t in twins {
             let setup = Setup {
                 rounding: t,
+                decode,
                 kv,
                 mutation: None,
                 rms_eps: None,
@@ -291,7 +299,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         .flat_map(|s| s.positions.iter().copied())
         .max()
         .unwrap_or(0);
-    let mut floors = Floors::new(model, rounding, pos_max);
+    let mut floors = Floors::new(model, rounding, decode, pos_max);
     let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
         rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
     let own_mm: Vec<f64> = spans
@@ -368,7 +376,9 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         .collect();
     Ok(Judgement {
         rounding,
+        decode_rounding: decode,
         fits,
+        decode_fits,
         kv,
         kv_fits,
         matmul_floor: floors.matmul(),
@@ -378,6 +388,15 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         aligned,
         ties,
     })
+}
+
+/// The rounding that reproduces the engine, in a baseline's words: one family, or
+/// `prefill: F, decode: G` where the decode steps round otherwise.
+pub fn rounding_label(j: &Judgement) -> String {
+    match j.decode_rounding {
+        Some(d) => format!("prefill: {}, decode: {}", short(j.rounding), short(d)),
+        None => short(j.rounding).to_string(),
+    }
 }
 
 /// The judgement for people: the rounding, a per-step summary, the finding.
@@ -412,6 +431,21 @@ pub fn render(j: &Judgement) -> String {
         }
     } else {
         let _ = writeln!(s, "rounding (given): {}", rounding_name(j.rounding));
+    }
+    if let Some(d) = j.decode_rounding {
+        let fits: Vec<String> = j
+            .decode_fits
+            .iter()
+            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
+            .collect();
+        let _ = writeln!(
+            s,
+            "per step kind: {} (the first decode step's median matmul own NMSE, the prefill under {}: {}); decode: {}",
+            rounding_label(j),
+            short(j.rounding),
+            fits.join(", "),
+            rounding_name(d)
+        );
     }
     if j.kv_fits.len() > 1 {
         let fits: Vec<String> = j

@@ -136,6 +136,10 @@ impl KvCache {
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub rounding: Emulation,
+    /// The rounding of the steps after the first (the decode steps), where it differs from
+    /// `rounding` (the prefill's): each step's keys depend only on its own rounding, as every
+    /// op is fed the candidate's inputs.
+    pub decode: Option<Emulation>,
     /// The cache type emulated: with f16 the reference's k_rope and v (or the candidate's,
     /// where substituted) are rounded to f16 before the cache stores them.
     pub kv: KvCache,
@@ -280,7 +284,12 @@ pub fn replay(
         pending: None,
         error: None,
     };
-    for s in steps {
+    for (i, s) in steps.into_iter().enumerate() {
+        if i == 1
+            && let Some(d) = setup.decode
+        {
+            b.set_emulation(d);
+        }
         let pos0 = s.positions.first().copied().unwrap_or(0);
         b.forward(&s.tokens, pos0, s.step, &mut sink)?;
         if let Some(e) = sink.error.take() {

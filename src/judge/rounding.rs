@@ -7,7 +7,7 @@ use super::floor::{OpClass, class, median, span};
 use super::replay::{self, Candidate, KvCache, Setup, Window, replay};
 use super::{JudgeError, JudgeOptions};
 use crate::backend::Emulation;
-use crate::backend::family::Quantizer;
+use crate::backend::family::{Accum, Quantizer};
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::TapKey;
@@ -22,7 +22,7 @@ pub const EXACT_FIT: f64 = 1e-11;
 /// The engine families behind them: ggml-cpu (llama.cpp's CPU backend, SIMD quantizers),
 /// ggml-scalar (ggml's `_ref` quantizers, as ports of them do), q8k (AVX512-VNNI engines),
 /// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), plain f32.
-pub const ROUNDINGS: [Emulation; 7] = Emulation::ALL;
+pub const ROUNDINGS: [Emulation; 8] = Emulation::ALL;
 
 pub fn rounding_name(r: Emulation) -> &'static str {
     r.family().about
@@ -47,8 +47,17 @@ pub struct RoundingFit {
 /// How well a replay reproduced the candidate's matmuls: the median own NMSE over the matmuls
 /// judged on their own, else over the spans through a matmul.
 pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
+    fit_where(cand, r, |_| true)
+}
+
+/// [`fit`] over the keys of the steps `step` accepts.
+pub fn fit_where(
+    cand: &Candidate,
+    r: &replay::Replay,
+    step: impl Fn(usize) -> bool,
+) -> Option<f64> {
     let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in &r.metrics {
+    for (k, m) in r.metrics.iter().filter(|(k, _)| step(k.step)) {
         let s = span(cand, k);
         if s.len() == 1 && class(k.tap) == OpClass::Matmul {
             own.push(m.nmse);
@@ -131,8 +140,9 @@ pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
 
 /// What `r` does to the inputs of each of these weights: the activation type and the
 /// quantizer (SIMD, scalar reference, GPU). Two roundings with one signature are one.
-fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> Vec<(GgmlType, Quantizer)> {
-    tys.iter()
+fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> (Accum, Vec<(GgmlType, Quantizer)>) {
+    let inputs = tys
+        .iter()
         .map(|&(ty, n)| {
             let act = r.act_type(ty, n);
             let q = match act {
@@ -141,12 +151,17 @@ fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> Vec<(GgmlType, Quantize
             };
             (act, q)
         })
-        .collect()
+        .collect();
+    (r.accum(), inputs)
 }
 
 /// What the measurement chose, and how well each candidate rounding and cache type fitted.
 pub struct Measured {
     pub rounding: Emulation,
+    /// The decode steps' rounding where it differs from the prefill's (`rounding`).
+    pub decode: Option<Emulation>,
+    /// How each rounding fitted the first decode step (empty: not measured).
+    pub decode_fits: Vec<RoundingFit>,
     pub fits: Vec<RoundingFit>,
     /// The chosen rounding's replay, and whether it covered the whole trace.
     pub best: Option<(Emulation, f64, replay::Replay, bool)>,
@@ -181,7 +196,7 @@ pub fn measure(
             roundings.retain(|&r| r != Emulation::GgmlCpu);
             roundings.insert(0, Emulation::GgmlCpu);
         }
-        let mut seen: Vec<Vec<(GgmlType, Quantizer)>> = Vec::new();
+        let mut seen = Vec::new();
         if roundings.contains(&Emulation::None) {
             seen.push(signature(Emulation::None, &tys));
         }
@@ -203,6 +218,7 @@ pub fn measure(
         for &r in &roundings {
             let setup = Setup {
                 rounding: r,
+                decode: None,
                 kv: KvCache::F32,
                 mutation: None,
                 rms_eps: None,
@@ -237,6 +253,54 @@ pub fn measure(
     }
     let rounding = best.as_ref().map_or(roundings[0], |b| b.0);
 
+    // The decode steps' rounding, measured on their own (GPU engines may tile the prefill
+    // and not the decode): the first decode step in the detection window's layers, the prefill
+    // under `rounding`; each step's keys depend only on that step's rounding. The prefill's
+    // rounding first; another only where it fits clearly better (4x).
+    let mut decode = None;
+    let mut decode_fits = Vec::new();
+    let d1 = cand.steps().into_iter().filter(|&s| s > first_step).min();
+    if let (Some(d1), true) = (d1, roundings.len() > 1) {
+        let mut order = roundings.clone();
+        order.retain(|&r| r != rounding);
+        order.insert(0, rounding);
+        let window = Window {
+            s_max: d1,
+            ..detect
+        };
+        let mut best_d: Option<(Emulation, f64)> = None;
+        for r in order {
+            let setup = Setup {
+                rounding,
+                decode: Some(r),
+                kv: KvCache::F32,
+                mutation: None,
+                rms_eps: None,
+                rope_theta: None,
+                window,
+            };
+            let rep = replay(model, cand, &setup, none)?;
+            let Some(f) = fit_where(cand, &rep, |s| s == d1) else {
+                break; // no matmul of the decode step in the window
+            };
+            decode_fits.push(RoundingFit {
+                rounding: r,
+                median_nmse: f,
+            });
+            match best_d {
+                None => best_d = Some((r, f)),
+                Some((_, b)) if f * 4.0 < b => best_d = Some((r, f)),
+                _ => {}
+            }
+            if f <= EXACT_FIT {
+                break;
+            }
+        }
+        decode = best_d.map(|b| b.0).filter(|&d| d != rounding);
+    }
+    // The detection replay ran the decode steps under the prefill's rounding.
+    let best = best.map(|(r, f, rep, whole)| (r, f, rep, whole && decode.is_none()));
+
     // The K/V cache type: the one whose replay reproduces the candidate's attention best, in
     // the first step's first two layers (every prompt row reads the cache, its own K/V too).
     // An f16 cache (llama.cpp's default) moves attention by ~1e-8..1e-7 and a whole-layer
@@ -254,6 +318,7 @@ pub fn measure(
         for &c in &opt.kv_caches {
             let setup = Setup {
                 rounding,
+                decode,
                 kv: c,
                 mutation: None,
                 rms_eps: None,
@@ -292,6 +357,8 @@ pub fn measure(
     }
     Ok(Measured {
         rounding,
+        decode,
+        decode_fits,
         fits,
         best,
         kv,
