@@ -6,7 +6,7 @@ verdict, whether any hypothesis was confirmed on the clean trace, and how many p
 were named (confirmed as that catalog entry) of those found (exit 1).
 
   rounding_zoo.py [--parity target/release/parity] [--models fixtures/tiny-llama-q8_0.gguf ...]
-      [--families ggml ggml-scalar ...] [--bugs rms-eps-10x rope-neox ...] [--work /tmp/zoo]
+      [--families ggml ggml-scalar f16-acc/none ...] [--bugs rms-eps-10x rope-neox ...] [--work /tmp/zoo]
 """
 import argparse
 import json
@@ -46,6 +46,8 @@ def judge(parity, golden, out, model):
     try:
         own = next(c for c in json.loads(p.stdout)["comparisons"] if c["pair"] == "own-inputs")
         fam = own.get("rounding_family", "-")
+        if "prefill:" in own.get("baseline", ""):
+            fam = own["baseline"].split("/", 1)[1]  # prefill and decode measured apart
         fd = own.get("first_divergence")
         if fd:
             ratio = fd["at"]["metrics"]["nmse"] / fd["at"]["threshold"]
@@ -78,9 +80,13 @@ def main():
                 if not os.path.exists(os.path.join(ROOT, model)) or golden is None:
                     print(f"skipped {model}: model or its golden missing", file=sys.stderr)
                     continue
+                # PREFILL/DECODE: the prompt step rounds as PREFILL, the decode steps as DECODE.
+                pre, _, dec = fam.rpartition("/")
                 base = [a.python, "scripts/numpy_engine.py", model, "--golden", golden,
-                        "--rounding", fam, "--taps", taps]
-                out = os.path.join(a.work, f"{fam}-{taps}-{model_name}")
+                        "--rounding", dec, "--taps", taps]
+                if pre:
+                    base += ["--prefill-rounding", pre]
+                out = os.path.join(a.work, f"{fam.replace('/', '+')}-{taps}-{model_name}")
                 rc, text = run(base + ["--out", out + "-clean"])
                 if rc != 0:
                     print(f"numpy engine failed: {text}", file=sys.stderr)
