@@ -704,7 +704,8 @@ impl<S: Sink> Sink for Counting<'_, S> {
     }
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         self.inner.substitute(key, data)
-    }    fn replays(&self, key: &TapKey) -> bool {
+    }
+    fn replays(&self, key: &TapKey) -> bool {
         self.inner.replays(key)
     }
 }
