@@ -263,3 +263,51 @@ fn a_knob_with_evidence_everywhere_is_confirmed() {
         );
     }
 }
+
+/// An undeclared head-major q_rope and a planted bug after it (swiglu-swap, at ffn_act of
+/// layer 0): the layout is named, aligned, and the judging goes on to the real first
+/// divergence — both named, the place the bug's. Without the bug: the layout alone.
+#[test]
+fn a_layout_does_not_mask_the_bug_after_it() {
+    let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+    let g = Trace::open(root().join("golden/tiny-llama-q8_0")).unwrap();
+    let ids = g.manifest.steps[0].tokens.clone();
+    let forced = g.manifest.decode_tokens();
+    let c = &model.config;
+    for bug in [Some(Mutation::SwigluSwap), None] {
+        let (steps, mut tensors) = run(&model, &ids, &forced, bug, Emulation::GgmlCpu);
+        for (k, a) in tensors.iter_mut() {
+            if k.tap == Tap::QRope {
+                let t = a.len() / (c.n_head * c.head_dim);
+                let x: Vec<f32> = a.iter().copied().collect();
+                let hm = parity::backend::mutation::to_head_major(&x, t, c.n_head, c.head_dim);
+                *a = ndarray::ArrayD::from_shape_vec(a.shape(), hm).unwrap();
+            }
+        }
+        let t = trace(steps, tensors, all);
+        let j = judged(&model, &t);
+        let text = judge::render(&j);
+        let f = j.first.as_ref().expect("diverged");
+        assert_eq!(j.layouts.len(), 1, "{bug:?}: {text}");
+        let l = &j.layouts[0];
+        assert_eq!(l.key, TapKey::new(0, Some(0), Tap::QRope), "{text}");
+        assert_eq!(l.catalog.as_deref(), Some("head-major-q-rope"), "{text}");
+        match bug {
+            Some(m) => {
+                assert_eq!(f.catalog.as_deref(), Some(m.name()), "{text}");
+                assert_eq!(f.key, m.first_shows(&model), "{text}");
+                assert_eq!(j.place(), Some(f.key));
+                assert!(
+                    text.contains("layout named by experiment first")
+                        && text.contains("layout:head-major")
+                        && text.contains("confirmed by experiment: swiglu-swap"),
+                    "{text}"
+                );
+            }
+            None => {
+                assert_eq!(f.catalog.as_deref(), Some("head-major-q-rope"), "{text}");
+                assert_eq!(j.place(), Some(l.key), "{text}");
+            }
+        }
+    }
+}
