@@ -311,3 +311,47 @@ fn a_layout_does_not_mask_the_bug_after_it() {
         }
     }
 }
+
+/// Sparse Q4_0 dumps (embd, l_out, result_norm, logits), both roundings: a decode-step RoPE
+/// position off by one is named as such (never rope-theta: that also changes the prompt),
+/// and told from the cache slot off by one; one norm site from every norm; eps ×10 found.
+/// Each at the step and layer where it first shows.
+#[test]
+fn sparse_q4_0_sites_and_decode_off_by_ones() {
+    let model = Model::open(root().join("fixtures/tiny-llama-q4_0.gguf")).unwrap();
+    let g = Trace::open(root().join("golden/tiny-llama-q4_0")).unwrap();
+    let ids = g.manifest.steps[0].tokens.clone();
+    let forced = g.manifest.decode_tokens();
+    for rounding in [Emulation::None, Emulation::GgmlCpu] {
+        for m in [
+            Mutation::RopePosOffByOne,
+            Mutation::KvOffByOne,
+            Mutation::AttnNormWeightTwice,
+            Mutation::NormWeightTwice,
+            Mutation::RmsEps10x,
+        ] {
+            let (steps, tensors) = run(&model, &ids, &forced, Some(m), rounding);
+            let j = judged(&model, &trace(steps, tensors, sparse));
+            let text = judge::render(&j);
+            let f = j
+                .first
+                .as_ref()
+                .unwrap_or_else(|| panic!("{m} {rounding:?}: not found\n{text}"));
+            assert_eq!(
+                f.catalog.as_deref(),
+                Some(m.name()),
+                "{m} {rounding:?}: {text}"
+            );
+            let exp = m.first_shows(&model);
+            assert_eq!(
+                (f.key.step, f.key.layer),
+                (exp.step, exp.layer),
+                "{m} {rounding:?}: {text}"
+            );
+            assert!(
+                !f.also.iter().any(|a| a.starts_with("rope-theta")),
+                "{m} {rounding:?}: {text}"
+            );
+        }
+    }
+}
