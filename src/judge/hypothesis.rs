@@ -295,7 +295,11 @@ pub(super) fn below_floor(
         checks.push(check);
         if explained {
             let f = finding(model, cand, o, ops, ex, o.own_nmse / EXPLAINS, true)?;
-            return Ok((checks, Some(f)));
+            // Under the floor only a confirmed bug is a finding: one that cuts this key but
+            // does not hold over the trace leaves it noise.
+            if f.confirmed.is_some() {
+                return Ok((checks, Some(f)));
+            }
         }
     }
     Ok((checks, None))
