@@ -77,6 +77,9 @@ fn trace(
     )
 }
 
+/// Which taps a dump keeps.
+type Keep = fn(&TapKey) -> bool;
+
 fn all(_: &TapKey) -> bool {
     true
 }
@@ -108,7 +111,7 @@ fn assert_clean(what: &str, j: &Judgement) {
 fn no_clean_trace_confirms_anything() {
     let pairs = model_goldens();
     assert!(pairs.len() >= 8, "the committed fixtures' goldens");
-    let keeps: [(&str, fn(&TapKey) -> bool); 3] = [
+    let keeps: [(&str, Keep); 3] = [
         ("full", all),
         ("sparse", sparse),
         ("l_out+logits", l_out_logits),
@@ -234,7 +237,7 @@ fn a_knob_with_evidence_everywhere_is_confirmed() {
     let ids = g.manifest.steps[0].tokens.clone();
     let forced = g.manifest.decode_tokens();
     let (steps, tensors) = run(&engine, &ids, &forced, None, Emulation::None);
-    for (kn, keep) in [("full", all as fn(&TapKey) -> bool), ("sparse", sparse)] {
+    for (kn, keep) in [("full", all as Keep), ("sparse", sparse)] {
         let t = trace(steps.clone(), tensors.clone(), keep);
         let j = judged(&model, &t);
         let f = j
