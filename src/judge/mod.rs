@@ -24,8 +24,9 @@ use crate::backend::{BackendError, Emulation};
 use crate::compare::{CompareError, Metrics};
 use crate::gguf::GgufError;
 use crate::model::{Model, ModelError};
-use crate::trace::{TapKey, Trace, TraceError};
+use crate::trace::{Tap, TapKey, Trace, TraceError};
 use floor::{Floors, OpClass, class, median};
+use layout::Layout;
 use replay::{Candidate, KvCache, Setup, Window, replay};
 pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name, short};
 use serde::Serialize;
@@ -162,18 +163,91 @@ pub struct Judgement {
     /// Keys a tie twin of the chosen rounding reproduces closer (an element on a rounding tie
     /// took the other neighbour), with that twin: judged under it.
     pub ties: Vec<(TapKey, Emulation)>,
+    /// Undeclared layouts named by experiment, in the order found: each was aligned and the
+    /// judging went on, so `first` is the first divergence after them (or, when nothing else
+    /// diverges, the last layout's finding).
+    pub layouts: Vec<Finding>,
 }
 
 impl Judgement {
     pub fn passed(&self) -> bool {
         self.first.is_none()
     }
+
+    /// Where the bug first shows: THE place of the verdict, the one the text names ("placed
+    /// by experiment at …", else the flagged key) and the JSON's `first_divergence` reads.
+    pub fn place(&self) -> Option<TapKey> {
+        self.first.as_ref().map(|f| f.key)
+    }
+}
+
+/// How many undeclared layouts one judgement names and aligns before it stops going on.
+const MAX_LAYOUTS: usize = 4;
+
+/// Judge `trace` against `model` (see [`judge_once`]); a layout named by experiment (an
+/// undeclared head-major q_rope) is aligned and the trace judged again, so the report names
+/// the layout *and* the real first divergence after it.
+pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
+    let mut named: Vec<(Tap, Layout)> = Vec::new();
+    let mut layouts: Vec<Finding> = Vec::new();
+    // The judgement that named the first layout: the verdict when nothing else diverges.
+    let mut first_layout: Option<Judgement> = None;
+    loop {
+        let mut j = judge_once(model, trace, opt, &named)?;
+        let layout = j.first.as_ref().and_then(|f| {
+            let name = f.confirmed.as_deref()?.strip_prefix("layout:")?;
+            Some((f.flagged.tap, Layout::parse(f.flagged.tap, name)?))
+        });
+        match layout {
+            Some(l) if layouts.len() < MAX_LAYOUTS && !named.contains(&l) => {
+                named.push(l);
+                layouts.push(j.first.clone().expect("a layout finding"));
+                if first_layout.is_none() {
+                    first_layout = Some(j);
+                }
+            }
+            _ => {
+                if let Some(f) = &mut j.first
+                    && !layouts.is_empty()
+                {
+                    let names: Vec<String> = layouts
+                        .iter()
+                        .map(|l| {
+                            format!("{} {}", l.key, l.confirmed.as_deref().unwrap_or_default())
+                        })
+                        .collect();
+                    f.text = format!(
+                        "layout named by experiment first (the numbers right, stored in another order; aligned, and the judging went on): {}\n{}",
+                        names.join(", "),
+                        f.text
+                    );
+                }
+                if j.first.is_none()
+                    && let Some(mut f) = first_layout
+                {
+                    // Nothing else diverges: the layout is the finding (its own judgement,
+                    // where the tap stands out of its floor).
+                    f.layouts = layouts;
+                    return Ok(f);
+                }
+                j.layouts = layouts;
+                return Ok(j);
+            }
+        }
+    }
 }
 
 /// Judge `trace` against `model`: own error per key, rounding, first op out of its floor, and
-/// (with `opt.hypotheses`) the bug named by experiment.
-pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
-    let cand = Candidate::new(trace, &model.config)?;
+/// (with `opt.hypotheses`) the bug named by experiment; `layouts`: taps stored in a layout
+/// named by experiment, aligned like declared ones.
+fn judge_once(
+    model: &Model,
+    trace: &Trace,
+    opt: &JudgeOptions,
+    layouts: &[(Tap, Layout)],
+) -> Result<Judgement, JudgeError> {
+    let mut cand = Candidate::new(trace, &model.config)?;
+    cand.layouts.extend(layouts.iter().copied());
     let steps = cand.steps();
     for k in trace.keys() {
         if !steps.contains(&k.step) {
@@ -364,6 +438,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let aligned = cand
         .layouts
         .iter()
+        .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
         .map(|(t, l)| format!("{t}: {}", l.name(*t)))
         .collect();
     Ok(Judgement {
@@ -377,6 +452,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         below_floor,
         aligned,
         ties,
+        layouts: Vec::new(),
     })
 }
 
