@@ -393,6 +393,12 @@ fn cli_diff_finds_the_model_by_sha256() {
     let mut m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
     m["model"]["path"] = "/somewhere/else/model.gguf".into();
+    // The size parity's writers record: only files of that size are hashed in the search
+    // folders (this golden predates the field).
+    let size = std::fs::metadata(root().join("fixtures/tiny-llama-q4_0.gguf"))
+        .unwrap()
+        .len();
+    m["model"]["size"] = size.into();
     std::fs::write(&mp, m.to_string()).unwrap();
     let gs = g.to_str().unwrap();
     let o = parity(&["diff", gs, gs]);
