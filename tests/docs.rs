@@ -11,6 +11,8 @@
 //! (parity's dump replaying it); `parity` on PATH is the binary under test and
 //! `.venv/bin/python` the Python with numpy that build.rs found (no `python3` is added to PATH:
 //! the docs run scripts with the venv's Python, as a newcomer's system Python may lack numpy).
+//! Blocks that use the gpu backend run where build.rs found a Vulkan driver (cfg
+//! `parity_gpu`), e.g. lavapipe.
 
 mod common;
 
@@ -60,6 +62,11 @@ impl Block {
             l.split_whitespace()
                 .any(|w| w == tool || w.starts_with(tool) || w.rsplit('/').next() == Some(tool))
         })
+    }
+
+    /// Runs the gpu backend (or asks for the adapter): it needs a Vulkan driver.
+    fn needs_gpu(&self) -> bool {
+        self.lines.iter().any(|l| l.contains("gpu"))
     }
 
     fn name(&self) -> String {
@@ -250,7 +257,22 @@ fn every_command_block_runs_or_says_why_not() {
 
 #[test]
 fn doc_command_blocks_run() {
-    run_all(runnable(|b| !b.needs("jq") && !b.needs("python")), 1);
+    run_all(
+        runnable(|b| !b.needs("jq") && !b.needs("python") && !b.needs_gpu()),
+        1,
+    );
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_gpu),
+    ignore = "no GPU adapter: install a Vulkan driver (Debian: mesa-vulkan-drivers)"
+)]
+fn doc_command_blocks_with_gpu_run() {
+    run_all(
+        runnable(|b| !b.needs("jq") && !b.needs("python") && b.needs_gpu()),
+        1,
+    );
 }
 
 #[test]
