@@ -178,7 +178,12 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         cmd.arg("--verbose");
     } else {
         cmd.stderr(std::process::Stdio::piped());
+        // ggml's abort would attach gdb for a backtrace (printed past the pipe, and its last
+        // line buries GGML_ASSERT's): the assertion line alone is the message.
+        cmd.env("GGML_NO_BACKTRACE", "1");
     }
+    // The script words its hints for `parity golden`'s flags, not its own.
+    cmd.env("PARITY_GOLDEN", "1");
     // llama.cpp stops with parity: killed outright with it (Linux), and on SIGINT/SIGTERM/
     // SIGHUP killed and its unfinished folder removed before parity ends, so that nothing is
     // published after the user stopped the run.
@@ -225,12 +230,20 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     // Any failure of the Python side is an error making the golden (exit 2), never a
     // divergence (exit 1): one line, the script's own message or a traceback's last line.
-    let last = log
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .map(|l| l.strip_prefix("llama_golden: ").unwrap_or(l).to_string());
+    let lines = || log.lines().rev().map(str::trim).filter(|l| !l.is_empty());
+    // llama.cpp's own words when it aborted (`ops.cpp:4132: GGML_ASSERT(eps >= 0.0f) failed`,
+    // its source path shortened), else the script's last line.
+    let at = regex::Regex::new(r"^(\S+\.(?:c|cc|cpp|cu|h|m)):(\d+): (.+)$").expect("valid");
+    let abort = lines().find_map(|l| {
+        let c = at.captures(l)?;
+        let file = c[1].rsplit_once("/llama.cpp/").map_or(&c[1], |(_, f)| f);
+        Some(format!("llama.cpp aborted: {file}:{}: {}", &c[2], &c[3]))
+    });
+    let last = abort.or_else(|| {
+        lines()
+            .next()
+            .map(|l| l.strip_prefix("llama_golden: ").unwrap_or(l).to_string())
+    });
     let why = match (out.status.code(), last) {
         (_, Some(l)) if log.contains("Traceback (most recent call last)") => {
             format!("the llama.cpp script failed: {l}")
@@ -239,7 +252,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         (Some(c), None) => format!("the llama.cpp script exited with code {c}"),
         (None, None) => "the llama.cpp script was killed by a signal".to_string(),
     };
-    let hint = if a.verbose {
+    let hint = if a.verbose || why.contains("--verbose") {
         ""
     } else {
         " (rerun with --verbose for llama.cpp's log)"

@@ -329,10 +329,17 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let c = d.e2e;
     let j = d.judgement.expect("judged with the model");
     say(&format!(
-        "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}",
+        "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}{}",
         c.candidate,
         c.baseline,
-        report::table_styled(&c, !to_stderr && report::colour_stdout())
+        report::table_styled(&c, !to_stderr && report::colour_stdout()),
+        // Drift past the end-to-end tolerances (a NaN in the baseline) is a divergence too.
+        // (Token ids that differ are the verdict below.)
+        if c.diverged() && c.token_mismatch.is_none() {
+            format!("{}\n", report::verdict(&c))
+        } else {
+            String::new()
+        }
     ));
     say(&format!(
         "model: {} ({}, judged in {:.1} s)\n{}",

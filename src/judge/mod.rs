@@ -268,6 +268,14 @@ fn judge_once(
     let none = BTreeSet::new();
     let first_step = steps.iter().copied().min().unwrap_or(0);
 
+    // The guard: a NaN or an Inf in the candidate is the finding, and no experiment runs on it.
+    let bad = first_non_finite(&cand)?;
+    let guarded = JudgeOptions {
+        hypotheses: opt.hypotheses && bad.is_none(),
+        ..opt.clone()
+    };
+    let opt = &guarded;
+
     let measured = rounding::measure(model, &cand, opt, first_step, &none)?;
     let rounding::Measured {
         rounding,
@@ -412,7 +420,21 @@ fn judge_once(
         });
     }
     let mut below_floor = Vec::new();
+    // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
+    // model's graph has no op for is not judged, its values neither.)
+    let bad = bad.and_then(|b| Some(non_finite(&b, ops.iter().find(|o| o.key == b.key)?)));
     let first = match ops.iter().find(|o| !o.pass) {
+        _ if bad.is_some() => bad,
+        Some(o) if o.metrics.non_finite_failure() => {
+            let b = NonFinite {
+                key: o.key,
+                nan: o.metrics.nan_a,
+                inf: o.metrics.inf_a,
+                n: o.metrics.n,
+                whose: "the reference's recomputation from the candidate's finite inputs",
+            };
+            Some(non_finite(&b, o))
+        }
         Some(o) => Some(hypothesis::diagnose(
             model,
             &cand,
@@ -454,6 +476,70 @@ fn judge_once(
         ties,
         layouts: Vec::new(),
     })
+}
+
+/// Where non-finite values first appear (graph order) and how many.
+#[derive(Clone, Copy, Debug)]
+struct NonFinite {
+    key: TapKey,
+    nan: usize,
+    inf: usize,
+    /// Values in the tensor.
+    n: usize,
+    whose: &'static str,
+}
+
+/// The judge's guard: the first key of the candidate (graph order) holding a NaN or an Inf.
+/// No tap of a transformer holds one, so it is a finding of its own (an overflow, a division
+/// by zero, a fully masked softmax row), and no experiment may confirm a bug from such data.
+fn first_non_finite(cand: &Candidate) -> Result<Option<NonFinite>, JudgeError> {
+    for k in cand.trace.keys() {
+        let Some(v) = cand.raw(k)? else { continue };
+        let nan = v.iter().filter(|x| x.is_nan()).count();
+        let inf = v.iter().filter(|x| x.is_infinite()).count();
+        if nan + inf > 0 {
+            return Ok(Some(NonFinite {
+                key: *k,
+                nan,
+                inf,
+                n: v.len(),
+                whose: "the candidate",
+            }));
+        }
+    }
+    Ok(None)
+}
+
+/// The finding a non-finite value is, at its op `o` (own error and floor as measured on the
+/// finite rest).
+fn non_finite(b: &NonFinite, o: &OpResult) -> Finding {
+    let counts: Vec<String> = [(b.nan, "NaN"), (b.inf, "±Inf")]
+        .iter()
+        .filter(|(c, _)| *c > 0)
+        .map(|(c, w)| format!("{c} {w}"))
+        .collect();
+    Finding {
+        key: b.key,
+        flagged: b.key,
+        own_nmse: o.own_nmse,
+        floor: o.floor,
+        span_ops: o.span_ops,
+        confirmed: None,
+        confirmed_nmse: None,
+        catalog: None,
+        also: Vec::new(),
+        ruled_out: Vec::new(),
+        fallback: false,
+        explained: false,
+        text: format!(
+            "{} first appears at {} ({} in {}, of {} values): a non-finite value is a finding of its own (an overflow, a division by zero, a fully masked softmax row); no experiment runs on it",
+            if b.nan > 0 { "NaN" } else { "Inf" },
+            b.key,
+            counts.join(", "),
+            b.whose,
+            b.n
+        ),
+    }
 }
 
 /// The judgement for people: the rounding, a per-step summary, the finding.
