@@ -211,7 +211,7 @@ impl Emulation {
             Act::F16 => GgmlType::F16,
             Act::Bf16 => GgmlType::BF16,
             Act::VecDot => cpu,
-            Act::Q8KQuantized if quantized && n_in % 256 == 0 => GgmlType::Q8_K,
+            Act::Q8KQuantized if quantized && n_in.is_multiple_of(256) => GgmlType::Q8_K,
             Act::Q8_1Quantized if quantized => GgmlType::Q8_1,
             Act::Q8KQuantized | Act::Q8_1Quantized => cpu,
         }
