@@ -45,13 +45,14 @@ fn check_passes(model: &Path, golden: Option<&Path>) {
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(
-        out.contains("verdict: parity (8 comparisons)"),
+        out.contains(common::DEFAULT_VERDICT),
         "{}",
         show(&o)
     );
-    // Op by op ran for both replayable ggml-rounding backends.
+    // Op by op ran for both replayable ggml-rounding backends (and the gpu, against the plain
+    // reference fed the same inputs, where the default set has it).
     assert!(
-        out.matches("op by op on the baseline's inputs").count() == 2,
+        out.matches("op by op on the baseline's inputs").count() == common::DEFAULT_BACKENDS - 1,
         "{}",
         show(&o)
     );

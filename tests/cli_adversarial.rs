@@ -600,7 +600,7 @@ fn cases() -> Vec<Case> {
             env: &[],
             stdout_to: None,
             code: 0,
-            words: &["EOS </s> (2) appended", "verdict: parity (8 comparisons)"],
+            words: &["EOS </s> (2) appended", common::DEFAULT_VERDICT],
             after: None,
         },
         Case {

@@ -28,7 +28,7 @@ fn the_default_check_runs_away_from_the_checkout() {
     let o = installed(&["check"], tmp.path(), &cache);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(
-        stdout(&o).contains("verdict: parity (8 comparisons)"),
+        stdout(&o).contains(common::DEFAULT_VERDICT),
         "{}",
         show(&o)
     );

@@ -383,7 +383,8 @@ fn cli_diff_without_model_says_end_to_end_only() {
 }
 
 /// A trace whose manifest names a path that is not here still finds its model by sha256 among
-/// the repository's fixtures; `--model` with another file is refused (exit 2, one line).
+/// the repository's fixtures (hashing only files of the size the manifest records, as every
+/// manifest parity writes does); `--model` with another file is refused (exit 2, one line).
 #[test]
 fn cli_diff_finds_the_model_by_sha256() {
     let tmp = tempdir("judge-sha");
@@ -393,6 +394,10 @@ fn cli_diff_finds_the_model_by_sha256() {
     let mut m: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
     m["model"]["path"] = "/somewhere/else/model.gguf".into();
+    let size = std::fs::metadata(root().join("fixtures/tiny-llama-q4_0.gguf"))
+        .unwrap()
+        .len();
+    m["model"]["size"] = size.into();
     std::fs::write(&mp, m.to_string()).unwrap();
     let gs = g.to_str().unwrap();
     let o = parity(&["diff", gs, gs]);

@@ -135,3 +135,19 @@ pub fn numpy_engine_python() -> Option<PathBuf> {
     }
     Some(py)
 }
+
+/// The verdict line of a clean default `parity check` against a tight golden. The default set
+/// is reference, reference:ggml-cpu and fast, plus gpu where build.rs found a GPU driver (the
+/// check adds it when an adapter exists): 3 backends give 2 op-by-op comparisons (ggml-cpu,
+/// fast) + 3 against the golden + 3 pairs = 8; with gpu, 3 op by op (gpu against the plain
+/// reference fed the same inputs) + 4 + 6 = 13.
+#[cfg(parity_gpu)]
+#[allow(dead_code)]
+pub const DEFAULT_VERDICT: &str = "verdict: parity (13 comparisons)";
+#[cfg(not(parity_gpu))]
+#[allow(dead_code)]
+pub const DEFAULT_VERDICT: &str = "verdict: parity (8 comparisons)";
+
+/// Backends of the default `parity check` set on this machine (see [`DEFAULT_VERDICT`]).
+#[allow(dead_code)]
+pub const DEFAULT_BACKENDS: usize = if cfg!(parity_gpu) { 4 } else { 3 };

@@ -61,7 +61,16 @@ impl Context {
         if f16 {
             want |= wgpu::Features::SHADER_F16;
         }
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        // Test-only knobs: a smaller binding or buffer than the adapter's, so that the
+        // windowed binding of large weights and the one-line refusal run on a small model.
+        let knob = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+        if let Some(b) = knob("PARITY_GPU_TEST_MAX_BINDING") {
+            limits.max_storage_buffer_binding_size = limits.max_storage_buffer_binding_size.min(b);
+        }
+        if let Some(b) = knob("PARITY_GPU_TEST_MAX_BUFFER") {
+            limits.max_buffer_size = limits.max_buffer_size.min(b);
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("parity"),
             required_features: want,

@@ -2,6 +2,7 @@
 //! dispatched: its parameters (binding 0) and its buffers (bindings 1..).
 
 use super::context::{Context, WG};
+use super::quant::{QuantMatmul, Reduction};
 use wgpu::{Buffer, CommandEncoder, ComputePipeline};
 
 pub struct Kernels {
@@ -14,7 +15,10 @@ pub struct Kernels {
     rope: ComputePipeline,
     probs: ComputePipeline,
     values: ComputePipeline,
+    /// Used only by the test bug that reads the weight transposed (an f32 copy of it).
     matmul: ComputePipeline,
+    /// Every real matmul: weights in their GGUF bytes, decoded in the shader.
+    pub quant: QuantMatmul,
 }
 
 const NORM: &str = include_str!("norm.wgsl");
@@ -47,6 +51,14 @@ impl Kernels {
             probs: cx.pipeline(ATTENTION, "probs"),
             values: cx.pipeline(ATTENTION, "values"),
             matmul: cx.pipeline(MATMUL, "matmul"),
+            // Compiled on first use: a model needs two pipelines per weight type it has.
+            quant: QuantMatmul::lazy(
+                &cx.device,
+                match cx.info.subgroups {
+                    true => Reduction::Subgroup,
+                    false => Reduction::Tree,
+                },
+            ),
         };
         match pollster::block_on(scope.pop()) {
             None => Ok(k),

@@ -4,9 +4,13 @@
 //! and stay resident; the K/V cache lives on the device. Nothing is read back except the last
 //! logits row and the taps a sink wants or replays (op by op uploads the replayed tensor).
 //!
-//! Matmul weights are dequantized to f32 at load (listed by [`Gpu::dequantized`]); RoPE's
-//! cos/sin table is computed on the host as ggml's rope cache (WGSL only promises sin/cos to
-//! 2^-11), the rotation on the device.
+//! Matmul weights of the types [`quant::QuantMatmul`] decodes (F32, F16, BF16, Q8_0, Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) are uploaded as their GGUF bytes and dequantized inside
+//! the shader; any other type is dequantized to f32 at load (listed by [`Gpu::dequantized`])
+//! and multiplied by the same kernel as F32. A weight larger than one binding is bound in
+//! windows of whole rows; one larger than one buffer, or a row larger than one binding, is
+//! refused in one line. RoPE's cos/sin table is computed on the host as ggml's rope cache
+//! (WGSL only promises sin/cos to 2^-11), the rotation on the device.
 
 pub mod context;
 pub mod kernels;
@@ -76,8 +80,12 @@ pub struct Gpu<'m> {
     model: &'m Model,
     dev: Arc<(Context, Kernels)>,
     n_ctx: usize,
-    /// Weights by data offset, uploaded on first use.
+    /// Norm weights, biases (and a test bug's transposed matmul weights) as f32, by data
+    /// offset, uploaded on first use.
     weights: HashMap<u64, wgpu::Buffer>,
+    /// Matmul weights by data offset, uploaded on first use: the type the shader decodes
+    /// (the GGUF type, or F32 for a type dequantized at load) and the bytes.
+    mats: HashMap<u64, (GgmlType, wgpu::Buffer)>,
     /// Matmul weights dequantized to f32 at load (names), for `check` to report.
     dequantized: Vec<String>,
     k_cache: Vec<wgpu::Buffer>,
@@ -101,21 +109,34 @@ impl<'m> Gpu<'m> {
         let cx = &dev.0;
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
-        let max = cx.info.max_binding.min(cx.info.max_buffer);
-        // The embedding is gathered on the host; the output may be the embedding (tied).
-        let mut tensors: Vec<&TensorInfo> = vec![&model.output];
+        // Matmul weights are bound in windows of whole rows: a tensor must fit one buffer
+        // and a row one binding. Everything else is bound whole.
+        let max_row = quant::max_row_bytes(&cx.device.limits());
+        let mut mats: Vec<&TensorInfo> = vec![&model.output];
         for w in &model.layers {
-            tensors.extend([&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down]);
+            mats.extend([&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down]);
         }
-        for t in tensors {
-            let bytes = t.n_elements * 4;
-            if bytes > max {
+        for t in mats {
+            let (n_in, _) = t.rows();
+            let (ty, row) = match quant::QuantMatmul::supports(t.ty) {
+                true => (t.ty, t.ty.bytes_for(n_in as u64).unwrap_or(u64::MAX)),
+                false => (GgmlType::F32, n_in as u64 * 4),
+            };
+            let bytes = t.rows().1 as u64 * row;
+            if bytes > cx.info.max_buffer {
                 return Err(BackendError::Gpu(format!(
-                    "tensor {} needs {bytes} bytes as f32 on the GPU, more than one binding allows ({max} bytes on {})",
+                    "tensor {} needs {bytes} bytes as {ty} on the GPU, more than one buffer allows ({} bytes on {})",
+                    t.name, cx.info.max_buffer, cx.info.adapter
+                )));
+            }
+            if row > max_row {
+                return Err(BackendError::Gpu(format!(
+                    "tensor {}: a row of {row} bytes as {ty} is more than one binding allows ({max_row} bytes on {})",
                     t.name, cx.info.adapter
                 )));
             }
         }
+        let max = cx.info.max_binding.min(cx.info.max_buffer);
         let kv = n_ctx * c.n_embd_kv();
         if (kv * 4) as u64 > max {
             return Err(BackendError::Gpu(format!(
@@ -133,6 +154,7 @@ impl<'m> Gpu<'m> {
             dev: dev.clone(),
             n_ctx,
             weights: HashMap::new(),
+            mats: HashMap::new(),
             dequantized: Vec::new(),
             k_cache,
             v_cache,
@@ -167,22 +189,39 @@ impl<'m> Gpu<'m> {
         self.enc.get_or_insert_with(|| cx.encoder())
     }
 
-    /// The weight's device buffer, uploaded on first use: as f32 (dequantized on the host
-    /// for quantized types).
-    fn weight(&mut self, w: &TensorInfo, matmul: bool) -> &wgpu::Buffer {
+    /// A norm weight's or bias's device buffer (f32), uploaded on first use.
+    fn weight(&mut self, w: &TensorInfo) -> &wgpu::Buffer {
         if !self.weights.contains_key(&w.offset) {
-            let (n_in, rows) = w.rows();
-            let mut data = vec![0.0f32; n_in * rows];
-            for (r, row) in data.chunks_mut(n_in.max(1)).enumerate() {
-                self.model.row(w, r, row);
-            }
-            if matmul && w.ty != GgmlType::F32 {
-                self.dequantized.push(w.name.clone());
-            }
-            let buf = self.dev.0.upload(&data);
+            let buf = self.dev.0.upload(&self.dequantize(w));
             self.weights.insert(w.offset, buf);
         }
         &self.weights[&w.offset]
+    }
+
+    /// A matmul weight on the device, uploaded on first use: its GGUF bytes when the shader
+    /// decodes its type, else f32 dequantized on the host (and listed).
+    fn mat(&mut self, w: &TensorInfo) -> (GgmlType, &wgpu::Buffer) {
+        if !self.mats.contains_key(&w.offset) {
+            let dev = &self.dev.0.device;
+            let m = if quant::QuantMatmul::supports(w.ty) {
+                (w.ty, quant::upload_weight(dev, self.model.data(w)))
+            } else {
+                self.dequantized.push(w.name.clone());
+                (GgmlType::F32, self.dev.0.upload(&self.dequantize(w)))
+            };
+            self.mats.insert(w.offset, m);
+        }
+        let (ty, buf) = &self.mats[&w.offset];
+        (*ty, buf)
+    }
+
+    fn dequantize(&self, w: &TensorInfo) -> Vec<f32> {
+        let (n_in, rows) = w.rows();
+        let mut data = vec![0.0f32; n_in * rows];
+        for (r, row) in data.chunks_mut(n_in.max(1)).enumerate() {
+            self.model.row(w, r, row);
+        }
+        data
     }
 
     /// Read `x` back (submitting what is pending).
@@ -274,6 +313,23 @@ impl Backend for Gpu<'_> {
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
         super::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        // The elementwise, norm and attention kernels bind their activations whole.
+        let c = &m.config;
+        let t = tokens.len();
+        let widest = [c.n_vocab, c.n_ff, c.n_embd, c.n_embd_q()]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
+            .max(c.n_head * (pos0 + t))
+            * t
+            * 4;
+        let max = self.dev.0.info.max_binding.min(self.dev.0.info.max_buffer);
+        if widest as u64 > max {
+            return Err(BackendError::Gpu(format!(
+                "a forward of {t} tokens from position {pos0} needs an activation of {widest} bytes, more than one binding allows ({max} bytes on {})",
+                self.dev.0.info.adapter
+            )));
+        }
         let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
         let nv = m.config.n_vocab;
         self.last_logits = self.read(&logits, logits.len - nv, nv);
@@ -305,7 +361,7 @@ impl Ops for Gpu<'_> {
         let bug = self.bugged(GpuBug::ReductionTail, layer_of(&w.name));
         let n = w.rows().0;
         let y = self.new_buf(x.len);
-        self.weight(w, false);
+        self.weight(w);
         self.enc();
         let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
         let enc = self.enc.as_mut().expect("made above");
@@ -318,20 +374,39 @@ impl Ops for Gpu<'_> {
     }
 
     fn matmul(&mut self, w: &TensorInfo, x: &GpuBuf) -> GpuBuf {
-        let transposed = self.bugged(GpuBug::MatmulTransposed, layer_of(&w.name));
         let (n_in, n_out) = w.rows();
         let t = x.len / n_in;
         let y = self.new_buf(t * n_out);
-        self.weight(w, true);
+        if self.bugged(GpuBug::MatmulTransposed, layer_of(&w.name)) {
+            // The broken kernel of the tests: the plain f32 matmul reading W transposed.
+            self.weight(w);
+            self.enc();
+            let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
+            let enc = self.enc.as_mut().expect("made above");
+            k.matmul_f32(cx, enc, wb, &x.buf, &y.buf, n_in, n_out, t, true);
+            return y;
+        }
+        self.mat(w);
         self.enc();
-        let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
+        let (cx, k) = (&self.dev.0, &self.dev.1);
+        let (ty, wb) = &self.mats[&w.offset];
         let enc = self.enc.as_mut().expect("made above");
-        k.matmul_f32(cx, enc, wb, &x.buf, &y.buf, n_in, n_out, t, transposed);
+        k.quant.encode(
+            &cx.device,
+            enc,
+            *ty,
+            wb,
+            n_in as u32,
+            n_out as u32,
+            &x.buf,
+            &y.buf,
+            t as u32,
+        );
         y
     }
 
     fn add_bias(&mut self, x: GpuBuf, b: &TensorInfo) -> GpuBuf {
-        self.weight(b, false);
+        self.weight(b);
         self.enc();
         let (cx, k, bb) = (&self.dev.0, &self.dev.1, &self.weights[&b.offset]);
         let enc = self.enc.as_mut().expect("made above");
