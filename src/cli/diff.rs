@@ -293,7 +293,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let Some((model_path, model)) = found else {
         // The same library call, without a model: end to end only.
         let d = judge::verdict::diff(&base, &cand, None, &opt)?;
-        let c = d.e2e;
+        let mut c = d.e2e;
+        crate::compare::judge_drift(&mut c, &base, &cand)?;
         show(
             &c,
             &format!(
@@ -303,8 +304,9 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
             true,
             &a.report,
         );
+        let diverged = c.diverged();
         let code = finish_with(&[c], &info, &a.report)?;
-        return Ok(if d.verdict.diverged {
+        return Ok(if d.verdict.diverged || diverged {
             ExitCode::from(1)
         } else {
             code

@@ -268,6 +268,29 @@ pub fn compare(
 }
 
 /// Up to three results just before `results[i]` (graph order) that still matched.
+/// Without any judgement of each op (`parity diff` without the model) the drift is all the
+/// evidence there is: every tap is held to its threshold again, and the first over it in graph
+/// order is the divergence (the ids, when they differ, stay the verdict).
+pub fn judge_drift(c: &mut Comparison, base: &Trace, cand: &Trace) -> Result<(), CompareError> {
+    for r in c.results.iter_mut().filter(|r| !r.gating) {
+        r.gating = true;
+        r.pass = r.pass && r.metrics.nmse <= r.threshold;
+    }
+    if c.token_mismatch.is_some() {
+        return Ok(());
+    }
+    if let Some(i) = c.results.iter().position(|r| !r.pass)
+        && c.first_divergence.as_ref().map(|d| d.at.key) != Some(c.results[i].key)
+    {
+        c.first_divergence = Some(Divergence {
+            at: c.results[i].clone(),
+            matched_before: matched_before(&c.results, i),
+            diagnosis: diagnose::diagnose(base, cand, &c.results, i, c.weight_type)?,
+        });
+    }
+    Ok(())
+}
+
 pub fn matched_before(results: &[TapResult], i: usize) -> Vec<TapResult> {
     let mut v: Vec<TapResult> = results[..i]
         .iter()
