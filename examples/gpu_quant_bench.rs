@@ -10,7 +10,8 @@
 //! recorded in one submission, each against the next of several copies of the weight (at
 //! least `--mib` MiB in all, 512 by default, so the weights come from memory, not from the
 //! GPU's cache), timed from
-//! submit to completion; the median of `--runs` passes after one warm-up. Compare with the
+//! submit to completion; the median (and range) of `--runs` passes after one warm-up; GB/s
+//! from the median. Compare with the
 //! GPU's memory bandwidth (e.g. H100 SXM 3.35 TB/s, RTX 4090 1.01 TB/s). On a software device
 //! (lavapipe) the figures measure the CPU. `--tree` times the shared-memory reduction instead
 //! of subgroupAdd.
@@ -80,8 +81,8 @@ fn main() {
         info.name, info.backend, info.driver, info.subgroup_min_size, info.subgroup_max_size
     );
     println!(
-        "{:<6} {:>13} {:>8} {:>6} {:>10} {:>10}",
-        "type", "shape", "tokens", "copies", "median µs", "GB/s"
+        "{:<6} {:>13} {:>8} {:>6} {:>10} {:>21} {:>10}",
+        "type", "shape", "tokens", "copies", "median µs", "range µs", "GB/s"
     );
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut rnd = move || {
@@ -143,12 +144,13 @@ fn main() {
                 times.sort_by(f64::total_cmp);
                 let med = times[times.len() / 2];
                 println!(
-                    "{:<6} {:>13} {:>8} {:>6} {:>10.1} {:>10.1}",
+                    "{:<6} {:>13} {:>8} {:>6} {:>10.1} {:>21} {:>10.3}",
                     ty.name(),
                     format!("{n_in}→{n_out}"),
                     n_tokens,
                     copies,
                     med * 1e6,
+                    format!("{:.1}–{:.1}", times[0] * 1e6, times[times.len() - 1] * 1e6),
                     bytes.len() as f64 / med / 1e9
                 );
             }

@@ -234,16 +234,19 @@ pub fn golden_is_ggml_cpu(g: &Trace) -> bool {
 /// counts: a golden made by llama.cpp's CPU with the tight settings, and parity's own
 /// backends by their registry row; never a name an external trace gives itself.
 fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
-    let ggml_like = |t: &Trace| match t.manifest.producer.name.as_str() {
-        "llama.cpp" => golden_is_ggml_cpu(t),
+    // The activation rounding a trace was made with, where known: a tight llama.cpp CPU golden
+    // rounds as ggml's CPU does (a GPU golden's is not known); parity's backends state theirs
+    // (gpu and reference: plain f32).
+    let rounding = |t: &Trace| match t.manifest.producer.name.as_str() {
+        "llama.cpp" => golden_is_ggml_cpu(t).then_some(backend::Emulation::GgmlCpu),
         "parity" => registry::find(&t.manifest.producer.backend)
-            .is_ok_and(|e| e.rounding == backend::Emulation::GgmlCpu),
-        _ => false,
+            .ok()
+            .map(|e| e.rounding),
+        _ => None,
     };
-    if ggml_like(a) && ggml_like(b) {
-        PairKind::SameRounding
-    } else {
-        PairKind::DifferentRounding
+    match (rounding(a), rounding(b)) {
+        (Some(x), Some(y)) if x == y => PairKind::SameRounding,
+        _ => PairKind::DifferentRounding,
     }
 }
 

@@ -44,11 +44,7 @@ fn check_passes(model: &Path, golden: Option<&Path>) {
     let o = parity(&args);
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
-    assert!(
-        out.contains(common::DEFAULT_VERDICT),
-        "{}",
-        show(&o)
-    );
+    assert!(out.contains(common::DEFAULT_VERDICT), "{}", show(&o));
     // Op by op ran for both replayable ggml-rounding backends (and the gpu, against the plain
     // reference fed the same inputs, where the default set has it).
     assert!(

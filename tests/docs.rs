@@ -9,7 +9,8 @@
 //! The scratch folder has `fixtures/` and `scripts/` (links to the repository's),
 //! `golden/tiny-llama-q8_0` (the committed golden), `golden/mine` (a copy of it) and `trace`
 //! (parity's dump replaying it); `parity`, `python3` and `python` on PATH are the binary under
-//! test and the Python with numpy that build.rs found.
+//! test and the Python with numpy that build.rs found. Blocks that use the gpu backend run
+//! where build.rs found a Vulkan driver (cfg `parity_gpu`), e.g. lavapipe.
 
 mod common;
 
@@ -59,6 +60,11 @@ impl Block {
             l.split_whitespace()
                 .any(|w| w == tool || w.starts_with(tool))
         })
+    }
+
+    /// Runs the gpu backend (or asks for the adapter): it needs a Vulkan driver.
+    fn needs_gpu(&self) -> bool {
+        self.lines.iter().any(|l| l.contains("gpu"))
     }
 
     fn name(&self) -> String {
@@ -246,7 +252,22 @@ fn every_command_block_runs_or_says_why_not() {
 
 #[test]
 fn doc_command_blocks_run() {
-    run_all(runnable(|b| !b.needs("jq") && !b.needs("python")), 1);
+    run_all(
+        runnable(|b| !b.needs("jq") && !b.needs("python") && !b.needs_gpu()),
+        1,
+    );
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_gpu),
+    ignore = "no GPU adapter: install a Vulkan driver (Debian: mesa-vulkan-drivers)"
+)]
+fn doc_command_blocks_with_gpu_run() {
+    run_all(
+        runnable(|b| !b.needs("jq") && !b.needs("python") && b.needs_gpu()),
+        1,
+    );
 }
 
 #[test]

@@ -148,7 +148,7 @@ fn the_readme_test_command_is_ci_run() {
         .map(str::trim)
         .rfind(|l| !l.is_empty() && !l.starts_with('#'))
         .unwrap();
-    assert_eq!(last, "cargo test \"$@\"");
+    assert_eq!(last, "cargo test --no-fail-fast \"$@\"");
     for what in [
         "llama-cpp-python",
         "qemu-user-static",

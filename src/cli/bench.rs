@@ -1,14 +1,20 @@
-//! `parity bench`: the fast backend against the real llama.cpp on the same file, the same
-//! threads and the same token ids, in one run.
+//! `parity bench`: parity's backends (`--backends`, the fast one by default; `gpu` for the
+//! device) against the real llama.cpp on the same file, the same threads and the same token
+//! ids, in one run.
 //!
-//! Both sides are timed the same way: one forward of the P-token prompt from an empty KV cache
+//! Every engine is timed the same way: one forward of the P-token prompt from an empty KV cache
 //! (prompt processing), then G single-token greedy decode steps (the argmax is not timed), after
 //! W untimed warm-up repetitions; medians over R repetitions. Our side runs with a `NullSink`,
-//! so no taps are kept. llama.cpp runs through `scripts/llama_bench.py` with its defaults for a
+//! so no taps are kept; the gpu backend reads each step's logits back, so its steps are timed
+//! to completion on the device. Beside the rates: the weight bandwidth decode achieved (the
+//! bytes of matmul weights read per token, as each engine holds them, × decode tok/s), and for
+//! the gpu backend that figure against the device's memory bandwidth where it is known. llama.cpp runs through `scripts/llama_bench.py` with its defaults for a
 //! user (F16 KV cache, flash attention auto, weight repacking), which the table names.
 
 use super::{Result, err, python, repo_root};
-use crate::backend::{Backend, Fast, argmax};
+use crate::backend::gpu::Gpu;
+use crate::backend::{Backend, argmax, registry};
+use crate::gguf::TensorInfo;
 use crate::model::Model;
 use crate::trace::NullSink;
 use clap::Args;
@@ -35,7 +41,15 @@ pub struct BenchArgs {
     /// Untimed warm-up repetitions before the timed ones (page faults, caches, thread start).
     #[arg(long, default_value_t = 1)]
     warmup: usize,
-    /// Only benchmark parity's fast backend.
+    /// parity's backends to time, comma-separated (any of `parity check --backends`'s names;
+    /// `gpu` needs a GPU adapter).
+    #[arg(long, value_delimiter = ',', default_value = "fast")]
+    backends: Vec<String>,
+    /// The GPU's memory bandwidth in GB/s, for an adapter the built-in table does not know:
+    /// the gpu backend's decode weight bandwidth is shown as a share of it.
+    #[arg(long, value_name = "GB/S")]
+    peak_gbs: Option<f64>,
+    /// Only benchmark parity's backends.
     #[arg(long)]
     no_llama: bool,
     /// Run llama.cpp with llama_golden.py's tight settings (F32 KV cache, no flash attention,
@@ -113,8 +127,7 @@ fn thread_sched() -> Option<(f64, f64)> {
     Some((run as f64 * 1e-9, wait as f64 * 1e-9))
 }
 
-fn time_fast(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Result<Timing> {
-    let mut b = Fast::new(model, ids.len() + a.n_gen, threads);
+fn time_backend(b: &mut dyn Backend, ids: &[u32], a: &BenchArgs) -> Result<Timing> {
     let (p, g) = (ids.len(), a.n_gen);
     let mut run = || -> Result<(f64, f64, Vec<u32>)> {
         b.reset();
@@ -217,8 +230,174 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
+/// Two decimals, or three significant digits below 1 (a software device's 0.00322 GB/s is
+/// not 0.00).
 fn fmt_rate(v: Option<f64>) -> String {
-    v.map_or("-".into(), |v| format!("{v:.2}"))
+    v.map_or("-".into(), |v| {
+        let digits = if v > 0.0 && v < 1.0 {
+            (2 - v.log10().floor() as i32).clamp(2, 12) as usize
+        } else {
+            2
+        };
+        format!("{v:.digits$}")
+    })
+}
+
+/// The weights a decode step's matmuls read, each once per token: every layer's projections
+/// and the output (the embedding only gives one row per token and is left out).
+fn matmul_weights(model: &Model) -> Vec<&TensorInfo> {
+    let mut v = vec![&model.output];
+    for l in &model.layers {
+        v.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    }
+    v
+}
+
+/// Bytes of matmul weights read per decode token: the file's bytes of each, except those an
+/// engine holds as f32 (`as_f32`: their names), which cost 4 bytes an element.
+fn weight_bytes(model: &Model, as_f32: &[String]) -> u64 {
+    matmul_weights(model)
+        .iter()
+        .map(|t| {
+            if as_f32.contains(&t.name) {
+                t.n_elements * 4
+            } else {
+                t.n_bytes
+            }
+        })
+        .sum()
+}
+
+/// The memory bandwidth (GB/s, the vendor's figure) of a GPU recognised by its adapter name,
+/// matched by whole words (`L4` is not `L40S`); the more specific variants come first.
+fn known_peak_gbs(adapter: &str) -> Option<f64> {
+    const TABLE: &[(&[&str], f64)] = &[
+        (&["H200"], 4800.0),
+        (&["H100", "PCIe"], 2000.0),
+        (&["H100", "NVL"], 3900.0),
+        (&["H100"], 3350.0), // SXM5, "NVIDIA H100 80GB HBM3"
+        (&["A100-SXM4-80GB"], 2039.0),
+        (&["A100", "80GB", "PCIe"], 1935.0),
+        (&["A100-SXM4-40GB"], 1555.0),
+        (&["A100-PCIE-40GB"], 1555.0),
+        (&["L40S"], 864.0),
+        (&["L4"], 300.0),
+        (&["T4"], 320.0),
+        (&["RTX", "4090"], 1008.0),
+        (&["RTX", "3090"], 936.0),
+    ];
+    let words: Vec<&str> = adapter.split_whitespace().collect();
+    // Laptop parts share the desktop names with other memory.
+    if words.iter().any(|w| *w == "Laptop" || *w == "Mobile") {
+        return None;
+    }
+    TABLE
+        .iter()
+        .find(|(need, _)| need.iter().all(|n| words.contains(n)))
+        .map(|&(_, g)| g)
+}
+
+/// One of parity's backends, timed.
+#[derive(Debug, serde::Serialize)]
+struct Ours {
+    name: String,
+    #[serde(flatten)]
+    timing: Timing,
+    /// Bytes of matmul weights read per decode token, as this backend holds them.
+    weight_bytes_per_token: u64,
+    /// `weight_bytes_per_token` × decode tok/s, in GB/s.
+    tg_weight_gb_s: Option<f64>,
+    /// The device, for the gpu backend.
+    device: Option<GpuRun>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct GpuRun {
+    adapter: String,
+    device_type: String,
+    api: String,
+    driver: String,
+    /// A CPU device (lavapipe, llvmpipe, WARP): the timings measure the CPU, only the
+    /// correctness of the kernels counts there.
+    cpu_device: bool,
+    /// Matmul weights held as f32 on the device (no kernel reads their type directly).
+    dequantized_at_load: Vec<String>,
+    /// The device's memory bandwidth, GB/s: `--peak-gbs`, else the built-in table.
+    peak_gb_s: Option<f64>,
+    peak_from: Option<&'static str>,
+    /// `tg_weight_gb_s` / `peak_gb_s`.
+    tg_share_of_peak: Option<f64>,
+}
+
+fn time_ours(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Result<Vec<Ours>> {
+    let n_ctx = ids.len() + a.n_gen;
+    // The gpu backend is made before anything is timed, so that a missing adapter stops the
+    // run at once; the others are made in turn (an idle CPU pool must not run beside a timing).
+    let wants_gpu = a
+        .backends
+        .iter()
+        .any(|b| registry::find(b).is_ok_and(|e| e.name == "gpu"));
+    let mut gpu = if wants_gpu {
+        Some(Box::new(Gpu::new(model, n_ctx)?))
+    } else {
+        None
+    };
+    enum Built<'m> {
+        Gpu(Box<Gpu<'m>>),
+        Other(Box<dyn Backend + 'm>),
+    }
+    let mut out = Vec::new();
+    for name in &a.backends {
+        let entry = registry::find(name)?;
+        let b = match gpu.take() {
+            Some(g) if entry.name == "gpu" => Built::Gpu(g),
+            g => {
+                gpu = g;
+                Built::Other(entry.build(model, n_ctx, threads)?)
+            }
+        };
+        let (timing, device, as_f32) = match b {
+            Built::Gpu(mut g) => {
+                let timing = time_backend(g.as_mut(), ids, a)?;
+                let i = g.info();
+                let (peak, from) = match a.peak_gbs {
+                    Some(p) => (Some(p), Some("--peak-gbs")),
+                    None => {
+                        let k = known_peak_gbs(&i.adapter);
+                        (k, k.map(|_| "parity's table of vendor figures"))
+                    }
+                };
+                let dev = GpuRun {
+                    adapter: i.adapter.clone(),
+                    device_type: i.device_type.clone(),
+                    api: i.api.clone(),
+                    driver: format!("{} {}", i.driver, i.driver_info).trim().to_string(),
+                    cpu_device: i.device_type == "Cpu",
+                    dequantized_at_load: g.dequantized().to_vec(),
+                    peak_gb_s: peak,
+                    peak_from: from,
+                    tg_share_of_peak: None,
+                };
+                let f32s = dev.dequantized_at_load.clone();
+                (timing, Some(dev), f32s)
+            }
+            Built::Other(mut b) => (time_backend(b.as_mut(), ids, a)?, None, Vec::new()),
+        };
+        let bytes = weight_bytes(model, &as_f32);
+        let gbs = timing.tg_tok_s.map(|r| bytes as f64 * r / 1e9);
+        let device = device.map(|d| GpuRun {
+            tg_share_of_peak: gbs.zip(d.peak_gb_s).map(|(g, p)| g / p),
+            ..d
+        });
+        out.push(Ours {
+            name: entry.name.to_string(),
+            timing,
+            weight_bytes_per_token: bytes,
+            tg_weight_gb_s: gbs,
+            device,
+        });
+    }
+    Ok(out)
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
@@ -227,6 +406,25 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.prompt_tokens == 0 {
         return Err(err("--prompt-tokens must be at least 1"));
+    }
+    for (i, b) in a.backends.iter().enumerate() {
+        let name = registry::find(b)?.name;
+        if a.backends[..i]
+            .iter()
+            .any(|o| registry::find(o).is_ok_and(|e| e.name == name))
+        {
+            return Err(err(format!("--backends names {b} twice")));
+        }
+    }
+    if a.backends.is_empty() {
+        return Err(err("--backends names no backend"));
+    }
+    if let Some(p) = a.peak_gbs
+        && !(p.is_finite() && p > 0.0)
+    {
+        return Err(err(format!(
+            "--peak-gbs {p}: give the bandwidth in GB/s, > 0"
+        )));
     }
     let model = Model::open(&a.model)?;
     let c = &model.config;
@@ -252,8 +450,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let ids = prompt_ids(&model, a.prompt_tokens);
     let file_bytes = model.file.bytes().len();
     let wtype = model.main_weight_type();
+    // What llama.cpp's matmuls read per token: the file's bytes.
+    let file_weight_bytes = weight_bytes(&model, &[]);
 
-    let ours = time_fast(&model, &ids, &a, threads)?;
+    let ours = time_ours(&model, &ids, &a, threads)?;
     let llama = if a.no_llama {
         None
     } else {
@@ -265,21 +465,40 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     };
     let their_pp = theirs.and_then(|j| j["pp_tok_s"].as_f64());
     let their_tg = theirs.and_then(|j| j["tg_tok_s"].as_f64());
+    let their_gbs = their_tg.map(|r| file_weight_bytes as f64 * r / 1e9);
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => Some(a / b),
         _ => None,
     };
-    let pp_ratio = ratio(Some(ours.pp_tok_s), their_pp);
-    let tg_ratio = ratio(ours.tg_tok_s, their_tg);
-    // How long the two greedy continuations agree (llama.cpp's F16 KV cache may part them).
-    let agree = theirs.and_then(|j| j["generated"].as_array()).map(|g| {
-        g.iter()
-            .zip(&ours.generated)
-            .take_while(|(x, y)| x.as_u64() == Some(**y as u64))
-            .count()
-    });
+    let ratios = |o: &Ours| {
+        (
+            ratio(Some(o.timing.pp_tok_s), their_pp),
+            ratio(o.timing.tg_tok_s, their_tg),
+        )
+    };
+    // How long two greedy continuations agree (llama.cpp's F16 KV cache may part them).
+    let agree = |o: &Ours| {
+        theirs.and_then(|j| j["generated"].as_array()).map(|g| {
+            g.iter()
+                .zip(&o.timing.generated)
+                .take_while(|(x, y)| x.as_u64() == Some(**y as u64))
+                .count()
+        })
+    };
+    let fast = ours.iter().find(|o| o.name == "fast");
 
     if a.json {
+        let parity: serde_json::Map<String, serde_json::Value> = ours
+            .iter()
+            .map(|o| {
+                let mut v = serde_json::to_value(o).unwrap_or_default();
+                let (pp, tg) = ratios(o);
+                v["ratio"] = serde_json::json!({ "pp": pp, "tg": tg });
+                v["greedy_agree"] = serde_json::json!(agree(o));
+                (o.name.clone(), v)
+            })
+            .collect();
+        let (pp_ratio, tg_ratio) = fast.map_or((None, None), ratios);
         let j = serde_json::json!({
             "model": a.model.display().to_string(),
             "file_bytes": file_bytes,
@@ -291,11 +510,16 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             "reps": a.reps,
             "warmup": a.warmup,
             "prompt_ids": ids,
-            "parity_fast": ours,
-            "llama_cpp": theirs,
-            "llama_cpp_error": match &llama { Some(Err(LlamaUnavailable(e))) => Some(e), _ => None },
+            "backends": ours.iter().map(|o| &o.name).collect::<Vec<_>>(),
+            "parity": parity,
+            // The fast backend's entry under its historical names (scripts read these).
+            "parity_fast": fast.map(|o| &o.timing),
             "ratio": { "pp": pp_ratio, "tg": tg_ratio },
-            "greedy_agree": agree,
+            "greedy_agree": fast.and_then(agree),
+            "llama_cpp": theirs,
+            "llama_cpp_weight_bytes_per_token": file_weight_bytes,
+            "llama_cpp_tg_weight_gb_s": their_gbs,
+            "llama_cpp_error": match &llama { Some(Err(LlamaUnavailable(e))) => Some(e), _ => None },
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
@@ -327,6 +551,18 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             a.reps,
             a.warmup
         );
+        for o in &ours {
+            let Some(d) = &o.device else { continue };
+            println!(
+                "gpu: {} ({}, {}, driver {})",
+                d.adapter, d.device_type, d.api, d.driver
+            );
+            if d.cpu_device {
+                println!(
+                    "gpu: the adapter is a CPU device (software Vulkan such as lavapipe): its figures measure the CPU, on it only correctness counts"
+                );
+            }
+        }
         if let Some(j) = theirs {
             let s = &j["settings"];
             let fa = match (s["flash_attn"].as_str(), s["flash_attn_resolved"].as_str()) {
@@ -361,40 +597,102 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             );
         }
         println!();
+        // One column per engine: parity's backends, then llama.cpp when it ran.
+        let mut head = vec![String::new()];
+        head.extend(ours.iter().map(|o| format!("parity {}", o.name)));
+        let row = |label: &str, ours_v: Vec<String>, theirs_v: String| {
+            let mut v = vec![label.to_string()];
+            v.extend(ours_v);
+            if theirs.is_some() {
+                v.push(theirs_v);
+            }
+            v
+        };
+        let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{}x", fmt_rate(Some(x))));
+        let mut rows = vec![
+            row(
+                "prompt (pp) tok/s",
+                ours.iter()
+                    .map(|o| fmt_rate(Some(o.timing.pp_tok_s)))
+                    .collect(),
+                fmt_rate(their_pp),
+            ),
+            row(
+                "decode (tg) tok/s",
+                ours.iter().map(|o| fmt_rate(o.timing.tg_tok_s)).collect(),
+                fmt_rate(their_tg),
+            ),
+            row(
+                "decode weights GB/s",
+                ours.iter().map(|o| fmt_rate(o.tg_weight_gb_s)).collect(),
+                fmt_rate(their_gbs),
+            ),
+        ];
+        if theirs.is_some() {
+            head.push("llama.cpp".into());
+            rows.push(row(
+                "pp vs llama.cpp",
+                ours.iter().map(|o| r(ratios(o).0)).collect(),
+                String::new(),
+            ));
+            rows.push(row(
+                "tg vs llama.cpp",
+                ours.iter().map(|o| r(ratios(o).1)).collect(),
+                String::new(),
+            ));
+        }
+        for line in std::iter::once(&head).chain(&rows) {
+            let mut s = format!("{:<22}", line[0]);
+            for c in &line[1..] {
+                s += &format!(" {c:>14}");
+            }
+            println!("{}", s.trim_end());
+        }
+        let mb = |b: u64| b as f64 / 1e6;
         println!(
-            "{:<22} {:>12} {:>12} {:>18}",
-            "", "parity fast", "llama.cpp", "parity/llama.cpp"
+            "decode weights: the matmul weights read once per token ({:.1} MB as stored in the file), × decode tok/s",
+            mb(file_weight_bytes)
         );
-        let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.2}x"));
-        println!(
-            "{:<22} {:>12} {:>12} {:>18}",
-            "prompt (pp) tok/s",
-            fmt_rate(Some(ours.pp_tok_s)),
-            fmt_rate(their_pp),
-            r(pp_ratio)
-        );
-        println!(
-            "{:<22} {:>12} {:>12} {:>18}",
-            "decode (tg) tok/s",
-            fmt_rate(ours.tg_tok_s),
-            fmt_rate(their_tg),
-            r(tg_ratio)
-        );
-        if let Some(m) = &ours.main_thread {
+        for o in &ours {
+            let Some(d) = &o.device else { continue };
+            if !d.dequantized_at_load.is_empty() {
+                println!(
+                    "gpu: {} matmul weights held as f32 on the device ({:.1} MB read per token)",
+                    d.dequantized_at_load.len(),
+                    mb(o.weight_bytes_per_token)
+                );
+            }
+            match (d.peak_gb_s, d.tg_share_of_peak) {
+                (Some(p), Some(s)) => println!(
+                    "gpu: decode read weights at {:.1}% of {}'s memory bandwidth ({p:.0} GB/s, from {})",
+                    100.0 * s,
+                    d.adapter,
+                    d.peak_from.unwrap_or("?")
+                ),
+                _ if d.cpu_device => {}
+                _ => println!(
+                    "gpu: memory bandwidth of {} unknown: pass --peak-gbs to see decode's share of it",
+                    d.adapter
+                ),
+            }
+        }
+        if let Some(m) = ours.iter().find_map(|o| o.timing.main_thread.as_ref()) {
             let waited = m.waiting_for_cpu_s / m.wall_s;
             if waited > 0.02 {
                 println!(
                     "note: parity's main thread waited for a CPU {:.0}% of the timed wall time: \
-                     the machine was busy, so both columns are pessimistic",
+                     the machine was busy, so every column is pessimistic",
                     100.0 * waited
                 );
             }
         }
-        if let Some(n) = agree {
-            println!(
-                "greedy continuations agree on the first {n} of {} tokens",
-                a.n_gen
-            );
+        for o in &ours {
+            if let Some(n) = agree(o) {
+                println!(
+                    "greedy continuations of parity {} and llama.cpp agree on the first {n} of {} tokens",
+                    o.name, a.n_gen
+                );
+            }
         }
     }
     match llama {
@@ -403,5 +701,31 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             Ok(ExitCode::from(2))
         }
         _ => Ok(ExitCode::SUCCESS),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::known_peak_gbs;
+
+    #[test]
+    fn peak_bandwidth_matches_whole_words_and_specific_variants_first() {
+        assert_eq!(known_peak_gbs("NVIDIA H100 80GB HBM3"), Some(3350.0));
+        assert_eq!(known_peak_gbs("NVIDIA H100 PCIe"), Some(2000.0));
+        assert_eq!(known_peak_gbs("NVIDIA L4"), Some(300.0));
+        assert_eq!(known_peak_gbs("NVIDIA L40S"), Some(864.0));
+        assert_eq!(known_peak_gbs("NVIDIA GeForce RTX 4090"), Some(1008.0));
+        assert_eq!(known_peak_gbs("NVIDIA GeForce RTX 4090 Laptop GPU"), None);
+        assert_eq!(known_peak_gbs("llvmpipe (LLVM 19.1.7, 256 bits)"), None);
+    }
+
+    #[test]
+    fn small_rates_keep_three_significant_digits() {
+        use super::fmt_rate;
+        assert_eq!(fmt_rate(Some(0.0032249)), "0.00322");
+        assert_eq!(fmt_rate(Some(0.5)), "0.500");
+        assert_eq!(fmt_rate(Some(17418.951)), "17418.95");
+        assert_eq!(fmt_rate(Some(0.0)), "0.00");
+        assert_eq!(fmt_rate(None), "-");
     }
 }

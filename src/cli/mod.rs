@@ -54,7 +54,8 @@ enum Cmd {
     Check(check::CheckArgs),
     /// Compare two trace folders (e.g. an external engine's dump against a golden).
     Diff(diff::DiffArgs),
-    /// Benchmark the fast backend against the real llama.cpp on the same model and threads.
+    /// Benchmark parity's backends (fast by default; --backends fast,gpu) against the real
+    /// llama.cpp on the same model and threads: tok/s and decode weight bandwidth.
     Bench(bench::BenchArgs),
     /// List the catalog of known engine bugs (`--mutate NAME` switches one on).
     Mutations(selftest::MutationsArgs),
