@@ -6,13 +6,16 @@ cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format
 an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
 decoded by gguf-py, every op is written again here.
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
 --rounding ggml quantizes each matmul input as ggml's CPU backend does before the dot product
 (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL weights, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants, f16 for F16;
-the x86 AVX quantizer: 127/amax, round half to even). --mutate switches on one of parity's
+the x86 AVX quantizer: 127/amax, round half to even). The other rounding families:
+ggml-scalar (ggml's quantize_row_q8_0_ref: 1/(amax/127), roundf, half away from zero), q8k (Q8_K
+activations for every quantized weight, as an AVX512-VNNI engine), q8_1 (llama.cpp's GPU MMVQ:
+x / (amax/127), roundf), f16 and bf16 (every matmul input rounded). --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default.
 """
@@ -123,13 +126,24 @@ class Model:
 
 # ---- ggml's CPU activation rounding -------------------------------------------------------
 
-def q8_0_x86(x):
-    """quantize_row_q8_0 (x86 AVX) then dequantize: blocks of 32, d = f16(amax/127)."""
+def roundf(x):
+    """C's roundf: half away from zero (ggml's scalar reference quantizers)."""
+    return (np.sign(x) * np.floor(np.abs(x) + F32(0.5))).astype(F32)
+
+
+def q8_0_x86(x, half_away=False):
+    """quantize_row_q8_0 (x86 AVX) then dequantize: blocks of 32, d = f16(amax/127).
+    half_away: quantize_row_q8_0_ref (ggml's scalar reference, roundf) instead of rint."""
     b = x.reshape(-1, 32)
     amax = np.max(np.abs(b), axis=1).astype(F32)
     with np.errstate(divide="ignore"):
-        idv = np.where(amax != 0, F32(127.0) / amax, F32(0.0)).astype(F32)
-    q = np.clip(np.rint(b * idv[:, None]), -128, 127).astype(F32)  # rint: half to even
+        if half_away:  # id = 1/d, d = amax/127
+            d = (amax / F32(127.0)).astype(F32)
+            idv = np.where(d != 0, F32(1.0) / d, F32(0.0)).astype(F32)
+        else:
+            idv = np.where(amax != 0, F32(127.0) / amax, F32(0.0)).astype(F32)
+    r = roundf if half_away else np.rint  # rint: half to even
+    q = np.clip(r((b * idv[:, None]).astype(F32)), -128, 127).astype(F32)
     d = (amax / F32(127.0)).astype(np.float16).astype(F32)
     return (q * d[:, None]).reshape(x.shape).astype(F32)
 
@@ -154,11 +168,34 @@ def bf16(x):
     return u.astype(np.uint32).view(F32)
 
 
-def round_input(ty, x):
+def q8_1_gpu(x):
+    """llama.cpp's GPU quantize_q8_1 (CUDA/Vulkan MMVQ) then dequantize: blocks of 32,
+    d = amax/127, q = roundf(x / d), d stored as f16."""
+    b = x.reshape(-1, 32)
+    amax = np.max(np.abs(b), axis=1).astype(F32)
+    d = (amax / F32(127.0)).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(amax[:, None] != 0, roundf((b / d[:, None]).astype(F32)), F32(0.0))
+    return (q * d.astype(np.float16).astype(F32)[:, None]).reshape(x.shape).astype(F32)
+
+
+QUANTIZED = {Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_1, Q.Q5_1} | KQUANTS
+
+
+def round_input(ty, x, family="ggml"):
+    """The activation rounding of one rounding family before a matmul with a `ty` weight."""
+    if family == "f16":
+        return x.astype(np.float16).astype(F32)
+    if family == "bf16":
+        return bf16(x)
+    if family == "q8k" and ty in QUANTIZED and x.shape[-1] % 256 == 0:
+        return q8_k(x)  # an AVX512-VNNI engine: Q8_K activations for every quantized weight
+    if family == "q8_1" and ty in QUANTIZED:
+        return q8_1_gpu(x)
     if ty in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.IQ4_NL, Q.Q4_1, Q.Q5_1):
         # Q8_1 differs from Q8_0 only in the stored block sum, which the dequantized values
         # do not carry: the same rounding of x.
-        return q8_0_x86(x)
+        return q8_0_x86(x, half_away=family == "ggml-scalar")
     if ty in KQUANTS:
         return q8_k(x)
     if ty == Q.F16:
@@ -187,8 +224,8 @@ class Engine:
             # out[r] = sum_i W_flat[i * n_out + r] x[i]: the flat data read as [n_in, n_out].
             n_out, n_in = w.shape
             w = w.reshape(n_in, n_out).T
-        if self.rounding == "ggml":
-            x = round_input(self.m.ty(name), x)
+        if self.rounding != "none":
+            x = round_input(self.m.ty(name), x, self.rounding)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
 
     def norm(self, x, name, mut):
@@ -329,7 +366,8 @@ def main():
     ap.add_argument("--forced", help="decode ids to feed, comma-separated (else greedy)")
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
-    ap.add_argument("--rounding", choices=["none", "ggml"], default="none")
+    ap.add_argument("--rounding", default="none",
+                    choices=["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16"])
     ap.add_argument("--kv", choices=["f32", "f16"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16)")
     ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])

@@ -53,7 +53,11 @@ fn a_clean_check_report_on_stdout_validates() {
     assert_eq!(j["verdict"], "parity");
     assert_eq!(j["diverged"], 0);
     let comps = j["comparisons"].as_array().unwrap();
-    assert_eq!(comps.len(), 8, "3 backends, 2 op by op, 3 pairs");
+    assert_eq!(
+        comps.len(),
+        common::DEFAULT_COMPARISONS,
+        "3 backends (4 with the gpu), their op-by-op passes, every pair"
+    );
     // The golden is there with its llama.cpp version, and its ids decoded by the model's tokenizer.
     let golden = j["traces"]
         .as_array()

@@ -9,6 +9,8 @@
 //! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
+pub use super::family::Emulation;
+use super::family::{Gelu, Quantizer};
 use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
 use crate::arch::{self, Attn, Ops, Rope};
@@ -19,33 +21,19 @@ use crate::trace::{Sink, Tap, TapKey, tap, tap_mut};
 use rayon::prelude::*;
 use std::ops::Range;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Emulation {
-    /// Plain f32 activations.
-    None,
-    /// Quantize matmul inputs the way ggml's CPU backend does.
-    GgmlCpu,
-    /// Round matmul inputs to f16, as GPU engines that keep activations in f16 do.
-    F16,
-}
-
-impl Emulation {
-    /// The name `parse` reads and manifests record.
-    pub fn name(self) -> &'static str {
-        match self {
-            Emulation::None => "none",
-            Emulation::GgmlCpu => "ggml-cpu",
-            Emulation::F16 => "f16",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Emulation> {
-        match s {
-            "none" => Some(Emulation::None),
-            "ggml-cpu" => Some(Emulation::GgmlCpu),
-            "f16" => Some(Emulation::F16),
-            _ => None,
+/// llama.cpp's GPU `quantize_q8_1`, dequantized: per block of 32, `d = max|x|/127`,
+/// `q = roundf(x / d)`, times `d` as the f16 the block stores.
+fn q8_1_gpu(src: &[f32], dst: &mut [f32]) {
+    for (x, y) in src.chunks(32).zip(dst.chunks_mut(32)) {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let dh = half::f16::from_f32(d).to_f32();
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = if amax == 0.0 {
+                0.0
+            } else {
+                (v / d).round() * dh
+            };
         }
     }
 }
@@ -181,19 +169,34 @@ impl<'m> Reference<'m> {
         out
     }
 
-    /// The activation rounding ggml's CPU applies before a matmul with a `ty` weight.
+    /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
     fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
-        if self.emulation == Emulation::F16 {
-            return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
-        }
-        let act = quant::vec_dot_type(ty);
-        if self.emulation == Emulation::None || act == GgmlType::F32 {
-            return x.to_vec();
+        let e = self.emulation;
+        let act = e.act_type(ty, n_in);
+        match act {
+            GgmlType::F32 => return x.to_vec(),
+            GgmlType::F16 => return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            GgmlType::BF16 => {
+                return x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_f32())
+                    .collect();
+            }
+            _ => {}
         }
         let mut y = vec![0.0f32; x.len()];
+        let quantizer = e.family().quantizer;
+        if quantizer == Quantizer::Gpu && act == GgmlType::Q8_1 {
+            q8_1_gpu(x, &mut y);
+            return y;
+        }
         let mut q = vec![0u8; act.bytes_for(n_in as u64).expect("whole blocks") as usize];
         for (src, dst) in x.chunks(n_in).zip(y.chunks_mut(n_in)) {
-            quant::quantize_activation(act, src, &mut q);
+            if quantizer == Quantizer::Scalar {
+                quant::quantize_row_into(act, src, &mut q).expect("whole blocks");
+            } else {
+                quant::quantize_activation(act, src, &mut q);
+            }
             quant::dequantize_row(act, &q, dst).expect("same length");
         }
         y
@@ -306,12 +309,12 @@ pub(crate) fn softcap(x: f32, cap: f32) -> f32 {
 
 /// GELU, tanh approximation, as ggml_gelu. ggml's CPU backend looks it up in an f16 table
 /// (`GGML_GELU_FP16`): the input rounded to f16, the output stored as f16, and exact past
-/// ±10; `Emulation::GgmlCpu` does the same.
+/// ±10; a family whose row says `Gelu::F16Table` (ggml-cpu) does the same.
 pub(crate) fn gelu(x: f32, emulation: Emulation) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     const COEF_A: f32 = 0.044715;
     let exact = |x: f32| 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-    if emulation != Emulation::GgmlCpu {
+    if emulation.gelu() != Gelu::F16Table {
         return exact(x);
     }
     if x <= -10.0 {
@@ -341,7 +344,7 @@ impl Backend for Reference<'_> {
         match self.emulation {
             Emulation::None => "reference".into(),
             Emulation::GgmlCpu => "reference:ggml-cpu".into(),
-            Emulation::F16 => "reference:f16".into(),
+            e => format!("reference:{}", e.name()),
         }
     }
 

@@ -42,8 +42,8 @@ pub struct DiffArgs {
     /// Compare even if the manifests (or --model) name different model sha256.
     #[arg(long)]
     allow_model_mismatch: bool,
-    /// Judge under this activation rounding only (none, ggml-cpu, f16) instead of measuring
-    /// which one reproduces the engine.
+    /// Judge under this activation rounding only (none, ggml-cpu, f16, ggml-scalar, q8k, q8_1-gpu,
+    /// bf16) instead of measuring which one reproduces the engine.
     #[arg(long)]
     rounding: Option<String>,
     /// Judge with this K/V cache type only (f32, f16) instead of measuring which one
@@ -200,6 +200,7 @@ fn as_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str)
         first_divergence,
         only_in_baseline: 0,
         only_in_candidate: 0,
+        rounding_family: Some(j.rounding.name()),
     }
 }
 
@@ -267,7 +268,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         None => None,
         Some(s) => Some(Emulation::parse(s).ok_or_else(|| {
             err(format!(
-                "unknown rounding '{s}' (known: none, ggml-cpu, f16)"
+                "unknown rounding '{s}' (known: {})",
+                Emulation::ALL.map(|e| e.name()).join(", ")
             ))
         })?),
     };

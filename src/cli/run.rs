@@ -143,7 +143,20 @@ pub fn make_backend<'m>(
     n_ctx: usize,
     threads: usize,
 ) -> Result<Box<dyn Backend + 'm>> {
-    Ok(backend::registry::find(name)?.build(model, n_ctx, threads)?)
+    match (backend::registry::find(name), reference_family(name)) {
+        (Err(_), Some(e)) => Ok(Box::new(Reference::new(model, e, n_ctx))),
+        (entry, _) => Ok(entry?.build(model, n_ctx, threads)?),
+    }
+}
+
+/// `reference:FAMILY` for a rounding family the registry has no row for (the zoo's clean
+/// engines: `reference:ggml-scalar`, `reference:q8k`, ...): the reference under that emulation.
+fn reference_family(name: &str) -> Option<Emulation> {
+    match name {
+        "reference" => Some(Emulation::None),
+        "emulated" => Some(Emulation::GgmlCpu),
+        _ => Emulation::parse(name.strip_prefix("reference:")?),
+    }
 }
 
 /// `--mutate NAME`: the mutation, refused (one line, exit 2) when unknown or when it cannot
@@ -182,14 +195,10 @@ pub fn make_mutated_backend<'m>(
     let Some(m) = m.filter(|m| m.kind() != MutationKind::Tokens) else {
         return make_backend(name, model, n_ctx, threads);
     };
-    let emulation = match name {
-        "reference" => Emulation::None,
-        "reference:ggml-cpu" | "emulated" => Emulation::GgmlCpu,
-        other => {
-            return Err(err(format!(
-                "--mutate {m} needs the reference backend (not '{other}')"
-            )));
-        }
+    let Some(emulation) = reference_family(name) else {
+        return Err(err(format!(
+            "--mutate {m} needs the reference backend (not '{name}')"
+        )));
     };
     Ok(Box::new(
         Reference::new(model, emulation, n_ctx)
@@ -246,7 +255,7 @@ pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
     match (backend, emulate) {
         (b, None) => Ok(b.to_string()),
         ("reference", Some("none")) => Ok("reference".into()),
-        ("reference", Some("ggml-cpu")) => Ok("reference:ggml-cpu".into()),
+        ("reference", Some(e)) if Emulation::parse(e).is_some() => Ok(format!("reference:{e}")),
         (b, Some(e @ ("none" | "ggml-cpu"))) => {
             let entry = backend::registry::find(b)?;
             if entry.rounding.name() == e {
@@ -258,7 +267,10 @@ pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
                 )))
             }
         }
-        (_, Some(e)) => Err(err(format!("unknown --emulate '{e}' (none, ggml-cpu)"))),
+        (_, Some(e)) => Err(err(format!(
+            "unknown --emulate '{e}' ({})",
+            Emulation::ALL.map(|e| e.name()).join(", ")
+        ))),
     }
 }
 
@@ -297,8 +309,9 @@ pub struct GenerateArgs {
     /// Backend: reference or fast.
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding of the reference backend: none (plain f32, the default) or ggml-cpu
-    /// (as llama.cpp's CPU backend rounds matmul inputs). The fast backend always rounds as
+    /// Activation rounding of the reference backend: none (plain f32, the default), ggml-cpu
+    /// (as llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
+    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`). The fast backend always rounds as
     /// ggml-cpu.
     #[arg(long, value_name = "ROUNDING")]
     emulate: Option<String>,
@@ -350,11 +363,7 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
 fn rounding_line(b: &dyn Backend, model: &Model) -> String {
     let w = model.main_weight_type();
     let rounding = b.rounding();
-    let how = match rounding {
-        Emulation::None => "plain f32 activations",
-        Emulation::GgmlCpu => "activations rounded as llama.cpp's CPU backend does",
-        Emulation::F16 => "activations rounded to f16",
-    };
+    let how = rounding.family().activations;
     let mut line = format!("backend: {} ({how}; {w} weights)", b.name());
     if rounding != Emulation::GgmlCpu && w != crate::gguf::GgmlType::F32 {
         line.push_str(&format!(
@@ -419,8 +428,9 @@ pub struct DumpArgs {
     taps: Option<String>,
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding of the reference backend: none (plain f32, the default) or ggml-cpu
-    /// (as llama.cpp's CPU backend rounds matmul inputs). The fast backend always rounds as
+    /// Activation rounding of the reference backend: none (plain f32, the default), ggml-cpu
+    /// (as llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
+    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`). The fast backend always rounds as
     /// ggml-cpu.
     #[arg(long, value_name = "ROUNDING")]
     emulate: Option<String>,

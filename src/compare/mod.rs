@@ -133,6 +133,8 @@ pub struct Comparison {
     /// Taps present on only one side (not compared).
     pub only_in_baseline: usize,
     pub only_in_candidate: usize,
+    /// The activation rounding family the own-error judgement measured (`own-inputs` only).
+    pub rounding_family: Option<&'static str>,
 }
 
 impl Comparison {
@@ -264,6 +266,7 @@ pub fn compare(
         // Taps outside parity's names are kept by `Trace::open` and counted here as not compared.
         only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count() + base.extra.len(),
         only_in_candidate: cand.keys().filter(|k| !base.contains(k)).count() + cand.extra.len(),
+        rounding_family: None,
     })
 }
 

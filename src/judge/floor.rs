@@ -108,8 +108,9 @@ pub fn rope_floor(pos_max: usize) -> f64 {
 pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
     match r {
         Emulation::None => false,
-        Emulation::GgmlCpu => crate::quant::vec_dot_type(ty) != GgmlType::F32,
-        Emulation::F16 => true,
+        Emulation::F16 | Emulation::Bf16 => true,
+        // Whatever the row length (Q8_K falls back to the CPU's type on short rows).
+        _ => r.act_type(ty, 256) != GgmlType::F32,
     }
 }
 

@@ -159,6 +159,9 @@ pub struct Judgement {
     pub below_floor: Vec<hypothesis::BelowFloor>,
     /// Declared layouts aligned on load, as `tap: layout`.
     pub aligned: Vec<String>,
+    /// Keys a tie twin of the chosen rounding reproduces closer (an element on a rounding tie
+    /// took the other neighbour), with that twin: judged under it.
+    pub ties: Vec<(TapKey, Emulation)>,
 }
 
 impl Judgement {
@@ -203,7 +206,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     // The whole trace under the chosen rounding and cache (unless detection already ran it
     // whole).
     let full = Window::full(n_layer, s_max);
-    let rep = match best {
+    let mut rep = match best {
         Some((_, _, rep, true)) if kv == KvCache::F32 => rep,
         _ => {
             let setup = Setup {
@@ -217,6 +220,68 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
             replay(model, &cand, &setup, &none)?
         }
     };
+
+    // Rounding ties: an element that lands exactly on a tie (or next to one, where the
+    // inverse-scale formulas differ by an ulp) may take either neighbour, and which one is no
+    // bug. Where a key through a matmul sits above the tight matmul floor, the tie twins of the
+    // chosen rounding (`Family::tie_twins`: the same grid, another tie rule) are replayed too
+    // and each key keeps the closer of the two.
+    let mut ties = Vec::new();
+    // The GELU is measured the same way, per op kind: ggml-cpu's f16 table beside its
+    // quantized matmuls, or GELU in f32 (a GPU's) beside the same matmul grid (its twins).
+    let gelu = model.config.activation == crate::model::Activation::GeluTanh;
+    let above_noise = rep.metrics.iter().any(|(k, m)| {
+        m.nmse > floor::MM_ABS
+            && span(&cand, k).iter().any(|x| {
+                class(x.tap) == OpClass::Matmul || (gelu && x.tap == crate::trace::Tap::FfnAct)
+            })
+    });
+    let mut rounding = rounding;
+    if above_noise {
+        let base = rep.metrics.clone();
+        // Per twin: keys it reproduces closer than the chosen rounding, and farther.
+        let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
+        let twins = rounding::twins(model, rounding);
+        for t in twins {
+            let setup = Setup {
+                rounding: t,
+                kv,
+                mutation: None,
+                rms_eps: None,
+                rope_theta: None,
+                window: full,
+            };
+            let twin = replay(model, &cand, &setup, &none)?;
+            let (mut wins, mut losses) = (0, 0);
+            let total: f64 = twin.metrics.values().map(|m| m.nmse).sum();
+            for (k, m) in twin.metrics {
+                let Some(b) = base.get(&k) else { continue };
+                if m.nmse > b.nmse {
+                    losses += 1;
+                }
+                if m.nmse < b.nmse && !m.non_finite_failure() {
+                    wins += 1;
+                    let own = rep.metrics.get_mut(&k).expect("same keys");
+                    if m.nmse < own.nmse {
+                        *own = m;
+                        ties.retain(|(x, _)| *x != k);
+                        ties.push((k, t));
+                    }
+                }
+            }
+            tally.push((t, wins, losses, total));
+        }
+        // A twin that is closer somewhere and farther nowhere is the engine's family: named
+        // (of several, the closest over the trace; the first of equals).
+        if let Some(&(t, ..)) = tally
+            .iter()
+            .filter(|x| x.1 > 0 && x.2 == 0)
+            .min_by(|a, b| a.3.total_cmp(&b.3))
+        {
+            rounding = t;
+            ties.retain(|(_, x)| *x != t);
+        }
+    }
 
     // Floors.
     let pos_max = trace
@@ -311,6 +376,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         first,
         below_floor,
         aligned,
+        ties,
     })
 }
 
@@ -338,6 +404,12 @@ pub fn render(j: &Judgement) -> String {
                 ""
             }
         );
+        if !j.fits.iter().any(|f| f.rounding == j.rounding) {
+            let _ = writeln!(
+                s,
+                "  named by its twins: on the best fit's matmul grid it reproduces keys the best fit does not (a rounding tie, or the GELU), and none worse"
+            );
+        }
     } else {
         let _ = writeln!(s, "rounding (given): {}", rounding_name(j.rounding));
     }
@@ -358,6 +430,15 @@ pub fn render(j: &Judgement) -> String {
     }
     if !j.aligned.is_empty() {
         let _ = writeln!(s, "declared layouts aligned: {}", j.aligned.join(", "));
+    }
+    if !j.ties.is_empty() {
+        let twins: BTreeSet<&str> = j.ties.iter().map(|(_, t)| short(*t)).collect();
+        let _ = writeln!(
+            s,
+            "rounding twins: {} keys reproduced closer by {} (the same matmul grid with the other tie rule, or GELU in f32 instead of ggml-cpu's f16 table: an element on a tie may take either neighbour; judged under it, never a finding)",
+            j.ties.len(),
+            twins.into_iter().collect::<Vec<_>>().join(", ")
+        );
     }
     let spans = j.ops.iter().filter(|o| o.span_ops > 1).count();
     let _ = writeln!(

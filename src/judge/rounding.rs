@@ -3,10 +3,12 @@
 //! attention) sit closest to the candidate's. This decides the arithmetic every other part of
 //! the judge holds the candidate to; it decides nothing about bugs.
 
-use super::floor::{self, OpClass, class, median, span};
+use super::floor::{OpClass, class, median, span};
 use super::replay::{self, Candidate, KvCache, Setup, Window, replay};
 use super::{JudgeError, JudgeOptions};
 use crate::backend::Emulation;
+use crate::backend::family::Quantizer;
+use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::TapKey;
 use serde::Serialize;
@@ -17,14 +19,13 @@ use std::collections::BTreeSet;
 pub const EXACT_FIT: f64 = 1e-11;
 
 /// The activation roundings parity knows, in order of preference on ties.
-pub const ROUNDINGS: [Emulation; 3] = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
+/// The engine families behind them: ggml-cpu (llama.cpp's CPU backend, SIMD quantizers),
+/// ggml-scalar (ggml's `_ref` quantizers, as ports of them do), q8k (AVX512-VNNI engines),
+/// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), plain f32.
+pub const ROUNDINGS: [Emulation; 7] = Emulation::ALL;
 
 pub fn rounding_name(r: Emulation) -> &'static str {
-    match r {
-        Emulation::None => "plain f32",
-        Emulation::GgmlCpu => "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
-        Emulation::F16 => "f16 (matmul inputs rounded to f16)",
-    }
+    r.family().about
 }
 
 /// How well one K/V cache type reproduced the candidate's attention.
@@ -91,6 +92,58 @@ pub fn detection_window(cand: &Candidate, first_step: usize) -> Window {
     }
 }
 
+/// Every matmul weight's (type, input row length).
+pub fn weight_types(model: &Model) -> Vec<(GgmlType, usize)> {
+    let mut v: Vec<(GgmlType, usize)> = Vec::new();
+    for l in &model.layers {
+        for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+            let x = (w.ty, w.rows().0);
+            if !v.contains(&x) {
+                v.push(x);
+            }
+        }
+    }
+    let x = (model.output.ty, model.output.rows().0);
+    if !v.contains(&x) {
+        v.push(x);
+    }
+    v
+}
+
+/// The tie twins of `r` (`Emulation::tie_twins`) that put this model's matmul inputs on the
+/// same grid as `r` (on K-quants q8_1-gpu is no twin of ggml-cpu).
+pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
+    let tys = weight_types(model);
+    // Q8_1's values are Q8_0's (its block sum is not a value).
+    let grid = |a: GgmlType| match a {
+        GgmlType::Q8_1 => GgmlType::Q8_0,
+        a => a,
+    };
+    r.tie_twins()
+        .iter()
+        .copied()
+        .filter(|t| {
+            tys.iter()
+                .all(|&(ty, n)| grid(t.act_type(ty, n)) == grid(r.act_type(ty, n)))
+        })
+        .collect()
+}
+
+/// What `r` does to the inputs of each of these weights: the activation type and the
+/// quantizer (SIMD, scalar reference, GPU). Two roundings with one signature are one.
+fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> Vec<(GgmlType, Quantizer)> {
+    tys.iter()
+        .map(|&(ty, n)| {
+            let act = r.act_type(ty, n);
+            let q = match act {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Quantizer::Simd,
+                _ => r.family().quantizer,
+            };
+            (act, q)
+        })
+        .collect()
+}
+
 /// What the measurement chose, and how well each candidate rounding and cache type fitted.
 pub struct Measured {
     pub rounding: Emulation,
@@ -120,26 +173,27 @@ pub fn measure(
         roundings = ROUNDINGS.to_vec();
     }
     if roundings.len() > 1 {
-        let ggml_rounds = model
-            .layers
-            .iter()
-            .flat_map(|l| {
-                [
-                    l.wq.ty,
-                    l.wk.ty,
-                    l.wv.ty,
-                    l.wo.ty,
-                    l.w_gate.ty,
-                    l.w_up.ty,
-                    l.w_down.ty,
-                ]
-            })
-            .chain([model.output.ty])
-            .any(|ty| floor::rounds_inputs(Emulation::GgmlCpu, ty));
-        roundings.retain(|&r| r != Emulation::GgmlCpu);
-        if ggml_rounds {
+        // ggml-cpu first (what most engines that match llama.cpp do); a rounding that rounds
+        // this model's weights exactly as an earlier one does is the same arithmetic and is
+        // skipped (on an F32 model every 8-bit family is plain f32, reported as plain).
+        let tys = weight_types(model);
+        if roundings.contains(&Emulation::GgmlCpu) {
+            roundings.retain(|&r| r != Emulation::GgmlCpu);
             roundings.insert(0, Emulation::GgmlCpu);
         }
+        let mut seen: Vec<Vec<(GgmlType, Quantizer)>> = Vec::new();
+        if roundings.contains(&Emulation::None) {
+            seen.push(signature(Emulation::None, &tys));
+        }
+        roundings.retain(|&r| {
+            if r == Emulation::None {
+                return true;
+            }
+            let sig = signature(r, &tys);
+            let new = !seen.contains(&sig);
+            seen.push(sig);
+            new
+        });
     }
     let detect = detection_window(cand, first_step);
     let mut fits = Vec::new();
@@ -249,6 +303,6 @@ pub fn short(r: Emulation) -> &'static str {
     match r {
         Emulation::None => "plain-f32",
         Emulation::GgmlCpu => "ggml-cpu",
-        Emulation::F16 => "f16",
+        e => e.name(),
     }
 }

@@ -122,6 +122,11 @@ pub struct ComparisonReport {
     /// Taps only one side recorded (not compared).
     pub only_in_baseline: usize,
     pub only_in_candidate: usize,
+    /// For `own-inputs`: the activation rounding family the judge measured as the one that
+    /// reproduces the candidate (`none`, `ggml-cpu`, `ggml-scalar`, `q8k`, `q8_1-gpu`, `f16`,
+    /// `bf16`; docs/diagnosis.md); absent for the other pairs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rounding_family: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -318,6 +323,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
         kld_threshold: c.kld_threshold,
         only_in_baseline: c.only_in_baseline,
         only_in_candidate: c.only_in_candidate,
+        rounding_family: c.rounding_family.map(str::to_string),
     }
 }
 

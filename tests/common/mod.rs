@@ -151,3 +151,7 @@ pub const DEFAULT_VERDICT: &str = "verdict: parity (8 comparisons)";
 /// Backends of the default `parity check` set on this machine (see [`DEFAULT_VERDICT`]).
 #[allow(dead_code)]
 pub const DEFAULT_BACKENDS: usize = if cfg!(parity_gpu) { 4 } else { 3 };
+
+/// Comparisons of a clean default `parity check` against a tight golden (see [`DEFAULT_VERDICT`]).
+#[allow(dead_code)]
+pub const DEFAULT_COMPARISONS: usize = if cfg!(parity_gpu) { 13 } else { 8 };

@@ -1,0 +1,271 @@
+//! The activation rounding families real engines use, as one table ([`FAMILIES`]): what each
+//! does to a matmul's input (which type, which quantizer and tie rule), how it computes GELU,
+//! and which families differ from it only on rounding ties. The reference backend emulates a
+//! family by reading its row; the judge measures which row reproduces an engine. A new family
+//! is a new row (and an `Emulation` name for it), not a new code path.
+
+use crate::gguf::GgmlType;
+use crate::quant;
+
+/// One row of [`FAMILIES`], by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Emulation {
+    /// Plain f32 activations.
+    None,
+    /// Quantize matmul inputs the way ggml's CPU backend does.
+    GgmlCpu,
+    /// Round matmul inputs to f16, as GPU engines that keep activations in f16 do.
+    F16,
+    /// ggml's scalar reference quantizers, as engines that port them do.
+    GgmlScalar,
+    /// Q8_K activations before every quantized matmul (AVX512-VNNI engines).
+    Q8K,
+    /// llama.cpp's GPU `quantize_q8_1` (CUDA/Vulkan MMVQ).
+    Q8_1Gpu,
+    /// Round matmul inputs to bf16.
+    Bf16,
+}
+
+/// The type a family rounds a matmul's input to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    /// Not rounded.
+    F32,
+    /// Every matmul input rounded to f16.
+    F16,
+    /// Every matmul input rounded to bf16 (round to nearest even).
+    Bf16,
+    /// The weight's ggml-cpu `vec_dot_type` (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL, Q8_1 for
+    /// Q4_1/Q5_1, Q8_K for K-quants, f16 for F16 weights).
+    VecDot,
+    /// Q8_K (blocks of 256) for every quantized weight whose rows are whole Q8_K blocks; the
+    /// `vec_dot_type` otherwise.
+    Q8KQuantized,
+    /// Q8_1 for every quantized weight; the `vec_dot_type` otherwise.
+    Q8_1Quantized,
+}
+
+/// How an 8-bit activation quantizer computes `q` from `x` in a block with `d = max|x|/127`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Quantizer {
+    /// ggml-cpu's SIMD quantizers: `x · (127/max|x|)`, rounded half to even.
+    Simd,
+    /// ggml's `_ref` quantizers: `x · (1/d)`, `roundf` (half away from zero).
+    Scalar,
+    /// llama.cpp's GPU `quantize_q8_1`: `x / d`, `roundf`.
+    Gpu,
+}
+
+/// How a family computes GELU (tanh approximation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gelu {
+    /// ggml-cpu's f16 table (`GGML_GELU_FP16`): input and output rounded to f16, exact past ±10.
+    F16Table,
+    /// In f32, as GPUs and most engines do.
+    F32,
+}
+
+pub struct Family {
+    pub emulation: Emulation,
+    /// Its name on the command line (`--emulate`, `diff --rounding`) and in reports.
+    pub name: &'static str,
+    /// What it does, in the judge's words.
+    pub about: &'static str,
+    /// What it does to activations, in a backend line (`parity run`).
+    pub activations: &'static str,
+    /// Who rounds so.
+    pub engines: &'static str,
+    pub act: Act,
+    pub quantizer: Quantizer,
+    pub gelu: Gelu,
+    /// Families on the same 8-bit grid with another tie rule or inverse-scale formula: they
+    /// differ from this one only where an element lands on (or next to) a rounding tie, and
+    /// an element on a tie may take either neighbour.
+    pub tie_twins: &'static [Emulation],
+}
+
+/// Every family parity knows, in the judge's order of preference on equal fits.
+pub const FAMILIES: &[Family] = &[
+    Family {
+        emulation: Emulation::None,
+        name: "none",
+        about: "plain f32",
+        activations: "plain f32 activations",
+        engines: "f32 engines (transformers, candle in f32, parity's reference)",
+        act: Act::F32,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        tie_twins: &[],
+    },
+    Family {
+        emulation: Emulation::GgmlCpu,
+        name: "ggml-cpu",
+        about: "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
+        activations: "activations rounded as llama.cpp's CPU backend does",
+        engines: "llama.cpp's CPU backend (x86 AVX/AVX2, ARM NEON)",
+        act: Act::VecDot,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F16Table,
+        tie_twins: &[Emulation::GgmlScalar, Emulation::Q8_1Gpu],
+    },
+    Family {
+        emulation: Emulation::F16,
+        name: "f16",
+        about: "f16 (matmul inputs rounded to f16)",
+        activations: "activations rounded to f16",
+        engines: "GPU engines with f16 activations (cuBLAS f16 GEMMs)",
+        act: Act::F16,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        tie_twins: &[],
+    },
+    Family {
+        emulation: Emulation::GgmlScalar,
+        name: "ggml-scalar",
+        about: "ggml-scalar (matmul inputs quantized by ggml's reference quantizers: ties half away from zero)",
+        activations: "activations rounded as ggml's scalar reference quantizers do",
+        engines: "engines that port ggml's quantize_row_*_ref (roundf)",
+        act: Act::VecDot,
+        quantizer: Quantizer::Scalar,
+        gelu: Gelu::F32,
+        tie_twins: &[Emulation::GgmlCpu, Emulation::Q8_1Gpu],
+    },
+    Family {
+        emulation: Emulation::Q8K,
+        name: "q8k",
+        about: "q8k (inputs of every quantized matmul quantized to Q8_K, as AVX512-VNNI engines)",
+        activations: "activations quantized to Q8_K before every quantized matmul",
+        engines: "AVX512-VNNI engines (Q8_K activations for Q8_0 weights too)",
+        act: Act::Q8KQuantized,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        tie_twins: &[],
+    },
+    Family {
+        emulation: Emulation::Q8_1Gpu,
+        name: "q8_1-gpu",
+        about: "q8_1-gpu (inputs of every quantized matmul quantized to Q8_1 as llama.cpp's GPU MMVQ)",
+        activations: "activations quantized as llama.cpp's GPU MMVQ does (Q8_1)",
+        engines: "llama.cpp CUDA/Vulkan integer-dot matmuls (MMVQ)",
+        act: Act::Q8_1Quantized,
+        quantizer: Quantizer::Gpu,
+        gelu: Gelu::F32,
+        tie_twins: &[Emulation::GgmlScalar, Emulation::GgmlCpu],
+    },
+    Family {
+        emulation: Emulation::Bf16,
+        name: "bf16",
+        about: "bf16 (matmul inputs rounded to bf16)",
+        activations: "activations rounded to bf16",
+        engines: "engines with bf16 activations",
+        act: Act::Bf16,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        tie_twins: &[],
+    },
+];
+
+impl Emulation {
+    pub const ALL: [Emulation; 7] = [
+        Emulation::None,
+        Emulation::GgmlCpu,
+        Emulation::F16,
+        Emulation::GgmlScalar,
+        Emulation::Q8K,
+        Emulation::Q8_1Gpu,
+        Emulation::Bf16,
+    ];
+
+    /// Its row of [`FAMILIES`].
+    pub fn family(self) -> &'static Family {
+        FAMILIES
+            .iter()
+            .find(|f| f.emulation == self)
+            .expect("every Emulation has a row")
+    }
+
+    /// Name as used on the command line and in reports.
+    pub fn name(self) -> &'static str {
+        self.family().name
+    }
+
+    pub fn parse(s: &str) -> Option<Emulation> {
+        FAMILIES.iter().find(|f| f.name == s).map(|f| f.emulation)
+    }
+
+    pub fn tie_twins(self) -> &'static [Emulation] {
+        self.family().tie_twins
+    }
+
+    pub fn gelu(self) -> Gelu {
+        self.family().gelu
+    }
+
+    /// The activation type the inputs of a matmul with `ty` weights and rows of `n_in` are
+    /// rounded to (F32: not rounded).
+    pub fn act_type(self, ty: GgmlType, n_in: usize) -> GgmlType {
+        let cpu = quant::vec_dot_type(ty);
+        let quantized = matches!(cpu, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K);
+        match self.family().act {
+            Act::F32 => GgmlType::F32,
+            Act::F16 => GgmlType::F16,
+            Act::Bf16 => GgmlType::BF16,
+            Act::VecDot => cpu,
+            Act::Q8KQuantized if quantized && n_in % 256 == 0 => GgmlType::Q8_K,
+            Act::Q8_1Quantized if quantized => GgmlType::Q8_1,
+            Act::Q8KQuantized | Act::Q8_1Quantized => cpu,
+        }
+    }
+}
+
+impl serde::Serialize for Emulation {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_emulation_has_one_row_and_its_name_parses_back() {
+        assert_eq!(FAMILIES.len(), Emulation::ALL.len());
+        for e in Emulation::ALL {
+            assert_eq!(FAMILIES.iter().filter(|f| f.emulation == e).count(), 1);
+            assert_eq!(Emulation::parse(e.name()), Some(e));
+            for t in e.tie_twins() {
+                assert!(
+                    t.tie_twins().contains(&e),
+                    "{} and {} twins both ways",
+                    e.name(),
+                    t.name()
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn act_types_follow_the_rows() {
+        assert_eq!(
+            Emulation::GgmlCpu.act_type(GgmlType::Q8_0, 64),
+            GgmlType::Q8_0
+        );
+        assert_eq!(
+            Emulation::GgmlCpu.act_type(GgmlType::Q4_1, 64),
+            GgmlType::Q8_1
+        );
+        assert_eq!(Emulation::Q8K.act_type(GgmlType::Q8_0, 256), GgmlType::Q8_K);
+        assert_eq!(Emulation::Q8K.act_type(GgmlType::Q8_0, 64), GgmlType::Q8_0);
+        assert_eq!(
+            Emulation::Q8_1Gpu.act_type(GgmlType::Q4_0, 64),
+            GgmlType::Q8_1
+        );
+        assert_eq!(
+            Emulation::Q8_1Gpu.act_type(GgmlType::F16, 64),
+            GgmlType::F16
+        );
+        assert_eq!(Emulation::Bf16.act_type(GgmlType::F32, 64), GgmlType::BF16);
+        assert_eq!(Emulation::None.act_type(GgmlType::Q8_0, 64), GgmlType::F32);
+    }
+}
