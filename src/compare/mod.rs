@@ -294,6 +294,27 @@ pub fn judge_drift(c: &mut Comparison, base: &Trace, cand: &Trace) -> Result<(),
     Ok(())
 }
 
+/// The diagnosis read at `key` of a compared pair (its signature, with its inputs' results as
+/// context), whichever key diverges first in graph order: a judge that flagged `key` asks
+/// about that key, not about an earlier one drifting under another rounding.
+pub fn diagnose_at(
+    c: &Comparison,
+    base: &Trace,
+    cand: &Trace,
+    key: &TapKey,
+) -> Result<Option<String>, CompareError> {
+    match c.results.iter().position(|r| r.key == *key) {
+        Some(i) => Ok(Some(diagnose::diagnose(
+            base,
+            cand,
+            &c.results,
+            i,
+            c.weight_type,
+        )?)),
+        None => Ok(None),
+    }
+}
+
 pub fn matched_before(results: &[TapResult], i: usize) -> Vec<TapResult> {
     let mut v: Vec<TapResult> = results[..i]
         .iter()

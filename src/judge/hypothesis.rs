@@ -694,8 +694,9 @@ fn heuristic(
         require_same_model: false,
     };
     let c = compare(&a, &b, &opt)?;
-    Ok(c.first_divergence
-        .map(|d| d.diagnosis)
+    // The flagged key's own signature: under another rounding an earlier key (q at ~1e-5) is
+    // over the op-by-op threshold too, and its diagnosis would name the wrong op.
+    Ok(crate::compare::diagnose_at(&c, &a, &b, k)?
         .unwrap_or_else(|| "no heuristic applies".into()))
 }
 
