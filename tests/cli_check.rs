@@ -140,7 +140,7 @@ fn check_models_with_goldens(models: &[PathBuf], at_least: usize) {
 
 #[test]
 fn check_without_a_model_runs_the_default_fixture() {
-    let o = parity(&["check"]);
+    let o = parity(&["check", "--verbose"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -520,7 +520,7 @@ fn golden_without_llama_cpp_is_an_error_with_an_install_hint() {
 #[test]
 fn check_default_fixture_verdict_snapshot() {
     let run = || {
-        let o = parity(&["check", "--backends", "reference:ggml-cpu"]);
+        let o = parity(&["check", "--backends", "reference:ggml-cpu", "--verbose"]);
         assert_eq!(o.status.code(), Some(0), "{}", show(&o));
         // The verdict lines only; the NMSE of the tap closest to its threshold is f32 noise
         // (~1e-14) that may differ between CPUs (SIMD paths), so it is redacted.
@@ -646,6 +646,7 @@ fn golden_with_llama_defaults_is_checked_with_different_rounding() {
         "Once upon a time",
         "--golden",
         out.to_str().unwrap(),
+        "--verbose",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let s = stdout(&o);

@@ -305,7 +305,8 @@ pub struct CheckArgs {
     /// Skip the op-by-op comparison (each reference op fed the golden's inputs).
     #[arg(long)]
     no_op_by_op: bool,
-    /// Print the per-layer table of every comparison, not only the ones against the golden.
+    /// Print every comparison with its per-layer table (by default: the verdict, the
+    /// comparisons that diverged, else the one that matters most, and a count of the rest).
     #[arg(long, short)]
     verbose: bool,
 }
@@ -443,24 +444,50 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ),
         }
     }
-    let mut comparisons = Vec::with_capacity(r.comparisons.len());
-    for j in r.comparisons {
+    // The first screen: every comparison that diverged (its paragraph and table), else the one
+    // that matters most — the tightest against the golden (op by op first), else the first
+    // pair. The rest, and the drift tables of the end-to-end passes, behind --verbose (and in
+    // the HTML page).
+    let key = r
+        .comparisons
+        .iter()
+        .position(|j| j.comparison.diverged())
+        .or_else(|| r.comparisons.iter().position(|j| j.against_golden))
+        .unwrap_or(0);
+    let n = r.comparisons.len();
+    let mut comparisons = Vec::with_capacity(n);
+    for (i, j) in r.comparisons.into_iter().enumerate() {
         let c = j.comparison;
         let header = if j.against_golden {
             format!("== {} vs golden ({})", c.candidate, c.baseline)
         } else {
             format!("== {} vs {}", c.candidate, c.baseline)
         };
-        // The end-to-end comparisons against the golden always show their table: it is the
-        // picture of drift along the layers.
-        let end_to_end = j.against_golden && c.pair != PairKind::OpByOp;
-        show(
-            &c,
-            &header,
-            end_to_end || a.verbose || c.diverged(),
-            &a.report,
-        );
+        if a.verbose || c.diverged() || i == key {
+            // The end-to-end comparisons against the golden show their table when asked for
+            // everything: it is the picture of drift along the layers.
+            let end_to_end = j.against_golden && c.pair != PairKind::OpByOp;
+            show(
+                &c,
+                &header,
+                (end_to_end && a.verbose) || c.diverged(),
+                &a.report,
+            );
+        }
         comparisons.push(c);
+    }
+    if !a.verbose && !quiet {
+        let diverged = comparisons.iter().filter(|c| c.diverged()).count();
+        let shown = if diverged > 0 { diverged } else { 1 };
+        let line = format!(
+            "{n} comparisons, {diverged} diverged; {} more within tolerance not shown: --verbose prints each (with the drift tables along the layers), --html FILE makes the page",
+            n - shown
+        );
+        if a.report.json.as_deref() == Some(Path::new("-")) {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
     }
     if !quiet {
         let mut line = String::from("backends:");

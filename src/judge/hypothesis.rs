@@ -696,8 +696,10 @@ fn heuristic(
     let c = compare(&a, &b, &opt)?;
     // The flagged key's own signature: under another rounding an earlier key (q at ~1e-5) is
     // over the op-by-op threshold too, and its diagnosis would name the wrong op.
-    Ok(crate::compare::diagnose_at(&c, &a, &b, k)?
-        .unwrap_or_else(|| "no heuristic applies".into()))
+    Ok(
+        crate::compare::diagnose_at(&c, &a, &b, k)?
+            .unwrap_or_else(|| "no heuristic applies".into()),
+    )
 }
 
 /// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
