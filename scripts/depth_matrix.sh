@@ -2,7 +2,8 @@
 # Verdicts at depth: generate deep random-weight models, make a tight llama.cpp golden and one
 # with llama.cpp's defaults forced to the same ids (llama.cpp's own spread), then run
 # `parity check` (every backend, op by op) and `parity diff tight defaults`. Prints one summary
-# line per model; JSON reports stay in OUT for scripts/depth_summary.py (docs/tolerances.md).
+# line per model; JSON reports, and each check's wall time and peak RSS (time-*.txt: seconds,
+# KiB), stay in OUT for scripts/depth_summary.py (docs/tolerances.md).
 #
 # Usage: scripts/depth_matrix.sh OUT SHAPE TYPE...
 #   SHAPE: 7b  (Llama-2-7B: 4096/11008, 32 layers, 32/32 heads, 32000 vocab; q4_0 3.8 GB)
@@ -12,6 +13,9 @@
 #          d64 (64 layers, 512/1408, 8/2 heads, 4000 vocab)
 #          d16 (16 layers, 256/512, 4/2 heads, built-in vocab)
 #   TYPE: f32 f16 q8_0 q4_0 q4_k q4_k_m q6_k …
+# With DEEP_BUGS=name,name (catalog names, `parity selftest --only`) each model also gets those
+# bugs planted from layer DEEP_LAYER (default 28) on, written as an external engine's trace and
+# judged by `parity diff` against the golden: each must be found at that layer and named.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=${PARITY:-$root/target/release/parity}
@@ -41,16 +45,21 @@ for ty in "$@"; do
   gd=$out/golden-$shape-$ty-defaults
   [ -f "$gd/manifest.json" ] || "$P" golden "$m" --tokens "$ids" --steps 4 --forced "$forced" --llama-defaults --threads 2 --out "$gd" >/dev/null 2>&1
   set +e
-  s0=$(date +%s.%N)
-  "$P" check "$m" --golden "$g" --threads 2 --json "$out/check-$shape-$ty.json" > "$out/check-$shape-$ty.txt" 2>&1
+  /usr/bin/time -f "%e %M" -o "$out/time-check-$shape-$ty.txt" \
+    "$P" check "$m" --golden "$g" --threads 2 --json "$out/check-$shape-$ty.json" > "$out/check-$shape-$ty.txt" 2>&1
   rc=$?
-  s1=$(date +%s.%N)
   "$P" diff "$g" "$gd" --json "$out/spread-$shape-$ty.json" > "$out/spread-$shape-$ty.txt" 2>&1
   rs=$?
   # No golden: the backends against each other only (an empty folder holds no golden).
   mkdir -p "$out/none"
-  "$P" check "$m" --tokens "$ids" --steps 4 --golden "$out/none" --threads 2 --json "$out/nogolden-$shape-$ty.json" > "$out/nogolden-$shape-$ty.txt" 2>&1
+  /usr/bin/time -f "%e %M" -o "$out/time-nogolden-$shape-$ty.txt" \
+    "$P" check "$m" --tokens "$ids" --steps 4 --golden "$out/none" --threads 2 --json "$out/nogolden-$shape-$ty.json" > "$out/nogolden-$shape-$ty.txt" 2>&1
   rn=$?
   set -e
-  echo "$shape $ty: check exit $rc ($(tail -1 "$out/check-$shape-$ty.txt")) in $(python3 -c "print(f'{$s1-$s0:.1f}')") s; without a golden: exit $rn; llama.cpp tight vs defaults: exit $rs"
+  if [ -n "${DEEP_BUGS:-}" ]; then
+    "$P" selftest "$m" --golden "$g" --rounding ggml --from-layer "${DEEP_LAYER:-28}" --only "$DEEP_BUGS" \
+      > "$out/selftest-$shape-$ty.txt" 2>&1
+    echo "$shape $ty: deep bugs (selftest exit $?):"; cat "$out/selftest-$shape-$ty.txt"
+  fi
+  echo "$shape $ty: check exit $rc ($(tail -1 "$out/check-$shape-$ty.txt")) in $(cut -d' ' -f1 "$out/time-check-$shape-$ty.txt") s, peak RSS $(( $(cut -d' ' -f2 "$out/time-check-$shape-$ty.txt") / 1024 )) MiB; without a golden: exit $rn; llama.cpp tight vs defaults: exit $rs"
 done

@@ -41,7 +41,8 @@ F32, F64 = np.float32, np.float64
 COMPUTE_MUTATIONS = [
     "rope-neox", "rope-theta", "qk-permute", "gqa-modulo", "transposed-lm-head", "transposed-wo",
     "rms-eps-10x", "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
-    "no-causal-mask", "decoder-nibble-order", "tied-output",
+    "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
+    "rope-pos-off-by-one",
 ]
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
@@ -248,7 +249,8 @@ class Engine:
         w = self.m.weight(name)
         if mut == "norm-weight-missing":
             w = np.ones_like(w)
-        if mut == "norm-weight-twice":
+        if mut == "norm-weight-twice" or (
+                mut == "attn-norm-weight-twice" and name.endswith(".attn_norm.weight")):
             w = (w * w).astype(F32)
         eps = self.m.eps * F32(10.0) if mut == "rms-eps-10x" else self.m.eps
         mean = (np.sum((x * x).astype(F64), axis=1) / x.shape[1]).astype(F32)
@@ -310,8 +312,10 @@ class Engine:
             rec("q", l, q)
             rec("k", l, k)
             rec("v", l, v)
-            q = self.rope(q, positions, nh, mut)
-            k = self.rope(k, positions, nkv, mut)
+            # rope-pos-off-by-one: decode steps rotate one position late, the cache slot right.
+            rp = [ps + 1 for ps in positions] if (mut == "rope-pos-off-by-one" and pos0 > 0) else positions
+            q = self.rope(q, rp, nh, mut)
+            k = self.rope(k, rp, nkv, mut)
             rec("q_rope", l, q)
             rec("k_rope", l, k)
             slot = pos0 + 1 if (mut == "kv-off-by-one" and pos0 > 0) else pos0

@@ -191,14 +191,54 @@ pub fn golden_is_tight(g: &Trace) -> bool {
     kv_f32 && no_fa
 }
 
+/// Where a llama.cpp golden was computed, from its manifest's provenance.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GoldenDevice {
+    /// ggml's CPU backend: activations rounded to Q8_0/Q8_1/Q8_K/f16 as parity's
+    /// `ggml-cpu` emulation does.
+    Cpu,
+    /// A GPU backend (Vulkan, CUDA, Metal, …; the name as the manifest gives it): other
+    /// activation roundings (Q8_1 integer dots, f16 tiles), never parity's same-rounding pair.
+    Gpu(String),
+}
+
+/// The device a llama.cpp golden ran on: its producer backend (`llama.cpp-cpu`,
+/// `llama.cpp-vulkan`, …) and, when scripts/llama_golden.py recorded it, the layers it
+/// offloaded (`n_gpu_layers` > 0 is a GPU golden whatever the backend name says).
+pub fn golden_device(g: &Trace) -> GoldenDevice {
+    let p = &g.manifest.producer;
+    let offloaded = p
+        .settings
+        .get("n_gpu_layers")
+        .and_then(|v| v.as_i64())
+        .is_some_and(|n| n != 0);
+    let name = p.backend.strip_prefix("llama.cpp-").unwrap_or(&p.backend);
+    if name == "cpu" && !offloaded {
+        GoldenDevice::Cpu
+    } else if name == "cpu" {
+        GoldenDevice::Gpu("offloaded".into())
+    } else {
+        GoldenDevice::Gpu(name.to_string())
+    }
+}
+
+/// A llama.cpp golden that rounds as parity's `ggml-cpu` backends do: computed on the CPU with
+/// the tight settings. Only such a golden holds them to same-rounding and op-by-op thresholds;
+/// a GPU golden is compared end to end as a different rounding (its logits against the
+/// depth-aware bound), its own backends never held to the CPU's arithmetic.
+pub fn golden_is_ggml_cpu(g: &Trace) -> bool {
+    golden_device(g) == GoldenDevice::Cpu && golden_is_tight(g)
+}
+
 /// How two traces made or read by this check round activations. Only what the check knows
 /// counts: a golden made by llama.cpp's CPU with the tight settings, and parity's own
 /// backends by their registry row; never a name an external trace gives itself.
 fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
-    // The activation rounding a trace was made with, where known: a tight llama.cpp golden
-    // rounds as ggml's CPU does; parity's backends state theirs (gpu and reference: plain f32).
+    // The activation rounding a trace was made with, where known: a tight llama.cpp CPU golden
+    // rounds as ggml's CPU does (a GPU golden's is not known); parity's backends state theirs
+    // (gpu and reference: plain f32).
     let rounding = |t: &Trace| match t.manifest.producer.name.as_str() {
-        "llama.cpp" => golden_is_tight(t).then_some(backend::Emulation::GgmlCpu),
+        "llama.cpp" => golden_is_ggml_cpu(t).then_some(backend::Emulation::GgmlCpu),
         "parity" => registry::find(&t.manifest.producer.backend)
             .ok()
             .map(|e| e.rounding),
@@ -251,7 +291,15 @@ pub fn run(
         &mut notes,
         events,
     )?;
-    let op = op_by_op(&plan, &entries, golden.as_ref(), opt, &mut passes, events)?;
+    let op = op_by_op(
+        &plan,
+        &entries,
+        golden.as_ref(),
+        opt,
+        &mut passes,
+        &mut notes,
+        events,
+    )?;
     let comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
     let traces_op = op.traces;
     Ok(CheckReport {
@@ -590,10 +638,20 @@ fn op_by_op(
     golden: Option<&(PathBuf, Trace)>,
     opt: &CheckOptions,
     passes: &mut Vec<Pass>,
+    notes: &mut Vec<String>,
     events: &mut dyn FnMut(Event),
 ) -> Result<OpTraces, CheckError> {
     let mut out = OpTraces::default();
-    let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_tight(g)) else {
+    // Op by op replays a golden's tensors through ggml-cpu arithmetic: only a CPU golden's.
+    if let Some((_, g)) = golden.filter(|_| opt.op_by_op)
+        && let GoldenDevice::Gpu(dev) = golden_device(g)
+    {
+        notes.push(format!(
+            "op by op: skipped — the golden ran on llama.cpp's {dev} backend, whose ops round \
+             unlike ggml's CPU; it is compared end to end as a different rounding"
+        ));
+    }
+    let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_ggml_cpu(g)) else {
         return Ok(out);
     };
     let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();

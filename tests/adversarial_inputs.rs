@@ -308,3 +308,423 @@ fn llama_cpp_refuses_the_same_models() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Non-finite values: a finding of their own (exit 1, named where they first appear), never a
+// bug "confirmed by experiment" from them.
+
+/// A copy of the committed golden in `dir/name` with `edit` applied to the values of `tap`'s
+/// file of step `step` (e.g. `ffn_out-1`).
+fn golden_with(dir: &Path, name: &str, step: usize, tap: &str, edit: fn(&mut [f32])) -> PathBuf {
+    let to = dir.join(name);
+    copy_dir(&root().join(GOLDEN), &to);
+    let f = to.join(format!("s{step:03}/{tap}.npy"));
+    let (shape, mut v) = common::read_npy(&f);
+    edit(&mut v);
+    common::write_npy(&f, &shape, &v);
+    to
+}
+
+/// `diff` of `base` against `cand` with the model at hand, a JSON report beside: exit 1, the
+/// text and the JSON name `words`, and no experiment is said to confirm anything.
+fn non_finite_found(base: &Path, cand: &Path, words: &[&str]) {
+    let json = cand.with_extension("json");
+    let o = run(&[&"diff", &base, &cand, &"--json", &json]);
+    assert_eq!(o.code, Some(1), "{}", o.show());
+    assert!(!o.stderr.contains("panicked"), "{}", o.show());
+    let j = std::fs::read_to_string(&json).unwrap();
+    for w in words {
+        assert!(o.stdout.contains(w), "the text lacks '{w}':\n{}", o.show());
+        assert!(j.contains(w), "the JSON lacks '{w}':\n{j}");
+    }
+    for t in [&o.stdout, &j] {
+        assert!(
+            !t.contains("confirmed by experiment") && !t.contains("reproduces your"),
+            "a bug confirmed from non-finite data:\n{}",
+            o.show()
+        );
+    }
+}
+
+#[test]
+fn a_nan_in_the_candidate_is_named_where_it_first_appears() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cand = golden_with(tmp.path(), "cand", 0, "ffn_out-1", |v| v[5] = f32::NAN);
+    non_finite_found(
+        &root().join(GOLDEN),
+        &cand,
+        &["NaN first appears at step 0 layer 1 ffn_out (1 NaN in the candidate, of "],
+    );
+}
+
+#[test]
+fn inf_logits_on_both_sides_are_no_parity() {
+    let tmp = tempfile::tempdir().unwrap();
+    let inf = |v: &mut [f32]| v[3] = f32::INFINITY;
+    let base = golden_with(tmp.path(), "base", 0, "logits", inf);
+    let cand = golden_with(tmp.path(), "cand", 0, "logits", inf);
+    non_finite_found(
+        &base,
+        &cand,
+        &["Inf first appears at step 0 logits (1 ±Inf in the candidate"],
+    );
+}
+
+#[test]
+fn minus_inf_logits_in_the_candidate_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cand = golden_with(tmp.path(), "cand", 2, "logits", |v| {
+        v[..4].fill(f32::NEG_INFINITY)
+    });
+    non_finite_found(
+        &root().join(GOLDEN),
+        &cand,
+        &["Inf first appears at step 2 logits (4 ±Inf in the candidate, of "],
+    );
+}
+
+/// A NaN in the golden: the candidate (the clean golden) judges clean on its own inputs, and
+/// the end-to-end comparison names the baseline's NaN.
+#[test]
+fn a_nan_in_the_golden_is_named_as_the_baselines() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = golden_with(tmp.path(), "base", 0, "ffn_out-1", |v| v[0] = f32::NAN);
+    let cand = tmp.path().join("cand");
+    copy_dir(&root().join(GOLDEN), &cand);
+    non_finite_found(
+        &base,
+        &cand,
+        &["NaN first appears at step 0 layer 1 ffn_out (1 NaN in the baseline"],
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// A property: `diff`'s library call on a committed golden with one random corruption of its
+// manifest or of a tap file never panics and never hangs; it refuses (Err: exit 2) or names a
+// finding.
+
+use proptest::prelude::*;
+use serde_json::Value as Json;
+
+/// One corruption, its choices drawn as indices (reduced modulo what the golden holds).
+#[derive(Clone, Debug)]
+enum Corrupt {
+    /// Remove a field of any object in the manifest.
+    Remove(usize),
+    /// Give a value another type.
+    Retype(usize, usize),
+    /// A number set huge, negative or fractional.
+    Number(usize, usize),
+    /// A position set to any value.
+    Position(usize, u64),
+    /// A tensor's shape in the manifest changed.
+    Shape(usize, Vec<u64>),
+    /// A tap file cut short (keep this many thousandths).
+    Truncate(usize, u16),
+    /// A tap file's header states another shape.
+    HeaderShape(usize, Vec<u64>),
+    /// A tap file's header states another dtype.
+    Dtype(usize, usize),
+    /// A byte of a tap file's header changed.
+    Flip(usize, usize, u8),
+}
+
+fn corrupt() -> impl Strategy<Value = Corrupt> {
+    let dims = || {
+        prop::collection::vec(
+            prop_oneof![0u64..300, Just(u64::MAX), Just(1 << 32), Just(1 << 62)],
+            0..4,
+        )
+    };
+    prop_oneof![
+        any::<usize>().prop_map(Corrupt::Remove),
+        (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Corrupt::Retype(a, b)),
+        (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Corrupt::Number(a, b)),
+        (
+            any::<usize>(),
+            prop_oneof![0u64..64, Just(u64::MAX), Just(1 << 40), any::<u64>()]
+        )
+            .prop_map(|(a, p)| Corrupt::Position(a, p)),
+        (any::<usize>(), dims()).prop_map(|(a, d)| Corrupt::Shape(a, d)),
+        (any::<usize>(), 0u16..1000).prop_map(|(a, k)| Corrupt::Truncate(a, k)),
+        (any::<usize>(), dims()).prop_map(|(a, d)| Corrupt::HeaderShape(a, d)),
+        (any::<usize>(), any::<usize>()).prop_map(|(a, b)| Corrupt::Dtype(a, b)),
+        (any::<usize>(), 0usize..128, any::<u8>()).prop_map(|(a, i, b)| Corrupt::Flip(a, i, b)),
+    ]
+}
+
+/// JSON pointers of every value under `v` (`leaf` keeps only some).
+fn pointers(v: &Json, at: String, keep: &dyn Fn(&Json) -> bool, out: &mut Vec<String>) {
+    if keep(v) {
+        out.push(at.clone());
+    }
+    match v {
+        Json::Object(m) => {
+            for (k, x) in m {
+                pointers(x, format!("{at}/{k}"), keep, out);
+            }
+        }
+        Json::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                pointers(x, format!("{at}/{i}"), keep, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A .npy header stating `descr` and `shape` before the data of `bytes` (a version 1 file).
+fn npy_header(bytes: &[u8], descr: &str, shape: &[u64]) -> Vec<u8> {
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let data = &bytes[10 + hlen..];
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let tuple = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut h = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {tuple}, }}");
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut out = bytes[..8].to_vec();
+    out.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    out.extend_from_slice(h.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// Apply `c` to the trace folder `dir`.
+fn apply(dir: &Path, c: &Corrupt) {
+    let mpath = dir.join("manifest.json");
+    let mut m: Json = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    let files: Vec<String> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["file"].as_str().unwrap().to_string())
+        .collect();
+    let tap = |i: usize| dir.join(&files[i % files.len()]);
+    let pick = |i: usize, keep: &dyn Fn(&Json) -> bool| {
+        let mut ps = Vec::new();
+        pointers(&m, String::new(), keep, &mut ps);
+        ps.retain(|p| !p.is_empty());
+        ps[i % ps.len()].clone()
+    };
+    match c {
+        Corrupt::Remove(i) => {
+            let p = pick(*i, &|_| true);
+            let (parent, key) = p.rsplit_once('/').unwrap();
+            match m.pointer_mut(parent).unwrap() {
+                Json::Object(o) => {
+                    o.remove(key);
+                }
+                Json::Array(a) => {
+                    a.remove(key.parse::<usize>().unwrap());
+                }
+                _ => unreachable!(),
+            }
+        }
+        Corrupt::Retype(i, t) => {
+            let p = pick(*i, &|_| true);
+            let to = [
+                Json::Null,
+                Json::Bool(true),
+                Json::from("x"),
+                Json::Array(vec![]),
+                Json::Object(Default::default()),
+                Json::from(1.5),
+                Json::from(-1),
+            ];
+            *m.pointer_mut(&p).unwrap() = to[t % to.len()].clone();
+        }
+        Corrupt::Number(i, n) => {
+            let p = pick(*i, &|v| v.is_number());
+            let to = [
+                Json::from(u64::MAX),
+                Json::from(i64::MIN),
+                Json::from(-1),
+                Json::from(1e300),
+                Json::from(1u64 << 53),
+                Json::from(1u64 << 32),
+                Json::from(0.5),
+                Json::from(0),
+            ];
+            *m.pointer_mut(&p).unwrap() = to[n % to.len()].clone();
+        }
+        Corrupt::Position(i, v) => {
+            let mut ps = Vec::new();
+            pointers(&m, String::new(), &|v| v.is_number(), &mut ps);
+            ps.retain(|p| p.contains("/positions/"));
+            let p = ps[i % ps.len()].clone();
+            *m.pointer_mut(&p).unwrap() = Json::from(*v);
+        }
+        Corrupt::Shape(i, d) => {
+            let n = m["tensors"].as_array().unwrap().len();
+            m["tensors"][i % n]["shape"] = Json::from(d.clone());
+        }
+        Corrupt::Truncate(i, k) => {
+            let f = tap(*i);
+            let b = std::fs::read(&f).unwrap();
+            std::fs::write(&f, &b[..b.len() * *k as usize / 1000]).unwrap();
+        }
+        Corrupt::HeaderShape(i, d) => {
+            let f = tap(*i);
+            let b = std::fs::read(&f).unwrap();
+            std::fs::write(&f, npy_header(&b, "<f4", d)).unwrap();
+        }
+        Corrupt::Dtype(i, t) => {
+            let f = tap(*i);
+            let b = std::fs::read(&f).unwrap();
+            let (shape, _) = common::read_npy(&f);
+            let to = ["<f8", "<f2", ">f4", "|u1", "<i4", "|b1", "<c8", "<U3", "|O"];
+            std::fs::write(&f, npy_header(&b, to[t % to.len()], &shape)).unwrap();
+        }
+        Corrupt::Flip(i, at, byte) => {
+            let f = tap(*i);
+            let mut b = std::fs::read(&f).unwrap();
+            b[at % 128] = *byte;
+            std::fs::write(&f, b).unwrap();
+        }
+    }
+    std::fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+}
+
+/// What `parity diff GOLDEN CAND` decides, as its library call, in a thread with a time limit:
+/// Ok(None) for an Err (exit 2, its message), Ok(Some(diverged)) for a verdict, Err for a
+/// panic or a hang.
+fn diff_outcome(base: PathBuf, cand: PathBuf) -> Result<Result<bool, String>, String> {
+    use parity::judge::verdict::{DiffOptions, diff};
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let run = || -> Result<bool, String> {
+            let base = parity::trace::Trace::open(&base).map_err(|e| e.to_string())?;
+            let cand = parity::trace::Trace::open(&cand).map_err(|e| e.to_string())?;
+            let model = parity::model::Model::open(root().join(FIX)).unwrap();
+            let opt = DiffOptions::new(model.main_weight_type());
+            let d = diff(&base, &cand, Some(&model), &opt).map_err(|e| e.to_string())?;
+            // A divergence is named: where, at least.
+            assert!(!d.verdict.diverged || d.verdict.place.is_some());
+            Ok(d.verdict.diverged)
+        };
+        tx.send(run()).ok();
+    });
+    match rx.recv_timeout(LIMIT) {
+        Ok(r) => Ok(r),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(format!("hung past {LIMIT:?}")),
+        Err(_) => Err("panicked".into()),
+    }
+}
+
+proptest! {
+    // Each case judges the tiny golden once (a fraction of a second): a modest count.
+    #![proptest_config(ProptestConfig { cases: 64, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn diff_of_a_corrupted_trace_refuses_or_finds(c in corrupt(), baseline_side in any::<bool>()) {
+        let tmp = tempfile::tempdir().unwrap();
+        let bad = tmp.path().join("bad");
+        copy_dir(&root().join(GOLDEN), &bad);
+        apply(&bad, &c);
+        let (base, cand) = if baseline_side {
+            (bad, root().join(GOLDEN))
+        } else {
+            (root().join(GOLDEN), bad)
+        };
+        match diff_outcome(base, cand) {
+            Err(e) => prop_assert!(false, "{c:?}: {e}"),
+            // A refusal is one line.
+            Ok(Err(msg)) => prop_assert!(!msg.is_empty() && !msg.contains('\n'), "{c:?}: {msg:?}"),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// The same kinds of corruption through the binary, with a time limit: one line, exit 2.
+#[test]
+fn corrupted_traces_are_refused_by_the_cli_in_one_line() {
+    let cases: Vec<(Corrupt, &[&str])> = vec![
+        (Corrupt::Truncate(7, 500), &["truncated", ".npy"]),
+        (
+            Corrupt::HeaderShape(7, vec![1 << 62, 4]),
+            &["shape", ".npy"],
+        ),
+        (Corrupt::Dtype(7, 3), &["dtype", "not a float type"]),
+        (Corrupt::Position(1, u64::MAX), &["manifest", "position"]),
+        (Corrupt::Shape(7, vec![3, 3]), &["manifest", "shape"]),
+    ];
+    for (c, words) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let bad = tmp.path().join("bad");
+        copy_dir(&root().join(GOLDEN), &bad);
+        apply(&bad, &c);
+        let o = run(&[&"diff", &root().join(GOLDEN), &bad]);
+        refused(&o, words);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// `golden` of a model llama.cpp aborts on: llama.cpp's own assertion line, no debugger noise,
+// no hint naming a flag `golden` lacks, "--verbose" once; nothing left behind.
+
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama.cpp (llama-cpp-python in .venv)"
+)]
+fn golden_shows_llama_cpps_own_abort_line() {
+    if !common::llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // A negative RMS epsilon: parity reads it, llama.cpp asserts at its first norm.
+    let neg = craft(tmp.path(), "negeps.gguf", |m, _| {
+        set(
+            m,
+            "llama.attention.layer_norm_rms_epsilon",
+            Value::F32(-1e-5),
+        )
+    });
+    let out = tmp.path().join("g");
+    let o = run(&[
+        &"golden",
+        &neg,
+        &"--tokens",
+        &"1,2,3",
+        &"--steps",
+        &"1",
+        &"--out",
+        &out,
+    ]);
+    refused(
+        &o,
+        &["llama.cpp aborted", "GGML_ASSERT(eps >= 0.0f) failed"],
+    );
+    let all = format!("{}{}", o.stdout, o.stderr);
+    for noise in ["libc-start", "gdb", "#0 ", "Inferior", "--no-check"] {
+        assert!(!all.contains(noise), "'{noise}' shown:\n{}", o.show());
+    }
+    assert_eq!(all.matches("--verbose").count(), 1, "{}", o.show());
+    // Nothing published, no staging folder left.
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.ends_with(".gguf"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+
+    // A Q8_0 norm: refused by parity before llama.cpp runs (llama.cpp would abort the same way).
+    let q8 = bad_models(tmp.path()).swap_remove(2);
+    let o = run(&[
+        &"golden",
+        &q8.0,
+        &"--tokens",
+        &"1,2,3",
+        &"--steps",
+        &"1",
+        &"--out",
+        &out,
+    ]);
+    refused(&o, q8.1);
+}

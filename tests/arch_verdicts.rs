@@ -37,7 +37,7 @@ fn own_bugs(arch: &str) -> &'static [&'static str] {
 }
 
 fn check_passes(model: &Path, golden: Option<&Path>) {
-    let mut args = vec!["check", model.to_str().unwrap()];
+    let mut args = vec!["check", model.to_str().unwrap(), "--verbose"];
     if let Some(g) = golden {
         args.extend(["--golden", g.to_str().unwrap()]);
     }

@@ -140,7 +140,7 @@ fn check_models_with_goldens(models: &[PathBuf], at_least: usize) {
 
 #[test]
 fn check_without_a_model_runs_the_default_fixture() {
-    let o = parity(&["check"]);
+    let o = parity(&["check", "--verbose"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -520,7 +520,7 @@ fn golden_without_llama_cpp_is_an_error_with_an_install_hint() {
 #[test]
 fn check_default_fixture_verdict_snapshot() {
     let run = || {
-        let o = parity(&["check", "--backends", "reference:ggml-cpu"]);
+        let o = parity(&["check", "--backends", "reference:ggml-cpu", "--verbose"]);
         assert_eq!(o.status.code(), Some(0), "{}", show(&o));
         // The verdict lines only; the NMSE of the tap closest to its threshold is f32 noise
         // (~1e-14) that may differ between CPUs (SIMD paths), so it is redacted.
@@ -646,6 +646,7 @@ fn golden_with_llama_defaults_is_checked_with_different_rounding() {
         "Once upon a time",
         "--golden",
         out.to_str().unwrap(),
+        "--verbose",
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let s = stdout(&o);
@@ -658,4 +659,83 @@ fn golden_with_llama_defaults_is_checked_with_different_rounding() {
             .all(|l| l.contains("different activation rounding")),
         "{s}"
     );
+}
+
+/// A golden whose manifest says llama.cpp ran on a GPU (Vulkan, every layer offloaded) is a
+/// supported golden: its arithmetic is not ggml-cpu's, so parity's backends are compared with it
+/// end to end as a different rounding (the logits against their bound) and never replayed op by
+/// op at the CPU's 1e-10. The golden here is parity's plain-f32 reference relabelled, an
+/// activation rounding unlike ggml-cpu's as a GPU's is: held to same-rounding thresholds (the
+/// manifest's backend ignored), its op-by-op comparisons would fail at the first matmul.
+#[test]
+fn a_gpu_golden_is_compared_as_a_different_rounding() {
+    let tmp = tempfile::tempdir().unwrap();
+    let g = tmp.path().join("vulkan");
+    let o = parity(&[
+        "dump",
+        "fixtures/tiny-llama-q4_0.gguf",
+        "--golden",
+        "golden/tiny-llama-q4_0",
+        "--backend",
+        "reference",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let mut m = manifest(&g);
+    m["producer"] = serde_json::json!({
+        "name": "llama.cpp", "backend": "llama.cpp-vulkan", "version": "0.3.36",
+        "settings": {"type_k": "f32", "type_v": "f32", "flash_attn": false, "n_gpu_layers": 99,
+                     "devices": [{"name": "Vulkan0", "description": "llvmpipe", "type": "gpu"}]}
+    });
+    std::fs::write(
+        g.join("manifest.json"),
+        serde_json::to_string_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let o = parity(&[
+        "check",
+        "fixtures/tiny-llama-q4_0.gguf",
+        "--golden",
+        g.to_str().unwrap(),
+        "--backends",
+        "reference,reference:ggml-cpu,fast",
+        "--json",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("op by op: skipped"), "{err}");
+    let comps = j["comparisons"].as_array().unwrap();
+    assert_eq!(
+        comps.len(),
+        6,
+        "3 backends against the golden, 3 pairs; no op by op"
+    );
+    for c in comps
+        .iter()
+        .filter(|c| c["baseline"] == "llama.cpp/llama.cpp-vulkan")
+    {
+        assert_eq!(c["pair"], "different-rounding", "{}", c["candidate"]);
+    }
+    // The same trace labelled as llama.cpp's CPU is held to the CPU's arithmetic, and its
+    // other rounding is found op by op.
+    m["producer"]["backend"] = "llama.cpp-cpu".into();
+    m["producer"]["settings"]["n_gpu_layers"] = 0.into();
+    std::fs::write(
+        g.join("manifest.json"),
+        serde_json::to_string_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let o = parity(&[
+        "check",
+        "fixtures/tiny-llama-q4_0.gguf",
+        "--golden",
+        g.to_str().unwrap(),
+        "--backends",
+        "reference,reference:ggml-cpu,fast",
+        "-q",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
 }

@@ -8,9 +8,11 @@
 //!
 //! The scratch folder has `fixtures/` and `scripts/` (links to the repository's),
 //! `golden/tiny-llama-q8_0` (the committed golden), `golden/mine` (a copy of it) and `trace`
-//! (parity's dump replaying it); `parity`, `python3` and `python` on PATH are the binary under
-//! test and the Python with numpy that build.rs found. Blocks that use the gpu backend run
-//! where build.rs found a Vulkan driver (cfg `parity_gpu`), e.g. lavapipe.
+//! (parity's dump replaying it); `parity` on PATH is the binary under test and
+//! `.venv/bin/python` the Python with numpy that build.rs found (no `python3` is added to PATH:
+//! the docs run scripts with the venv's Python, as a newcomer's system Python may lack numpy).
+//! Blocks that use the gpu backend run where build.rs found a Vulkan driver (cfg
+//! `parity_gpu`), e.g. lavapipe.
 
 mod common;
 
@@ -58,7 +60,7 @@ impl Block {
     fn needs(&self, tool: &str) -> bool {
         self.lines.iter().any(|l| {
             l.split_whitespace()
-                .any(|w| w == tool || w.starts_with(tool))
+                .any(|w| w == tool || w.starts_with(tool) || w.rsplit('/').next() == Some(tool))
         })
     }
 
@@ -155,9 +157,12 @@ fn scratch() -> tempfile::TempDir {
     );
     std::fs::create_dir(d.join("bin")).unwrap();
     symlink(env!("CARGO_BIN_EXE_parity"), d.join("bin/parity")).unwrap();
-    // A wrapper, not a link: a venv's Python finds its packages from its own path.
-    for name in ["python3", "python"] {
-        let p = d.join("bin").join(name);
+    // The checkout's venv, as the docs name it (`.venv/bin/python`): a newcomer's `python3`
+    // may have no numpy, so none is put on PATH here. A wrapper, not a link: a venv's Python
+    // finds its packages from its own path.
+    std::fs::create_dir_all(d.join(".venv/bin")).unwrap();
+    {
+        let p = d.join(".venv/bin/python");
         std::fs::write(
             &p,
             format!("#!/bin/sh\nexec '{}' \"$@\"\n", python().display()),

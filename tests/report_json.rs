@@ -154,6 +154,12 @@ fn a_token_mismatch_report_validates_with_both_texts_decoded() {
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     validate(&j, "diff of a trace without BOS");
+    // Different ids are the verdict: no tensor is named as the first divergence, in any
+    // comparison (the text names none either).
+    for c in j["comparisons"].as_array().unwrap() {
+        assert!(!c["token_mismatch"].is_null(), "{c:#}");
+        assert!(c["first_divergence"].is_null(), "{}", c["first_divergence"]);
+    }
     let t = &j["comparisons"][0]["token_mismatch"];
     assert_eq!(t["kind"], "bos-missing");
     assert_eq!(t["baseline_ids"][0], 1);
@@ -164,5 +170,88 @@ fn a_token_mismatch_report_validates_with_both_texts_decoded() {
     assert_eq!(
         t["candidate_text"],
         "Once upon a time there was a little girl named Lily"
+    );
+}
+
+/// docs/report-json.md names every pair kind the schema has.
+#[test]
+fn the_docs_list_every_pair_kind() {
+    let schema = committed_schema();
+    let doc = std::fs::read_to_string(root().join("docs/report-json.md")).unwrap();
+    let kinds: Vec<String> = schema["$defs"]["Pair"]["oneOf"]
+        .as_array()
+        .expect("Pair is a oneOf of constants")
+        .iter()
+        .filter_map(|v| v["const"].as_str().or_else(|| v["enum"][0].as_str()))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(kinds.len(), 4, "{:#}", schema["$defs"]["Pair"]);
+    for k in kinds {
+        assert!(
+            doc.contains(&format!("`\"{k}\"`")),
+            "docs/report-json.md lacks the pair {k}"
+        );
+    }
+}
+
+/// One story: with a sparse dump the bug is flagged at a later key and placed by experiment at
+/// an earlier one; the JSON `first_divergence` of the verdict (own-inputs) is the place the
+/// text names, in both of its sentences.
+#[test]
+fn the_json_first_divergence_is_the_place_the_text_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("sparse");
+    let o = parity(&[
+        "dump",
+        "fixtures/tiny-llama-q8_0.gguf",
+        "--golden",
+        "golden/tiny-llama-q8_0",
+        "--emulate",
+        "ggml-cpu",
+        "--mutate",
+        "rms-eps-10x",
+        "--taps",
+        "^(embd|l_out-[0-9]+|result_norm|logits)$",
+        "--out",
+        t.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let json = tmp.path().join("r.json");
+    let o = parity(&[
+        "diff",
+        "golden/tiny-llama-q8_0",
+        t.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let text = stdout(&o);
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    validate(&j, "diff of a sparse dump");
+    let own = j["comparisons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["pair"] == "own-inputs")
+        .expect("the verdict's comparison");
+    let k = &own["first_divergence"]["at"]["key"];
+    let place = match k["layer"].as_u64() {
+        Some(l) => format!(
+            "step {} layer {l} {}",
+            k["step"],
+            k["tap"].as_str().unwrap()
+        ),
+        None => format!("step {} {}", k["step"], k["tap"].as_str().unwrap()),
+    };
+    // Flagged at the output norm (judged on its own), placed back at layer 0 by experiment.
+    assert_eq!(place, "step 0 layer 0 l_out", "{text}");
+    assert!(
+        text.contains(&format!("placed by experiment at {place}:")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("first divergence at {place} ")),
+        "{text}"
     );
 }

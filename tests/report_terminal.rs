@@ -79,3 +79,36 @@ fn quiet_prints_the_verdict_only() {
         show(&o)
     );
 }
+
+/// The first screen of a clean `parity check`: the one comparison that matters (the tightest
+/// against the golden: op by op), a count of the rest with where to find them, the verdict; no
+/// drift tables. `--verbose` prints every comparison and the end-to-end tables.
+#[test]
+fn the_first_screen_is_the_verdict_and_the_comparison_that_matters() {
+    let o = parity(&["check"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let s = stdout(&o);
+    let paragraphs = s.lines().filter(|l| l.starts_with("PARITY (")).count();
+    assert_eq!(paragraphs, 1, "{s}");
+    assert!(
+        s.lines().any(|l| l.starts_with("PARITY (")
+            && l.contains("op by op on the baseline's inputs")
+            && l.contains("vs llama.cpp/")),
+        "{s}"
+    );
+    assert!(!s.contains("log10 NMSE"), "{s}");
+    let rest = format!(
+        "{DEFAULT_COMPARISONS} comparisons, 0 diverged; {} more within tolerance not shown: --verbose",
+        DEFAULT_COMPARISONS - 1
+    );
+    assert!(s.contains(&rest), "{s}");
+    assert_eq!(s.lines().last(), Some(DEFAULT_VERDICT), "{s}");
+
+    let o = parity(&["check", "--verbose"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let s = stdout(&o);
+    let paragraphs = s.lines().filter(|l| l.starts_with("PARITY (")).count();
+    assert_eq!(paragraphs, DEFAULT_COMPARISONS, "{s}");
+    assert!(s.contains("log10 NMSE"), "{s}");
+    assert!(!s.contains("not shown"), "{s}");
+}

@@ -254,3 +254,118 @@ fn deep_q8_0_check_is_clean() {
     // comparisons diverged (compounded rounding flips at depth).
     deep_check_is_clean("q8_0");
 }
+
+/// The CI stand-in for the 7B- and 8B-shaped checks (scripts/depth_matrix.sh 7b / 8b,
+/// docs/tolerances.md "At 7B and 8B depth"): the same 32 layers and Llama-3-8B's grouped-query
+/// shape (llama3 arch, 4 query heads per K/V head) at 256 wide, Q4_0.
+fn depth32(tmp: &Path) -> std::path::PathBuf {
+    let m = tmp.join("d32.gguf");
+    let o = parity(&[
+        "fixture",
+        "--arch",
+        "llama3",
+        "--type",
+        "q4_0",
+        "--n-layer",
+        "32",
+        "--n-embd",
+        "256",
+        "--n-ff",
+        "896",
+        "--n-head",
+        "8",
+        "--n-head-kv",
+        "2",
+        "--out",
+        m.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    m
+}
+
+const DEPTH32_IDS: &str = "1,259,300,273,262,264,324,325,329,333,336,325,342,346,351,259";
+
+/// Without a golden: every backend against the others, end to end, at 32 layers.
+#[test]
+fn depth_32_gqa_check_without_a_golden_is_clean() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = depth32(tmp.path());
+    let none = tmp.path().join("none");
+    std::fs::create_dir(&none).unwrap();
+    let o = parity(&[
+        "check",
+        m.to_str().unwrap(),
+        "--tokens",
+        DEPTH32_IDS,
+        "--steps",
+        "4",
+        "--golden",
+        none.to_str().unwrap(),
+        "--backends",
+        "reference,reference:ggml-cpu,fast",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(out.contains("3 comparisons"), "{out}");
+}
+
+/// Against a fresh llama.cpp golden: every backend and op by op pass at 32 layers, and bugs
+/// planted from layer 28 on are found at layer 28 and named.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn depth_32_gqa_check_is_clean_and_deep_bugs_are_found_at_their_layer() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = depth32(tmp.path());
+    let g = tmp.path().join("golden");
+    let o = parity(&[
+        "golden",
+        m.to_str().unwrap(),
+        "--tokens",
+        DEPTH32_IDS,
+        "--steps",
+        "4",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = parity(&[
+        "check",
+        m.to_str().unwrap(),
+        "--golden",
+        g.to_str().unwrap(),
+        "--backends",
+        "reference,reference:ggml-cpu,fast",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(out.contains("op by op"), "{out}");
+    assert!(!out.contains("DIVERGED"), "{out}");
+    let o = parity(&[
+        "selftest",
+        m.to_str().unwrap(),
+        "--golden",
+        g.to_str().unwrap(),
+        "--rounding",
+        "ggml",
+        "--from-layer",
+        "28",
+        "--only",
+        "rms-eps-10x,kv-off-by-one",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let rows: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = rows.as_array().expect("rows");
+    assert_eq!(rows.len(), 3, "clean + 2 bugs: {rows:#?}");
+    for r in rows.iter().filter(|r| r["case"] != "clean") {
+        assert_eq!(r["ok"], true, "{r:#}");
+        assert!(r["found"].as_str().unwrap().contains("layer 28,"), "{r:#}");
+        assert_eq!(r["named"], r["case"], "{r:#}");
+    }
+}

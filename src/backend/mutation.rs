@@ -34,10 +34,15 @@ pub enum Mutation {
     NormWeightTwice,
     /// Every RMSNorm leaves its weight out.
     NormWeightMissing,
+    /// Only the attention's RMSNorm (attn_norm) multiplies by its weight twice: a bug of one
+    /// norm site, the others right.
+    AttnNormWeightTwice,
     /// SwiGLU with its operands swapped: silu(up)·gate.
     SwigluSwap,
     /// Decode steps write the new K/V one slot after the position attention reads it at.
     KvOffByOne,
+    /// Decode steps rotate q and k at their position plus one (the cache slot right).
+    RopePosOffByOne,
     /// Prefill rows attend to later positions too.
     NoCausalMask,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
@@ -102,8 +107,10 @@ impl Mutation {
         Mutation::RmsEps10x,
         Mutation::NormWeightTwice,
         Mutation::NormWeightMissing,
+        Mutation::AttnNormWeightTwice,
         Mutation::SwigluSwap,
         Mutation::KvOffByOne,
+        Mutation::RopePosOffByOne,
         Mutation::NoCausalMask,
         Mutation::DecoderNibbleOrder,
         Mutation::TiedOutput,
@@ -130,6 +137,8 @@ impl Mutation {
             Mutation::RmsEps10x => "rms-eps-10x",
             Mutation::NormWeightTwice => "norm-weight-twice",
             Mutation::NormWeightMissing => "norm-weight-missing",
+            Mutation::AttnNormWeightTwice => "attn-norm-weight-twice",
+            Mutation::RopePosOffByOne => "rope-pos-off-by-one",
             Mutation::SwigluSwap => "swiglu-swap",
             Mutation::KvOffByOne => "kv-off-by-one",
             Mutation::NoCausalMask => "no-causal-mask",
@@ -183,6 +192,12 @@ impl Mutation {
             Mutation::RmsEps10x => "RMSNorm adds an epsilon 10x the model's",
             Mutation::NormWeightTwice => "each RMSNorm multiplies by its weight twice",
             Mutation::NormWeightMissing => "each RMSNorm leaves its weight out",
+            Mutation::AttnNormWeightTwice => {
+                "the attention's RMSNorm (attn_norm) multiplies by its weight twice; the other norms are right"
+            }
+            Mutation::RopePosOffByOne => {
+                "decode steps rotate q and k at their position plus one (RoPE position off by one; the K/V cache slot is right)"
+            }
             Mutation::SwigluSwap => "SwiGLU swaps its operands: silu(up) * gate",
             Mutation::KvOffByOne => {
                 "decode steps store the new K/V one position after the one attention reads"
@@ -238,6 +253,9 @@ impl Mutation {
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
                 first_norm_showing(self, model, 0).is_some()
             }
+            Mutation::AttnNormWeightTwice => first_attn_norm_showing(model, 0).is_some(),
+            // Rotating nothing leaves every position the same.
+            Mutation::RopePosOffByOne => c.n_rot >= 2,
             // Rotating nothing, or one pair, leaves NORM and NEOX the same.
             Mutation::RopeNeox => c.n_rot >= 4,
             Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
@@ -285,6 +303,8 @@ impl Mutation {
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
                 first_norm_showing(self, model, from)
             }
+            Mutation::AttnNormWeightTwice => first_attn_norm_showing(model, from),
+            Mutation::RopePosOffByOne => at(1, Tap::QRope),
             Mutation::SwigluSwap => at(0, Tap::FfnAct),
             Mutation::KvOffByOne => at(1, Tap::KqSoftMax),
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
@@ -343,6 +363,10 @@ impl Mutation {
             }
             Mutation::SwigluSwap => "step 0, layer 0, ffn_act",
             Mutation::KvOffByOne => "step 1 (first decode step), layer 0, kq_soft_max",
+            Mutation::AttnNormWeightTwice => {
+                "step 0, the first attn_norm whose weight has an element other than 0 or 1"
+            }
+            Mutation::RopePosOffByOne => "step 1 (first decode step), layer 0, q_rope",
             Mutation::DecoderNibbleOrder => "step 0, the first op reading a 4-bit weight",
             Mutation::TransposedLmHead | Mutation::TiedOutput => "step 0, logits",
             Mutation::NoBos | Mutation::DoubleBos => "step 0, the token ids",
@@ -503,6 +527,19 @@ fn first_norm_showing(m: Mutation, model: &Model, from: usize) -> Option<TapKey>
         }
     }
     shows(&model.output_norm).then_some(TapKey::new(0, None, Tap::ResultNorm))
+}
+
+/// The first attn_norm whose output `attn-norm-weight-twice` changes (an element not 0 or 1),
+/// from layer `from` on.
+fn first_attn_norm_showing(model: &Model, from: usize) -> Option<TapKey> {
+    (from..model.config.n_layer)
+        .find(|&l| {
+            model
+                .vector(&model.layers[l].attn_norm)
+                .iter()
+                .any(|&w| w * w != w)
+        })
+        .map(|l| TapKey::new(0, Some(l), Tap::AttnNorm))
 }
 
 /// The RoPE pairing an engine with `rope-neox` uses.

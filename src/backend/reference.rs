@@ -455,7 +455,10 @@ impl Ops for Reference<'_> {
         if self.mutated(Mutation::NormWeightMissing, layer) {
             weight.fill(1.0);
         }
-        if self.mutated(Mutation::NormWeightTwice, layer) {
+        if self.mutated(Mutation::NormWeightTwice, layer)
+            || (self.mutated(Mutation::AttnNormWeightTwice, layer)
+                && w.name.ends_with(".attn_norm.weight"))
+        {
             weight.iter_mut().for_each(|v| *v *= *v);
         }
         if self.mutated(Mutation::GemmaNormPlusOne, layer) {
@@ -539,6 +542,12 @@ impl Ops for Reference<'_> {
             r.factors = None;
         }
         let factors = r.factors.map(|f| self.model.vector(f));
+        // Decode steps rotated one position late (the cache slot stays right).
+        let pos0 = if self.mutated(Mutation::RopePosOffByOne, Some(layer)) && pos0 > 0 {
+            pos0 + 1
+        } else {
+            pos0
+        };
         rope(
             &mut x,
             pos0,

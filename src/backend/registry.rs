@@ -16,8 +16,11 @@ pub struct Entry {
     pub about: &'static str,
     /// Needs a GPU adapter: `check`'s default set includes it only when one exists.
     pub device: bool,
-    build: for<'m> fn(&'m Model, usize, usize) -> Result<Box<dyn Backend + 'm>, BackendError>,
+    build: Build,
 }
+
+/// Builds a backend over a model: (model, n_ctx, threads).
+type Build = for<'m> fn(&'m Model, usize, usize) -> Result<Box<dyn Backend + 'm>, BackendError>;
 
 impl Entry {
     /// A backend over `model` with room for `n_ctx` positions; `threads` (0 = all cores) is

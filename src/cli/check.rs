@@ -178,7 +178,12 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         cmd.arg("--verbose");
     } else {
         cmd.stderr(std::process::Stdio::piped());
+        // ggml's abort would attach gdb for a backtrace (printed past the pipe, and its last
+        // line buries GGML_ASSERT's): the assertion line alone is the message.
+        cmd.env("GGML_NO_BACKTRACE", "1");
     }
+    // The script words its hints for `parity golden`'s flags, not its own.
+    cmd.env("PARITY_GOLDEN", "1");
     // llama.cpp stops with parity: killed outright with it (Linux), and on SIGINT/SIGTERM/
     // SIGHUP killed and its unfinished folder removed before parity ends, so that nothing is
     // published after the user stopped the run.
@@ -225,12 +230,20 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     // Any failure of the Python side is an error making the golden (exit 2), never a
     // divergence (exit 1): one line, the script's own message or a traceback's last line.
-    let last = log
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .map(|l| l.strip_prefix("llama_golden: ").unwrap_or(l).to_string());
+    let lines = || log.lines().rev().map(str::trim).filter(|l| !l.is_empty());
+    // llama.cpp's own words when it aborted (`ops.cpp:4132: GGML_ASSERT(eps >= 0.0f) failed`,
+    // its source path shortened), else the script's last line.
+    let at = regex::Regex::new(r"^(\S+\.(?:c|cc|cpp|cu|h|m)):(\d+): (.+)$").expect("valid");
+    let abort = lines().find_map(|l| {
+        let c = at.captures(l)?;
+        let file = c[1].rsplit_once("/llama.cpp/").map_or(&c[1], |(_, f)| f);
+        Some(format!("llama.cpp aborted: {file}:{}: {}", &c[2], &c[3]))
+    });
+    let last = abort.or_else(|| {
+        lines()
+            .next()
+            .map(|l| l.strip_prefix("llama_golden: ").unwrap_or(l).to_string())
+    });
     let why = match (out.status.code(), last) {
         (_, Some(l)) if log.contains("Traceback (most recent call last)") => {
             format!("the llama.cpp script failed: {l}")
@@ -239,7 +252,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         (Some(c), None) => format!("the llama.cpp script exited with code {c}"),
         (None, None) => "the llama.cpp script was killed by a signal".to_string(),
     };
-    let hint = if a.verbose {
+    let hint = if a.verbose || why.contains("--verbose") {
         ""
     } else {
         " (rerun with --verbose for llama.cpp's log)"
@@ -292,7 +305,8 @@ pub struct CheckArgs {
     /// Skip the op-by-op comparison (each reference op fed the golden's inputs).
     #[arg(long)]
     no_op_by_op: bool,
-    /// Print the per-layer table of every comparison, not only the ones against the golden.
+    /// Print every comparison with its per-layer table (by default: the verdict, the
+    /// comparisons that diverged, else the one that matters most, and a count of the rest).
     #[arg(long, short)]
     verbose: bool,
 }
@@ -430,24 +444,50 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ),
         }
     }
-    let mut comparisons = Vec::with_capacity(r.comparisons.len());
-    for j in r.comparisons {
+    // The first screen: every comparison that diverged (its paragraph and table), else the one
+    // that matters most — the tightest against the golden (op by op first), else the first
+    // pair. The rest, and the drift tables of the end-to-end passes, behind --verbose (and in
+    // the HTML page).
+    let key = r
+        .comparisons
+        .iter()
+        .position(|j| j.comparison.diverged())
+        .or_else(|| r.comparisons.iter().position(|j| j.against_golden))
+        .unwrap_or(0);
+    let n = r.comparisons.len();
+    let mut comparisons = Vec::with_capacity(n);
+    for (i, j) in r.comparisons.into_iter().enumerate() {
         let c = j.comparison;
         let header = if j.against_golden {
             format!("== {} vs golden ({})", c.candidate, c.baseline)
         } else {
             format!("== {} vs {}", c.candidate, c.baseline)
         };
-        // The end-to-end comparisons against the golden always show their table: it is the
-        // picture of drift along the layers.
-        let end_to_end = j.against_golden && c.pair != PairKind::OpByOp;
-        show(
-            &c,
-            &header,
-            end_to_end || a.verbose || c.diverged(),
-            &a.report,
-        );
+        if a.verbose || c.diverged() || i == key {
+            // The end-to-end comparisons against the golden show their table when asked for
+            // everything: it is the picture of drift along the layers.
+            let end_to_end = j.against_golden && c.pair != PairKind::OpByOp;
+            show(
+                &c,
+                &header,
+                (end_to_end && a.verbose) || c.diverged(),
+                &a.report,
+            );
+        }
         comparisons.push(c);
+    }
+    if !a.verbose && !quiet {
+        let diverged = comparisons.iter().filter(|c| c.diverged()).count();
+        let shown = if diverged > 0 { diverged } else { 1 };
+        let line = format!(
+            "{n} comparisons, {diverged} diverged; {} more within tolerance not shown: --verbose prints each (with the drift tables along the layers), --html FILE makes the page",
+            n - shown
+        );
+        if a.report.json.as_deref() == Some(Path::new("-")) {
+            eprintln!("{line}");
+        } else {
+            println!("{line}");
+        }
     }
     if !quiet {
         let mut line = String::from("backends:");

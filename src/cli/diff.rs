@@ -8,6 +8,7 @@ use super::output::{ReportArgs, finish_with, run_info, show};
 use super::{Result, err, repo_root};
 use crate::backend::Emulation;
 use crate::compare::{Comparison, Divergence, PairKind, TapResult};
+use crate::judge::verdict::{Basis, Verdict};
 use crate::judge::{self, JudgeOptions, Judgement};
 use crate::model::Model;
 use crate::report;
@@ -148,11 +149,11 @@ fn find_model(base: &Trace, cand: &Trace, dirs: &[PathBuf]) -> Option<(PathBuf, 
 
 /// The judgement as a comparison (own errors against the floors), so every report format and
 /// the exit code render it; the token-id finding of the end-to-end comparison comes first.
-fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Comparison {
+fn as_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str) -> Comparison {
     // An own error under its floor that a known bug explains is held to the f32 noise level:
     // the flagged key's when it is, and the key the bug was placed at by experiment (where the
     // confirmed hypothesis removes an own error under that key's floor).
-    let first = j.first.as_ref().filter(|_| e2e.token_mismatch.is_none());
+    let first = j.first.as_ref().filter(|_| v.basis == Basis::OwnError);
     let explained = |k: TapKey| {
         first.is_some_and(|f| (f.explained && f.flagged == k) || (f.key != f.flagged && f.key == k))
     };
@@ -174,13 +175,13 @@ fn as_comparison(j: &Judgement, e2e: &Comparison, cand_label: &str) -> Compariso
             }
         })
         .collect();
-    // One place for the text and the JSON: where the bug first shows (the finding's key, placed
-    // by experiment when it was), and none when the ids differ (the ids are then the verdict).
-    let first_divergence = first.map(|f| {
+    // One place for the text, the JSON and selftest: the verdict's (where the bug first shows,
+    // placed by experiment when it was), none when the ids differ (they are then the verdict).
+    let first_divergence = first.zip(v.place).map(|(f, place)| {
         let i = results
             .iter()
-            .position(|r| r.key == f.key)
-            .expect("finding is a judged key");
+            .position(|r| r.key == place)
+            .expect("the verdict's place is a judged key");
         Divergence {
             at: results[i].clone(),
             matched_before: crate::compare::matched_before(&results, i),
@@ -294,7 +295,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let Some((model_path, model)) = found else {
         // The same library call, without a model: end to end only.
         let d = judge::verdict::diff(&base, &cand, None, &opt)?;
-        let c = d.e2e;
+        let mut c = d.e2e;
+        crate::compare::judge_drift(&mut c, &base, &cand)?;
         show(
             &c,
             &format!(
@@ -304,8 +306,9 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
             true,
             &a.report,
         );
+        let diverged = c.diverged();
         let code = finish_with(&[c], &info, &a.report)?;
-        return Ok(if d.verdict.diverged {
+        return Ok(if d.verdict.diverged || diverged {
             ExitCode::from(1)
         } else {
             code
@@ -329,10 +332,17 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let c = d.e2e;
     let j = d.judgement.expect("judged with the model");
     say(&format!(
-        "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}",
+        "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}{}",
         c.candidate,
         c.baseline,
-        report::table_styled(&c, !to_stderr && report::colour_stdout())
+        report::table_styled(&c, !to_stderr && report::colour_stdout()),
+        // Drift past the end-to-end tolerances (a NaN in the baseline) is a divergence too.
+        // (Token ids that differ are the verdict below.)
+        if c.diverged() && c.token_mismatch.is_none() {
+            format!("{}\n", report::verdict(&c))
+        } else {
+            String::new()
+        }
     ));
     say(&format!(
         "model: {} ({}, judged in {:.1} s)\n{}",
@@ -345,7 +355,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         "{}/{}",
         cand.manifest.producer.name, cand.manifest.producer.backend
     );
-    let jc = as_comparison(&j, &c, &label);
+    let jc = as_comparison(&j, &d.verdict, &c, &label);
     show(&jc, "== verdict", false, &a.report);
     // The logits' agreement end to end, as a statistic beside the verdict.
     if let Some(l) = c.logits.last() {

@@ -67,11 +67,9 @@ pub(super) fn diagnose(
             .find(|x| x.key == TapKey::new(k.step, k.layer, tap))
             .is_some_and(|x| x.pass && x.metrics.nmse <= x.threshold * 1e-2)
     };
-    if m.non_finite_failure() {
-        why.push(format!(
-            "non-finite values (NaN baseline {}, NaN candidate {}, Inf mismatches {}): typically a softmax over a fully masked row (mask or KV position off), or an overflow",
-            m.nan_a, m.nan_b, m.inf_mismatch
-        ));
+    // A NaN or an Inf is the finding itself: no signature is read into such data.
+    if let Some(t) = m.non_finite_text(&k, "the baseline", "the candidate") {
+        return Ok(t);
     }
     if prefill_ok {
         why.push(format!(

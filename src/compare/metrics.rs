@@ -20,12 +20,44 @@ pub struct Metrics {
     pub nan_b: usize,
     /// Positions where either side is ±Inf and they differ (sign included): any fails.
     pub inf_mismatch: usize,
+    /// ±Inf in baseline / candidate, matched or not: no tap of a transformer holds one (an
+    /// overflow), so any fails too, even the same Inf on both sides.
+    pub inf_a: usize,
+    pub inf_b: usize,
 }
 
 impl Metrics {
-    /// NaN or unmatched Inf: fails whatever the tolerance.
+    /// NaN or Inf on either side: fails whatever the tolerance.
     pub fn non_finite_failure(&self) -> bool {
-        self.nan_a > 0 || self.nan_b > 0 || self.inf_mismatch > 0
+        self.nan_a > 0 || self.nan_b > 0 || self.inf_mismatch > 0 || self.inf_a + self.inf_b > 0
+    }
+
+    /// The finding a non-finite value is, named where it first appears (`key`, the first
+    /// failing key in graph order), with each side's counts (`a`, `b` name the sides); None
+    /// when every value is finite. Nothing is to be judged or confirmed from such data.
+    pub fn non_finite_text(&self, key: &crate::trace::TapKey, a: &str, b: &str) -> Option<String> {
+        if !self.non_finite_failure() {
+            return None;
+        }
+        let mut parts = Vec::new();
+        for (nan, inf, who) in [(self.nan_b, self.inf_b, b), (self.nan_a, self.inf_a, a)] {
+            if nan > 0 {
+                parts.push(format!("{nan} NaN in {who}"));
+            }
+            if inf > 0 {
+                parts.push(format!("{inf} ±Inf in {who}"));
+            }
+        }
+        let what = if self.nan_a + self.nan_b > 0 {
+            "NaN"
+        } else {
+            "Inf"
+        };
+        Some(format!(
+            "{what} first appears at {key} ({}, of {} values): a non-finite value is a finding of its own (an overflow, a division by zero, a fully masked softmax row)",
+            parts.join(", "),
+            self.n
+        ))
     }
 }
 
@@ -35,7 +67,10 @@ pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
     let (mut saa, mut sbb, mut sab, mut see) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
     let (mut max_abs, mut sum_abs) = (0.0f64, 0.0f64);
     let (mut nan_a, mut nan_b, mut inf_mismatch, mut n_finite) = (0, 0, 0, 0usize);
+    let (mut inf_a, mut inf_b) = (0, 0);
     for (&x, &y) in a.iter().zip(b.iter()) {
+        inf_a += x.is_infinite() as usize;
+        inf_b += y.is_infinite() as usize;
         if x.is_nan() || y.is_nan() {
             nan_a += x.is_nan() as usize;
             nan_b += y.is_nan() as usize;
@@ -91,6 +126,8 @@ pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
         nan_a,
         nan_b,
         inf_mismatch,
+        inf_a,
+        inf_b,
     }
 }
 
@@ -159,8 +196,11 @@ mod tests {
     #[test]
     fn nan_and_inf_rules() {
         let a = arr(&[1.0, f32::INFINITY]);
+        // The same Inf on both sides is no error between them, and still a failure: no tap
+        // holds an Inf (issue 20: two identical traces with +Inf logits are not "parity").
         let same = metrics(&a.view(), &arr(&[1.0, f32::INFINITY]).view());
-        assert!(!same.non_finite_failure());
+        assert!(same.non_finite_failure());
+        assert_eq!((same.inf_a, same.inf_b, same.inf_mismatch), (1, 1, 0));
         assert_eq!(same.nmse, 0.0);
         let flipped = metrics(&a.view(), &arr(&[1.0, f32::NEG_INFINITY]).view());
         assert!(flipped.non_finite_failure());

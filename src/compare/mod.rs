@@ -271,6 +271,50 @@ pub fn compare(
 }
 
 /// Up to three results just before `results[i]` (graph order) that still matched.
+/// Without any judgement of each op (`parity diff` without the model) the drift is all the
+/// evidence there is: every tap is held to its threshold again, and the first over it in graph
+/// order is the divergence (the ids, when they differ, stay the verdict).
+pub fn judge_drift(c: &mut Comparison, base: &Trace, cand: &Trace) -> Result<(), CompareError> {
+    for r in c.results.iter_mut().filter(|r| !r.gating) {
+        r.gating = true;
+        r.pass = r.pass && r.metrics.nmse <= r.threshold;
+    }
+    if c.token_mismatch.is_some() {
+        return Ok(());
+    }
+    if let Some(i) = c.results.iter().position(|r| !r.pass)
+        && c.first_divergence.as_ref().map(|d| d.at.key) != Some(c.results[i].key)
+    {
+        c.first_divergence = Some(Divergence {
+            at: c.results[i].clone(),
+            matched_before: matched_before(&c.results, i),
+            diagnosis: diagnose::diagnose(base, cand, &c.results, i, c.weight_type)?,
+        });
+    }
+    Ok(())
+}
+
+/// The diagnosis read at `key` of a compared pair (its signature, with its inputs' results as
+/// context), whichever key diverges first in graph order: a judge that flagged `key` asks
+/// about that key, not about an earlier one drifting under another rounding.
+pub fn diagnose_at(
+    c: &Comparison,
+    base: &Trace,
+    cand: &Trace,
+    key: &TapKey,
+) -> Result<Option<String>, CompareError> {
+    match c.results.iter().position(|r| r.key == *key) {
+        Some(i) => Ok(Some(diagnose::diagnose(
+            base,
+            cand,
+            &c.results,
+            i,
+            c.weight_type,
+        )?)),
+        None => Ok(None),
+    }
+}
+
 pub fn matched_before(results: &[TapResult], i: usize) -> Vec<TapResult> {
     let mut v: Vec<TapResult> = results[..i]
         .iter()
@@ -394,5 +438,147 @@ fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayD<f32>) -
         top1_agree: stats.iter().filter(|s| s.top1_base == s.top1_cand).count(),
         rows,
         top5_overlap_mean: stats.iter().map(|s| s.top5_overlap as f64).sum::<f64>() / rows as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{ModelRef, Producer, StepInfo};
+    use std::collections::BTreeMap;
+
+    /// A one-step, `layers`-layer trace: embd, l_out per layer, logits; `l_out` of the last
+    /// layer scaled by `drift` (1 + drift) and the logits by `logit_err`.
+    fn trace(layers: usize, drift: f32, logit_err: f32, ids: &[u32]) -> Trace {
+        let row = |seed: usize| -> Vec<f32> {
+            (0..64)
+                .map(|i| ((i * 7 + seed * 13) % 17) as f32 - 8.0)
+                .collect()
+        };
+        let arr = |v: Vec<f32>| ndarray::ArrayD::from_shape_vec(vec![1, 64], v).unwrap();
+        let mut t = BTreeMap::new();
+        t.insert(TapKey::new(0, None, Tap::Embd), arr(row(0)));
+        for l in 0..layers {
+            let mut v = row(l + 1);
+            if l + 1 == layers {
+                // An alternating error: NMSE ≈ drift² whatever the row.
+                v.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x += drift * if i % 2 == 0 { 4.0 } else { -4.0 });
+            }
+            t.insert(TapKey::new(0, Some(l), Tap::LOut), arr(v));
+        }
+        let mut lg = row(99);
+        lg[3] += logit_err;
+        t.insert(TapKey::new(0, None, Tap::Logits), arr(lg));
+        let step = StepInfo {
+            step: 0,
+            tokens: ids.to_vec(),
+            positions: vec![0],
+            forced: None,
+        };
+        let mref = ModelRef {
+            path: String::new(),
+            sha256: String::new(),
+            size: None,
+        };
+        let prod = Producer {
+            name: "test".into(),
+            backend: "t".into(),
+            version: String::new(),
+            settings: serde_json::Value::Null,
+        };
+        Trace::from_memory(mref, prod, vec![step], t)
+    }
+
+    fn opt(pair: PairKind) -> CompareOptions {
+        CompareOptions {
+            pair,
+            weight_type: GgmlType::Q4_0,
+            require_same_model: false,
+        }
+    }
+
+    #[test]
+    fn between_different_roundings_intermediate_drift_is_drawn_not_judged() {
+        let (a, b) = (trace(32, 0.0, 0.0, &[1]), trace(32, 0.5, 0.0, &[1]));
+        // Same rounding: the drift at layer 31 crosses 2e-2 and is the divergence.
+        let same = compare(&a, &b, &opt(PairKind::SameRounding)).unwrap();
+        let d = same.first_divergence.as_ref().expect("diverges");
+        assert_eq!(d.at.key, TapKey::new(0, Some(31), Tap::LOut));
+        // Different roundings: the same drift is shown, not a verdict.
+        let diff = compare(&a, &b, &opt(PairKind::DifferentRounding)).unwrap();
+        assert!(!diff.diverged(), "{:?}", diff.first_divergence);
+        let r = diff.results.iter().find(|r| r.key == d.at.key).unwrap();
+        assert!(!r.gating && r.pass && r.metrics.nmse > r.threshold);
+        // The logits still gate: an error there is what a user sees.
+        let c = trace(32, 0.5, 1e3, &[1]);
+        let diff = compare(&a, &c, &opt(PairKind::DifferentRounding)).unwrap();
+        let d = diff.first_divergence.as_ref().expect("logits diverge");
+        assert_eq!(d.at.key.tap, Tap::Logits);
+        // NaN fails everywhere.
+        let mut nan = trace(32, 0.0, 0.0, &[1]);
+        let k = TapKey::new(0, Some(5), Tap::LOut);
+        let mut v = nan.get(&k).unwrap().unwrap();
+        v[[0, 1]] = f32::NAN;
+        nan = {
+            let mut t: BTreeMap<TapKey, ndarray::ArrayD<f32>> = BTreeMap::new();
+            for key in nan.keys().copied().collect::<Vec<_>>() {
+                t.insert(key, nan.get(&key).unwrap().unwrap());
+            }
+            t.insert(k, v);
+            Trace::from_memory(
+                nan.manifest.model.clone(),
+                nan.manifest.producer.clone(),
+                nan.manifest.steps.clone(),
+                t,
+            )
+        };
+        let diff = compare(&a, &nan, &opt(PairKind::DifferentRounding)).unwrap();
+        assert_eq!(diff.first_divergence.unwrap().at.key, k);
+    }
+
+    #[test]
+    fn the_logit_bounds_grow_past_22_layers_only_between_different_roundings() {
+        let w = GgmlType::Q4_0;
+        let d = PairKind::DifferentRounding;
+        assert_eq!(nmse_threshold(d, w, Tap::Logits, 16), 2e-2);
+        assert_eq!(nmse_threshold(d, w, Tap::Logits, 22), 2e-2);
+        assert!(nmse_threshold(d, w, Tap::Logits, 44) > 3.9e-2);
+        assert!(kld_threshold(d, w, 44) > kld_threshold(d, w, 22));
+        let s = PairKind::SameRounding;
+        assert_eq!(nmse_threshold(s, w, Tap::Logits, 80), 2e-2);
+        assert_eq!(kld_threshold(s, w, 80), kld_threshold(s, w, 2));
+    }
+
+    #[test]
+    fn different_ids_name_no_tensor() {
+        // Step 0 diverges (same rounding, drift over 2e-2); step 1 was fed other ids.
+        let with_step1 = |t: Trace, id: u32| {
+            let mut steps = t.manifest.steps.clone();
+            steps.push(StepInfo {
+                step: 1,
+                tokens: vec![id],
+                positions: vec![1],
+                forced: Some(true),
+            });
+            let tensors = t.keys().map(|k| (*k, t.get(k).unwrap().unwrap())).collect();
+            Trace::from_memory(
+                t.manifest.model.clone(),
+                t.manifest.producer.clone(),
+                steps,
+                tensors,
+            )
+        };
+        let a = with_step1(trace(4, 0.0, 0.0, &[1]), 5);
+        let b = with_step1(trace(4, 0.5, 0.0, &[1]), 6);
+        let c = compare(&a, &b, &opt(PairKind::SameRounding)).unwrap();
+        assert_eq!(c.token_mismatch.as_ref().map(|m| m.step), Some(1));
+        assert!(c.diverged());
+        assert!(
+            c.results.iter().any(|r| !r.pass),
+            "step 0 is still compared"
+        );
+        assert!(c.first_divergence.is_none());
     }
 }

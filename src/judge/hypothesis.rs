@@ -296,7 +296,11 @@ pub(super) fn below_floor(
         checks.push(check);
         if explained {
             let f = finding(model, cand, o, ops, ex, o.own_nmse / EXPLAINS, true)?;
-            return Ok((checks, Some(f)));
+            // Under the floor only a confirmed bug is a finding: one that cuts this key but
+            // does not hold over the trace leaves it noise.
+            if f.confirmed.is_some() {
+                return Ok((checks, Some(f)));
+            }
         }
     }
     Ok((checks, None))
@@ -336,12 +340,29 @@ fn finding(
         span: sp,
         ran: experiments,
     } = ex;
-    // Confirmed: within the threshold (the floor; under it, the own error cut `EXPLAINS`-fold);
-    // the lowest NMSE wins (the catalog first on ties).
+    // Confirmed: within the threshold (the floor; under it, the own error cut `EXPLAINS`-fold),
+    // cutting the own error by a wide factor (`CONFIRM_CUT`, `KNOB_CUT` for a continuous knob)
+    // and holding over the whole trace (`holds`); the lowest NMSE wins (the catalog first on
+    // ties).
     let floor = op.floor;
-    let mut ok: Vec<&(Tried, Option<Mutation>)> =
-        tried.iter().filter(|(t, _)| t.nmse <= threshold).collect();
+    let mut ok: Vec<&(Tried, Option<Mutation>)> = tried
+        .iter()
+        .filter(|(t, _)| t.nmse <= threshold && t.nmse * cut_needed(&t.hypothesis) <= op.own_nmse)
+        .collect();
     ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
+    let mut contradicted: Vec<(String, String)> = Vec::new();
+    let mut held = Vec::with_capacity(ok.len());
+    for c in ok {
+        match setups.get(&c.0.hypothesis) {
+            Some(setup) => match holds(model, cand, setup, ops, &k, is_knob(&c.0.hypothesis))? {
+                Ok(()) => held.push(c),
+                Err(why) => contradicted.push((c.0.hypothesis.clone(), why)),
+            },
+            // A layout reads the candidate's own tensor in another order: nothing to re-run.
+            None => held.push(c),
+        }
+    }
+    let ok = held;
     let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
     let also: Vec<String> = ok
         .iter()
@@ -374,7 +395,10 @@ fn finding(
     };
     let ruled_out: Vec<Tried> = tried
         .iter()
-        .filter(|(t, _)| t.nmse > threshold)
+        .filter(|(t, _)| {
+            !ok.iter().any(|(o, _)| o.hypothesis == t.hypothesis)
+                && !contradicted.iter().any(|(h, _)| *h == t.hypothesis)
+        })
         .map(|(t, _)| t.clone())
         .collect();
 
@@ -457,6 +481,16 @@ fn finding(
             list.join(", ")
         ));
     }
+    if !contradicted.is_empty() {
+        let list: Vec<String> = contradicted
+            .iter()
+            .map(|(h, why)| format!("{h} ({why})"))
+            .collect();
+        text.push_str(&format!(
+            "\n  reproduces it here but not elsewhere in the trace, so not the cause: {}",
+            list.join("; ")
+        ));
+    }
     Ok(Finding {
         key: located.map_or(k, |l| l.0),
         flagged: k,
@@ -474,6 +508,96 @@ fn finding(
         explained: below,
         text,
     })
+}
+
+/// How many times a hypothesis must cut the own error at the flagged key to be confirmed: a
+/// bug explains an error, it does not nudge it (a rounding tie flipped by a tiny change of the
+/// arithmetic cuts one key's error too, by chance).
+pub const CONFIRM_CUT: f64 = 10.0;
+/// The same for a continuous knob (another rms eps or rope theta): any small change of a
+/// norm or rotation moves which way a value on a rounding tie falls, so a knob needs the
+/// strongest evidence — this cut, and support at `KNOB_PLACES` places of the trace.
+pub const KNOB_CUT: f64 = 100.0;
+pub const KNOB_PLACES: usize = 2;
+/// A hypothesis is contradicted at a key where it makes the own error this many times worse
+/// than the model's own setting (and above f32 noise): it predicts a difference the engine
+/// does not show.
+pub const CONTRADICTS: f64 = 10.0;
+
+/// Whether `name` is a continuous knob (a value of a hyperparameter, not a catalog bug).
+pub fn is_knob(name: &str) -> bool {
+    name.starts_with("rms-eps=") || name.starts_with("rope-theta=")
+}
+
+fn cut_needed(name: &str) -> f64 {
+    if is_knob(name) { KNOB_CUT } else { CONFIRM_CUT }
+}
+
+/// Whether the hypothesis of `setup` holds over the whole trace: replayed at every step and
+/// layer, it must nowhere make an own error `CONTRADICTS` times worse than the model's own
+/// setting (`ops`) — a hypothesis that predicts a difference the engine does not show is not
+/// its bug (another eps or theta that happens to flip one rounding tie back changes every
+/// other norm or rotation too; a wrong theta for a decode position off by one changes the
+/// prompt too). Keys before the flagged key's layer are not held against it (a bug may act
+/// only from a deep layer on); a knob must also cut the own error at `KNOB_PLACES` distinct
+/// (step, layer) places. Err: why not, in words.
+fn holds(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    ops: &[OpResult],
+    flagged: &TapKey,
+    knob: bool,
+) -> Result<Result<(), String>, JudgeError> {
+    let n_layer = model.config.n_layer;
+    let s_max = cand.steps().into_iter().max().unwrap_or(0);
+    let r = replay(
+        model,
+        cand,
+        &Setup {
+            window: Window::full(n_layer, s_max),
+            ..setup.clone()
+        },
+        &BTreeSet::new(),
+    )?;
+    // Layer order of a key: embedding taps before layer 0, output taps after the last.
+    let depth = |x: &TapKey| match (x.layer, x.tap) {
+        (Some(l), _) => l as isize,
+        (None, Tap::Embd | Tap::EmbdScaled) => -1,
+        (None, _) => n_layer as isize,
+    };
+    let from = depth(flagged);
+    let mut places: BTreeSet<(usize, isize)> = BTreeSet::new();
+    let mut worse: Vec<(TapKey, f64, f64)> = Vec::new();
+    for o in ops {
+        let Some(m) = r.metrics.get(&o.key) else {
+            continue;
+        };
+        let (p, h) = (o.own_nmse, m.nmse);
+        if depth(&o.key) >= from && h > CONTRADICTS * p.max(VISIBLE) {
+            worse.push((o.key, p, h));
+        }
+        if p > VISIBLE && h * CONFIRM_CUT <= p {
+            places.insert((o.key.step, depth(&o.key)));
+        }
+    }
+    if let Some((key, p, h)) = worse.first() {
+        return Ok(Err(format!(
+            "at {key} it moves the own error from {p:.1e} to {h:.1e}{}",
+            match worse.len() {
+                1 => String::new(),
+                n => format!(", and at {} other keys", n - 1),
+            }
+        )));
+    }
+    if knob && places.len() < KNOB_PLACES {
+        return Ok(Err(format!(
+            "a knob needs the strongest evidence: it cuts the own error at {} (step, layer) place{}, {KNOB_PLACES} needed",
+            places.len(),
+            if places.len() == 1 { "" } else { "s" }
+        )));
+    }
+    Ok(Ok(()))
 }
 
 fn nmse(a: &[f32], b: &[f32]) -> f64 {
@@ -571,9 +695,12 @@ fn heuristic(
         require_same_model: false,
     };
     let c = compare(&a, &b, &opt)?;
-    Ok(c.first_divergence
-        .map(|d| d.diagnosis)
-        .unwrap_or_else(|| "no heuristic applies".into()))
+    // The flagged key's own signature: under another rounding an earlier key (q at ~1e-5) is
+    // over the op-by-op threshold too, and its diagnosis would name the wrong op.
+    Ok(
+        crate::compare::diagnose_at(&c, &a, &b, k)?
+            .unwrap_or_else(|| "no heuristic applies".into()),
+    )
 }
 
 /// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose

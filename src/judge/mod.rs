@@ -24,8 +24,9 @@ use crate::backend::{BackendError, Emulation};
 use crate::compare::{CompareError, Metrics};
 use crate::gguf::GgufError;
 use crate::model::{Model, ModelError};
-use crate::trace::{TapKey, Trace, TraceError};
+use crate::trace::{Tap, TapKey, Trace, TraceError};
 use floor::{Floors, OpClass, class, median};
+use layout::Layout;
 use replay::{Candidate, KvCache, Setup, Window, replay};
 pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name, short};
 use serde::Serialize;
@@ -166,18 +167,91 @@ pub struct Judgement {
     /// Keys a tie twin of the chosen rounding reproduces closer (an element on a rounding tie
     /// took the other neighbour), with that twin: judged under it.
     pub ties: Vec<(TapKey, Emulation)>,
+    /// Undeclared layouts named by experiment, in the order found: each was aligned and the
+    /// judging went on, so `first` is the first divergence after them (or, when nothing else
+    /// diverges, the last layout's finding).
+    pub layouts: Vec<Finding>,
 }
 
 impl Judgement {
     pub fn passed(&self) -> bool {
         self.first.is_none()
     }
+
+    /// Where the bug first shows: THE place of the verdict, the one the text names ("placed
+    /// by experiment at …", else the flagged key) and the JSON's `first_divergence` reads.
+    pub fn place(&self) -> Option<TapKey> {
+        self.first.as_ref().map(|f| f.key)
+    }
+}
+
+/// How many undeclared layouts one judgement names and aligns before it stops going on.
+const MAX_LAYOUTS: usize = 4;
+
+/// Judge `trace` against `model` (see [`judge_once`]); a layout named by experiment (an
+/// undeclared head-major q_rope) is aligned and the trace judged again, so the report names
+/// the layout *and* the real first divergence after it.
+pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
+    let mut named: Vec<(Tap, Layout)> = Vec::new();
+    let mut layouts: Vec<Finding> = Vec::new();
+    // The judgement that named the first layout: the verdict when nothing else diverges.
+    let mut first_layout: Option<Judgement> = None;
+    loop {
+        let mut j = judge_once(model, trace, opt, &named)?;
+        let layout = j.first.as_ref().and_then(|f| {
+            let name = f.confirmed.as_deref()?.strip_prefix("layout:")?;
+            Some((f.flagged.tap, Layout::parse(f.flagged.tap, name)?))
+        });
+        match layout {
+            Some(l) if layouts.len() < MAX_LAYOUTS && !named.contains(&l) => {
+                named.push(l);
+                layouts.push(j.first.clone().expect("a layout finding"));
+                if first_layout.is_none() {
+                    first_layout = Some(j);
+                }
+            }
+            _ => {
+                if let Some(f) = &mut j.first
+                    && !layouts.is_empty()
+                {
+                    let names: Vec<String> = layouts
+                        .iter()
+                        .map(|l| {
+                            format!("{} {}", l.key, l.confirmed.as_deref().unwrap_or_default())
+                        })
+                        .collect();
+                    f.text = format!(
+                        "layout named by experiment first (the numbers right, stored in another order; aligned, and the judging went on): {}\n{}",
+                        names.join(", "),
+                        f.text
+                    );
+                }
+                if j.first.is_none()
+                    && let Some(mut f) = first_layout
+                {
+                    // Nothing else diverges: the layout is the finding (its own judgement,
+                    // where the tap stands out of its floor).
+                    f.layouts = layouts;
+                    return Ok(f);
+                }
+                j.layouts = layouts;
+                return Ok(j);
+            }
+        }
+    }
 }
 
 /// Judge `trace` against `model`: own error per key, rounding, first op out of its floor, and
-/// (with `opt.hypotheses`) the bug named by experiment.
-pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgement, JudgeError> {
-    let cand = Candidate::new(trace, &model.config)?;
+/// (with `opt.hypotheses`) the bug named by experiment; `layouts`: taps stored in a layout
+/// named by experiment, aligned like declared ones.
+fn judge_once(
+    model: &Model,
+    trace: &Trace,
+    opt: &JudgeOptions,
+    layouts: &[(Tap, Layout)],
+) -> Result<Judgement, JudgeError> {
+    let mut cand = Candidate::new(trace, &model.config)?;
+    cand.layouts.extend(layouts.iter().copied());
     let steps = cand.steps();
     for k in trace.keys() {
         if !steps.contains(&k.step) {
@@ -197,6 +271,14 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let n_layer = model.config.n_layer;
     let none = BTreeSet::new();
     let first_step = steps.iter().copied().min().unwrap_or(0);
+
+    // The guard: a NaN or an Inf in the candidate is the finding, and no experiment runs on it.
+    let bad = first_non_finite(&cand)?;
+    let guarded = JudgeOptions {
+        hypotheses: opt.hypotheses && bad.is_none(),
+        ..opt.clone()
+    };
+    let opt = &guarded;
 
     let measured = rounding::measure(model, &cand, opt, first_step, &none)?;
     let rounding::Measured {
@@ -346,7 +428,21 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         });
     }
     let mut below_floor = Vec::new();
+    // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
+    // model's graph has no op for is not judged, its values neither.)
+    let bad = bad.and_then(|b| Some(non_finite(&b, ops.iter().find(|o| o.key == b.key)?)));
     let first = match ops.iter().find(|o| !o.pass) {
+        _ if bad.is_some() => bad,
+        Some(o) if o.metrics.non_finite_failure() => {
+            let b = NonFinite {
+                key: o.key,
+                nan: o.metrics.nan_a,
+                inf: o.metrics.inf_a,
+                n: o.metrics.n,
+                whose: "the reference's recomputation from the candidate's finite inputs",
+            };
+            Some(non_finite(&b, o))
+        }
         Some(o) => Some(hypothesis::diagnose(
             model,
             &cand,
@@ -372,6 +468,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let aligned = cand
         .layouts
         .iter()
+        .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
         .map(|(t, l)| format!("{t}: {}", l.name(*t)))
         .collect();
     Ok(Judgement {
@@ -387,6 +484,7 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
         below_floor,
         aligned,
         ties,
+        layouts: Vec::new(),
     })
 }
 
@@ -396,6 +494,70 @@ pub fn rounding_label(j: &Judgement) -> String {
     match j.decode_rounding {
         Some(d) => format!("prefill: {}, decode: {}", short(j.rounding), short(d)),
         None => short(j.rounding).to_string(),
+    }
+}
+
+/// Where non-finite values first appear (graph order) and how many.
+#[derive(Clone, Copy, Debug)]
+struct NonFinite {
+    key: TapKey,
+    nan: usize,
+    inf: usize,
+    /// Values in the tensor.
+    n: usize,
+    whose: &'static str,
+}
+
+/// The judge's guard: the first key of the candidate (graph order) holding a NaN or an Inf.
+/// No tap of a transformer holds one, so it is a finding of its own (an overflow, a division
+/// by zero, a fully masked softmax row), and no experiment may confirm a bug from such data.
+fn first_non_finite(cand: &Candidate) -> Result<Option<NonFinite>, JudgeError> {
+    for k in cand.trace.keys() {
+        let Some(v) = cand.raw(k)? else { continue };
+        let nan = v.iter().filter(|x| x.is_nan()).count();
+        let inf = v.iter().filter(|x| x.is_infinite()).count();
+        if nan + inf > 0 {
+            return Ok(Some(NonFinite {
+                key: *k,
+                nan,
+                inf,
+                n: v.len(),
+                whose: "the candidate",
+            }));
+        }
+    }
+    Ok(None)
+}
+
+/// The finding a non-finite value is, at its op `o` (own error and floor as measured on the
+/// finite rest).
+fn non_finite(b: &NonFinite, o: &OpResult) -> Finding {
+    let counts: Vec<String> = [(b.nan, "NaN"), (b.inf, "±Inf")]
+        .iter()
+        .filter(|(c, _)| *c > 0)
+        .map(|(c, w)| format!("{c} {w}"))
+        .collect();
+    Finding {
+        key: b.key,
+        flagged: b.key,
+        own_nmse: o.own_nmse,
+        floor: o.floor,
+        span_ops: o.span_ops,
+        confirmed: None,
+        confirmed_nmse: None,
+        catalog: None,
+        also: Vec::new(),
+        ruled_out: Vec::new(),
+        fallback: false,
+        explained: false,
+        text: format!(
+            "{} first appears at {} ({} in {}, of {} values): a non-finite value is a finding of its own (an overflow, a division by zero, a fully masked softmax row); no experiment runs on it",
+            if b.nan > 0 { "NaN" } else { "Inf" },
+            b.key,
+            counts.join(", "),
+            b.whose,
+            b.n
+        ),
     }
 }
 

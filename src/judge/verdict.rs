@@ -64,6 +64,9 @@ pub struct Verdict {
     pub named: Option<String>,
     /// Other hypotheses that reproduce the candidate as well as the named one.
     pub also: Vec<String>,
+    /// Undeclared layouts named by experiment before the finding (aligned, and the judging
+    /// went on past them): their catalog names, else `layout:<name>` at their tap.
+    pub layouts: Vec<String>,
     /// The largest cut a hypothesis made of an own error under the floors (below
     /// `hypothesis::EXPLAINS` on a clean trace); None when none was tested.
     pub below_floor_cut: Option<f64>,
@@ -84,6 +87,7 @@ pub fn verdict(e2e: &Comparison, j: Option<&Judgement>) -> Verdict {
             place: Some(TapKey::new(tm.step, None, Tap::Embd)),
             named: Some(tm.kind.name().to_string()),
             also: Vec::new(),
+            layouts: Vec::new(),
             below_floor_cut,
         };
     }
@@ -100,6 +104,18 @@ pub fn verdict(e2e: &Comparison, j: Option<&Judgement>) -> Verdict {
         place,
         named: first.and_then(|f| f.catalog.clone().or(f.confirmed.clone())),
         also: first.map(|f| f.also.clone()).unwrap_or_default(),
+        layouts: j
+            .map(|j| {
+                j.layouts
+                    .iter()
+                    .map(|l| {
+                        l.catalog.clone().unwrap_or_else(|| {
+                            format!("{} {}", l.key.tap, l.confirmed.clone().unwrap_or_default())
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
         below_floor_cut,
     }
 }

@@ -46,9 +46,12 @@ pub(crate) const COLUMNS: [(Tap, &str); 20] = [
 pub(crate) const BEFORE_LAYERS: [Tap; 2] = [Tap::Embd, Tap::EmbdScaled];
 pub(crate) const AFTER_LAYERS: [Tap; 3] = [Tap::ResultNorm, Tap::LogitsUncapped, Tap::Logits];
 
-/// log10 of an NMSE for a table cell: `-13.2`, `exact`, `inf`, with `!` when over threshold.
-fn cell(nmse: f64, fail: bool) -> String {
-    let s = if nmse == 0.0 {
+/// log10 of an NMSE for a table cell: `-13.2`, `exact`, `inf`, `NaN` or `Inf` where a side
+/// holds one (the NMSE is then the finite rest's), with `!` when over threshold.
+fn cell(nmse: f64, fail: bool, non_finite: Option<&str>) -> String {
+    let s = if let Some(w) = non_finite {
+        w.to_string()
+    } else if nmse == 0.0 {
         "exact".to_string()
     } else if nmse.is_infinite() {
         "inf".to_string()
@@ -101,19 +104,27 @@ pub fn table(c: &Comparison) -> String {
 /// `colour`, each cell coloured by [`closeness_style`].
 pub fn table_styled(c: &Comparison, colour: bool) -> String {
     // (layer, tap) -> (worst NMSE, its threshold, any step failed)
-    let mut worst: BTreeMap<(Option<usize>, Tap), (f64, f64, bool)> = BTreeMap::new();
+    // (layer, tap) -> (worst NMSE, its threshold, any step failed, a non-finite value's kind)
+    type Worst = (f64, f64, bool, Option<&'static str>);
+    let mut worst: BTreeMap<(Option<usize>, Tap), Worst> = BTreeMap::new();
     for r in &c.results {
         let e = worst
             .entry((r.key.layer, r.key.tap))
-            .or_insert((0.0, r.threshold, false));
+            .or_insert((0.0, r.threshold, false, None));
         if r.metrics.nmse > e.0 {
             e.0 = r.metrics.nmse;
             e.1 = r.threshold;
         }
         e.2 |= !r.pass;
+        let m = &r.metrics;
+        if m.nan_a + m.nan_b > 0 {
+            e.3 = Some("NaN");
+        } else if m.inf_a + m.inf_b > 0 {
+            e.3 = e.3.or(Some("Inf"));
+        }
     }
-    let show = |&(e, t, f): &(f64, f64, bool), width: usize| {
-        paint(&cell(e, f), width, closeness_style(e, t, f), colour)
+    let show = |&(e, t, f, nf): &Worst, width: usize| {
+        paint(&cell(e, f, nf), width, closeness_style(e, t, f), colour)
     };
     let mut out = String::new();
     let _ = writeln!(
@@ -214,14 +225,16 @@ pub fn verdict(c: &Comparison) -> String {
                 .iter()
                 .map(|r| format!("{} (NMSE {:.1e})", r.key, r.metrics.nmse))
                 .collect();
-            let what = if m.non_finite_failure() {
-                format!(
-                    "non-finite values (NaN in baseline {}, in candidate {}, unmatched Inf {}); on the finite rest NMSE {:.3e}",
-                    m.nan_a, m.nan_b, m.inf_mismatch, m.nmse
-                )
-            } else {
-                format!("NMSE {:.3e}", m.nmse)
-            };
+            if m.non_finite_failure() {
+                // The finding is the value itself: no NMSE, no cause read into it.
+                return format!(
+                    "DIVERGED ({who}, {} weights, {}): {}.",
+                    c.weight_type,
+                    pair_name(c),
+                    d.diagnosis
+                );
+            }
+            let what = format!("NMSE {:.3e}", m.nmse);
             format!(
                 "DIVERGED ({who}, {} weights, {}): first divergence at {} — {what} over the threshold {:.0e} (cosine {:.6}, max |Δ| {:.3e}, SQNR {:.1} dB). Still matching just before: {}. Likely cause: {}.",
                 c.weight_type,

@@ -160,6 +160,7 @@ impl Trace {
                 manifest.version
             )));
         }
+        let mut next = 0usize;
         for (i, s) in manifest.steps.iter().enumerate() {
             // Steps index the tensors and feed position arithmetic (`pos0 + T`): their order
             // and range are checked here, once, before any of it.
@@ -186,6 +187,16 @@ impl Trace {
                     s.positions.len()
                 )));
             }
+            // Positions run on from 0, one per token (what the judge's KV cache replays).
+            if s.positions.iter().enumerate().any(|(k, &p)| p != next + k) {
+                return Err(bad(format!(
+                    "step {} has positions {:?}, expected {next}..{} (positions run on from 0 across the steps, one per token)",
+                    s.step,
+                    s.positions,
+                    next + s.positions.len()
+                )));
+            }
+            next += s.positions.len();
         }
         let mut keys = BTreeMap::new();
         let mut extra = Vec::new();
@@ -527,6 +538,31 @@ fn npy_bound(e: &TensorEntry) -> Option<u64> {
 /// Read a .npy file of f32, f16 or f64, either byte order, C or Fortran order, as an f32
 /// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf). The file
 /// must be a regular file of at most `max` bytes.
+/// The dimensions a .npy header states (`'shape': (20, 256)`), when it can be read; anything
+/// else is left to the .npy reader to refuse.
+fn npy_header_shape(bytes: &[u8]) -> Option<Vec<u64>> {
+    let rest = bytes.strip_prefix(b"\x93NUMPY")?;
+    let (len, at): (usize, usize) = match rest.first()? {
+        1 => (
+            u16::from_le_bytes([*rest.get(2)?, *rest.get(3)?]) as usize,
+            10,
+        ),
+        _ => (
+            u32::from_le_bytes(rest.get(2..6)?.try_into().ok()?) as usize,
+            12,
+        ),
+    };
+    let header = std::str::from_utf8(bytes.get(at..at.checked_add(len)?)?).ok()?;
+    let after = header.split_once("shape")?.1;
+    let tuple = after.split_once('(')?.1.split_once(')')?.0;
+    tuple
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| d.trim_end_matches('L').parse::<u64>().ok())
+        .collect()
+}
+
 fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
@@ -534,7 +570,27 @@ fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
     };
     let bytes =
         super::open::read_bounded(path, max, "this tap's shape and dtype").map_err(io_err(path))?;
-    let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| bad(format!("not a .npy file: {e}")))?;
+    // npyz multiplies the header's dimensions unchecked (a panic, or a wrapped count): a
+    // shape whose element count overflows is refused first.
+    if let Some(dims) = npy_header_shape(&bytes)
+        && dims
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .is_none()
+    {
+        return Err(bad(format!(
+            "the header's shape {dims:?} is too large (its element count overflows)"
+        )));
+    }
+    // (npyz's header parse errors run over several lines: the first one says it.)
+    let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| {
+        let e = e.to_string();
+        let first = e.lines().next().unwrap_or_default().split_whitespace();
+        bad(format!(
+            "not a .npy file: {}",
+            first.collect::<Vec<_>>().join(" ")
+        ))
+    })?;
     let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
     let fortran = npy.order() == npyz::Order::Fortran;
     let descr = npy
