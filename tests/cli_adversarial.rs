@@ -2217,7 +2217,11 @@ fn interrupted_fixture_leaves_nothing() {
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .filter(|n| n.contains(&format!("f-{name}")))
                     .collect();
-                assert!(left.is_empty(), "SIG{name}: left behind {left:?}");
+                assert!(
+                    left.is_empty(),
+                    "SIG{name}: left behind {left:?}; its stderr: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
                 break;
             }
         }

@@ -176,6 +176,12 @@ pub fn check_output_file(path: &Path, flag: &str) -> Result<(), String> {
             ));
         }
     }
+    // The probe never outlives this call: with the interrupt watcher installed, a signal in
+    // between waits for the lock held here (without it, the default action would end the
+    // process with the probe on disk).
+    #[cfg(unix)]
+    signals::install();
+    let _held = live();
     match std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
