@@ -103,6 +103,10 @@ fn the_first_screen_is_the_verdict_and_the_comparison_that_matters() {
     );
     assert!(s.contains(&rest), "{s}");
     assert_eq!(s.lines().last(), Some(DEFAULT_VERDICT), "{s}");
+    assert_eq!(
+        DEFAULT_VERDICT,
+        format!("verdict: parity ({DEFAULT_COMPARISONS} comparisons)")
+    );
 
     let o = parity(&["check", "--verbose"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
