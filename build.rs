@@ -41,11 +41,13 @@ fn probe_test_tools(root: &Path) {
     // Packages installed into the venv change the answer. A venv made after the last build is
     // not seen (watching a missing path would rebuild every time): tests/tools_probe.rs says
     // so and asks for `touch build.rs`.
-    if root.join(".venv").exists() {
-        println!(
-            "cargo:rerun-if-changed={}",
-            root.join(".venv/lib").display()
-        );
+    for venv in [".venv", ".venv-hf"] {
+        if root.join(venv).exists() {
+            println!(
+                "cargo:rerun-if-changed={}",
+                root.join(venv).join("lib").display()
+            );
+        }
     }
     for (cfg, _, here) in probe::probes(root) {
         println!("cargo::rustc-check-cfg=cfg({cfg})");

@@ -23,9 +23,13 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
         // renders the HTML report).
         ("parity_jq", "jq", on_path(&["jq"])),
         ("parity_chromium", "chromium", on_path(CHROMIUMS)),
-        // The HF-checkpoint adapter (tests/instrument.rs) needs torch: several GB, never
-        // installed by CI; a Python that has it is named by PARITY_HF_PYTHON.
-        ("parity_hf", "PARITY_HF_PYTHON with torch and ../shared/models/hf", hf(root)),
+        // The HF-checkpoint adapter (tests/instrument.rs) needs torch and transformers: several
+        // GB, so in a venv of their own (.venv-hf, which .ci/run makes) or PARITY_HF_PYTHON.
+        (
+            "parity_hf",
+            "torch and transformers (.venv-hf or $PARITY_HF_PYTHON) and ../shared/models/hf",
+            hf(root),
+        ),
         // The NEON kernels under qemu (tests/neon_qemu.rs, which names what is missing).
         (
             "parity_qemu",
@@ -66,11 +70,16 @@ pub fn python_can(python: &Path, code: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
+/// The Python with torch and transformers: $PARITY_HF_PYTHON, else the checkout's .venv-hf.
+pub fn hf_python(root: &Path) -> PathBuf {
+    std::env::var_os("PARITY_HF_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join(".venv-hf/bin/python"))
+}
+
 fn hf(root: &Path) -> bool {
-    std::env::var_os("PARITY_HF_PYTHON").is_some_and(|hf| {
-        python_can(Path::new(&hf), "import torch, transformers")
-            && root.join("../shared/models/hf").is_dir()
-    })
+    python_can(&hf_python(root), "import torch, transformers, numpy")
+        && root.join("../shared/models/hf").is_dir()
 }
 
 /// What the aarch64 tests under qemu need and this machine lacks, with where to get it.

@@ -1,7 +1,8 @@
 //! Instrumenting an engine: the Rust example (examples/trace_engine.rs, a toy forward using
 //! `parity::trace::api::TraceWriter`) and the numpy writer (scripts/parity_trace.py) produce
 //! traces that `parity diff` accepts against the committed goldens; the Hugging Face adapter
-//! (scripts/hf_trace.py) runs when PARITY_HF_PYTHON names a Python with torch and transformers.
+//! (scripts/hf_trace.py) runs under a Python with torch and transformers (.venv-hf, made by
+//! .ci/run, or $PARITY_HF_PYTHON).
 
 mod common;
 use common::*;
@@ -134,19 +135,17 @@ for b in bad:
 }
 
 /// The HF checkpoint of TinyStories-656K is the F16 GGUF before conversion: its trace says parity
-/// against that GGUF's llama.cpp golden. Needs PARITY_HF_PYTHON (torch + transformers) and ../shared.
+/// against that GGUF's llama.cpp golden. Needs torch + transformers (.venv-hf or
+/// $PARITY_HF_PYTHON, as build/probe.rs finds them) and ../shared.
 #[test]
 #[cfg_attr(
     not(parity_hf),
-    ignore = "needs PARITY_HF_PYTHON (a Python with torch and transformers) and ../shared; docs/instrument.md records this run"
+    ignore = "needs torch and transformers (.ci/run makes .venv-hf; or PARITY_HF_PYTHON) and ../shared"
 )]
 fn hf_adapter_trace_passes_against_the_f16_golden() {
-    let Some(py) = std::env::var_os("PARITY_HF_PYTHON").map(PathBuf::from) else {
-        eprintln!(
-            "skipped: PARITY_HF_PYTHON not set (a Python with torch and transformers); docs/instrument.md records this run"
-        );
-        return;
-    };
+    let py = std::env::var_os("PARITY_HF_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv-hf/bin/python"));
     let Some(hf) = shared("models/hf/TinyStories-656K") else {
         return;
     };

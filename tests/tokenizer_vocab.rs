@@ -297,35 +297,63 @@ fn stories260k_matches_llama_cpp() {
     assert_eq!(tok.decode(&[403, 407, 261, 378]), "Once upon a time");
 }
 
-/// Cross-check against a corpus produced by llama.cpp itself, when one is given:
-/// `PARITY_TOKENIZER_ORACLE=/path/oracle.json cargo test --test tokenizer_vocab oracle`.
-/// The JSON maps a vocabulary name (`ggml-vocab-NAME.gguf`) to `{"cases": [...]}`, each case
-/// `{"text", "ids", "ids_add_special", "decoded", "ids_parse_special"?, "decoded_special"?}`
-/// (`decoded*` as byte lists). Made with llama-cpp-python's low-level bindings:
-///
-/// ```text
-/// vocab = llama_cpp.Llama(model_path=path, vocab_only=True)._model.vocab
-/// ids              = llama_tokenize(vocab, text, ..., add_special=False, parse_special=False)
-/// ids_add_special  = llama_tokenize(vocab, text, ..., add_special=True,  parse_special=False)
-/// ids_parse_special= llama_tokenize(vocab, text, ..., add_special=False, parse_special=True)
-/// decoded          = llama_detokenize(vocab, ids, ..., remove_special=False, unparse_special=False)
-/// decoded_special  = llama_detokenize(vocab, ids_parse_special, ..., True, True)
-/// ```
-///
-/// over llama.cpp's test strings plus random strings mixing scripts, whitespace kinds, digits,
-/// emoji, combining marks, control/private-use/unassigned codepoints and special-token texts.
+/// Cross-check against a corpus made by the real llama.cpp (scripts/tokenizer_oracle.py, run
+/// here on every vocabulary of ../shared/vocab; or a corpus of your own named by
+/// `PARITY_TOKENIZER_ORACLE=FILE`): llama.cpp's test strings plus seeded random strings mixing
+/// scripts, whitespace kinds, digits, emoji, combining marks, control/private-use/unassigned
+/// codepoints and special-token texts. Each case holds llama.cpp's `llama_tokenize` ids plain,
+/// with `add_special` and with `parse_special`, and its `llama_detokenize` bytes of the plain
+/// ids and of the `parse_special` ids (`remove_special`, `unparse_special`); parity must give
+/// every one of them. A vocabulary llama.cpp refuses must be one parity refuses too.
 #[test]
-#[ignore = "needs a llama.cpp oracle corpus: PARITY_TOKENIZER_ORACLE=FILE cargo test --test tokenizer_vocab -- --ignored oracle"]
+#[cfg_attr(not(parity_shared), ignore = "needs ../shared (vocab)")]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama.cpp (llama-cpp-python) in .venv or $PARITY_PYTHON"
+)]
 fn oracle_corpus_matches_llama_cpp() {
-    let Ok(path) = std::env::var("PARITY_TOKENIZER_ORACLE") else {
-        eprintln!("skipped: PARITY_TOKENIZER_ORACLE not set");
-        return;
-    };
     let Some(dir) = vocab_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = match std::env::var_os("PARITY_TOKENIZER_ORACLE") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let out = tmp.path().join("oracle.json");
+            let o = std::process::Command::new(python())
+                .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/tokenizer_oracle.py"))
+                .arg(&dir)
+                .arg(&out)
+                .output()
+                .expect("run scripts/tokenizer_oracle.py");
+            assert!(
+                o.status.success(),
+                "tokenizer_oracle.py: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            out
+        }
+    };
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let refused = json["refused"].as_object().unwrap();
+    for name in refused.keys() {
+        let p = dir.join(format!("ggml-vocab-{name}.gguf"));
+        let loaded = GgufFile::open(&p)
+            .map_err(|e| e.to_string())
+            .and_then(|f| Tokenizer::from_gguf(&f).map_err(|e| e.to_string()));
+        assert!(
+            loaded.is_err(),
+            "llama.cpp refuses {name} ({}), parity loads it",
+            refused[name]
+        );
+    }
+    let vocabs = json["vocabs"].as_object().unwrap();
+    assert!(
+        vocabs.len() >= 10,
+        "the corpus covers {} vocabularies",
+        vocabs.len()
+    );
     let mut bad = Vec::new();
-    for (name, v) in json.as_object().unwrap() {
+    for (name, v) in vocabs {
         let tok = load(&dir, name);
         let cases = v["cases"].as_array().unwrap();
         let (mut enc_ok, mut spec_ok, mut dec_ok) = (0, 0, 0);
