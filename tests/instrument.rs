@@ -161,4 +161,44 @@ fn hf_adapter_trace_passes_against_the_f16_golden() {
     assert!(o.status.success(), "{}", show(&o));
     let o = parity(&["diff", "golden/TinyStories-656K.f16", out.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+
+    // HF's own rotary order (`--hf-order`: the Q/K rows before convert_hf_to_gguf.py permutes
+    // them): right numbers in another order, named by experiment at every tap it touches.
+    let hf_order = tmp.path().join("hf-order");
+    let o = Command::new(&py)
+        .arg(root().join("scripts/hf_trace.py"))
+        .arg(&hf)
+        .arg(root().join("golden/TinyStories-656K.f16"))
+        .arg(&hf_order)
+        .arg("--hf-order")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let o = parity(&[
+        "diff",
+        "golden/TinyStories-656K.f16",
+        hf_order.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let verdict = stdout(&o);
+    assert!(
+        verdict.contains("first divergence at step 0 layer 0 q ")
+            && verdict.contains("confirmed by experiment: layout:rotary-halves reproduces your q")
+            && verdict.contains(r#"declare them all: "layouts": {"q": "rotary-halves", "k": "rotary-halves", "q_rope": "rotary-halves", "k_rope": "rotary-halves"}"#),
+        "{verdict}"
+    );
+    // Declared, it is aligned and the trace passes.
+    let manifest = hf_order.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    m["layouts"] = serde_json::json!({
+        "q": "rotary-halves", "k": "rotary-halves", "q_rope": "rotary-halves", "k_rope": "rotary-halves"
+    });
+    std::fs::write(&manifest, serde_json::to_string(&m).unwrap()).unwrap();
+    let o = parity(&[
+        "diff",
+        "golden/TinyStories-656K.f16",
+        hf_order.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
 }

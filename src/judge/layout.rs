@@ -22,6 +22,15 @@ pub enum Layout {
     HeadInterleaved,
     /// The 2-d view `[T, rest]` transposed: `[rest, T]` (feature-major / column-major).
     Transposed,
+    /// Each head's dimensions in Hugging Face's rotary order: the pairs (2i, 2i+1) of the
+    /// converted GGUF stored at (i, i + D/2), as in an HF checkpoint's q/k rows before
+    /// `convert_hf_to_gguf.py` permutes them.
+    RotaryHalves,
+}
+
+/// The taps whose head dimension the Q/K row permutation of HF-to-GGUF conversion reorders.
+pub fn is_rotary_tap(tap: Tap) -> bool {
+    matches!(tap, Tap::Q | Tap::K | Tap::QRope | Tap::KRope)
 }
 
 /// Taps whose canonical shape is `[T, H, D]`.
@@ -34,7 +43,7 @@ pub fn is_head_tap(tap: Tap) -> bool {
 
 impl Layout {
     /// Parse a declared layout for `tap`: "head-major", "token-major", "head-interleaved",
-    /// "transposed" (and "canonical"). The name describes how the tensor is stored.
+    /// "rotary-halves", "transposed" (and "canonical"). The name describes how the tensor is stored.
     pub fn parse(tap: Tap, s: &str) -> Option<Layout> {
         let head = is_head_tap(tap);
         Some(match s {
@@ -44,6 +53,7 @@ impl Layout {
             "token-major" if tap == Tap::KqSoftMax => Layout::SwapOuter,
             "token-major" => Layout::Canonical,
             "head-interleaved" if head => Layout::HeadInterleaved,
+            "rotary-halves" if is_rotary_tap(tap) => Layout::RotaryHalves,
             "transposed" => Layout::Transposed,
             _ => return None,
         })
@@ -56,6 +66,7 @@ impl Layout {
             Layout::SwapOuter if tap == Tap::KqSoftMax => "token-major",
             Layout::SwapOuter => "head-major",
             Layout::HeadInterleaved => "head-interleaved",
+            Layout::RotaryHalves => "rotary-halves",
             Layout::Transposed => "transposed",
         }
     }
@@ -68,6 +79,9 @@ impl Layout {
         }
         if is_head_tap(tap) {
             v.push(Layout::HeadInterleaved);
+        }
+        if is_rotary_tap(tap) {
+            v.push(Layout::RotaryHalves);
         }
         v.push(Layout::Transposed);
         v
@@ -101,6 +115,18 @@ impl Layout {
                 for i in 0..a {
                     for j in 0..n {
                         out[i * n + j] = data[j * a + i];
+                    }
+                }
+            }
+            Layout::RotaryHalves => {
+                let half = c / 2;
+                for (src, dst) in data.chunks(c).zip(out.chunks_mut(c)) {
+                    for i in 0..half {
+                        dst[2 * i] = src[i];
+                        dst[2 * i + 1] = src[half + i];
+                    }
+                    if c % 2 == 1 {
+                        dst[c - 1] = src[c - 1];
                     }
                 }
             }
@@ -141,19 +167,26 @@ mod tests {
                     }
                 }
             }
+            Layout::RotaryHalves => {
+                for head in x.chunks(c) {
+                    out.extend(head.iter().step_by(2));
+                    out.extend(head.iter().skip(1).step_by(2));
+                }
+            }
         }
         out
     }
 
     #[test]
     fn every_layout_round_trips() {
-        let dims = [3, 4, 5];
-        let x: Vec<f32> = (0..60).map(|i| i as f32).collect();
+        let dims = [3, 4, 6];
+        let x: Vec<f32> = (0..72).map(|i| i as f32).collect();
         for l in [
             Layout::Canonical,
             Layout::SwapOuter,
             Layout::HeadInterleaved,
             Layout::Transposed,
+            Layout::RotaryHalves,
         ] {
             let s = store(l, &x, dims);
             if l != Layout::Canonical {
@@ -165,11 +198,12 @@ mod tests {
 
     #[test]
     fn names_parse_back() {
-        for tap in [Tap::QRope, Tap::KqSoftMax, Tap::FfnOut] {
+        for tap in [Tap::QRope, Tap::K, Tap::KqSoftMax, Tap::FfnOut] {
             for l in Layout::candidates(tap) {
                 assert_eq!(Layout::parse(tap, l.name(tap)), Some(l), "{tap} {l:?}");
             }
         }
         assert_eq!(Layout::parse(Tap::FfnOut, "head-major"), None);
+        assert_eq!(Layout::parse(Tap::V, "rotary-halves"), None);
     }
 }

@@ -230,7 +230,24 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
                     && let Some(mut f) = first_layout
                 {
                     // Nothing else diverges: the layout is the finding (its own judgement,
-                    // where the tap stands out of its floor).
+                    // where the tap stands out of its floor), every layout named in it.
+                    if let (Some(first), true) = (&mut f.first, named.len() > 1) {
+                        let rest: Vec<String> = layouts[1..]
+                            .iter()
+                            .map(|l| {
+                                format!("{} {}", l.key, l.confirmed.as_deref().unwrap_or_default())
+                            })
+                            .collect();
+                        let all: Vec<String> = named
+                            .iter()
+                            .map(|(tap, l)| format!("\"{tap}\": \"{}\"", l.name(*tap)))
+                            .collect();
+                        first.text.push_str(&format!(
+                            "\n  stored in another order too (named by experiment, aligned, and nothing else diverges): {}; declare them all: \"layouts\": {{{}}}",
+                            rest.join(", "),
+                            all.join(", ")
+                        ));
+                    }
                     f.layouts = layouts;
                     return Ok(f);
                 }
