@@ -6,7 +6,7 @@ cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format
 an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
 decoded by gguf-py, every op is written again here.
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|tf32]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
@@ -17,7 +17,8 @@ ggml-scalar (ggml's quantize_row_q8_0_ref: 1/(amax/127), roundf, half away from 
 activations for every quantized weight, as an AVX512-VNNI engine), q8_1 (llama.cpp's GPU MMVQ:
 x / (amax/127), roundf), f16 and bf16 (every matmul input rounded), f16-acc (inputs and weights
 rounded to f16, products summed in order in one f16 running sum: a GPU tiled matmul with an f16
-accumulator). --mutate switches on one of parity's
+accumulator). tf32 (inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) is a
+rounding parity does not model: an engine for its unknown-rounding path. --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default.
 """
@@ -208,6 +209,14 @@ def round_input(ty, x, family="ggml"):
     return x
 
 
+def tf32(x):
+    """Round f32 to TF32 (10 mantissa bits, half to even), as NVIDIA tensor cores read f32 GEMM
+    inputs when TF32 is allowed (cuBLAS, PyTorch's allow_tf32)."""
+    b = np.ascontiguousarray(x, F32).view(np.uint32).astype(np.uint64)
+    b = (b + 0x0FFF + ((b >> 13) & 1)) & ~np.uint64(0x1FFF)
+    return b.astype(np.uint32).view(F32)
+
+
 def f16_acc_matmul(x, w):
     """The f16-acc family (a GPU tiled matmul with an f16 accumulator): inputs and weights
     rounded to f16, then for each output the products over k = 0..K-1 added in that order into
@@ -241,6 +250,8 @@ class Engine:
             w = w.reshape(n_in, n_out).T
         if self.rounding == "f16-acc":
             return f16_acc_matmul(x, w)
+        if self.rounding == "tf32":
+            return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
         if self.rounding != "none":
             x = round_input(self.m.ty(name), x, self.rounding)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
@@ -376,7 +387,7 @@ class Engine:
 SPARSE = {"embd", "l_out", "result_norm", "logits"}
 
 
-ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc"]
+ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "tf32"]
 
 
 def main():

@@ -3,7 +3,9 @@
 engine (scripts/numpy_engine.py), clean and with each planted catalog bug, on full and sparse
 dumps, judged by `parity diff`. Prints one markdown row per (family, dump, model) with the clean
 verdict, whether any hypothesis was confirmed on the clean trace, and how many planted bugs
-were named (confirmed as that catalog entry) of those found (exit 1).
+were named (confirmed as that catalog entry) of those found (exit 1); a bug named only as an equal
+of the confirmed one ("also reproduces it: …, this trace cannot tell these apart") is listed as
+such.
 
   rounding_zoo.py [--parity target/release/parity] [--models fixtures/tiny-llama-q8_0.gguf ...]
       [--families ggml ggml-scalar f16-acc/none ...] [--bugs rms-eps-10x rope-neox ...] [--work /tmp/zoo]
@@ -40,6 +42,9 @@ def judge(parity, golden, out, model):
                        capture_output=True, text=True, cwd=ROOT)
     text = p.stderr
     conf = re.search(r"confirmed by experiment: (\S+)", text)
+    # Hypotheses that reproduce it equally, which the report says the trace cannot tell apart.
+    also = re.search(r"also reproduces it: ([^(]+) \(this trace cannot tell these apart", text)
+    also = [h.strip() for h in also.group(1).split(",")] if also else []
     first = re.search(r"first divergence at (step \d+ (?:layer \d+ )?\S+)", text)
     floor = re.search(r"matmul floor (\S+)", text)
     fam, ratio = "-", None
@@ -53,8 +58,8 @@ def judge(parity, golden, out, model):
             ratio = fd["at"]["metrics"]["nmse"] / fd["at"]["threshold"]
     except (ValueError, StopIteration, KeyError, ZeroDivisionError):
         pass
-    return (p.returncode, conf.group(1) if conf else None, fam, first.group(1) if first else None,
-            ratio, floor.group(1) if floor else "-", text)
+    return (p.returncode, conf.group(1) if conf else None, also, fam,
+            first.group(1) if first else None, ratio, floor.group(1) if floor else "-", text)
 
 
 def main():
@@ -91,7 +96,7 @@ def main():
                 if rc != 0:
                     print(f"numpy engine failed: {text}", file=sys.stderr)
                     continue
-                crc, cconf, cfam, _, _, cfloor, ctext = judge(a.parity, golden, out + "-clean", model)
+                crc, cconf, _, cfam, _, _, cfloor, ctext = judge(a.parity, golden, out + "-clean", model)
                 if a.verbose and (crc != 0 or cconf):
                     print(ctext, file=sys.stderr)
                 # The decoder bug swaps 4-bit nibbles: it applies to 4-bit weights only.
@@ -104,7 +109,7 @@ def main():
                     rc, text = run(base + ["--out", o, "--mutate", bug])
                     if rc != 0:
                         continue
-                    brc, bconf, _, _, ratio, _, btext = judge(a.parity, golden, o, model)
+                    brc, bconf, balso, _, _, ratio, _, btext = judge(a.parity, golden, o, model)
                     found += brc == 1
                     if brc == 1 and ratio is not None:
                         smallest = ratio if smallest is None else min(smallest, ratio)
@@ -112,7 +117,9 @@ def main():
                     ok = brc == 1 and bconf == bug
                     named += ok
                     if not ok:
-                        wrong.append(f"{bug}→{bconf or ('missed' if brc == 0 else 'unnamed')}")
+                        # Named beside an equal the report says the trace cannot separate.
+                        tie = " (named with it as an equal)" if brc == 1 and bug in balso else ""
+                        wrong.append(f"{bug}→{bconf or ('missed' if brc == 0 else 'unnamed')}{tie}")
                         if a.verbose:
                             print(btext, file=sys.stderr)
                 margin = f"{smallest:.1e}" if smallest is not None else "-"

@@ -241,6 +241,14 @@ fn catalog_through_a_sparse_trace_lands_on_the_layer() {
         let j = judged(&model, &clean);
         assert!(j.passed(), "{name} sparse clean: {}", judge::render(&j));
         assert!(j.ops.iter().any(|o| o.span_ops > 1));
+        // What a sparse dump cannot see is said with the verdict, and only there.
+        let limits = j.limits();
+        assert!(
+            limits.len() == 1 && limits[0].contains("keys are judged as spans of ops"),
+            "{limits:?}"
+        );
+        let full = engine_trace(&model, &g, None, rounding, |_| true);
+        assert_eq!(judged(&model, &full).limits(), Vec::<String>::new());
         for m in compute_mutations(&model) {
             let t = engine_trace(&model, &g, Some(m), rounding, sparse);
             let j = judged(&model, &t);

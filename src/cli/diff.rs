@@ -201,6 +201,7 @@ fn as_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str)
         only_in_baseline: 0,
         only_in_candidate: 0,
         rounding_family: Some(j.rounding.name()),
+        limits: j.limits(),
     }
 }
 

@@ -183,6 +183,30 @@ impl Judgement {
     pub fn place(&self) -> Option<TapKey> {
         self.first.as_ref().map(|f| f.key)
     }
+
+    /// What this judgement cannot see, in the verdict's words (empty when it judged every op
+    /// on its own at the tight floors): a matmul floor widened because no known rounding
+    /// reproduces the engine, and keys judged as spans of ops the trace has no taps inside.
+    pub fn limits(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.matmul_floor > floor::MM_ABS {
+            v.push(format!(
+                "no known activation rounding reproduces this engine's matmuls to f32 noise (closest: {}), so the matmul floor follows its own error up to {:.0e}: a bug that moves a matmul by less is not seen",
+                rounding_label(self),
+                self.matmul_floor
+            ));
+        }
+        let spans: Vec<&OpResult> = self.ops.iter().filter(|o| o.span_ops > 1).collect();
+        if !spans.is_empty() {
+            let widest = spans.iter().map(|o| o.floor).fold(0.0f64, f64::max);
+            v.push(format!(
+                "{} of {} keys are judged as spans of ops the trace has no taps inside (floors up to {widest:.0e}): there a bug is placed to the span, and one that moves it by less than its floor is seen only where a known bug explains it by experiment — dump every tap to judge each op on its own",
+                spans.len(),
+                self.ops.len()
+            ));
+        }
+        v
+    }
 }
 
 /// How many undeclared layouts one judgement names and aligns before it stops going on.

@@ -128,6 +128,11 @@ pub struct ComparisonReport {
     /// (then `baseline` ends `prefill: F, decode: G`); absent for the other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_family: Option<String>,
+    /// What the comparison cannot see, in the verdict's words (`own-inputs`: a matmul floor
+    /// widened because no known rounding reproduces the engine; keys judged as spans of ops
+    /// the trace has no taps inside); absent when there is nothing to say.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub limits: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -325,6 +330,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
         only_in_baseline: c.only_in_baseline,
         only_in_candidate: c.only_in_candidate,
         rounding_family: c.rounding_family.map(str::to_string),
+        limits: c.limits.clone(),
     }
 }
 

@@ -204,8 +204,20 @@ pub fn table_styled(c: &Comparison, colour: bool) -> String {
     out
 }
 
-/// One paragraph: parity, or where and why it first diverged.
+/// One paragraph: parity, or where and why it first diverged, with what the comparison cannot
+/// see (`Comparison::limits`) in the same words.
 pub fn verdict(c: &Comparison) -> String {
+    let mut v = verdict_only(c);
+    if !c.limits.is_empty() {
+        v.push_str(&format!(
+            " Limits of this verdict: {}.",
+            c.limits.join("; ")
+        ));
+    }
+    v
+}
+
+fn verdict_only(c: &Comparison) -> String {
     let who = format!("{} vs {}", c.candidate, c.baseline);
     if let Some(t) = &c.token_mismatch {
         return token_verdict(c, t, &who);
