@@ -369,3 +369,56 @@ fn depth_32_gqa_check_is_clean_and_deep_bugs_are_found_at_their_layer() {
         assert_eq!(r["named"], r["case"], "{r:#}");
     }
 }
+
+/// When no hypothesis reproduces the flagged op, the fallback text (heuristics, marked as such)
+/// names the op that was flagged — not the first matmul of the layer: an engine's scrambled
+/// output of each projection, its input matching, is blamed on that projection's weight.
+#[test]
+fn the_fallback_names_the_flagged_projection() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (file, place, op) in [
+        ("ffn_out-1", "step 0 layer 1 ffn_out", "the ffn_down matmul"),
+        (
+            "attn_out-1",
+            "step 0 layer 1 attn_out",
+            "the attention output (Wo) matmul",
+        ),
+        (
+            "ffn_gate-0",
+            "step 0 layer 0 ffn_gate",
+            "the ffn_gate matmul",
+        ),
+        ("q-1", "step 0 layer 1 q", "the q projection matmul"),
+    ] {
+        let trace = tmp.path().join(file);
+        common::copy_dir(&root().join("golden/tiny-llama-q8_0"), &trace);
+        // Each row's values in a fixed scrambled order: uncorrelated, same magnitudes.
+        let p = trace.join("s000").join(format!("{file}.npy"));
+        let (shape, data) = common::read_npy(&p);
+        let row = *shape.last().unwrap() as usize;
+        let mut out = Vec::with_capacity(data.len());
+        for r in data.chunks(row) {
+            out.extend((0..row).map(|i| r[(i * 7 + 3) % row]));
+        }
+        common::write_npy(&p, &shape, &out);
+        let o = parity(&["diff", "golden/tiny-llama-q8_0", trace.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+        let text = stdout(&o);
+        let verdict = text
+            .lines()
+            .find(|l| l.starts_with("DIVERGED (") && l.contains("own inputs"))
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            verdict.contains(&format!("first divergence at {place} "))
+                && verdict.contains("no hypothesis reproduces it")
+                && verdict.contains(
+                    "fallback (text heuristics, not an experiment): its input matched but the output is uncorrelated"
+                )
+                && verdict.contains(&format!("{op} reads the weight transposed")),
+            "{file}: {verdict}"
+        );
+        if op != "the q projection matmul" {
+            assert!(!verdict.contains("q projection"), "{file}: {verdict}");
+        }
+    }
+}
