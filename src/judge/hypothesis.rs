@@ -755,10 +755,6 @@ fn heuristic(
     )
 }
 
-/// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
-/// own error, under its floor but clearly above f32 noise, the hypothesis cuts (÷10, or ÷3 above 1e-9). A
-/// span through rounded matmuls can hide a small bug in every layer (an rms eps ×10 moves a
-/// layer's output by ~1e-5, inside such a span's noise); the hypothesis finds it there anyway.
 /// The earliest key a hypothesis reproduces (`locate`), under both K/V cache types: the cache
 /// type was measured with the bug in the window, and where the bug moves attention more than
 /// the cache's rounding does, the measurement can pick the wrong one.
@@ -784,6 +780,10 @@ fn place(
     })
 }
 
+/// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
+/// own error, under its floor but clearly above f32 noise, the hypothesis cuts (÷10, or ÷3 above 1e-9). A
+/// span through rounded matmuls can hide a small bug in every layer (an rms eps ×10 moves a
+/// layer's output by ~1e-5, inside such a span's noise); the hypothesis finds it there anyway.
 fn locate(
     model: &Model,
     cand: &Candidate,
