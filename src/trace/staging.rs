@@ -309,6 +309,10 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
         use std::io::{Read, Seek, Write};
         use std::os::unix::fs::MetadataExt;
         use std::os::unix::io::AsRawFd;
+        // The file is made and listed under the interrupt watcher's lock: a signal in between
+        // would otherwise leave `.NAME.lock` behind (the watcher waits, then removes it).
+        signals::install();
+        let mut held = locks();
         // Retried when the file was removed by its last holder between our open and flock.
         for _ in 0..100 {
             let mut file = std::fs::OpenOptions::new()
@@ -351,9 +355,7 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
             let _ = file.set_len(0);
             let _ = file.rewind();
             let _ = write!(file, "{}", std::process::id());
-            #[cfg(unix)]
-            signals::install();
-            locks().push(path.clone());
+            held.push(path.clone());
             return Ok(Lock { _file: file, path });
         }
         Err(std::io::Error::other(format!(
