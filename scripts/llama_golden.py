@@ -754,6 +754,10 @@ def main(argv=None):
                                      "instead of the greedy continuation")
     ap.add_argument("--no-bos", action="store_true", help="with --prompt: do not add BOS/special tokens")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
+    ap.add_argument("--gpu-layers", type=int, default=0,
+                    help="layers to offload to this build's GPU device (-1: all, output included); "
+                         "the manifest's backend names the device (llama.cpp-vulkan, ...), and "
+                         "`parity check` then holds the golden to GPU rounding, not ggml-cpu's")
     ap.add_argument("--n-ctx", type=int, default=0,
                     help="context size (default: prompt+steps rounded up to 256)")
     ap.add_argument("--llama-defaults", action="store_true",
@@ -786,6 +790,8 @@ def main(argv=None):
         die("--steps must be >= 0")
     if args.threads < 1:
         die("--threads must be >= 1")
+    if args.gpu_layers < -1:
+        die("--gpu-layers must be -1 (all) or >= 0")
     forced = parse_ids(args.forced, "--forced") if args.forced else None
     if forced is not None:
         if args.steps is not None and args.steps != len(forced):
@@ -830,7 +836,17 @@ def main(argv=None):
 
     # model
     mp = L.llama_model_default_params()
+    backend = "llama.cpp-cpu"
     mp.n_gpu_layers = 0
+    if args.gpu_layers != 0:
+        gpus = [d for d in (ggml.devices() or []) if d["type"] in ("gpu", "igpu")]
+        if not gpus:
+            die("--gpu-layers: this llama.cpp build has no GPU device (build llama-cpp-python "
+                "with e.g. CMAKE_ARGS=-DGGML_VULKAN=on, and check that a driver is installed)")
+        # llama.cpp offloads the last n layers, and the output layer once n exceeds n_layer.
+        mp.n_gpu_layers = 999 if args.gpu_layers < 0 else args.gpu_layers
+        # The registry's name without its index: "Vulkan0" -> "vulkan", "CUDA0" -> "cuda".
+        backend = "llama.cpp-" + gpus[0]["name"].rstrip("0123456789").lower()
     has_extra_bufts = any(f[0] == "use_extra_bufts" for f in type(mp)._fields_)
     if has_extra_bufts and not args.llama_defaults:
         mp.use_extra_bufts = False
@@ -909,7 +925,10 @@ def main(argv=None):
         fa = bool(getattr(cp, "flash_attn", False))
 
     steps_pos, steps_tokens, all_notes = [], [], {}
-    checks = None if args.no_check else StepChecks(n_head, n_head_kv, not args.llama_defaults, np, rules)
+    # A GPU's arithmetic is not the CPU's (f16 tiles and softmax, f32 GELU): its recomputed ops
+    # are checked at the loose level, as llama.cpp's defaults are.
+    tight_checks = not args.llama_defaults and mp.n_gpu_layers == 0
+    checks = None if args.no_check else StepChecks(n_head, n_head_kv, tight_checks, np, rules)
     order = [(t, None) for t in GLOBAL_FIRST] + \
             [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
             [(t, None) for t in GLOBAL_LAST]
@@ -1045,8 +1064,9 @@ def main(argv=None):
         "llama_cpp_commit": ggml.info("ggml_commit"),
         "ggml_version": ggml.info("ggml_version"),
         "system_info": L.llama_print_system_info().decode("utf-8", "replace").strip(),
-        # Provenance: every layer runs on ggml's CPU backend (no layer offloaded), whatever
-        # devices this build has; `parity check` holds only a CPU golden to ggml-cpu rounding.
+        # Provenance: the layers offloaded to the GPU device (0: every layer ran on ggml's CPU
+        # backend, whatever devices this build has); `parity check` holds only a CPU golden
+        # to ggml-cpu rounding.
         "n_gpu_layers": mp.n_gpu_layers,
         "devices": ggml.devices(),
         "n_threads": args.threads,
@@ -1078,7 +1098,7 @@ def main(argv=None):
         "version": 1,
         "model": {"path": args.model, "sha256": sha256_file(args.model),
                   "size": os.path.getsize(args.model)},
-        "producer": {"name": "llama.cpp", "backend": "llama.cpp-cpu", "version": L.__version__,
+        "producer": {"name": "llama.cpp", "backend": backend, "version": L.__version__,
                      "settings": settings},
         "steps": steps,
         "tensors": tensors,

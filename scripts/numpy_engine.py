@@ -6,7 +6,7 @@ cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format
 an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
 decoded by gguf-py, every op is written again here.
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|tf32]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
@@ -16,8 +16,9 @@ the x86 AVX quantizer: 127/amax, round half to even). The other rounding familie
 ggml-scalar (ggml's quantize_row_q8_0_ref: 1/(amax/127), roundf, half away from zero), q8k (Q8_K
 activations for every quantized weight, as an AVX512-VNNI engine), q8_1 (llama.cpp's GPU MMVQ:
 x / (amax/127), roundf), f16 and bf16 (every matmul input rounded), f16-acc (inputs and weights
-rounded to f16, products summed in order in one f16 running sum: a GPU tiled matmul with an f16
-accumulator). tf32 (inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) is a
+rounded to f16, products summed in one f16 running sum in the order of llama.cpp Vulkan's tiled
+matmul, an f16 fma each) and f16-acc-unfused (the same with each product rounded to f16 before
+its add, as that matmul runs on Mesa's lavapipe). tf32 (inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) is a
 rounding parity does not model: an engine for its unknown-rounding path. --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default.
@@ -217,15 +218,27 @@ def tf32(x):
     return b.astype(np.uint32).view(F32)
 
 
-def f16_acc_matmul(x, w):
-    """The f16-acc family (a GPU tiled matmul with an f16 accumulator): inputs and weights
-    rounded to f16, then for each output the products over k = 0..K-1 added in that order into
-    one f16 running sum, one rounding per step (an f16 fma: product and sum exact in f64)."""
+def f16_acc_matmul(x, w, ty, fused=True):
+    """The f16-acc families: llama.cpp Vulkan's tiled matmul (mul_mm) with an f16 accumulator.
+    Inputs and weights rounded to f16; for each output one f16 running sum over k, in the
+    shader's order: k in vectors of 2 for dequantized weights, of 4 for F16 ones, the last of
+    each vector first (its dot_product nests fma(a.x, b.x, fma(a.y, b.y, acc))). fused: one
+    rounding per product and add (product and sum exact in f64 first); else the product is
+    rounded to f16 before the add (drivers that split fma, as Mesa's lavapipe). F32 weights
+    take the f32 accumulator on f16 inputs and weights."""
     x16 = x.astype(np.float16).astype(F64)
     w16 = w.astype(np.float16).astype(F64)
+    if ty == Q.F32:
+        return (x16 @ w16.T).astype(F32)
+    group = 4 if ty == Q.F16 else 2
+    K = x.shape[1]
+    order = [g + group - 1 - j for g in range(0, K, group) for j in range(group) if g + group - 1 - j < K]
     acc = np.zeros((x.shape[0], w.shape[0]), np.float16)
-    for k in range(x.shape[1]):
-        acc = (acc.astype(F64) + x16[:, k, None] * w16[None, :, k]).astype(np.float16)
+    for k in order:
+        p = x16[:, k, None] * w16[None, :, k]
+        if not fused:
+            p = p.astype(np.float16).astype(F64)
+        acc = (acc.astype(F64) + p).astype(np.float16)
     return acc.astype(F32)
 
 
@@ -248,8 +261,8 @@ class Engine:
             # out[r] = sum_i W_flat[i * n_out + r] x[i]: the flat data read as [n_in, n_out].
             n_out, n_in = w.shape
             w = w.reshape(n_in, n_out).T
-        if self.rounding == "f16-acc":
-            return f16_acc_matmul(x, w)
+        if self.rounding in ("f16-acc", "f16-acc-unfused"):
+            return f16_acc_matmul(x, w, self.m.ty(name), fused=self.rounding == "f16-acc")
         if self.rounding == "tf32":
             return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
         if self.rounding != "none":
@@ -387,7 +400,8 @@ class Engine:
 SPARSE = {"embd", "l_out", "result_norm", "logits"}
 
 
-ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "tf32"]
+ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "f16-acc-unfused",
+             "tf32"]
 
 
 def main():

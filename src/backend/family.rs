@@ -24,8 +24,12 @@ pub enum Emulation {
     Q8_1Gpu,
     /// Round matmul inputs to bf16.
     Bf16,
-    /// f16 inputs and weights summed in an f16 running sum (GPU tiled matmuls).
+    /// f16 inputs and weights summed in an f16 running sum, as llama.cpp Vulkan's tiled
+    /// `mul_mm` does on a GPU (an f16 fma per product).
     F16Acc,
+    /// The same with each product rounded to f16 before the add (no fused multiply-add): what
+    /// `mul_mm` computes on drivers that split fma, such as Mesa's lavapipe.
+    F16AccUnfused,
 }
 
 /// The type a family rounds a matmul's input to.
@@ -52,11 +56,15 @@ pub enum Act {
 pub enum Accum {
     /// Exactly enough that the order does not matter (the reference sums in f64).
     F32,
-    /// Weights rounded to f16 (as a tiled GPU matmul dequantizes them into shared memory),
-    /// then for each output the products over k = 0, 1, …, K-1 added in that order into one
-    /// f16 running sum, one rounding per step (an f16 fma): llama.cpp Vulkan's `mul_mm` with
-    /// an f16 accumulator, one K tile after another, no f32 stage.
-    F16,
+    /// llama.cpp Vulkan's `mul_mm` with an f16 accumulator (`matmul_*_f16acc`, chosen for
+    /// quantized and F16 weights on a device with f16 arithmetic): weights and inputs rounded
+    /// to f16 in shared memory; each output one f16 running sum over k, one K tile after
+    /// another, no f32 stage. Its `dot_product` nests its fmas so that inside each vector of
+    /// the cache the last product is added first: pairs (k+1, k) for dequantized weights, fours
+    /// (k+3, …, k) for F16 ones. F32 weights take the f32 accumulator on f16 inputs and
+    /// weights. `fused`: one rounding per product and add (an f16 fma); without, the product is
+    /// rounded to f16 first.
+    F16 { fused: bool },
 }
 
 /// How an 8-bit activation quantizer computes `q` from `x` in a block with `d = max|x|/127`.
@@ -188,19 +196,31 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::F16Acc,
         name: "f16-acc",
-        about: "f16-acc (matmul inputs and weights rounded to f16, products summed over k in order in one f16 running sum)",
+        about: "f16-acc (matmul inputs and weights rounded to f16, products summed in one f16 running sum as llama.cpp Vulkan's mul_mm orders them)",
         activations: "activations and weights rounded to f16, products summed in f16",
         engines: "GPU tiled matmuls with f16 accumulators (llama.cpp Vulkan prefill of more than 8 tokens)",
         act: Act::F16,
         quantizer: Quantizer::Simd,
         gelu: Gelu::F32,
-        accum: Accum::F16,
+        accum: Accum::F16 { fused: true },
+        tie_twins: &[],
+    },
+    Family {
+        emulation: Emulation::F16AccUnfused,
+        name: "f16-acc-unfused",
+        about: "f16-acc-unfused (as f16-acc, each product rounded to f16 before its add: no fused multiply-add)",
+        activations: "activations and weights rounded to f16, products rounded and summed in f16",
+        engines: "llama.cpp Vulkan's tiled prefill on drivers that split fma (Mesa lavapipe)",
+        act: Act::F16,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        accum: Accum::F16 { fused: false },
         tie_twins: &[],
     },
 ];
 
 impl Emulation {
-    pub const ALL: [Emulation; 8] = [
+    pub const ALL: [Emulation; 9] = [
         Emulation::None,
         Emulation::GgmlCpu,
         Emulation::F16,
@@ -209,6 +229,7 @@ impl Emulation {
         Emulation::Q8_1Gpu,
         Emulation::Bf16,
         Emulation::F16Acc,
+        Emulation::F16AccUnfused,
     ];
 
     /// Its row of [`FAMILIES`].

@@ -138,7 +138,7 @@ impl<'m> Reference<'m> {
                 &flat[r * n_in..(r + 1) * n_in]
             };
             for i in 0..t {
-                out[i * n_out + r] = self.dot(wr, &x[i * n_in..(i + 1) * n_in]);
+                out[i * n_out + r] = self.dot(w.ty, wr, &x[i * n_in..(i + 1) * n_in]);
             }
         }
         out
@@ -162,7 +162,7 @@ impl<'m> Reference<'m> {
                 for (k, o) in chunk.chunks_mut(t).enumerate() {
                     self.model.row(w, c * ROWS + k, &mut row);
                     for (i, v) in o.iter_mut().enumerate() {
-                        *v = self.dot(&row, &x[i * n_in..(i + 1) * n_in]);
+                        *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
                     }
                 }
             });
@@ -177,10 +177,18 @@ impl<'m> Reference<'m> {
 
     /// One output of a weight matmul (`w` a weight row, `x` an already rounded input row),
     /// summed as the emulated family sums.
-    fn dot(&self, w: &[f32], x: &[f32]) -> f32 {
-        match self.emulation.accum() {
-            Accum::F32 => dot(w, x),
-            Accum::F16 => dot_f16_acc(w, x),
+    fn dot(&self, ty: GgmlType, w: &[f32], x: &[f32]) -> f32 {
+        match (self.emulation.accum(), ty) {
+            (Accum::F32, _) => dot(w, x),
+            // Vulkan's f32 × f32 matmul: f16 in shared memory, f32 accumulator.
+            (Accum::F16 { .. }, GgmlType::F32) => {
+                let w16: Vec<f32> = w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+                dot(&w16, x)
+            }
+            // BF16 weights take Vulkan's bf16 path: an f32 accumulator.
+            (Accum::F16 { .. }, GgmlType::BF16) => dot(w, x),
+            (Accum::F16 { fused }, GgmlType::F16) => dot_f16_acc(w, x, 4, fused),
+            (Accum::F16 { fused }, _) => dot_f16_acc(w, x, 2, fused),
         }
     }
 
@@ -259,15 +267,22 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     (acc.iter().sum::<f64>() + tail) as f32
 }
 
-/// `Accum::F16`: the weight rounded to f16 (the input already is), the products added in
-/// order into an f16 running sum with one rounding per step (an f16 fma: the f16×f16 product
-/// and the sum are exact in f64 before the rounding).
-pub(crate) fn dot_f16_acc(w: &[f32], x: &[f32]) -> f32 {
+/// `Accum::F16`: the weight rounded to f16 (the input already is), the products added into an
+/// f16 running sum in llama.cpp Vulkan's order: k in vectors of `group`, the last of each
+/// vector first (its `dot_product` nests `fma(a.x, b.x, fma(a.y, b.y, acc))`). Fused: one
+/// rounding per step (the f16×f16 product and the sum are exact in f64 before it); unfused:
+/// the product rounded to f16, then the sum.
+pub(crate) fn dot_f16_acc(w: &[f32], x: &[f32], group: usize, fused: bool) -> f32 {
     use half::f16;
     let mut acc = f16::ZERO;
-    for (&a, &b) in w.iter().zip(x) {
-        let p = f16::from_f32(a).to_f64() * b as f64;
-        acc = f16_nearest(acc.to_f64() + p);
+    for (wc, xc) in w.chunks(group).zip(x.chunks(group)) {
+        for (&a, &b) in wc.iter().zip(xc).rev() {
+            let mut p = f16::from_f32(a).to_f64() * b as f64;
+            if !fused {
+                p = f16_nearest(p).to_f64();
+            }
+            acc = f16_nearest(acc.to_f64() + p);
+        }
     }
     acc.to_f32()
 }
@@ -719,10 +734,39 @@ mod tests {
     }
 
     #[test]
-    fn f16_acc_dot_sums_in_f16() {
-        // 2048 + 1 + 1 in f16: each +1 is a tie at 2048 (step 2), kept at 2048 (even).
-        assert_eq!(dot_f16_acc(&[2048.0, 1.0, 1.0], &[1.0, 1.0, 1.0]), 2048.0);
-        // In the other order the ones add up before the big term.
-        assert_eq!(dot_f16_acc(&[1.0, 1.0, 2048.0], &[1.0, 1.0, 1.0]), 2050.0);
+    fn f16_acc_dot_sums_in_f16_in_vulkans_order() {
+        let ones = [1.0f32; 4];
+        // Groups of 1 run in order. 2048 + 1 + 1 in f16: each +1 is a tie at 2048 (step 2),
+        // kept at 2048 (even); the other way round the ones add up before the big term.
+        assert_eq!(dot_f16_acc(&[2048.0, 1.0, 1.0], &ones, 1, true), 2048.0);
+        assert_eq!(dot_f16_acc(&[1.0, 1.0, 2048.0], &ones, 1, true), 2050.0);
+        // In pairs the second of each pair comes first: (1, 2048) is summed 2048 then 1.
+        assert_eq!(
+            dot_f16_acc(&[1.0, 2048.0, 1.0, 0.0], &ones, 2, true),
+            2048.0
+        );
+        assert_eq!(
+            dot_f16_acc(&[2048.0, 1.0, 1.0, 0.0], &ones, 2, true),
+            2050.0
+        );
+        // In fours the last comes first.
+        assert_eq!(
+            dot_f16_acc(&[1.0, 1.0, 0.0, 2048.0], &ones, 4, true),
+            2048.0
+        );
+        assert_eq!(
+            dot_f16_acc(&[2048.0, 0.0, 1.0, 1.0], &ones, 4, true),
+            2050.0
+        );
+        // Unfused, the product is rounded to f16 first. a = 1 + 3·2^-10, a² = 1 + 3·2^-9 +
+        // 9·2^-20: after -1 the fma keeps 9·2^-20 (to 2^-17, the nearest step near 3·2^-9),
+        // the split product has lost it.
+        let a = 1.0 + 3.0 * 2f32.powi(-10);
+        let (w, x) = ([-1.0, a], [1.0, a]);
+        assert_eq!(
+            dot_f16_acc(&w, &x, 1, true),
+            3.0 * 2f32.powi(-9) + 2f32.powi(-17)
+        );
+        assert_eq!(dot_f16_acc(&w, &x, 1, false), 3.0 * 2f32.powi(-9));
     }
 }

@@ -40,6 +40,11 @@ pub struct GoldenArgs {
     /// llama.cpp threads.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     threads: usize,
+    /// Layers to offload to the GPU device of a llama-cpp-python built with one (-1: all, the
+    /// output included; e.g. CMAKE_ARGS=-DGGML_VULKAN=on). The manifest names the device
+    /// (llama.cpp-vulkan, …) and `check` holds such a golden to GPU rounding.
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-1..))]
+    gpu_layers: i32,
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
@@ -168,6 +173,9 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         cmd.arg("--forced").arg(join_ids(&a.forced));
     }
     cmd.arg("--threads").arg(a.threads.to_string());
+    if a.gpu_layers != 0 {
+        cmd.arg("--gpu-layers").arg(a.gpu_layers.to_string());
+    }
     if a.llama_defaults {
         cmd.arg("--llama-defaults");
     }

@@ -43,7 +43,7 @@ pub struct DiffArgs {
     #[arg(long)]
     allow_model_mismatch: bool,
     /// Judge under this activation rounding only (none, ggml-cpu, f16, ggml-scalar, q8k, q8_1-gpu,
-    /// bf16) instead of measuring which one reproduces the engine.
+    /// bf16, f16-acc, f16-acc-unfused) instead of measuring which one reproduces the engine.
     #[arg(long)]
     rounding: Option<String>,
     /// Judge with this K/V cache type only (f32, f16) instead of measuring which one

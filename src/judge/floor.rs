@@ -108,7 +108,7 @@ pub fn rope_floor(pos_max: usize) -> f64 {
 pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
     match r {
         Emulation::None => false,
-        Emulation::F16 | Emulation::Bf16 | Emulation::F16Acc => true,
+        Emulation::F16 | Emulation::Bf16 | Emulation::F16Acc | Emulation::F16AccUnfused => true,
         // Whatever the row length (Q8_K falls back to the CPU's type on short rows).
         _ => r.act_type(ty, 256) != GgmlType::F32,
     }

@@ -182,11 +182,8 @@ fn experiments(
             // closest kept, as the own errors were. (One far off stays far off: a tie moves one
             // quantum of one element.)
             if best > VISIBLE && own.is_some_and(|o| best <= TWIN_RETRY * o) {
-                for t in super::rounding::twins(model, setup.rounding) {
-                    let twin = Setup {
-                        rounding: t,
-                        ..setup.clone()
-                    };
+                let twins: Vec<Setup> = setup.twins(model).collect();
+                for twin in twins {
                     let r = replay(model, cand, &twin, &BTreeSet::new())?;
                     if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < best) {
                         best = m.nmse;
@@ -624,11 +621,7 @@ fn holds(
     // hypothesis predicts and the engine does not show. (More replays only lower each key's
     // error, so trying them only on a failure gives the same answer.)
     if !worse.is_empty() || (knob && places.len() < KNOB_PLACES) {
-        for t in super::rounding::twins(model, setup.rounding) {
-            let twin = Setup {
-                rounding: t,
-                ..full.clone()
-            };
+        for twin in full.twins(model) {
             runs.push(replay(model, cand, &twin, &BTreeSet::new())?);
         }
         (worse, places) = weigh(&runs);

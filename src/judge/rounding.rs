@@ -22,7 +22,7 @@ pub const EXACT_FIT: f64 = 1e-11;
 /// The engine families behind them: ggml-cpu (llama.cpp's CPU backend, SIMD quantizers),
 /// ggml-scalar (ggml's `_ref` quantizers, as ports of them do), q8k (AVX512-VNNI engines),
 /// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), plain f32.
-pub const ROUNDINGS: [Emulation; 8] = Emulation::ALL;
+pub const ROUNDINGS: [Emulation; 9] = Emulation::ALL;
 
 pub fn rounding_name(r: Emulation) -> &'static str {
     r.family().about
