@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAMILIES = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc"]
+FAMILIES = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "f16-acc-unfused"]
 BUGS = ["rope-neox", "rope-theta", "gqa-modulo", "transposed-wo", "rms-eps-10x",
         "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
         "no-causal-mask", "decoder-nibble-order", "qk-permute"]

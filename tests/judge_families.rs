@@ -114,12 +114,19 @@ fn every_family_passes_at_its_own_floor() {
         ("f16", &["f16"][..]),
         ("bf16", &["bf16"][..]),
         ("f16-acc", &["f16-acc"][..]),
+        ("f16-acc-unfused", &["f16-acc-unfused"][..]),
     ] {
         cases.push((q8.clone(), "tiny-llama-q8_0", fam, ok));
     }
     let q4k = root().join("fixtures/tiny-llama-q4_k.gguf");
     cases.push((q4k.clone(), "tiny-llama-q4_k", "q8_1", &["q8_1-gpu"]));
     cases.push((q4k.clone(), "tiny-llama-q4_k", "f16-acc", &["f16-acc"]));
+    cases.push((
+        q4k.clone(),
+        "tiny-llama-q4_k",
+        "f16-acc-unfused",
+        &["f16-acc-unfused"],
+    ));
     cases.push((
         q4k,
         "tiny-llama-q4_k",
@@ -271,8 +278,9 @@ fn prefill_and_decode_are_measured_apart() {
 
 /// A planted bug under a family other than ggml-cpu is found at its place and named: roundf
 /// (ggml-scalar) on TinyStories-656K-Q8_0, where the clean engine's tie once hid every bug
-/// behind a false first divergence, from full and sparse dumps, and Q8_K activations (q8k) on
-/// the Q8_0 fixture. On the roundf engine a replay under ggml-cpu's tie rule once left
+/// behind a false first divergence, from full and sparse dumps; Q8_K activations (q8k) on
+/// the Q8_0 fixture; llama.cpp Vulkan's f16-accumulating matmul as lavapipe runs it
+/// (f16-acc-unfused, the family of golden-gpu/) on the Q4_0 fixture, full and sparse. On the roundf engine a replay under ggml-cpu's tie rule once left
 /// qk-permute unnamed (full) and no-causal-mask unnamed and eps ×10 named `rms-eps=1e-7`
 /// (sparse): a hypothesis is replayed under the tie twins too, and the one that reproduces the
 /// earliest key wins.
@@ -286,12 +294,21 @@ fn planted_bugs_are_found_under_other_families() {
         return;
     };
     let tmp = tempdir("families-bugs");
-    let mut cases = vec![(
-        root().join("fixtures/tiny-llama-q8_0.gguf"),
-        "tiny-llama-q8_0",
-        "q8k",
-        &["all"][..],
-    )];
+    let mut cases = vec![
+        (
+            root().join("fixtures/tiny-llama-q8_0.gguf"),
+            "tiny-llama-q8_0",
+            "q8k",
+            &["all"][..],
+        ),
+        // llama.cpp Vulkan's tiled matmul as lavapipe runs it (golden-gpu/ is made so).
+        (
+            root().join("fixtures/tiny-llama-q4_0.gguf"),
+            "tiny-llama-q4_0",
+            "f16-acc-unfused",
+            &["all", "sparse"][..],
+        ),
+    ];
     match shared("models") {
         Some(dir) => cases.push((
             dir.join("TinyStories-656K-Q8_0.gguf"),

@@ -740,24 +740,17 @@ mod tests {
         // kept at 2048 (even); the other way round the ones add up before the big term.
         assert_eq!(dot_f16_acc(&[2048.0, 1.0, 1.0], &ones, 1, true), 2048.0);
         assert_eq!(dot_f16_acc(&[1.0, 1.0, 2048.0], &ones, 1, true), 2050.0);
-        // In pairs the second of each pair comes first: (1, 2048) is summed 2048 then 1.
-        assert_eq!(
-            dot_f16_acc(&[1.0, 2048.0, 1.0, 0.0], &ones, 2, true),
-            2048.0
-        );
-        assert_eq!(
-            dot_f16_acc(&[2048.0, 1.0, 1.0, 0.0], &ones, 2, true),
-            2050.0
-        );
-        // In fours the last comes first.
-        assert_eq!(
-            dot_f16_acc(&[1.0, 1.0, 0.0, 2048.0], &ones, 4, true),
-            2048.0
-        );
-        assert_eq!(
-            dot_f16_acc(&[2048.0, 0.0, 1.0, 1.0], &ones, 4, true),
-            2050.0
-        );
+        // In pairs the second of each pair comes first: 4096, 0, -4096, 1 in order ends at 1;
+        // as 0, 4096, 1, -4096 the 1 is lost beside 4096 (f16 step 4 there).
+        let w = [4096.0, 0.0, -4096.0, 1.0];
+        assert_eq!(dot_f16_acc(&w, &ones, 1, true), 1.0);
+        assert_eq!(dot_f16_acc(&w, &ones, 2, true), 0.0);
+        // In fours the last comes first: 1, -4096, 0, 4096 ends at 0 in order and in pairs
+        // (-4096 first), at 1 as 4096, 0, -4096, 1.
+        let w = [1.0, -4096.0, 0.0, 4096.0];
+        assert_eq!(dot_f16_acc(&w, &ones, 1, true), 0.0);
+        assert_eq!(dot_f16_acc(&w, &ones, 2, true), 0.0);
+        assert_eq!(dot_f16_acc(&w, &ones, 4, true), 1.0);
         // Unfused, the product is rounded to f16 first. a = 1 + 3·2^-10, a² = 1 + 3·2^-9 +
         // 9·2^-20: after -1 the fma keeps 9·2^-20 (to 2^-17, the nearest step near 3·2^-9),
         // the split product has lost it.
