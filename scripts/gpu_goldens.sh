@@ -11,9 +11,12 @@
 # unless GGML_VK_VISIBLE_DEVICES names them, which this script does.
 #
 # Usage: PARITY_PYTHON=/path/to/python scripts/gpu_goldens.sh OUT_DIR [NAME...]
+#   (that Python also needs gguf-py, `pip install gguf`, for the planted bugs at the end)
 #   NAMEs: committed goldens (golden/NAME) to redo; default all. Each is written to
 #   OUT_DIR/NAME. With ../shared/models, TinyStories-656K-Q8_0 and -Q4_0 also get two longer
-#   prompts (OUT_DIR/NAME-pN, N its token count, beside a CPU golden OUT_DIR/NAME-pN-cpu): prompts over 8 tokens take Vulkan's tiled matmul.
+#   prompts (OUT_DIR/NAME-pN, N its token count, beside a CPU golden OUT_DIR/NAME-pN-cpu):
+#   prompts over 8 tokens take Vulkan's tiled matmul. Last, two bugs are planted into the GPU
+#   run (OUT_DIR/planted/*); each must be found. Exit 0 when every row is as it must be.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: PARITY_PYTHON=python scripts/gpu_goldens.sh OUT_DIR [NAME...]}
@@ -61,5 +64,21 @@ for m in TinyStories-656K-Q8_0 TinyStories-656K-Q4_0; do
     $P golden "$model" --tokens "$toks" --forced "$forced" --gpu-layers -1 --out "$out/$n" --force 2>/dev/null
     row "$n" "$model" "$out/$n-cpu" "$out/$n"
   done
+done
+# Bugs planted into the real llama.cpp on the GPU: it runs a copy of the Q4_0 fixture whose
+# metadata says rms eps x10 or RoPE base 500000, and the trace is judged against the real model
+# (--model): parity must find each at step 0 layer 0 and name it.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+read -r model toks forced < <(ids golden/tiny-llama-q4_0)
+for bug in "rms-eps-10x llama.attention.layer_norm_rms_epsilon 0.0001" \
+           "rope-theta-500000 llama.rope.freq_base 500000"; do
+  read -r name key value <<<"$bug"
+  cp "$model" "$tmp/$name.gguf"
+  "$PARITY_PYTHON" -m gguf.scripts.gguf_set_metadata "$tmp/$name.gguf" "$key" "$value" --force 2>/dev/null
+  $P golden "$tmp/$name.gguf" --tokens "$toks" --forced "$forced" --gpu-layers -1 --out "$out/planted/$name" --force 2>/dev/null
+  $P diff golden/tiny-llama-q4_0 "$out/planted/$name" --model "$model" --allow-model-mismatch -q >/dev/null 2>&1 && d=0 || d=$?
+  printf '%-32s diff %s (1: found)\n' "planted/$name" "$d"
+  [ "$d" = 1 ] || fail=1
 done
 exit $fail

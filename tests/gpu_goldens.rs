@@ -221,3 +221,88 @@ fn golden_on_a_gpu_needs_a_build_with_one() {
     );
     assert!(!out.exists(), "nothing is published");
 }
+
+/// `dir` cut down to a sparse dump (embd, each layer's l_out, result_norm, logits), as an
+/// engine that taps only its residual stream writes.
+fn sparse_copy(dir: &Path, to: &Path) {
+    let mut m = manifest(dir);
+    let keep = ["embd", "l_out", "result_norm", "logits"];
+    let tensors: Vec<serde_json::Value> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| keep.contains(&t["tap"].as_str().unwrap()))
+        .cloned()
+        .collect();
+    for t in &tensors {
+        let f = t["file"].as_str().unwrap();
+        std::fs::create_dir_all(to.join(f).parent().unwrap()).unwrap();
+        std::fs::copy(dir.join(f), to.join(f)).unwrap();
+    }
+    m["tensors"] = tensors.into();
+    std::fs::write(to.join("manifest.json"), m.to_string()).unwrap();
+}
+
+/// Bugs planted into the real llama.cpp on Vulkan: it ran a copy of the Q4_0 fixture whose
+/// metadata says rms eps ×10 (or RoPE base 500000), and its trace is judged against the real
+/// model. Under the GPU's rounding each is found at step 0 layer 0 and named by experiment, from
+/// the full dump; from its sparse cut too, where eps ×10 moves layer 0's l_out less than its
+/// span floor (2e-5, the GPU's f16 sums) and is first seen, and named, at result_norm (a single
+/// op) with the span limit stated, and the RoPE base is placed at layer 0's l_out.
+#[test]
+fn bugs_planted_into_llama_cpp_on_vulkan_are_found_and_named() {
+    let cpu = root().join("golden/tiny-llama-q4_0");
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    for (bug, full_at, sparse_at, named) in [
+        (
+            "rms-eps-10x",
+            (0, Some(0), "attn_norm"),
+            (0, None, "result_norm"),
+            "confirmed by experiment: rms-eps-10x reproduces",
+        ),
+        (
+            "rope-theta-500000",
+            (0, Some(0), "q_rope"),
+            (0, Some(0), "l_out"),
+            "confirmed by experiment: rope-theta=500000 reproduces",
+        ),
+    ] {
+        let full = root().join("golden-gpu/planted").join(bug);
+        assert_eq!(manifest(&full)["producer"]["backend"], "llama.cpp-vulkan");
+        let sparse = tmp.path().join(bug);
+        sparse_copy(&full, &sparse);
+        for (trace, (step, layer, tap)) in [(&full, full_at), (&sparse, sparse_at)] {
+            let what = format!("{bug} {}", trace.display());
+            let o = parity(&[
+                "diff",
+                cpu.to_str().unwrap(),
+                trace.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--allow-model-mismatch",
+                "--json",
+                "-",
+            ]);
+            assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let own = &j["comparisons"][0];
+            assert_eq!(own["pair"], "own-inputs", "{what}");
+            assert_eq!(own["rounding_family"], "f16-acc-unfused", "{what}");
+            let at = &own["first_divergence"]["at"]["key"];
+            assert_eq!(
+                (
+                    at["step"].as_u64(),
+                    at["layer"].as_u64(),
+                    at["tap"].as_str()
+                ),
+                (Some(step), layer, Some(tap)),
+                "{what}: {at}"
+            );
+            let diagnosis = own["first_divergence"]["diagnosis"].as_str().unwrap();
+            assert!(diagnosis.contains(named), "{what}: {diagnosis}");
+            let spans = own["limits"].to_string().contains("judged as spans");
+            assert_eq!(spans, trace == &sparse, "{what}: {}", own["limits"]);
+        }
+    }
+}
