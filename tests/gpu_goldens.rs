@@ -248,7 +248,8 @@ fn sparse_copy(dir: &Path, to: &Path) {
 /// model. Under the GPU's rounding each is found at step 0 layer 0 and named by experiment, from
 /// the full dump; from its sparse cut too, where eps ×10 moves layer 0's l_out less than its
 /// span floor (2e-5, the GPU's f16 sums) and is first seen, and named, at result_norm (a single
-/// op) with the span limit stated, and the RoPE base is placed at layer 0's l_out.
+/// op) with the span limit stated and where it acts from (layer 0's l_out, the replays with and
+/// without it differ there), and the RoPE base is placed at layer 0's l_out.
 #[test]
 fn bugs_planted_into_llama_cpp_on_vulkan_are_found_and_named() {
     let cpu = root().join("golden/tiny-llama-q4_0");
@@ -301,6 +302,15 @@ fn bugs_planted_into_llama_cpp_on_vulkan_are_found_and_named() {
             );
             let diagnosis = own["first_divergence"]["diagnosis"].as_str().unwrap();
             assert!(diagnosis.contains(named), "{what}: {diagnosis}");
+            // Seen later than it acts: the text says where it acts from.
+            if tap == "result_norm" {
+                assert!(
+                    diagnosis.contains("it acts from step 0 layer 0 l_out on"),
+                    "{what}: {diagnosis}"
+                );
+            } else {
+                assert!(!diagnosis.contains("it acts from"), "{what}: {diagnosis}");
+            }
             let spans = own["limits"].to_string().contains("judged as spans");
             assert_eq!(spans, trace == &sparse, "{what}: {}", own["limits"]);
         }

@@ -450,6 +450,14 @@ fn finding(
         text.push_str(&format!(
             "\n  placed by experiment at {e}: the hypothesis confirmed below reproduces it there too (own NMSE {plain_e:.1e}, {hyp_e:.1e} under it), below that key's floor {fe:.0e} — the bug shows from there on"
         ));
+    } else if let Some(setup) = confirmed
+        .as_ref()
+        .and_then(|(t, _)| setups.get(&t.hypothesis))
+        && let Some((e, moved, own)) = acts_from(model, cand, setup, ops, &k)?
+    {
+        text.push_str(&format!(
+            "\n  it acts from {e} on (the replays with and without it differ there, NMSE {moved:.1e}), where the engine's own error ({own:.1e}, its rounding) cannot tell it apart: {k} is the first key that shows it"
+        ));
     }
     if sp.len() > 1 {
         let layers: BTreeSet<Option<usize>> = sp.iter().map(|x| x.layer).collect();
@@ -771,6 +779,70 @@ fn place(
         (Some(x), Some(y)) => Some(if y.0 < x.0 { y } else { x }),
         (x, y) => x.or(y),
     })
+}
+
+/// Where a confirmed bug acts from when no earlier key shows it (`locate` found none): the
+/// earliest key before `k` whose value the hypothesis changes at all (NMSE over f32 noise
+/// between the replays with and without it), with that change and the key's own error. In a
+/// sparse dump of an engine whose spans carry more rounding noise than the bug moves them (an
+/// eps ×10 beside f16 sums), the bug is first seen later than it acts; this says where.
+fn acts_from(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    ops: &[OpResult],
+    k: &TapKey,
+) -> Result<Option<(TapKey, f64, f64)>, JudgeError> {
+    let earlier: Vec<&OpResult> = ops
+        .iter()
+        .filter(|o| o.key < *k && o.key.step <= k.step)
+        .collect();
+    if earlier.is_empty() {
+        return Ok(None);
+    }
+    let keep: BTreeSet<TapKey> = earlier.iter().map(|o| o.key).collect();
+    let window = Window {
+        s_max: k.step,
+        l0: 0,
+        l_end: k.layer.map_or(model.config.n_layer, |l| l + 1),
+        end: false,
+    };
+    let with = replay(
+        model,
+        cand,
+        &Setup {
+            window,
+            ..setup.clone()
+        },
+        &keep,
+    )?;
+    let without = replay(
+        model,
+        cand,
+        &Setup {
+            window,
+            mutation: None,
+            rms_eps: None,
+            rope_theta: None,
+            ..setup.clone()
+        },
+        &keep,
+    )?;
+    for o in earlier {
+        let (Some(a), Some(b)) = (with.kept.get(&o.key), without.kept.get(&o.key)) else {
+            continue;
+        };
+        let (mut d, mut p) = (0.0f64, 0.0f64);
+        for (&x, &y) in a.iter().zip(b) {
+            d += (x as f64 - y as f64).powi(2);
+            p += (y as f64).powi(2);
+        }
+        let moved = if p > 0.0 { d / p } else { d };
+        if moved > VISIBLE {
+            return Ok(Some((o.key, moved, o.own_nmse)));
+        }
+    }
+    Ok(None)
 }
 
 /// Where a confirmed bug first shows: the earliest key (graph order, up to `k`'s step) whose
