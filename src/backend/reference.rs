@@ -185,7 +185,8 @@ impl<'m> Reference<'m> {
                 let w16: Vec<f32> = w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
                 dot(&w16, x)
             }
-            // BF16 weights take Vulkan's bf16 path: an f32 accumulator.
+            // BF16 weights take Vulkan's bf16 path: an f32 accumulator (its inputs rounded to
+            // bf16 there, to f16 here: not modelled, no BF16 GPU golden checked).
             (Accum::F16 { .. }, GgmlType::BF16) => dot(w, x),
             (Accum::F16 { fused }, GgmlType::F16) => dot_f16_acc(w, x, 4, fused),
             (Accum::F16 { fused }, _) => dot_f16_acc(w, x, 2, fused),
