@@ -5,9 +5,10 @@
 //! (its place in a full and a sparse dump, its name) is the catalog's, beside it in
 //! `backend/mutation.rs`. The CLI renders the rows; nothing here prints.
 
+use crate::backend::family::{Emulation, FAMILIES};
 use crate::backend::mutation::{Mutation, MutationKind};
-use crate::judge::JudgeError;
-use crate::judge::verdict::{DiffOptions, Verdict, diff};
+use crate::judge::verdict::{DiffOptions, Diffed, diff};
+use crate::judge::{JudgeError, rounding_label};
 use crate::model::Model;
 use crate::trace::{TapKey, Trace, TraceError};
 use std::path::{Path, PathBuf};
@@ -24,6 +25,10 @@ pub enum SelftestError {
     UnknownMutation(String),
     #[error("--kv {0} needs --engine numpy (parity's own engine keeps an f32 K/V cache)")]
     KvNeedsNumpy(String),
+    #[error(
+        "--rounding {0} needs --engine numpy (parity's own engine runs one family parity models at every step)"
+    )]
+    RoundingNeedsNumpy(String),
     #[error("running {program} for {case}: {source}")]
     Spawn {
         program: String,
@@ -68,22 +73,93 @@ impl Engine {
     }
 }
 
-/// The engine's activation rounding.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Rounding {
-    /// Plain f32.
-    None,
-    /// As ggml's CPU backend rounds.
-    Ggml,
+/// One rounding an engine can run with: a family parity models (`backend::family::FAMILIES`),
+/// or the numpy engine's `tf32` (TF32 matmul inputs, as tensor cores run f32 GEMMs), which no
+/// family reproduces: its verdicts state a widened floor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineRounding {
+    Family(Emulation),
+    Tf32,
+}
+
+impl EngineRounding {
+    /// Its name in selftest's rows (ggml-cpu keeps selftest's historic `ggml`).
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineRounding::Family(Emulation::GgmlCpu) => "ggml",
+            EngineRounding::Family(e) => e.name(),
+            EngineRounding::Tf32 => "tf32",
+        }
+    }
+
+    /// `none`, `ggml` or `ggml-cpu`, a family's name, `q8_1` for `q8_1-gpu`, or `tf32`.
+    pub fn parse(s: &str) -> Option<EngineRounding> {
+        match s {
+            "ggml" => Some(EngineRounding::Family(Emulation::GgmlCpu)),
+            "q8_1" => Some(EngineRounding::Family(Emulation::Q8_1Gpu)),
+            "tf32" => Some(EngineRounding::Tf32),
+            _ => Emulation::parse(s).map(EngineRounding::Family),
+        }
+    }
+
+    /// Its name for scripts/numpy_engine.py's `--rounding`.
+    fn numpy_name(self) -> &'static str {
+        match self {
+            EngineRounding::Family(Emulation::Q8_1Gpu) => "q8_1",
+            r => r.name(),
+        }
+    }
+}
+
+/// The engine's activation rounding: one for every step, or the prompt step's own beside the
+/// decode steps' (`f16-acc/none`: llama.cpp Vulkan's tiled prefill, f32 decode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rounding {
+    pub prefill: Option<EngineRounding>,
+    pub decode: EngineRounding,
 }
 
 impl Rounding {
-    pub fn name(self) -> &'static str {
-        match self {
-            Rounding::None => "none",
-            Rounding::Ggml => "ggml",
+    pub const NONE: Rounding = Rounding::one(EngineRounding::Family(Emulation::None));
+    pub const GGML: Rounding = Rounding::one(EngineRounding::Family(Emulation::GgmlCpu));
+
+    pub const fn one(r: EngineRounding) -> Rounding {
+        Rounding {
+            prefill: None,
+            decode: r,
         }
+    }
+
+    /// `ggml`, `q8k`, `f16-acc/none` (PREFILL/DECODE).
+    pub fn name(self) -> String {
+        match self.prefill {
+            Some(p) => format!("{}/{}", p.name(), self.decode.name()),
+            None => self.decode.name().to_string(),
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Rounding> {
+        match s.split_once('/') {
+            Some((p, d)) => Some(Rounding {
+                prefill: Some(EngineRounding::parse(p)?),
+                decode: EngineRounding::parse(d)?,
+            }),
+            None => EngineRounding::parse(s).map(Rounding::one),
+        }
+    }
+
+    /// Every name `parse` takes, for error messages.
+    pub fn names() -> String {
+        let mut v: Vec<&str> = vec!["ggml"];
+        v.extend(FAMILIES.iter().map(|f| f.name));
+        v.push("tf32");
+        format!("{}, or PREFILL/DECODE", v.join(", "))
+    }
+}
+
+impl serde::Serialize for Rounding {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
     }
 }
 
@@ -160,6 +236,14 @@ pub struct Row {
     /// The largest cut a hypothesis made of an own error under the floors (a clean row must
     /// stay below `judge::hypothesis::EXPLAINS`; None when none was tested).
     pub below_floor_cut: Option<f64>,
+    /// The rounding the judge measured as the one that reproduces the trace (`prefill: F,
+    /// decode: G` where the steps differ), the matmul floor it judged at, and the limits its
+    /// verdict states (a floor widened for an unknown rounding, spans of a sparse dump).
+    pub measured: Option<String>,
+    pub matmul_floor: Option<f64>,
+    pub limits: Vec<String>,
+    /// The found key's own NMSE over its floor: the margin by which a bug is seen.
+    pub own_over_floor: Option<f64>,
     pub ok: bool,
     pub why: String,
 }
@@ -209,7 +293,7 @@ pub fn run(
                     let dir = tmp.join(format!(
                         "{}-{}-{}",
                         engine.name(),
-                        rounding.name(),
+                        rounding.name().replace('/', "+"),
                         case.label().replace([' ', '(', ')'], "")
                     ));
                     write_trace(engine, model_path, case, rounding, opt, &dir)?;
@@ -309,19 +393,26 @@ fn cases(model: &Model, opt: &SelftestOptions) -> Result<Vec<Case>, SelftestErro
     if opt.kv != "f32" && opt.engines.contains(&Engine::Parity) {
         return Err(SelftestError::KvNeedsNumpy(opt.kv.clone()));
     }
+    if opt.engines.contains(&Engine::Parity)
+        && let Some(r) = opt
+            .roundings
+            .iter()
+            .find(|r| r.prefill.is_some() || r.decode == EngineRounding::Tf32)
+    {
+        return Err(SelftestError::RoundingNeedsNumpy(r.name()));
+    }
     Ok(cases)
 }
 
 /// `diff`'s verdict on a candidate: the library call `parity diff` makes when it has the model
 /// (`judge::verdict::diff`, with diff's default options), so the two cannot disagree.
-fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Verdict, SelftestError> {
-    let d = diff(
+fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Diffed, SelftestError> {
+    Ok(diff(
         golden,
         cand,
         Some(model),
         &DiffOptions::new(model.main_weight_type()),
-    )?;
-    Ok(d.verdict)
+    )?)
 }
 
 /// Write the case's trace into `dir` by running the engine as a separate process, as an
@@ -334,7 +425,6 @@ fn write_trace(
     opt: &SelftestOptions,
     dir: &Path,
 ) -> Result<(), SelftestError> {
-    let ggml = rounding == Rounding::Ggml;
     let mut cmd = match engine {
         Engine::Parity => {
             let mut c = std::process::Command::new(&opt.programs.parity);
@@ -342,7 +432,10 @@ fn write_trace(
                 .arg(model_path)
                 .arg("--golden")
                 .arg(&opt.golden);
-            c.args(["--emulate", if ggml { "ggml-cpu" } else { "none" }]);
+            // `cases` let only the numpy engine take tf32 or a prefill of its own.
+            if let EngineRounding::Family(e) = rounding.decode {
+                c.args(["--emulate", e.name()]);
+            }
             if opt.sparse {
                 c.args(["--taps", SPARSE_TAPS]);
             }
@@ -365,7 +458,10 @@ fn write_trace(
             let mut c = std::process::Command::new(&opt.programs.python);
             c.arg(&opt.programs.numpy_engine);
             c.arg(model_path).arg("--golden").arg(&opt.golden);
-            c.args(["--rounding", rounding.name()]);
+            c.args(["--rounding", rounding.decode.numpy_name()]);
+            if let Some(p) = rounding.prefill {
+                c.args(["--prefill-rounding", p.numpy_name()]);
+            }
             c.args(["--taps", if opt.sparse { "sparse" } else { "all" }]);
             c.args(["--kv", &opt.kv]);
             match case {
@@ -427,10 +523,12 @@ fn judge_row(
     rounding: Rounding,
     opt: &SelftestOptions,
     model: &Model,
-    o: &Verdict,
+    d: &Diffed,
     observable: Option<TapKey>,
 ) -> Row {
     let sparse = opt.sparse;
+    let o = &d.verdict;
+    let j = d.judgement.as_ref();
     let base = Row {
         case: case.label(),
         engine,
@@ -443,6 +541,12 @@ fn judge_row(
         named: o.named.clone(),
         also: o.also.clone(),
         below_floor_cut: o.below_floor_cut,
+        measured: j.map(rounding_label),
+        matmul_floor: j.map(|j| j.matmul_floor),
+        limits: j.map(|j| j.limits()).unwrap_or_default(),
+        own_over_floor: j
+            .and_then(|j| j.first.as_ref())
+            .map(|f| f.own_nmse / f.floor),
         ok: false,
         why: String::new(),
     };

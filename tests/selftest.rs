@@ -236,3 +236,115 @@ fn selftest_generated_16_layer_model() {
         selftest(&m, &g, &["--engine", "numpy", "--kv", "f16", "--sparse"]);
     }
 }
+
+fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json::Value> {
+    let mut args = vec![
+        "selftest",
+        model.to_str().unwrap(),
+        "--golden",
+        golden.to_str().unwrap(),
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let o = parity(&args);
+    assert_eq!(o.status.code(), Some(0), "selftest {extra:?}\n{}", show(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Selftest runs any rounding family, so each family's clean engine and planted bugs are
+/// checked at their place, not only counted: the numpy engine as llama.cpp Vulkan (f16-acc
+/// prefill, f32 decode) and with Q8_K activations, from sparse Q4_0 dumps — where eps ×10, a
+/// norm weight applied twice in attn_norm only, and the decode-step RoPE position off by one
+/// (the cache slot right) once went missed or misnamed — and parity's own reference rounding
+/// to bf16. Each clean row names the rounding the judge measured and its tight floor.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn selftest_runs_every_rounding_family() {
+    if !numpy_ok() {
+        return;
+    }
+    let (m, g) = fixture("tiny-llama-q4_0");
+    let rows = selftest_json(
+        &m,
+        &g,
+        &[
+            "--engine",
+            "numpy",
+            "--rounding",
+            "f16-acc/none,q8k",
+            "--sparse",
+            "--only",
+            "rms-eps-10x,attn-norm-weight-twice,rope-pos-off-by-one",
+        ],
+    );
+    assert_eq!(rows.len(), 8, "{rows:#?}");
+    for r in &rows {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["sparse"], true, "{r}");
+        if r["case"] == "clean" {
+            let measured = r["measured"].as_str().unwrap();
+            match r["rounding"].as_str().unwrap() {
+                "f16-acc/none" => assert!(
+                    measured.contains("prefill: f16-acc") && measured.contains("decode:"),
+                    "{r}"
+                ),
+                "q8k" => assert!(["q8k", "ggml-cpu"].contains(&measured), "{r}"),
+                other => panic!("rounding {other}: {r}"),
+            }
+            assert_eq!(r["matmul_floor"].as_f64(), Some(1e-10), "{r}");
+        } else {
+            // Found where the catalog says and named by its own name.
+            assert_eq!(r["found"], r["expected"], "{r}");
+            assert_eq!(r["named"], r["expected_name"], "{r}");
+            assert!(r["own_over_floor"].as_f64().is_some(), "{r}");
+        }
+    }
+    let rows = selftest_json(
+        &m,
+        &g,
+        &[
+            "--engine",
+            "parity",
+            "--rounding",
+            "bf16",
+            "--only",
+            "rms-eps-10x,kv-off-by-one",
+        ],
+    );
+    assert_eq!(rows.len(), 3, "{rows:#?}");
+    assert!(rows.iter().all(|r| r["ok"] == true), "{rows:#?}");
+    assert_eq!(rows[0]["measured"], "bf16", "{:#?}", rows[0]);
+}
+
+/// A rounding only the numpy engine runs, asked of parity's own engine, and a rounding nobody
+/// knows: one line, exit 2.
+#[test]
+fn selftest_refuses_a_rounding_its_engine_cannot_run() {
+    let (m, g) = fixture("tiny-llama-q8_0");
+    for (rounding, says) in [
+        ("tf32", "--rounding tf32 needs --engine numpy"),
+        (
+            "f16-acc/none",
+            "--rounding f16-acc/none needs --engine numpy",
+        ),
+        ("fp8", "unknown --rounding 'fp8'"),
+    ] {
+        let o = parity(&[
+            "selftest",
+            m.to_str().unwrap(),
+            "--golden",
+            g.to_str().unwrap(),
+            "--engine",
+            "parity",
+            "--rounding",
+            rounding,
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{rounding}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{rounding}: {err}");
+        assert!(err.contains(says), "{rounding}: {err}");
+    }
+}

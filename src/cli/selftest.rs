@@ -94,9 +94,13 @@ pub struct SelftestArgs {
     /// separate process), the numpy engine (scripts/numpy_engine.py), or both.
     #[arg(long, default_value = "parity", value_parser = ["parity", "numpy", "both"])]
     engine: String,
-    /// Activation rounding of the engine: none (plain f32), ggml (as ggml's CPU), or both.
-    #[arg(long, default_value = "both", value_parser = ["none", "ggml", "both"])]
-    rounding: String,
+    /// Activation rounding of the engine, comma-separated: none (plain f32), ggml (as ggml's
+    /// CPU), both (none,ggml), any family `parity diff --rounding` knows (ggml-scalar, q8k,
+    /// q8_1-gpu, f16, bf16, f16-acc, f16-acc-unfused), and for the numpy engine also tf32 (a
+    /// rounding parity does not model) and PREFILL/DECODE (the prompt step rounding otherwise,
+    /// e.g. f16-acc/none as llama.cpp Vulkan).
+    #[arg(long, default_value = "both", value_delimiter = ',')]
+    rounding: Vec<String>,
     /// Dump only embd, l_out per layer, result_norm and logits (what engine authors dump
     /// first); the bug must then be found at the right layer.
     #[arg(long)]
@@ -118,6 +122,24 @@ pub struct SelftestArgs {
     /// Keep the traces in this folder instead of a temporary one.
     #[arg(long)]
     keep: Option<PathBuf>,
+}
+
+/// `--rounding`'s list, `both` standing for none and ggml.
+fn roundings(names: &[String]) -> Result<Vec<Rounding>> {
+    let mut v = Vec::new();
+    for n in names {
+        match n.as_str() {
+            "both" => v.extend([Rounding::NONE, Rounding::GGML]),
+            _ => v.push(Rounding::parse(n).ok_or_else(|| {
+                super::err(format!(
+                    "unknown --rounding '{n}' (known: {}, both)",
+                    Rounding::names()
+                ))
+            })?),
+        }
+    }
+    v.dedup();
+    Ok(v)
 }
 
 /// A golden for `model`: its sha256 in the manifest, under ./golden or the repository's golden/.
@@ -155,11 +177,7 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
             "numpy" => vec![Engine::Numpy],
             _ => vec![Engine::Parity, Engine::Numpy],
         },
-        roundings: match a.rounding.as_str() {
-            "none" => vec![Rounding::None],
-            "ggml" => vec![Rounding::Ggml],
-            _ => vec![Rounding::None, Rounding::Ggml],
-        },
+        roundings: roundings(&a.rounding)?,
         sparse: a.sparse,
         kv: a.kv.clone(),
         from_layer: a.from_layer,
@@ -211,12 +229,12 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
 fn print_row(r: &Row, header: bool) {
     if header {
         println!(
-            "{:<30} {:<7} {:<5} {:<30} {:<30} {:<22} ok",
+            "{:<30} {:<7} {:<15} {:<30} {:<30} {:<22} ok",
             "mutation", "engine", "round", "expected", "found", "named"
         );
     }
     println!(
-        "{:<30} {:<7} {:<5} {:<30} {:<30} {:<22} {}",
+        "{:<30} {:<7} {:<15} {:<30} {:<30} {:<22} {}",
         r.case,
         r.engine.name(),
         r.rounding.name(),

@@ -124,8 +124,9 @@ pub struct ComparisonReport {
     pub only_in_candidate: usize,
     /// For `own-inputs`: the activation rounding family the judge measured as the one that
     /// reproduces the candidate (`none`, `ggml-cpu`, `ggml-scalar`, `q8k`, `q8_1-gpu`, `f16`,
-    /// `bf16`, `f16-acc`; docs/diagnosis.md), the prefill's where the decode steps round otherwise
-    /// (then `baseline` ends `prefill: F, decode: G`); absent for the other pairs.
+    /// `bf16`, `f16-acc`, `f16-acc-unfused`; docs/diagnosis.md), the prefill's where the decode
+    /// steps round otherwise (then `baseline` ends `prefill: F, decode: G`); absent for the
+    /// other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_family: Option<String>,
     /// What the comparison cannot see, in the verdict's words (`own-inputs`: a matmul floor
