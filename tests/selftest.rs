@@ -6,10 +6,11 @@
 
 mod common;
 
-use common::{llama_cpp_or_skip, numpy_engine_python, parity, root, shared, show};
+use common::{llama_cpp_or_skip, numpy_engine_python, parity, root, shared, show, stdout};
 use std::path::{Path, PathBuf};
 
-fn selftest(model: &Path, golden: &Path, extra: &[&str]) {
+/// `parity selftest MODEL --golden GOLDEN EXTRA…`, which must exit 0 (every row ok).
+fn selftest_ok(model: &Path, golden: &Path, extra: &[&str]) -> std::process::Output {
     let mut args = vec![
         "selftest",
         model.to_str().unwrap(),
@@ -34,7 +35,18 @@ fn selftest(model: &Path, golden: &Path, extra: &[&str]) {
         model.display(),
         show(&o)
     );
-    assert!(out.contains(" rows ok on "), "{}", show(&o));
+    o
+}
+
+fn selftest(model: &Path, golden: &Path, extra: &[&str]) {
+    let o = selftest_ok(model, golden, extra);
+    assert!(stdout(&o).contains(" rows ok on "), "{}", show(&o));
+}
+
+/// The rows of `selftest … --json`, which must exit 0.
+fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json::Value> {
+    let o = selftest_ok(model, golden, &[&["--json"], extra].concat());
+    serde_json::from_slice(&o.stdout).unwrap()
 }
 
 /// Whether the venv python can run the numpy engine; says why not when it cannot.
@@ -237,20 +249,6 @@ fn selftest_generated_16_layer_model() {
     }
 }
 
-fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json::Value> {
-    let mut args = vec![
-        "selftest",
-        model.to_str().unwrap(),
-        "--golden",
-        golden.to_str().unwrap(),
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let o = parity(&args);
-    assert_eq!(o.status.code(), Some(0), "selftest {extra:?}\n{}", show(&o));
-    serde_json::from_slice(&o.stdout).unwrap()
-}
-
 /// Selftest runs any rounding family, so each family's clean engine and planted bugs are
 /// checked at their place, not only counted: the numpy engine as llama.cpp Vulkan (f16-acc
 /// prefill, f32 decode) and with Q8_K activations, from sparse Q4_0 dumps — where eps ×10, a
@@ -262,7 +260,7 @@ fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json:
     not(parity_gguf_py),
     ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
 )]
-fn selftest_runs_every_rounding_family() {
+fn selftest_runs_rounding_families_beyond_ggml() {
     if !numpy_ok() {
         return;
     }
@@ -295,6 +293,13 @@ fn selftest_runs_every_rounding_family() {
                 other => panic!("rounding {other}: {r}"),
             }
             assert_eq!(r["matmul_floor"].as_f64(), Some(1e-10), "{r}");
+            // A sparse dump's keys are spans: the verdict says so, and nothing else.
+            let limits = r["limits"].as_array().unwrap();
+            assert_eq!(limits.len(), 1, "{r}");
+            assert!(
+                limits[0].as_str().unwrap().contains("judged as spans"),
+                "{r}"
+            );
         } else {
             // Found where the catalog says and named by its own name.
             assert_eq!(r["found"], r["expected"], "{r}");
@@ -317,6 +322,8 @@ fn selftest_runs_every_rounding_family() {
     assert_eq!(rows.len(), 3, "{rows:#?}");
     assert!(rows.iter().all(|r| r["ok"] == true), "{rows:#?}");
     assert_eq!(rows[0]["measured"], "bf16", "{:#?}", rows[0]);
+    // A full dump of a known rounding: every op judged on its own at the tight floor.
+    assert_eq!(rows[0]["limits"], serde_json::json!([]), "{:#?}", rows[0]);
 }
 
 /// A rounding only the numpy engine runs, asked of parity's own engine, and a rounding nobody
