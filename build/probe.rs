@@ -11,7 +11,11 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
     let python = python(root);
     let can = |code: &str| python_can(&python, code);
     vec![
-        ("parity_llama_cpp", "llama_cpp", can("import llama_cpp, numpy")),
+        (
+            "parity_llama_cpp",
+            "llama_cpp",
+            can("import llama_cpp, numpy"),
+        ),
         ("parity_numpy", "numpy", can("import numpy")),
         ("parity_gguf_py", "gguf-py", can("import numpy, gguf")),
         (
@@ -45,7 +49,29 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
             "a Vulkan loader and driver (or macOS, Windows)",
             vulkan_driver() || cfg!(target_os = "macos") || cfg!(target_os = "windows"),
         ),
+        // Root with `unshare -m`: tests/adversarial_writes.rs replaces /dev with a tmpfs in a
+        // private mount namespace to try `--json /dev/stdout` as root without risking the
+        // machine's own /dev.
+        (
+            "parity_mount_ns",
+            "root and a private mount namespace (unshare -m)",
+            mount_namespace(),
+        ),
     ]
+}
+
+/// Can this process make a private mount namespace and mount a tmpfs in it (root, unshare)?
+/// The mount lives and dies with the namespace.
+pub fn mount_namespace() -> bool {
+    Command::new("unshare")
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            "mount --make-rprivate / && mount -t tmpfs tmpfs /mnt",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 /// The Python that runs scripts/: $PARITY_PYTHON, else the checkout's .venv, else python3.

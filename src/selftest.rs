@@ -266,11 +266,12 @@ pub fn run(
 ) -> Result<Vec<Row>, SelftestError> {
     let golden = open_golden(model, opt)?;
     let cases = cases(model, opt)?;
-    let tmp = match &opt.keep {
-        Some(k) => k.clone(),
-        None => std::env::temp_dir().join(format!("parity-selftest-{}", std::process::id())),
+    let made = match &opt.keep {
+        Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),
+        None => private_temp_dir(),
     };
-    std::fs::create_dir_all(&tmp).map_err(|e| {
+    let tmp = made.map_err(|e| {
+        let tmp = opt.keep.clone().unwrap_or_else(std::env::temp_dir);
         let what = match (&opt.keep, std::fs::metadata(&tmp)) {
             (Some(_), Ok(m)) if !m.is_dir() => "exists and is not a folder".to_string(),
             _ => e.to_string(),
@@ -332,6 +333,25 @@ pub fn run(
     }
     result?;
     Ok(rows)
+}
+
+/// A new folder of our own in the shared temp folder: made with `mkdir` (mode 0700), never
+/// one that is already there, so a link planted at a guessable name is not written through.
+fn private_temp_dir() -> std::io::Result<std::path::PathBuf> {
+    let mut b = std::fs::DirBuilder::new();
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    let base = std::env::temp_dir();
+    let mut last = None;
+    for n in 0..100 {
+        let p = base.join(format!("parity-selftest-{}-{n}", std::process::id()));
+        match b.create(&p) {
+            Ok(()) => return Ok(p),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("no free name")))
 }
 
 /// The golden, checked to be this model's and long enough for every bug to show.

@@ -25,6 +25,7 @@ fn the_build_probe_matches_this_machine() {
         ("parity_hf", cfg!(parity_hf)),
         ("parity_qemu", cfg!(parity_qemu)),
         ("parity_gpu", cfg!(parity_gpu)),
+        ("parity_mount_ns", cfg!(parity_mount_ns)),
     ];
     let probes = probe::probes(&root());
     assert_eq!(

@@ -39,13 +39,8 @@ fn unpack(dir: &Path) -> std::io::Result<()> {
         }
         let parent = p.parent().expect("relative paths have a parent");
         std::fs::create_dir_all(parent)?;
-        let tmp = parent.join(format!(
-            ".{}.{}",
-            p.file_name().unwrap().to_string_lossy(),
-            std::process::id()
-        ));
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, &p)?;
+        // A staging file made O_EXCL|O_NOFOLLOW, renamed over: never written through a link.
+        crate::trace::staging::write_whole(&p, bytes).map_err(std::io::Error::other)?;
     }
     Ok(())
 }

@@ -78,6 +78,8 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         "the golden folder"
     };
     let out_s = utf8_path(&out_dir, out_what)?;
+    crate::trace::paths::check_paths(&[(&a.model, "the model")], &[(&out_dir, out_what)])
+        .map_err(err)?;
     if !a.input.given() {
         return Err(err("give a prompt (-p TEXT) or ids (--tokens 1,2,3)"));
     }
@@ -234,7 +236,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         let mut tmp = std::ffi::OsString::from(".");
         tmp.push(name);
         tmp.push(format!(".partial-{pid}"));
-        let _ = std::fs::remove_dir_all(parent.join(tmp));
+        let _ = crate::trace::staging::remove_any(&parent.join(tmp));
     }
     // Any failure of the Python side is an error making the golden (exit 2), never a
     // divergence (exit 1): one line, the script's own message or a traceback's last line.
@@ -363,7 +365,15 @@ pub fn user_golden_dir() -> Option<PathBuf> {
 }
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
-    a.report.validate()?;
+    let model_path = a
+        .model
+        .clone()
+        .unwrap_or_else(|| repo_root().join(DEFAULT_FIXTURE));
+    let mut inputs: Vec<(&Path, &str)> = vec![(&model_path, "the model")];
+    if let Some(g) = &a.golden {
+        inputs.push((g, "--golden"));
+    }
+    a.report.validate(&inputs)?;
     let named = a.backends.as_deref().unwrap_or_default();
     for (i, b) in named.iter().enumerate() {
         if named[..i].contains(b) {
@@ -372,10 +382,6 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             )));
         }
     }
-    let model_path = a
-        .model
-        .clone()
-        .unwrap_or_else(|| repo_root().join(DEFAULT_FIXTURE));
     if !model_path.exists() {
         return Err(err(format!("{}: no such file", model_path.display())));
     }
@@ -527,7 +533,11 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             .chain(&r.traces_op)
             .chain(&r.traces),
     );
-    finish_with(&comparisons, &info, &a.report)
+    // The golden found by sha256 is an input too (known only now).
+    if let Some((g, _)) = &r.golden {
+        inputs.push((g, "the golden"));
+    }
+    finish_with(&comparisons, &info, &a.report, &inputs)
 }
 
 fn prompt_from_golden(r: &crate::check::CheckReport) -> bool {

@@ -206,7 +206,12 @@ fn as_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str)
 }
 
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
-    a.report.validate()?;
+    let mut inputs: Vec<(&Path, &str)> =
+        vec![(&a.baseline, "baseline"), (&a.candidate, "candidate")];
+    if let Some(m) = &a.model {
+        inputs.push((m, "--model"));
+    }
+    a.report.validate(&inputs)?;
     let base = Trace::open(&a.baseline)?;
     let cand = Trace::open(&a.candidate)?;
     for (t, side) in [(&base, "baseline"), (&cand, "candidate")] {
@@ -308,7 +313,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
             &a.report,
         );
         let diverged = c.diverged();
-        let code = finish_with(&[c], &info, &a.report)?;
+        let code = finish_with(&[c], &info, &a.report, &inputs)?;
         return Ok(if d.verdict.diverged || diverged {
             ExitCode::from(1)
         } else {
@@ -370,7 +375,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     // end-to-end thresholds sit above llama.cpp's own spread, so drift beyond them is a
     // finding of its own even when every op is within its floor. The exit code is the
     // verdict's (the reports count the same divergences; a moved gate snapshot adds exit 1).
-    let code = finish_with(&[jc, c], &info, &a.report)?;
+    inputs.push((&model_path, "the model"));
+    let code = finish_with(&[jc, c], &info, &a.report, &inputs)?;
     Ok(if d.verdict.diverged {
         ExitCode::from(1)
     } else {

@@ -45,10 +45,12 @@ impl ReportArgs {
     }
 
     /// Every output path checked before any work: its folder exists and takes a file, it is
-    /// absent or a regular file, no two outputs share a path, and only `--json` may be `-`
-    /// (stdout). A bad path fails here, in one line, with nothing written.
-    pub fn validate(&self) -> Result<()> {
-        let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    /// absent or a regular file (not a link: `-` is stdout's only spelling), no two outputs are
+    /// one file, none is one of `inputs` (a model, a trace folder's files, the gate's
+    /// snapshot) by file identity, and only `--json` may be `-` (stdout). A bad path fails
+    /// here, in one line, with nothing written.
+    pub fn validate(&self, inputs: &[(&Path, &str)]) -> Result<()> {
+        let mut outputs: Vec<(&Path, &str)> = Vec::new();
         for (flag, p) in [
             ("--json", &self.json),
             ("--html", &self.html),
@@ -64,15 +66,28 @@ impl ReportArgs {
                 )));
             }
             crate::trace::staging::check_output_file(p, flag).map_err(err)?;
-            let abs = std::path::absolute(p).unwrap_or_else(|_| p.clone());
-            if let Some((other, _)) = seen.iter().find(|(_, q)| *q == abs) {
-                return Err(err(format!(
-                    "{flag} {}: the same file as {other}: give each output its own path",
-                    p.display()
-                )));
-            }
-            seen.push((flag, abs));
+            outputs.push((p, flag));
         }
+        let new = self
+            .against
+            .as_ref()
+            .map(|p| PathBuf::from(format!("{}.new", p.display())));
+        if let Some(new) = &new {
+            outputs.push((new, "--against (its .new)"));
+        }
+        // The gate's snapshot is an input of every output but --snapshot, which may rewrite
+        // it on purpose (it is read before anything is written).
+        let mut all: Vec<(&Path, &str)> = inputs.to_vec();
+        if let Some(s) = &self.against {
+            all.push((s, "--against"));
+        }
+        let not_snapshot: Vec<(&Path, &str)> = outputs
+            .iter()
+            .copied()
+            .filter(|(_, f)| *f != "--snapshot")
+            .collect();
+        crate::trace::paths::check_paths(&all, &not_snapshot).map_err(err)?;
+        crate::trace::paths::check_paths(inputs, &outputs).map_err(err)?;
         if let Some(p) = &self.against {
             match std::fs::metadata(p) {
                 Ok(m) if m.is_file() => {}
@@ -90,8 +105,10 @@ impl ReportArgs {
                     )));
                 }
             }
-            let new = PathBuf::from(format!("{}.new", p.display()));
-            crate::trace::staging::check_output_file(&new, "--against (its .new)").map_err(err)?;
+            if let Some(new) = &new {
+                crate::trace::staging::check_output_file(new, "--against (its .new)")
+                    .map_err(err)?;
+            }
         }
         Ok(())
     }
@@ -192,12 +209,15 @@ fn command() -> String {
 
 /// Write the requested reports, run the gate, print the verdict line; exit 1 when a comparison
 /// diverged or the gate found numerics that moved.
+/// `inputs` are every path the run read (asked again here: `check` finds its golden only
+/// while it runs).
 pub fn finish_with(
     comparisons: &[Comparison],
     info: &RunInfo,
     out: &ReportArgs,
+    inputs: &[(&Path, &str)],
 ) -> Result<ExitCode> {
-    out.validate()?;
+    out.validate(inputs)?;
     // Read the gate's snapshot before anything is written (it may be the --snapshot path too).
     let old = match &out.against {
         Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {

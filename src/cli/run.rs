@@ -458,6 +458,11 @@ pub struct DumpArgs {
 }
 
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
+    let mut inputs: Vec<(&Path, &str)> = vec![(&a.model, "the model")];
+    if let Some(g) = &a.golden {
+        inputs.push((g, "--golden"));
+    }
+    crate::trace::paths::check_paths(&inputs, &[(&a.out, "--out")]).map_err(err)?;
     let model = Model::open(&a.model)?;
     let (mut ids, policy, forced) = match &a.golden {
         Some(dir) => {
@@ -577,6 +582,8 @@ pub fn declare_layout(dir: &Path, tap: &str, layout: &str) -> Result<()> {
         .entry("layouts")
         .or_insert_with(|| serde_json::json!({}));
     layouts[tap] = serde_json::Value::String(layout.to_string());
-    std::fs::write(&p, serde_json::to_string_pretty(&v)? + "\n")?;
+    // Whole or not at all, and never through a link planted at the manifest's name.
+    crate::trace::staging::write_whole(&p, (serde_json::to_string_pretty(&v)? + "\n").as_bytes())
+        .map_err(err)?;
     Ok(())
 }

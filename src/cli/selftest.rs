@@ -170,6 +170,13 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
             ))
         })?,
     };
+    if let Some(k) = &a.keep {
+        crate::trace::paths::check_paths(
+            &[(&model_path, "the model"), (&golden, "the golden")],
+            &[(k, "--keep")],
+        )
+        .map_err(super::err)?;
+    }
     let opt = SelftestOptions {
         golden,
         engines: match a.engine.as_str() {

@@ -310,6 +310,15 @@ fn entry(k: &TapKey, shape: &[usize]) -> TensorEntry {
 
 /// Refuse a non-empty output folder unless `force` (checked before any work is done).
 fn check_out_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
+    // A link is never written through (nor replaced by the rename that publishes).
+    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Err(TraceError::Io {
+            path: dir.display().to_string(),
+            source: std::io::Error::other(
+                "is a symbolic link: parity never writes through a link, give the folder's own path",
+            ),
+        });
+    }
     match std::fs::metadata(dir) {
         Ok(m) if !m.is_dir() => Err(TraceError::Io {
             path: dir.display().to_string(),
@@ -423,6 +432,8 @@ fn tmp_target(tmp: &Path, dir: &Path) -> PathBuf {
 /// ones moved in, `manifest.json` last, and the old ones removed. A failure half way puts the
 /// old trace back: `dir` holds the whole new trace or is as it was.
 fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
+    // Asked again: `dir` may have become a link while the backend ran.
+    check_out_dir(dir, true)?;
     let empty = match std::fs::read_dir(dir) {
         Ok(mut it) => it.next().is_none(),
         Err(_) => {
@@ -484,12 +495,35 @@ fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TraceError> {
     let p = dir.join("manifest.json");
     let text = serde_json::to_string_pretty(m).expect("manifest serializes");
-    std::fs::write(&p, text + "\n").map_err(io_err(&p))
+    new_file(&p)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, (text + "\n").as_bytes()))
+        .map_err(io_err(&p))
+}
+
+/// A file of the staging folder, made new (`O_EXCL|O_NOFOLLOW`): nothing already at its name,
+/// a link least of all, is opened.
+fn new_file(path: &Path) -> std::io::Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_NOFOLLOW);
+    }
+    o.open(path)
 }
 
 /// Write a little-endian f32 C-order .npy file into a folder that must exist.
 fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), TraceError> {
-    let f = std::fs::File::create(path).map_err(io_err(path))?;
+    // Truncated if the backend records a tap twice; a link at the name is never followed.
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_NOFOLLOW);
+    }
+    let f = o.open(path).map_err(io_err(path))?;
     let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
     let mut w = npyz::WriteOptions::<f32>::new()
         .default_dtype()
@@ -709,8 +743,9 @@ impl TraceWriter {
         check_out_dir(dir, force)?;
         // Folders of writers killed outright (SIGKILL, a crash) go now.
         super::staging::remove_stale(&tmp_target(&tmp, dir));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+        // Ours from an earlier writer with this PID, or planted: removed, a link never followed.
+        if std::fs::symlink_metadata(&tmp).is_ok() {
+            super::staging::remove_any(&tmp).map_err(io_err(&tmp))?;
         }
         std::fs::create_dir(&tmp).map_err(io_err(dir))?;
         super::staging::register(&tmp);

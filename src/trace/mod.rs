@@ -4,6 +4,7 @@
 pub mod api;
 mod format;
 pub mod open;
+pub mod paths;
 pub mod staging;
 mod taps;
 

@@ -103,7 +103,11 @@ pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
         let n = e.file_name().to_string_lossy().into_owned();
         let Some(pid) = n
             .strip_prefix(&prefix)
-            .map(|p| p.strip_suffix(".gone").unwrap_or(p))
+            .map(|p| {
+                p.strip_suffix(".gone")
+                    .or_else(|| p.strip_suffix(".old"))
+                    .unwrap_or(p)
+            })
             .and_then(|p| p.parse::<u32>().ok())
         else {
             continue;
@@ -119,8 +123,9 @@ pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
     removed
 }
 
-/// Remove a staging file or folder (a symlink is removed, never followed).
-fn remove_any(p: &Path) -> std::io::Result<()> {
+/// Remove a staging file or folder (a symlink is removed, never followed; so are the links
+/// inside a folder: `remove_dir_all` does not follow them).
+pub fn remove_any(p: &Path) -> std::io::Result<()> {
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
         Ok(_) => std::fs::remove_file(p),
@@ -141,7 +146,8 @@ pub fn partial_path(path: &Path) -> std::io::Result<PathBuf> {
 }
 
 /// Can an output file be written at `path`? Its folder must exist and take a new file, and
-/// `path` must be absent or a regular file (a FIFO, a device, a folder is never replaced).
+/// `path` must be absent or a regular file (a FIFO, a device, a folder is never replaced; a
+/// symbolic link is refused, never followed: `--json /dev/stdout` would replace the link).
 /// Asked before the work starts, so that a bad path costs nothing; `flag` names the option
 /// in the message (`--json`). Creates and removes a probe file: writable by what the kernel
 /// says (a read-only file system, permissions, root), not by mode bits.
@@ -150,7 +156,10 @@ pub fn check_output_file(path: &Path, flag: &str) -> Result<(), String> {
     if path.as_os_str().is_empty() {
         return Err(format!("{flag}: an empty path"));
     }
-    match std::fs::metadata(path) {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(super::paths::symlink_refusal(path, flag));
+        }
         Ok(m) if m.is_dir() => return Err(format!("{flag} {shown}: is a folder, not a file")),
         Ok(m) if !m.is_file() => {
             return Err(format!(
@@ -182,11 +191,7 @@ pub fn check_output_file(path: &Path, flag: &str) -> Result<(), String> {
     #[cfg(unix)]
     signals::install();
     let _held = live();
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&probe)
-    {
+    match create_side_file(&probe) {
         Ok(_) => {
             let _ = std::fs::remove_file(&probe);
             Ok(())
@@ -221,13 +226,7 @@ pub struct Staged {
 pub fn stage(path: &Path, bytes: &[u8]) -> Result<Staged, String> {
     use std::io::Write;
     let shown = path.display();
-    if let Ok(m) = std::fs::metadata(path)
-        && !m.is_file()
-    {
-        return Err(format!(
-            "{shown}: exists and is not a regular file (only a regular file is replaced)"
-        ));
-    }
+    replaceable(path)?;
     let tmp = partial_path(path).map_err(|e| format!("{shown}: {e}"))?;
     remove_stale(&tmp_target(&tmp));
     #[cfg(unix)]
@@ -240,11 +239,9 @@ pub fn stage(path: &Path, bytes: &[u8]) -> Result<Staged, String> {
         done: false,
     };
     let written = (|| {
+        // A leftover of ours (or a link planted at our name) is removed, never followed.
         let _ = std::fs::remove_file(&staged.tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&staged.tmp)?;
+        let mut f = create_side_file(&staged.tmp)?;
         f.write_all(bytes)?;
         f.sync_all()
     })();
@@ -255,6 +252,8 @@ pub fn stage(path: &Path, bytes: &[u8]) -> Result<Staged, String> {
 impl Staged {
     /// Put the file in place (a rename: atomic).
     pub fn commit(mut self) -> Result<(), String> {
+        // Asked again: the target may have been swapped for a link or a device since.
+        replaceable(&self.path)?;
         let r = settle(&self.tmp, || std::fs::rename(&self.tmp, &self.path));
         self.done = r.is_ok();
         r.map_err(|e| format!("{}: {e}", self.path.display()))
@@ -267,6 +266,35 @@ impl Drop for Staged {
             settle(&self.tmp, || std::fs::remove_file(&self.tmp).ok());
         }
     }
+}
+
+/// `path` may be replaced by a rename: it is absent or a regular file, not a link (the rename
+/// would replace the link, not write where it points), a device, a FIFO or a folder.
+fn replaceable(path: &Path) -> Result<(), String> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => Err(format!(
+            "{}: is a symbolic link (parity never writes through a link)",
+            path.display()
+        )),
+        Ok(m) if !m.is_file() => Err(format!(
+            "{}: exists and is not a regular file (only a regular file is replaced)",
+            path.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Create a side file (a probe, a partial) new: `O_CREAT|O_EXCL|O_NOFOLLOW`, so that a file
+/// or a link (dangling or not) already at its name is never opened or written through.
+fn create_side_file(p: &Path) -> std::io::Result<std::fs::File> {
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        o.custom_flags(libc::O_NOFOLLOW);
+    }
+    o.open(p)
 }
 
 /// The target a staging path `.NAME.partial-PID` stands for.
@@ -294,7 +322,9 @@ pub struct Lock {
 }
 
 /// Take the writer's lock of `target`, or say (an error of kind `WouldBlock`) that another
-/// process holds it. The caller names `target` in its message.
+/// process holds it. The caller names `target` in its message. The lock file is opened with
+/// `O_NOFOLLOW` (another parity may hold it, so it is not made exclusively): a link at its
+/// name, dangling or not, or anything but a regular file, is refused and left as it is.
 pub fn lock(target: &Path) -> std::io::Result<Lock> {
     let abs = std::path::absolute(target)?;
     let (Some(parent), Some(name)) = (abs.parent(), abs.file_name()) else {
@@ -313,25 +343,54 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
         // would otherwise leave `.NAME.lock` behind (the watcher waits, then removes it).
         signals::install();
         let mut held = locks();
+        use std::os::unix::fs::OpenOptionsExt;
+        let foreign = |what: &str| {
+            std::io::Error::other(format!(
+                "its lock {} is {what}: parity never writes through it (remove it if no parity is writing there)",
+                path.display()
+            ))
+        };
         // Retried when the file was removed by its last holder between our open and flock.
         for _ in 0..100 {
-            let mut file = std::fs::OpenOptions::new()
+            match std::fs::symlink_metadata(&path) {
+                Ok(m) if m.file_type().is_symlink() => return Err(foreign("a symbolic link")),
+                Ok(m) if !m.is_file() => return Err(foreign("not a regular file")),
+                _ => {}
+            }
+            // O_NONBLOCK: a FIFO swapped in after the look above cannot stall the open.
+            let opened = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(false)
-                .open(&path)
-                .map_err(|e| {
-                    std::io::Error::new(
+                .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+                .open(&path);
+            let mut file = match opened {
+                Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                    return Err(foreign("a symbolic link"));
+                }
+                Err(e) => {
+                    return Err(std::io::Error::new(
                         e.kind(),
                         format!("cannot write there (its lock {}: {e})", path.display()),
-                    )
-                })?;
+                    ));
+                }
+                Ok(f) => f,
+            };
+            if !file.metadata().is_ok_and(|m| m.is_file()) {
+                return Err(foreign("not a regular file"));
+            }
             // SAFETY: flock on a descriptor we own.
             if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                // A pid at most: the file may be anyone's, of any size and content.
                 let mut holder = String::new();
-                let _ = file.read_to_string(&mut holder);
+                let _ = (&mut file).take(20).read_to_string(&mut holder);
                 let holder = holder.trim();
+                let holder = if holder.bytes().all(|b| b.is_ascii_digit()) {
+                    holder
+                } else {
+                    ""
+                };
                 let who = if holder.is_empty() {
                     "another process".to_string()
                 } else {
@@ -345,7 +404,7 @@ pub fn lock(target: &Path) -> std::io::Result<Lock> {
                     ),
                 ));
             }
-            let same = match (file.metadata(), std::fs::metadata(&path)) {
+            let same = match (file.metadata(), std::fs::symlink_metadata(&path)) {
                 (Ok(a), Ok(b)) => a.ino() == b.ino() && a.dev() == b.dev(),
                 _ => false,
             };
