@@ -13,7 +13,7 @@ use std::ffi::{OsStr, OsString};
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const FIX: &str = "fixtures/tiny-llama-q8_0.gguf";
 const GOLDEN: &str = "golden/tiny-llama-q8_0";
@@ -33,16 +33,19 @@ fn run(d: &Path, args: &[OsString]) -> Output {
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = c.spawn().expect("run parity");
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
+    let child = c.spawn().expect("run parity");
+    let pid = child.id();
+    // Waited for on a thread that also drains the pipes (a large --json - fills them).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(child.wait_with_output()));
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(o) => o.unwrap(),
+        Err(_) => {
+            // SAFETY: a kill of the child we spawned (not yet reaped: its waiter still runs).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
             panic!("parity {args:?} hung (killed after 120 s)");
         }
-        std::thread::sleep(Duration::from_millis(20));
     }
-    child.wait_with_output().unwrap()
 }
 
 fn show(o: &Output) -> String {
