@@ -116,9 +116,12 @@ fn canonical_no_follow(p: &Path) -> PathBuf {
     }
 }
 
+/// An input's files, each with its name inside the trace (empty for the input itself).
+type Files = Vec<(Ident, String)>;
+
 /// The files an input stands for: itself and, for a trace folder, its manifest and the tensor
 /// files the manifest names (each with a word for the message).
-fn input_files(p: &Path) -> Vec<(Ident, String)> {
+fn input_files(p: &Path) -> Files {
     let Some(own) = input_ident(p) else {
         return Vec::new();
     };
@@ -153,7 +156,7 @@ fn input_files(p: &Path) -> Vec<(Ident, String)> {
 /// output that is a symbolic link (written through, it would go elsewhere). `inputs` and
 /// `outputs` pair a path with the flag that gave it (`--golden`, `--html`, `the model`).
 pub fn check_paths(inputs: &[(&Path, &str)], outputs: &[(&Path, &str)]) -> Result<(), String> {
-    let ins: Vec<(&Path, &str, Vec<(Ident, String)>)> = inputs
+    let ins: Vec<(&Path, &str, Files)> = inputs
         .iter()
         .map(|&(p, flag)| (p, flag, input_files(p)))
         .collect();
