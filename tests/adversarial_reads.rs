@@ -398,11 +398,14 @@ fn against_snapshots_are_bounded_and_quoted_short() {
     let text = text.replacen("verdict: parity", &format!("verdict: {}", "v".repeat(4 << 20)), 1)
         + &format!("\n== {}\nverdict: parity\n", "t".repeat(4 << 20));
     std::fs::write(&long_field, text).unwrap();
+    let pagemap = tmp.path().join("pagemap.snap");
+    symlink("/proc/self/pagemap", &pagemap).unwrap();
     let cases: Vec<(&str, PathBuf, &[&str])> = vec![
         ("a 2.3 GiB snapshot", huge, &["more than a parity snapshot can be"]),
         ("a 4 MB line", long_line, &["a row before the header", "…"]),
-        ("/dev/zero", "/dev/zero".into(), &["character device"]),
-        ("/proc/self/pagemap", "/proc/self/pagemap".into(), &["not a parity snapshot"]),
+        ("/dev/zero", "/dev/zero".into(), &["not a regular file"]),
+        // Through a link (its `.new` must be writable beside it): size 0, endless to read.
+        ("/proc/self/pagemap", pagemap, &["not a parity snapshot"]),
     ];
     for (case, snap, words) in cases {
         let o = run_with(
