@@ -218,11 +218,14 @@ fn escapes() -> Vec<(&'static str, Escape)> {
             std::fs::remove_dir_all(t.join("s000")).unwrap();
             symlink(out.join("s000"), t.join("s000")).unwrap();
         }),
-        ("a step folder symlinked outside, by a relative path", |t, out| {
-            std::fs::remove_dir_all(t.join("s001")).unwrap();
-            let rel = Path::new("..").join(out.file_name().unwrap()).join("s001");
-            symlink(rel, t.join("s001")).unwrap();
-        }),
+        (
+            "a step folder symlinked outside, by a relative path",
+            |t, out| {
+                std::fs::remove_dir_all(t.join("s001")).unwrap();
+                let rel = Path::new("..").join(out.file_name().unwrap()).join("s001");
+                symlink(rel, t.join("s001")).unwrap();
+            },
+        ),
         ("manifest.json symlinked outside", |t, out| {
             std::fs::remove_file(t.join("manifest.json")).unwrap();
             symlink(out.join("manifest.json"), t.join("manifest.json")).unwrap();
@@ -237,13 +240,16 @@ fn escapes() -> Vec<(&'static str, Escape)> {
             std::fs::remove_file(&f).unwrap();
             symlink("/dev/zero", &f).unwrap();
         }),
-        ("a tap behind a symlinked folder named in the manifest", |t, out| {
-            // The manifest names `ext/logits.npy`; `ext` leads outside.
-            symlink(out.join("s000"), t.join("ext")).unwrap();
-            let mut m = manifest(t);
-            entry(&mut m, "s000/logits.npy")["file"] = "ext/logits.npy".into();
-            set_manifest(t, &m);
-        }),
+        (
+            "a tap behind a symlinked folder named in the manifest",
+            |t, out| {
+                // The manifest names `ext/logits.npy`; `ext` leads outside.
+                symlink(out.join("s000"), t.join("ext")).unwrap();
+                let mut m = manifest(t);
+                entry(&mut m, "s000/logits.npy")["file"] = "ext/logits.npy".into();
+                set_manifest(t, &m);
+            },
+        ),
     ]
 }
 
@@ -259,10 +265,24 @@ fn files_leading_outside_the_trace_folder_are_refused_in_every_command() {
         for (cmd, a) in [
             ("diff, candidate", args(&[&"diff", &golden, &bad])),
             ("diff, baseline", args(&[&"diff", &bad, &golden])),
-            ("check --golden", args(&[&"check", &fix, &"--golden", &bad, &"--backends", &"reference"])),
+            (
+                "check --golden",
+                args(&[
+                    &"check",
+                    &fix,
+                    &"--golden",
+                    &bad,
+                    &"--backends",
+                    &"reference",
+                ]),
+            ),
         ] {
             let o = run_with(&root(), false, &a);
-            refused(&o, &["outside the trace folder"], &format!("{case} ({cmd})"));
+            refused(
+                &o,
+                &["outside the trace folder"],
+                &format!("{case} ({cmd})"),
+            );
         }
     }
 }
@@ -316,9 +336,21 @@ fn model_paths_that_read_without_end_are_never_hashed_to_the_end() {
         let t0 = Instant::now();
         let o = run(&[&"diff", &base, &cand]);
         refused(&o, &["is not found here"], path);
-        assert!(t0.elapsed() < Duration::from_secs(20), "{path}: {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{path}: {:?}",
+            t0.elapsed()
+        );
         // End to end without the model: exit 0, at once.
-        let o = run(&[&"diff", &base, &cand, &"--weight-type", &"q8_0", &"--json", &tmp.path().join("r.json")]);
+        let o = run(&[
+            &"diff",
+            &base,
+            &cand,
+            &"--weight-type",
+            &"q8_0",
+            &"--json",
+            &tmp.path().join("r.json"),
+        ]);
         assert_eq!(o.code, Some(0), "{path}:\n{}", o.show());
     }
 }
@@ -355,7 +387,15 @@ fn no_model_is_adopted_without_a_matching_sha256() {
         let o = run_with(
             tmp.path(),
             false,
-            &args(&[&"diff", &base, &cand, &"--weight-type", &"q8_0", &"--json", &report]),
+            &args(&[
+                &"diff",
+                &base,
+                &cand,
+                &"--weight-type",
+                &"q8_0",
+                &"--json",
+                &report,
+            ]),
         );
         assert_eq!(o.code, Some(0), "{path} {sha:?}:\n{}", o.show());
         assert_eq!(decoded(&report), adopt, "{path} {sha:?}:\n{}", o.show());
@@ -391,17 +431,32 @@ fn against_snapshots_are_bounded_and_quoted_short() {
     // A snapshot of this very run with a 4 MB verdict and a 4 MB title added: the gate's own
     // lines quote them.
     let long_field = tmp.path().join("field.snap");
-    let o = run(&[&"diff", &golden, &golden, &"--weight-type", &"q8_0", &"--snapshot", &long_field]);
+    let o = run(&[
+        &"diff",
+        &golden,
+        &golden,
+        &"--weight-type",
+        &"q8_0",
+        &"--snapshot",
+        &long_field,
+    ]);
     assert_eq!(o.code, Some(0), "{}", o.show());
     let text = std::fs::read_to_string(&long_field).unwrap();
     assert!(text.contains("verdict: parity"), "{text}");
-    let text = text.replacen("verdict: parity", &format!("verdict: {}", "v".repeat(4 << 20)), 1)
-        + &format!("\n== {}\nverdict: parity\n", "t".repeat(4 << 20));
+    let text = text.replacen(
+        "verdict: parity",
+        &format!("verdict: {}", "v".repeat(4 << 20)),
+        1,
+    ) + &format!("\n== {}\nverdict: parity\n", "t".repeat(4 << 20));
     std::fs::write(&long_field, text).unwrap();
     let pagemap = tmp.path().join("pagemap.snap");
     symlink("/proc/self/pagemap", &pagemap).unwrap();
     let cases: Vec<(&str, PathBuf, &[&str])> = vec![
-        ("a 2.3 GiB snapshot", huge, &["more than a parity snapshot can be"]),
+        (
+            "a 2.3 GiB snapshot",
+            huge,
+            &["more than a parity snapshot can be"],
+        ),
         ("a 4 MB line", long_line, &["a row before the header", "…"]),
         ("/dev/zero", "/dev/zero".into(), &["not a regular file"]),
         // Through a link (its `.new` must be writable beside it): size 0, endless to read.
@@ -411,20 +466,45 @@ fn against_snapshots_are_bounded_and_quoted_short() {
         let o = run_with(
             &root(),
             true,
-            &args(&[&"diff", &golden, &golden, &"--weight-type", &"q8_0", &"--against", &snap]),
+            &args(&[
+                &"diff",
+                &golden,
+                &golden,
+                &"--weight-type",
+                &"q8_0",
+                &"--against",
+                &snap,
+            ]),
         );
         refused(&o, words, case);
     }
     let o = run_with(
         &root(),
         true,
-        &args(&[&"diff", &golden, &golden, &"--weight-type", &"q8_0", &"--against", &long_field]),
+        &args(&[
+            &"diff",
+            &golden,
+            &golden,
+            &"--weight-type",
+            &"q8_0",
+            &"--against",
+            &long_field,
+        ]),
     );
     assert_eq!(o.code, Some(1), "the gate fails:\n{}", o.show());
     for l in o.stdout.lines().chain(o.stderr.lines()) {
-        assert!(l.chars().count() < 600, "a {}-character line:\n{}", l.len(), o.show());
+        assert!(
+            l.chars().count() < 600,
+            "a {}-character line:\n{}",
+            l.len(),
+            o.show()
+        );
     }
-    assert!(o.stdout.contains("in the snapshot, not in this run"), "{}", o.show());
+    assert!(
+        o.stdout.contains("in the snapshot, not in this run"),
+        "{}",
+        o.show()
+    );
     assert!(o.stdout.contains("verdict: vvvv"), "{}", o.show());
 }
 
@@ -433,7 +513,13 @@ fn taps_are_checked_against_the_manifest_before_they_are_read() {
     let four_gib = 1u64 << 32;
     // (case, the manifest's shape for s000/logits.npy or None to keep it, the file's header,
     // the file's size, the words)
-    type Craft = (&'static str, Option<Vec<u64>>, Vec<u64>, u64, &'static [&'static str]);
+    type Craft = (
+        &'static str,
+        Option<Vec<u64>>,
+        Vec<u64>,
+        u64,
+        &'static [&'static str],
+    );
     let hdr = |s: &[u64]| s.to_vec();
     let cases: Vec<Craft> = vec![
         (
@@ -455,7 +541,10 @@ fn taps_are_checked_against_the_manifest_before_they_are_read() {
             None,
             hdr(&[1 << 30]),
             four_gib + 128,
-            &["logits.npy", "shape [1073741824] differs from the manifest's [20, 393]"],
+            &[
+                "logits.npy",
+                "shape [1073741824] differs from the manifest's [20, 393]",
+            ],
         ),
         (
             "a header whose shape overflows",
@@ -481,7 +570,10 @@ fn taps_are_checked_against_the_manifest_before_they_are_read() {
             set_manifest(&bad, &m);
         }
         let head = npy(
-            &format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}", tuple(&header)),
+            &format!(
+                "{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}",
+                tuple(&header)
+            ),
             &[],
         );
         assert_eq!(head.len(), 128, "{case}");
@@ -502,18 +594,60 @@ fn taps_are_checked_against_the_manifest_before_they_are_read() {
 #[test]
 fn a_deeply_nested_npy_header_is_refused_at_once() {
     for (case, header) in [
-        ("a 26-deep list as the shape", format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {}2{}, }}", "[".repeat(26), "]".repeat(26))),
-        ("a 26-deep list as the dtype", format!("{{'descr': {}'<f4'{}, 'fortran_order': False, 'shape': (20, 393), }}", "[".repeat(26), "]".repeat(26))),
-        ("a 2000-deep tuple as an extra key", format!("{{'descr': '<f4', 'fortran_order': False, 'shape': (20, 393), 'x': {}1{}}}", "(".repeat(2000), ")".repeat(2000))),
-        ("a 26-deep dict as fortran_order", format!("{{'descr': '<f4', 'fortran_order': {}{}, 'shape': (20, 393), }}", "{'a': ".repeat(26), "}".repeat(26))),
+        (
+            "a 26-deep list as the shape",
+            format!(
+                "{{'descr': '<f4', 'fortran_order': False, 'shape': {}2{}, }}",
+                "[".repeat(26),
+                "]".repeat(26)
+            ),
+        ),
+        (
+            "a 26-deep list as the dtype",
+            format!(
+                "{{'descr': {}'<f4'{}, 'fortran_order': False, 'shape': (20, 393), }}",
+                "[".repeat(26),
+                "]".repeat(26)
+            ),
+        ),
+        (
+            "a 2000-deep tuple as an extra key",
+            format!(
+                "{{'descr': '<f4', 'fortran_order': False, 'shape': (20, 393), 'x': {}1{}}}",
+                "(".repeat(2000),
+                ")".repeat(2000)
+            ),
+        ),
+        (
+            "a 26-deep dict as fortran_order",
+            format!(
+                "{{'descr': '<f4', 'fortran_order': {}{}, 'shape': (20, 393), }}",
+                "{'a': ".repeat(26),
+                "}".repeat(26)
+            ),
+        ),
     ] {
         let tmp = tempfile::tempdir().unwrap();
         let bad = golden_copy(tmp.path(), "trace");
-        std::fs::write(bad.join("s000/logits.npy"), npy(&header, &le(&[0.0; 20 * 393]))).unwrap();
+        std::fs::write(
+            bad.join("s000/logits.npy"),
+            npy(&header, &le(&[0.0; 20 * 393])),
+        )
+        .unwrap();
         let t0 = Instant::now();
-        let o = run(&[&"diff", &root().join(GOLDEN), &bad, &"--weight-type", &"q8_0"]);
+        let o = run(&[
+            &"diff",
+            &root().join(GOLDEN),
+            &bad,
+            &"--weight-type",
+            &"q8_0",
+        ]);
         refused(&o, &["logits.npy"], case);
-        assert!(t0.elapsed() < Duration::from_secs(20), "{case}: {:?}", t0.elapsed());
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{case}: {:?}",
+            t0.elapsed()
+        );
     }
 }
 
@@ -525,21 +659,38 @@ fn fortran(dir: &Path, file: &str, mislabel: bool) {
     let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
     let a = ndarray::ArrayD::from_shape_vec(dims, data.clone()).unwrap();
     // The reversed axes, walked in logical order: the first axis varies fastest.
-    let col_major: Vec<f32> = if mislabel { data } else { a.t().iter().copied().collect() };
-    let h = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': {}, }}", tuple(&shape));
+    let col_major: Vec<f32> = if mislabel {
+        data
+    } else {
+        a.t().iter().copied().collect()
+    };
+    let h = format!(
+        "{{'descr': '<f4', 'fortran_order': True, 'shape': {}, }}",
+        tuple(&shape)
+    );
     std::fs::write(&p, npy(&h, &le(&col_major))).unwrap();
 }
 
 #[test]
 fn fortran_order_taps_are_read_on_either_side() {
     let golden = root().join(GOLDEN);
-    for file in ["s000/logits.npy", "s000/attn_norm-1.npy", "s000/kq_soft_max-0.npy", "s001/q_rope-0.npy"] {
+    for file in [
+        "s000/logits.npy",
+        "s000/attn_norm-1.npy",
+        "s000/kq_soft_max-0.npy",
+        "s001/q_rope-0.npy",
+    ] {
         let tmp = tempfile::tempdir().unwrap();
         let f = golden_copy(tmp.path(), "fortran");
         fortran(&f, file, false);
         for (side, a, b) in [("candidate", &golden, &f), ("baseline", &f, &golden)] {
             let o = run(&[&"diff", a, b]);
-            assert_eq!(o.code, Some(0), "{file} in Fortran order as the {side}:\n{}", o.show());
+            assert_eq!(
+                o.code,
+                Some(0),
+                "{file} in Fortran order as the {side}:\n{}",
+                o.show()
+            );
         }
         // The control: the same bytes taken in C order are other values, found.
         let m = golden_copy(tmp.path(), "mislabelled");
@@ -555,7 +706,11 @@ fn empty_axes_are_refused_in_one_line() {
     for (case, file, shape) in [
         ("logits [T, 0]", "s000/logits.npy", vec![20u64, 0]),
         ("logits [0, n_vocab]", "s000/logits.npy", vec![0, 393]),
-        ("a per-layer tap [T, n_head, 0]", "s000/q_rope-1.npy", vec![20, 4, 0]),
+        (
+            "a per-layer tap [T, n_head, 0]",
+            "s000/q_rope-1.npy",
+            vec![20, 4, 0],
+        ),
         ("a decode step's embd [0]", "s001/embd.npy", vec![0]),
     ] {
         let tmp = tempfile::tempdir().unwrap();
@@ -565,7 +720,10 @@ fn empty_axes_are_refused_in_one_line() {
             let mut m = manifest(t);
             entry(&mut m, file)["shape"] = serde_json::json!(shape);
             set_manifest(t, &m);
-            let h = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}", tuple(&shape));
+            let h = format!(
+                "{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}",
+                tuple(&shape)
+            );
             std::fs::write(t.join(file), npy(&h, &[])).unwrap();
         }
         for extra in [&[][..], &["--weight-type", "q8_0"][..]] {
@@ -574,7 +732,14 @@ fn empty_axes_are_refused_in_one_line() {
             let o = run_with(&root(), false, &v);
             refused(&o, &["empty axis"], case);
         }
-        let o = run(&[&"check", &root().join(FIX), &"--golden", &a, &"--backends", &"reference"]);
+        let o = run(&[
+            &"check",
+            &root().join(FIX),
+            &"--golden",
+            &a,
+            &"--backends",
+            &"reference",
+        ]);
         refused(&o, &["empty axis"], &format!("{case} (check --golden)"));
     }
 }
@@ -585,14 +750,24 @@ fn strings_a_manifest_holds_are_quoted_short() {
     type Edit = fn(&mut Json, &str);
     let edits: Vec<(&str, Edit)> = vec![
         ("format", |m, s| m["format"] = s.into()),
-        ("a string where a number goes (the parser quotes it)", |m, s| m["version"] = s.into()),
-        ("a file name leaving the folder", |m, s| m["tensors"][0]["file"] = format!("{s}/../x").into()),
+        (
+            "a string where a number goes (the parser quotes it)",
+            |m, s| m["version"] = s.into(),
+        ),
+        ("a file name leaving the folder", |m, s| {
+            m["tensors"][0]["file"] = format!("{s}/../x").into()
+        }),
         ("a file name of an unlisted step", |m, s| {
             m["tensors"][0]["file"] = s.into();
             m["tensors"][0]["step"] = 99.into();
         }),
         ("a tap needing a layer", |m, s| {
-            let t = m["tensors"].as_array_mut().unwrap().iter_mut().find(|t| t["tap"] == "embd").unwrap();
+            let t = m["tensors"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find(|t| t["tap"] == "embd")
+                .unwrap();
             t["layer"] = 0.into();
             t["file"] = s.into();
         }),
@@ -626,7 +801,15 @@ fn hostile_json() -> impl Strategy<Value = Json> {
     let leaf = prop_oneof![
         Just(Json::Null),
         any::<bool>().prop_map(Json::from),
-        prop_oneof![Just(0u64), Just(1), Just(u64::MAX), Just(1 << 32), Just(1 << 24), 0u64..300].prop_map(Json::from),
+        prop_oneof![
+            Just(0u64),
+            Just(1),
+            Just(u64::MAX),
+            Just(1 << 32),
+            Just(1 << 24),
+            0u64..300
+        ]
+        .prop_map(Json::from),
         prop_oneof![Just(-1i64), Just(i64::MIN)].prop_map(Json::from),
         Just(Json::from(1.5)),
         prop_oneof![
@@ -643,10 +826,28 @@ fn hostile_json() -> impl Strategy<Value = Json> {
         .prop_map(Json::from),
     ];
     let keys = prop_oneof![
-        Just("format"), Just("version"), Just("model"), Just("path"), Just("sha256"), Just("size"),
-        Just("producer"), Just("name"), Just("backend"), Just("settings"), Just("steps"),
-        Just("step"), Just("tokens"), Just("positions"), Just("forced"), Just("tensors"),
-        Just("tap"), Just("layer"), Just("file"), Just("shape"), Just("dtype"), Just("layouts"),
+        Just("format"),
+        Just("version"),
+        Just("model"),
+        Just("path"),
+        Just("sha256"),
+        Just("size"),
+        Just("producer"),
+        Just("name"),
+        Just("backend"),
+        Just("settings"),
+        Just("steps"),
+        Just("step"),
+        Just("tokens"),
+        Just("positions"),
+        Just("forced"),
+        Just("tensors"),
+        Just("tap"),
+        Just("layer"),
+        Just("file"),
+        Just("shape"),
+        Just("dtype"),
+        Just("layouts"),
     ];
     leaf.prop_recursive(6, 96, 8, move |inner| {
         prop_oneof![
@@ -674,8 +875,13 @@ fn mutated_manifest() -> impl Strategy<Value = Json> {
 fn pointers(v: &Json, at: String, out: &mut Vec<String>) {
     out.push(at.clone());
     match v {
-        Json::Object(m) => m.iter().for_each(|(k, x)| pointers(x, format!("{at}/{k}"), out)),
-        Json::Array(a) => a.iter().enumerate().for_each(|(i, x)| pointers(x, format!("{at}/{i}"), out)),
+        Json::Object(m) => m
+            .iter()
+            .for_each(|(k, x)| pointers(x, format!("{at}/{k}"), out)),
+        Json::Array(a) => a
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| pointers(x, format!("{at}/{i}"), out)),
         _ => {}
     }
 }
@@ -739,6 +945,10 @@ fn manifest_nesting_past_the_parsers_limit_is_refused() {
         let doc = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
         assert_eq!(open_and_read(doc.into_bytes()), Ok(()), "{depth}");
     }
-    let doc = format!("{{\"format\": {}1{}}}", "{\"a\":".repeat(50_000), "}".repeat(50_000));
+    let doc = format!(
+        "{{\"format\": {}1{}}}",
+        "{\"a\":".repeat(50_000),
+        "}".repeat(50_000)
+    );
     assert_eq!(open_and_read(doc.into_bytes()), Ok(()));
 }

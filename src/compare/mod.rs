@@ -218,14 +218,14 @@ pub fn compare(
         // Same count, other shape (`[T, n]` against `[T*n]`): the candidate is read in
         // logical order in the baseline's shape, whatever its memory layout.
         let b = b.as_standard_layout();
-        let b = b
-            .view()
-            .into_shape_with_order(a.shape())
-            .map_err(|_| CompareError::ShapeMismatch {
-                key: *key,
-                a: a.shape().to_vec(),
-                b: b.shape().to_vec(),
-            })?;
+        let b =
+            b.view()
+                .into_shape_with_order(a.shape())
+                .map_err(|_| CompareError::ShapeMismatch {
+                    key: *key,
+                    a: a.shape().to_vec(),
+                    b: b.shape().to_vec(),
+                })?;
         let m = metrics(&a.view(), &b);
         let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap, depth);
         let gating = gates(opt.pair, key.tap);
@@ -431,11 +431,7 @@ fn aligned_embd(
     }))
 }
 
-fn logit_step(
-    step: usize,
-    a: &ndarray::ArrayD<f32>,
-    b: &ndarray::ArrayViewD<f32>,
-) -> LogitStep {
+fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayViewD<f32>) -> LogitStep {
     // Traces refuse empty axes on load; `max(1)` keeps an in-memory one from a zero chunk size.
     let n_vocab = a.shape().last().copied().unwrap_or(1).max(1);
     // Rows in logical order, without a copy when the tensors are in standard layout (as read).
@@ -456,7 +452,8 @@ fn logit_step(
         kld_max: stats.iter().map(|s| s.kld).fold(0.0, f64::max),
         top1_agree: stats.iter().filter(|s| s.top1_base == s.top1_cand).count(),
         rows,
-        top5_overlap_mean: stats.iter().map(|s| s.top5_overlap as f64).sum::<f64>() / rows.max(1) as f64,
+        top5_overlap_mean: stats.iter().map(|s| s.top5_overlap as f64).sum::<f64>()
+            / rows.max(1) as f64,
     }
 }
 

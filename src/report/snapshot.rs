@@ -24,8 +24,7 @@ pub const MAX_SNAPSHOT_BYTES: u64 = 16 << 20;
 /// Read a snapshot file for `--against`: a regular file of at most [`MAX_SNAPSHOT_BYTES`], as
 /// text.
 pub fn read(path: &std::path::Path) -> std::io::Result<String> {
-    let bytes =
-        crate::trace::open::read_bounded(path, MAX_SNAPSHOT_BYTES, "a parity snapshot")?;
+    let bytes = crate::trace::open::read_bounded(path, MAX_SNAPSHOT_BYTES, "a parity snapshot")?;
     String::from_utf8(bytes).map_err(|_| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -381,7 +380,10 @@ pub fn against(comparisons: &[Comparison], old_text: &str) -> Result<Vec<String>
     let mut moved = Vec::new();
     for o in &old {
         if !new.iter().any(|n| n.title == o.title) {
-            moved.push(format!("{}: in the snapshot, not in this run", quote(&o.title)));
+            moved.push(format!(
+                "{}: in the snapshot, not in this run",
+                quote(&o.title)
+            ));
         }
     }
     for n in &new {

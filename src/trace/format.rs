@@ -99,7 +99,10 @@ impl Manifest {
 enum Source {
     /// The folder as given (for messages) and its canonical path (what every file read from
     /// it must stay inside).
-    Dir { dir: PathBuf, root: PathBuf },
+    Dir {
+        dir: PathBuf,
+        root: PathBuf,
+    },
     Memory(BTreeMap<TapKey, ArrayD<f32>>),
 }
 
@@ -565,7 +568,10 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
     let dims = |d: &[u64]| {
         short(&format!(
             "[{}]",
-            d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")
+            d.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
         ))
     };
     let want_shape: Vec<u64> = e.shape.iter().map(|&d| d as u64).collect();
@@ -608,7 +614,9 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
         let k = left.min(buf.len());
         r.read_exact(&mut buf[..k]).map_err(|err| {
             if err.kind() == std::io::ErrorKind::UnexpectedEof {
-                bad(format!("truncated while read (the file shrank under {want} bytes of data)"))
+                bad(format!(
+                    "truncated while read (the file shrank under {want} bytes of data)"
+                ))
             } else {
                 io_err(&path)(err)
             }
@@ -617,16 +625,28 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
         match size {
             2 => data.extend(piece.chunks_exact(2).map(|c| {
                 let b = [c[0], c[1]];
-                let bits = if big { u16::from_be_bytes(b) } else { u16::from_le_bytes(b) };
+                let bits = if big {
+                    u16::from_be_bytes(b)
+                } else {
+                    u16::from_le_bytes(b)
+                };
                 half::f16::from_bits(bits).to_f32()
             })),
             4 => data.extend(piece.chunks_exact(4).map(|c| {
                 let b = [c[0], c[1], c[2], c[3]];
-                if big { f32::from_be_bytes(b) } else { f32::from_le_bytes(b) }
+                if big {
+                    f32::from_be_bytes(b)
+                } else {
+                    f32::from_le_bytes(b)
+                }
             })),
             _ => data.extend(piece.chunks_exact(8).map(|c| {
                 let b: [u8; 8] = c.try_into().expect("chunks of 8");
-                (if big { f64::from_be_bytes(b) } else { f64::from_le_bytes(b) }) as f32
+                (if big {
+                    f64::from_be_bytes(b)
+                } else {
+                    f64::from_le_bytes(b)
+                }) as f32
             })),
         }
         left -= k;

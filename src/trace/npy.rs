@@ -22,11 +22,7 @@ pub struct Dtype {
 
 impl Dtype {
     pub fn descr(self) -> String {
-        format!(
-            "{}f{}",
-            if self.big_endian { '>' } else { '<' },
-            self.size
-        )
+        format!("{}f{}", if self.big_endian { '>' } else { '<' }, self.size)
     }
 }
 
@@ -101,7 +97,9 @@ pub fn read_header(r: &mut impl Read) -> Result<Header, String> {
 
 fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &str) -> Result<(), String> {
     r.read_exact(buf).map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => format!("not a .npy file (the file ends inside {what})"),
+        std::io::ErrorKind::UnexpectedEof => {
+            format!("not a .npy file (the file ends inside {what})")
+        }
         _ => e.to_string(),
     })
 }
@@ -338,39 +336,103 @@ mod tests {
         let text = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }          \n";
         let h = parse(text).unwrap();
         assert_eq!(h.shape, vec![2, 3]);
-        assert_eq!(h.dtype, Dtype { size: 4, big_endian: false });
+        assert_eq!(
+            h.dtype,
+            Dtype {
+                size: 4,
+                big_endian: false
+            }
+        );
         assert!(!h.fortran_order);
         assert_eq!(h.data_offset, 10 + text.len() as u64);
         let h = parse("{\"shape\": (7,), \"fortran_order\": True, \"descr\": \">f8\"}").unwrap();
-        assert_eq!((h.shape, h.fortran_order, h.dtype.descr()), (vec![7], true, ">f8".into()));
-        assert_eq!(parse("{'descr':'<f2','fortran_order':False,'shape':()}").unwrap().shape, Vec::<u64>::new());
-        assert_eq!(parse("{'descr':'<f2','fortran_order':False,'shape':(3L, 4L)}").unwrap().shape, vec![3, 4]);
+        assert_eq!(
+            (h.shape, h.fortran_order, h.dtype.descr()),
+            (vec![7], true, ">f8".into())
+        );
+        assert_eq!(
+            parse("{'descr':'<f2','fortran_order':False,'shape':()}")
+                .unwrap()
+                .shape,
+            Vec::<u64>::new()
+        );
+        assert_eq!(
+            parse("{'descr':'<f2','fortran_order':False,'shape':(3L, 4L)}")
+                .unwrap()
+                .shape,
+            vec![3, 4]
+        );
         // Version 2 and 3 have a four-byte length.
         let mut v = b"\x93NUMPY\x03\x00".to_vec();
         let h = "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }\n";
         v.extend_from_slice(&(h.len() as u32).to_le_bytes());
         v.extend_from_slice(h.as_bytes());
-        assert_eq!(read_header(&mut &v[..]).unwrap().data_offset, 12 + h.len() as u64);
+        assert_eq!(
+            read_header(&mut &v[..]).unwrap().data_offset,
+            12 + h.len() as u64
+        );
     }
 
     #[test]
     fn refuses_what_is_not_a_float_tap_header_in_one_line() {
         for (h, words) in [
-            ("{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }", "dtype <i4 is not a float type"),
-            ("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }", "structured"),
-            ("{'descr': '|O', 'fortran_order': False, 'shape': (2,), }", "not a float type"),
-            ("{'descr': '<f4', 'fortran_order': 0, 'shape': (2,), }", "True or False"),
-            ("{'descr': '<f4', 'fortran_order': Falsey, 'shape': (2,), }", "True or False"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': [[[[[[[[[[[[[[[[[[[[[[[[[[2]]]]]]]]]]]]]]]]]]]]]]]]]], }", "tuple"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': ((2,),), }", "dimension"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': (2), }", "comma"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }", "dimension"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999999,), }", "too large"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", "key 'x'"),
-            ("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}", "given twice"),
+            (
+                "{'descr': '<i4', 'fortran_order': False, 'shape': (2,), }",
+                "dtype <i4 is not a float type",
+            ),
+            (
+                "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (2,), }",
+                "structured",
+            ),
+            (
+                "{'descr': '|O', 'fortran_order': False, 'shape': (2,), }",
+                "not a float type",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': 0, 'shape': (2,), }",
+                "True or False",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': Falsey, 'shape': (2,), }",
+                "True or False",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': [[[[[[[[[[[[[[[[[[[[[[[[[[2]]]]]]]]]]]]]]]]]]]]]]]]]], }",
+                "tuple",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': ((2,),), }",
+                "dimension",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2), }",
+                "comma",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }",
+                "dimension",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999999,), }",
+                "too large",
+            ),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}",
+                "key 'x'",
+            ),
+            (
+                "{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}",
+                "given twice",
+            ),
             ("{'descr': '<f4', 'shape': (2,)}", "no fortran_order"),
-            ("{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} junk", "text after"),
-            ("{'descr': '<f\\x34', 'fortran_order': False, 'shape': (2,)}", "quoted string"),
+            (
+                "{'descr': '<f4', 'fortran_order': False, 'shape': (2,)} junk",
+                "text after",
+            ),
+            (
+                "{'descr': '<f\\x34', 'fortran_order': False, 'shape': (2,)}",
+                "quoted string",
+            ),
             ("", "expected '{'"),
         ] {
             let e = parse(h).unwrap_err();
@@ -378,15 +440,34 @@ mod tests {
             assert!(!e.contains('\n') && e.chars().count() < 200, "{h}: {e}");
         }
         let shape = (0..65).map(|_| "1").collect::<Vec<_>>().join(",");
-        let e = parse(&format!("{{'descr':'<f4','fortran_order':False,'shape':({shape})}}")).unwrap_err();
+        let e = parse(&format!(
+            "{{'descr':'<f4','fortran_order':False,'shape':({shape})}}"
+        ))
+        .unwrap_err();
         assert!(e.contains("64"), "{e}");
-        assert!(read_header(&mut &b"\x93NUMPY\x09\x00\x00\x00"[..]).unwrap_err().contains("version 9"));
-        assert!(read_header(&mut &b"\x93NUMP"[..]).unwrap_err().contains("ends inside"));
-        assert!(read_header(&mut &b"PK\x03\x04xxxxxxxx"[..]).unwrap_err().contains("magic"));
+        assert!(
+            read_header(&mut &b"\x93NUMPY\x09\x00\x00\x00"[..])
+                .unwrap_err()
+                .contains("version 9")
+        );
+        assert!(
+            read_header(&mut &b"\x93NUMP"[..])
+                .unwrap_err()
+                .contains("ends inside")
+        );
+        assert!(
+            read_header(&mut &b"PK\x03\x04xxxxxxxx"[..])
+                .unwrap_err()
+                .contains("magic")
+        );
         // A length field past the cap is refused before anything that long is read or held.
         let mut v = b"\x93NUMPY\x02\x00".to_vec();
         v.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(read_header(&mut &v[..]).unwrap_err().contains("more than a header can be"));
+        assert!(
+            read_header(&mut &v[..])
+                .unwrap_err()
+                .contains("more than a header can be")
+        );
     }
 
     #[test]
@@ -402,7 +483,11 @@ mod tests {
             ] {
                 let t = Instant::now();
                 assert!(parse(&h).is_err());
-                assert!(t.elapsed() < Duration::from_millis(200), "{depth}: {:?}", t.elapsed());
+                assert!(
+                    t.elapsed() < Duration::from_millis(200),
+                    "{depth}: {:?}",
+                    t.elapsed()
+                );
             }
         }
     }
@@ -410,7 +495,10 @@ mod tests {
     #[test]
     fn excerpts_are_short_and_single_line() {
         assert_eq!(excerpt("abc", 80), "abc");
-        assert_eq!(excerpt(&"x".repeat(4 << 20), 80), format!("{}…", "x".repeat(80)));
+        assert_eq!(
+            excerpt(&"x".repeat(4 << 20), 80),
+            format!("{}…", "x".repeat(80))
+        );
         assert_eq!(excerpt("a\nb\x1b[31m", 80), "a\\nb\\u{1b}[31m");
     }
 
