@@ -150,6 +150,33 @@ mod tests {
         assert!(e.to_string().contains("more than a tap can be"), "{e}");
     }
 
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn proc_files_are_read_as_far_as_their_size_says() {
+        // /proc/self/pagemap states size 0 and reads without end: hashed and read as empty.
+        let t = std::time::Instant::now();
+        let p = Path::new("/proc/self/pagemap");
+        assert_eq!(sha256_file(p).unwrap().1, 0);
+        assert!(read_bounded(p, 1 << 20, "x").unwrap().is_empty());
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_link_leaving_the_folder_is_refused_one_staying_inside_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("t");
+        std::fs::create_dir_all(root.join("s000")).unwrap();
+        std::fs::write(root.join("a"), b"x").unwrap();
+        std::fs::write(dir.path().join("outside"), b"y").unwrap();
+        std::os::unix::fs::symlink("../a", root.join("s000/in")).unwrap();
+        std::os::unix::fs::symlink("../../outside", root.join("s000/out")).unwrap();
+        let root = root.canonicalize().unwrap();
+        assert!(open_inside(&root, Path::new("s000/in")).is_ok());
+        let e = open_inside(&root, Path::new("s000/out")).unwrap_err();
+        assert!(e.to_string().contains("outside the trace folder"), "{e}");
+    }
+
     #[cfg(unix)]
     #[test]
     fn a_fifo_is_refused_without_blocking() {
