@@ -163,7 +163,7 @@ fn entry<'a>(m: &'a mut Json, file: &str) -> &'a mut Json {
 /// A .npy file: `header` (the dict literal) padded as numpy pads it, then `data` bytes.
 fn npy(header: &str, data: &[u8]) -> Vec<u8> {
     let mut h = header.to_string();
-    while (10 + h.len() + 1) % 64 != 0 {
+    while !(10 + h.len() + 1).is_multiple_of(64) {
         h.push(' ');
     }
     h.push('\n');
