@@ -69,11 +69,18 @@ fn wanted(base: &Trace, cand: &Trace) -> (String, Option<u64>) {
     (sha.clone(), cm.size.or(bm.size))
 }
 
-/// The file at `p`, if it is a regular file of the recorded size (when one is recorded) whose
-/// streamed sha256 is `sha`. A FIFO, a device or a folder is never opened.
+/// The file at `p`, if it is a non-empty regular GGUF file of the recorded size (when one is
+/// recorded) whose streamed sha256 is `sha`. A FIFO, a device or a folder is never opened; a
+/// /proc file (size 0) is never read.
 fn open_if(p: &Path, sha: &str, size: Option<u64>) -> Option<Model> {
     let meta = std::fs::metadata(p).ok()?;
-    if !meta.is_file() || size.is_some_and(|n| meta.len() != n) {
+    if !meta.is_file() || meta.len() == 0 || size.is_some_and(|n| meta.len() != n) {
+        return None;
+    }
+    // Only a GGUF file is hashed: a /proc file such as /proc/kcore states a size of terabytes.
+    let mut magic = [0u8; 4];
+    std::io::Read::read_exact(&mut crate::trace::open::open_regular(p).ok()?, &mut magic).ok()?;
+    if &magic != b"GGUF" {
         return None;
     }
     let (hex, _) = crate::trace::open::sha256_file(p).ok()?;

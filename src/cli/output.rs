@@ -149,14 +149,19 @@ pub fn run_info<'a>(traces: impl IntoIterator<Item = &'a Trace>) -> RunInfo {
 }
 
 /// The model file a manifest names, as recorded or relative to the repository (goldens record
-/// repo-relative paths), if it is here and its sha256 matches the recorded one.
+/// repo-relative paths), if it is here and its sha256 matches the recorded one. Without a
+/// recorded sha256 nothing is adopted: any file of that name would do, e.g. an unrelated
+/// `./model.gguf` whose tokenizer would put its own words in the report.
 fn model_file(path: &str, sha256: &str) -> Option<GgufFile> {
+    if sha256.is_empty() {
+        return None;
+    }
     let p = Path::new(path);
     [p.to_path_buf(), repo_root().join(p)]
         .into_iter()
-        .filter(|c| c.is_file())
+        .filter(|c| std::fs::metadata(c).is_ok_and(|m| m.is_file() && m.len() > 0))
         .filter_map(|c| GgufFile::open(&c).ok())
-        .find(|f| sha256.is_empty() || sha256_hex(f.bytes()) == sha256)
+        .find(|f| sha256_hex(f.bytes()) == sha256)
 }
 
 /// Decode every trace's ids with its model's own tokenizer, where the model file is at hand, and
@@ -220,12 +225,13 @@ pub fn finish_with(
     out.validate(inputs)?;
     // Read the gate's snapshot before anything is written (it may be the --snapshot path too).
     let old = match &out.against {
-        Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
-            err(format!(
-                "{}: {e} (write one first with --snapshot {})",
-                p.display(),
-                p.display()
-            ))
+        Some(p) => Some(snapshot::read(p).map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                format!(" (write one first with --snapshot {})", p.display())
+            } else {
+                String::new()
+            };
+            err(format!("{}: {e}{hint}", p.display()))
         })?),
         None => None,
     };

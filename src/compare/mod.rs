@@ -215,13 +215,18 @@ pub fn compare(
                 b: b.shape().to_vec(),
             });
         }
-        let m = metrics(
-            &a.view(),
-            &b.view()
+        // Same count, other shape (`[T, n]` against `[T*n]`): the candidate is read in
+        // logical order in the baseline's shape, whatever its memory layout.
+        let b = b.as_standard_layout();
+        let b =
+            b.view()
                 .into_shape_with_order(a.shape())
-                .unwrap()
-                .into_dyn(),
-        );
+                .map_err(|_| CompareError::ShapeMismatch {
+                    key: *key,
+                    a: a.shape().to_vec(),
+                    b: b.shape().to_vec(),
+                })?;
+        let m = metrics(&a.view(), &b);
         let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap, depth);
         let gating = gates(opt.pair, key.tap);
         let pass = !m.non_finite_failure() && (!gating || m.nmse <= threshold);
@@ -426,9 +431,15 @@ fn aligned_embd(
     }))
 }
 
-fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayD<f32>) -> LogitStep {
-    let n_vocab = *a.shape().last().unwrap_or(&1);
-    let (va, vb): (Vec<f32>, Vec<f32>) = (a.iter().copied().collect(), b.iter().copied().collect());
+fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayViewD<f32>) -> LogitStep {
+    // Traces refuse empty axes on load; `max(1)` keeps an in-memory one from a zero chunk size.
+    let n_vocab = a.shape().last().copied().unwrap_or(1).max(1);
+    // Rows in logical order, without a copy when the tensors are in standard layout (as read).
+    let (a, b) = (a.as_standard_layout(), b.as_standard_layout());
+    let (va, vb) = (
+        a.as_slice().expect("standard layout"),
+        b.as_slice().expect("standard layout"),
+    );
     let stats: Vec<LogitStats> = va
         .chunks(n_vocab)
         .zip(vb.chunks(n_vocab))
@@ -437,11 +448,12 @@ fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayD<f32>) -
     let rows = stats.len();
     LogitStep {
         step,
-        kld_mean: stats.iter().map(|s| s.kld).sum::<f64>() / rows as f64,
+        kld_mean: stats.iter().map(|s| s.kld).sum::<f64>() / rows.max(1) as f64,
         kld_max: stats.iter().map(|s| s.kld).fold(0.0, f64::max),
         top1_agree: stats.iter().filter(|s| s.top1_base == s.top1_cand).count(),
         rows,
-        top5_overlap_mean: stats.iter().map(|s| s.top5_overlap as f64).sum::<f64>() / rows as f64,
+        top5_overlap_mean: stats.iter().map(|s| s.top5_overlap as f64).sum::<f64>()
+            / rows.max(1) as f64,
     }
 }
 

@@ -17,6 +17,27 @@ use crate::trace::Tap;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+/// The largest snapshot file read: a 100-layer model's comparisons take tens of KB; a bigger
+/// file is no snapshot of parity's and is refused before it is read.
+pub const MAX_SNAPSHOT_BYTES: u64 = 16 << 20;
+
+/// Read a snapshot file for `--against`: a regular file of at most [`MAX_SNAPSHOT_BYTES`], as
+/// text.
+pub fn read(path: &std::path::Path) -> std::io::Result<String> {
+    let bytes = crate::trace::open::read_bounded(path, MAX_SNAPSHOT_BYTES, "a parity snapshot")?;
+    String::from_utf8(bytes).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a parity snapshot (not UTF-8 text)",
+        )
+    })
+}
+
+/// A piece of the snapshot's own text as a message quotes it: short, one line.
+fn quote(s: &str) -> String {
+    crate::trace::npy::excerpt(s, crate::trace::npy::EXCERPT)
+}
+
 /// First line of the body; bumped when the layout changes.
 const FORMAT: &str = "parity snapshot v1";
 
@@ -275,7 +296,7 @@ fn parse(text: &str) -> Result<Vec<Parsed>, String> {
     let mut out: Vec<Parsed> = Vec::new();
     let mut header: Option<Vec<Tap>> = None;
     for (n, line) in lines.enumerate() {
-        let bad = |what: &str| format!("line {}: {what}: {line:?}", n + 2);
+        let bad = |what: &str| format!("line {}: {what}: \"{}\"", n + 2, quote(line));
         if line.trim().is_empty() {
             continue;
         }
@@ -359,7 +380,10 @@ pub fn against(comparisons: &[Comparison], old_text: &str) -> Result<Vec<String>
     let mut moved = Vec::new();
     for o in &old {
         if !new.iter().any(|n| n.title == o.title) {
-            moved.push(format!("{}: in the snapshot, not in this run", o.title));
+            moved.push(format!(
+                "{}: in the snapshot, not in this run",
+                quote(&o.title)
+            ));
         }
     }
     for n in &new {
@@ -375,13 +399,17 @@ pub fn against(comparisons: &[Comparison], old_text: &str) -> Result<Vec<String>
         ] {
             let was = o.fields.get(k).map_or("(missing)", |s| s.as_str());
             if was != now {
-                moved.push(format!("{t}: {k}: {was} -> {now}"));
+                moved.push(format!("{t}: {k}: {} -> {now}", quote(was)));
             }
         }
         if n.kld.is_some() {
             let was = o.fields.get("top-1").map_or("(missing)", |s| s.as_str());
             if was != n.top1 {
-                moved.push(format!("{t}: logits top-1 agreement: {was} -> {}", n.top1));
+                moved.push(format!(
+                    "{t}: logits top-1 agreement: {} -> {}",
+                    quote(was),
+                    n.top1
+                ));
             }
         }
         match (o.kld, n.kld) {

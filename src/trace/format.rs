@@ -97,7 +97,12 @@ impl Manifest {
 }
 
 enum Source {
-    Dir(PathBuf),
+    /// The folder as given (for messages) and its canonical path (what every file read from
+    /// it must stay inside).
+    Dir {
+        dir: PathBuf,
+        root: PathBuf,
+    },
     Memory(BTreeMap<TapKey, ArrayD<f32>>),
 }
 
@@ -141,17 +146,22 @@ impl Trace {
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
         let dir = dir.as_ref();
         let mpath = dir.join("manifest.json");
-        let bytes = super::open::read_bounded(&mpath, MAX_MANIFEST_BYTES, "a trace manifest")
+        // The folder itself may be a symlink the user named on purpose: resolved here, once;
+        // every file read from it after this must lie inside what it resolves to.
+        let root = std::fs::canonicalize(dir).map_err(io_err(dir))?;
+        let bytes = super::open::open_inside(&root, Path::new("manifest.json"))
+            .and_then(|f| super::open::read_file_bounded(f, MAX_MANIFEST_BYTES, "a trace manifest"))
             .map_err(io_err(&mpath))?;
         let bad = |what: String| TraceError::BadManifest {
             path: mpath.display().to_string(),
             what,
         };
-        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&bytes).map_err(|e| bad(head_tail(&e.to_string())))?;
         if manifest.format != FORMAT {
             return Err(bad(format!(
                 "format is '{}', expected '{FORMAT}'",
-                manifest.format
+                short(&manifest.format)
             )));
         }
         if manifest.version != VERSION {
@@ -190,9 +200,9 @@ impl Trace {
             // Positions run on from 0, one per token (what the judge's KV cache replays).
             if s.positions.iter().enumerate().any(|(k, &p)| p != next + k) {
                 return Err(bad(format!(
-                    "step {} has positions {:?}, expected {next}..{} (positions run on from 0 across the steps, one per token)",
+                    "step {} has positions {}, expected {next}..{} (positions run on from 0 across the steps, one per token)",
                     s.step,
-                    s.positions,
+                    short(&format!("{:?}", s.positions)),
                     next + s.positions.len()
                 )));
             }
@@ -208,7 +218,7 @@ impl Trace {
             if tap.per_layer() != t.layer.is_some() {
                 return Err(bad(format!(
                     "tap '{}' {} a layer",
-                    t.tap,
+                    short(&t.tap),
                     if tap.per_layer() {
                         "needs"
                     } else {
@@ -216,25 +226,38 @@ impl Trace {
                     }
                 )));
             }
+            // Names are checked here; where a name leads (symlinks) when the file is opened.
             if t.file.contains("..") || Path::new(&t.file).is_absolute() {
                 return Err(bad(format!(
                     "tensor file '{}' leaves the trace folder",
-                    t.file
+                    short(&t.file)
                 )));
             }
             if t.step >= manifest.steps.len() {
                 return Err(bad(format!(
                     "tensor '{}' is for step {}, which the manifest's steps do not list",
-                    t.file, t.step
+                    short(&t.file),
+                    t.step
                 )));
             }
             if let Some(l) = t.layer.filter(|&l| l > MAX_POSITION) {
-                return Err(bad(format!("tensor '{}' has layer {l}", t.file)));
+                return Err(bad(format!("tensor '{}' has layer {l}", short(&t.file))));
             }
-            if npy_bound(t).is_none() {
+            if tap_elements(t).is_none() {
                 return Err(bad(format!(
-                    "tensor '{}': shape {:?} of dtype '{}' is not a float tensor parity can hold",
-                    t.file, t.shape, t.dtype
+                    "tensor '{}': shape {} of dtype '{}' is not a float tensor parity can hold",
+                    short(&t.file),
+                    short(&format!("{:?}", t.shape)),
+                    short(&t.dtype)
+                )));
+            }
+            // An empty axis has nothing to compare, and every row/column split downstream
+            // (logit rows, head rows) would divide by it: refused here, once.
+            if t.shape.contains(&0) {
+                return Err(bad(format!(
+                    "tensor '{}' has shape {}: an empty axis (a tap holds at least one value)",
+                    short(&t.file),
+                    short(&format!("{:?}", t.shape))
                 )));
             }
             let key = TapKey::new(t.step, t.layer, tap);
@@ -245,7 +268,10 @@ impl Trace {
         Ok(Trace {
             manifest,
             keys,
-            source: Source::Dir(dir.to_path_buf()),
+            source: Source::Dir {
+                dir: dir.to_path_buf(),
+                root,
+            },
             extra,
         })
     }
@@ -277,22 +303,7 @@ impl Trace {
         };
         match &self.source {
             Source::Memory(m) => Ok(m.get(key).cloned()),
-            Source::Dir(dir) => {
-                let e = &self.manifest.tensors[i];
-                let max = npy_bound(e).expect("checked at open");
-                let a = read_npy_bounded(&dir.join(&e.file), max)?;
-                if a.shape() != e.shape.as_slice() {
-                    return Err(TraceError::BadTensor {
-                        path: dir.join(&e.file).display().to_string(),
-                        what: format!(
-                            "shape {:?} differs from the manifest's {:?}",
-                            a.shape(),
-                            e.shape
-                        ),
-                    });
-                }
-                Ok(Some(a))
-            }
+            Source::Dir { dir, root } => read_tap(dir, root, &self.manifest.tensors[i]).map(Some),
         }
     }
 }
@@ -543,138 +554,110 @@ pub const MAX_POSITION: usize = 1 << 24;
 /// Largest tensor a tap may hold (elements): the logits of a 256k vocabulary over a 16k-token
 /// prefill are 2^32; a bigger shape is a corrupt manifest, not a tap.
 const MAX_TAP_ELEMENTS: u64 = 1 << 33;
-/// Room for the .npy header (numpy writes far less; version 1 headers are < 64 KiB).
-const NPY_HEADER_MAX: u64 = 1 << 20;
 
-/// Bytes element of a manifest dtype (what `read_npy` accepts).
-fn dtype_size(d: &str) -> Option<u64> {
-    match d {
-        "<f4" | ">f4" | "float32" | "f4" => Some(4),
-        "<f2" | ">f2" | "float16" | "f2" => Some(2),
-        "<f8" | ">f8" | "float64" | "f8" => Some(8),
-        _ => None,
-    }
+/// A piece of a file's own text as an error line quotes it: short, one line.
+fn short(s: &str) -> String {
+    super::npy::excerpt(s, super::npy::EXCERPT)
 }
 
-/// The most bytes the .npy of entry `e` may hold: its shape in its dtype plus a header; None for
-/// a shape too large for a tap or a dtype that is not one parity reads.
-fn npy_bound(e: &TensorEntry) -> Option<u64> {
-    let n = e
-        .shape
+/// A parser's message, which may quote a whole string of the file, cut to its head and its
+/// tail (where serde_json says the line and column).
+fn head_tail(msg: &str) -> String {
+    let n = msg.chars().count();
+    if n <= 2 * super::npy::EXCERPT {
+        return short(msg);
+    }
+    let tail: String = msg.chars().skip(n - 40).collect();
+    format!("{} {}", short(msg), short(&tail))
+}
+
+/// The number of values entry `e`'s shape holds, None past what a tap may hold (the dtype is the
+/// file header's to state: `read_tap` decodes by it).
+fn tap_elements(e: &TensorEntry) -> Option<u64> {
+    e.shape
         .iter()
         .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
-        .filter(|&n| n <= MAX_TAP_ELEMENTS)?;
-    // An unknown dtype string may still be a float the file's own header names: allow f64's size.
-    let size = dtype_size(&e.dtype).unwrap_or(8);
-    Some(n * size + NPY_HEADER_MAX)
+        .filter(|&n| n <= MAX_TAP_ELEMENTS)
 }
 
-/// Read a .npy file of f32, f16 or f64, either byte order, C or Fortran order, as an f32
-/// tensor (f16 widens exactly; f64 rounds to nearest f32, past f32's range to ±inf). The file
-/// must be a regular file of at most `max` bytes.
-/// The dimensions a .npy header states (`'shape': (20, 256)`), when it can be read; anything
-/// else is left to the .npy reader to refuse.
-fn npy_header_shape(bytes: &[u8]) -> Option<Vec<u64>> {
-    let rest = bytes.strip_prefix(b"\x93NUMPY")?;
-    let (len, at): (usize, usize) = match rest.first()? {
-        1 => (
-            u16::from_le_bytes([*rest.get(2)?, *rest.get(3)?]) as usize,
-            10,
-        ),
-        _ => (
-            u32::from_le_bytes(rest.get(2..6)?.try_into().ok()?) as usize,
-            12,
-        ),
-    };
-    let header = std::str::from_utf8(bytes.get(at..at.checked_add(len)?)?).ok()?;
-    let after = header.split_once("shape")?.1;
-    let tuple = after.split_once('(')?.1.split_once(')')?.0;
-    tuple
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .map(|d| d.trim_end_matches('L').parse::<u64>().ok())
-        .collect()
-}
-
-fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
+/// Read the tap of entry `e` from the trace folder `dir` (canonical: `root`) as an f32 tensor in
+/// standard (C) layout: f32, f16 (widened exactly) or f64 (rounded to nearest, past f32's range
+/// to ±inf), either byte order, C or Fortran order. Before any data is read, the file must lie
+/// inside the folder, be a regular file, and its header must state the manifest's shape and a
+/// float dtype whose size, with the header, is exactly the file's size: nothing is read or
+/// allocated by what an unchecked field says, and the data is decoded straight into the
+/// tensor (never held twice, but for a Fortran-order file's conversion).
+fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, TraceError> {
+    use std::io::Read;
+    let path = dir.join(&e.file);
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
         what,
     };
-    let bytes =
-        super::open::read_bounded(path, max, "this tap's shape and dtype").map_err(io_err(path))?;
-    // npyz multiplies the header's dimensions unchecked (a panic, or a wrapped count): a
-    // shape whose element count overflows is refused first.
-    if let Some(dims) = npy_header_shape(&bytes)
-        && dims
-            .iter()
-            .try_fold(1u64, |a, &d| a.checked_mul(d))
-            .is_none()
-    {
+    let f = super::open::open_inside(root, Path::new(&e.file)).map_err(io_err(&path))?;
+    let len = f.metadata().map_err(io_err(&path))?.len();
+    // Never read past the size the file had when opened (a /proc file, a file still growing).
+    let mut r = f.take(len);
+    let h = super::npy::read_header(&mut r).map_err(bad)?;
+    let dims = |d: &[u64]| {
+        short(&format!(
+            "[{}]",
+            d.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    };
+    let want_shape: Vec<u64> = e.shape.iter().map(|&d| d as u64).collect();
+    if h.shape != want_shape {
         return Err(bad(format!(
-            "the header's shape {dims:?} is too large (its element count overflows)"
+            "shape {} differs from the manifest's {}",
+            dims(&h.shape),
+            dims(&want_shape)
         )));
     }
-    // (npyz's header parse errors run over several lines: the first one says it.)
-    let npy = npyz::NpyFile::new(&bytes[..]).map_err(|e| {
-        let e = e.to_string();
-        let first = e.lines().next().unwrap_or_default().split_whitespace();
+    let descr = h.dtype.descr();
+    let shape_txt = dims(&want_shape);
+    // At most MAX_TAP_ELEMENTS (checked at open) of at most 8 bytes: no overflow.
+    let n = tap_elements(e).expect("checked at open");
+    let size = h.dtype.size as u64;
+    let want = n * size;
+    let have = len.saturating_sub(h.data_offset);
+    if have < want {
+        return Err(bad(format!(
+            "truncated ({have} of {want} bytes of {descr} data for shape {shape_txt})"
+        )));
+    }
+    if have > want {
+        return Err(bad(format!(
+            "{have} bytes of data after the header, shape {shape_txt} of {descr} needs {want}"
+        )));
+    }
+    let mut data: Vec<f32> = Vec::new();
+    data.try_reserve_exact(n as usize).map_err(|_| {
         bad(format!(
-            "not a .npy file: {}",
-            first.collect::<Vec<_>>().join(" ")
+            "shape {shape_txt} is {n} values ({} bytes as float32), more than this machine can hold",
+            n * 4
         ))
     })?;
-    let shape: Vec<usize> = npy.shape().iter().map(|&d| d as usize).collect();
-    let fortran = npy.order() == npyz::Order::Fortran;
-    let descr = npy
-        .dtype()
-        .descr()
-        .trim_matches(|c| c == '\'' || c == '"')
-        .to_string();
-    // What follows the header is the data, element after element.
-    let data_bytes: &[u8] = npy.into_inner();
-    let (size, big) = match descr.as_str() {
-        "<f4" => (4, false),
-        ">f4" => (4, true),
-        "<f2" => (2, false),
-        ">f2" => (2, true),
-        "<f8" => (8, false),
-        ">f8" => (8, true),
-        other => {
-            return Err(bad(format!(
-                "dtype {other} is not a float type (use float32, float16 or float64)"
-            )));
-        }
-    };
-    let shape_txt = shape
-        .iter()
-        .map(|d| d.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let n: usize = shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .ok_or_else(|| bad(format!("shape [{shape_txt}] is too large")))?;
-    let want = n
-        .checked_mul(size)
-        .ok_or_else(|| bad(format!("shape [{shape_txt}] is too large")))?;
-    if data_bytes.len() < want {
-        return Err(bad(format!(
-            "truncated ({} of {want} bytes of {descr} data for shape [{shape_txt}])",
-            data_bytes.len()
-        )));
-    }
-    if data_bytes.len() > want {
-        return Err(bad(format!(
-            "{} bytes of data after the header, shape [{shape_txt}] of {descr} needs {want}",
-            data_bytes.len()
-        )));
-    }
-    let data: Vec<f32> = match size {
-        2 => data_bytes
-            .chunks_exact(2)
-            .map(|c| {
+    let big = h.dtype.big_endian;
+    // Decoded piece by piece: the file's bytes are never held whole beside the tensor.
+    let mut buf = vec![0u8; 1 << 16];
+    let mut left = want as usize;
+    while left > 0 {
+        let k = left.min(buf.len());
+        r.read_exact(&mut buf[..k]).map_err(|err| {
+            if err.kind() == std::io::ErrorKind::UnexpectedEof {
+                bad(format!(
+                    "truncated while read (the file shrank under {want} bytes of data)"
+                ))
+            } else {
+                io_err(&path)(err)
+            }
+        })?;
+        let piece = &buf[..k];
+        match size {
+            2 => data.extend(piece.chunks_exact(2).map(|c| {
                 let b = [c[0], c[1]];
                 let bits = if big {
                     u16::from_be_bytes(b)
@@ -682,37 +665,34 @@ fn read_npy_bounded(path: &Path, max: u64) -> Result<ArrayD<f32>, TraceError> {
                     u16::from_le_bytes(b)
                 };
                 half::f16::from_bits(bits).to_f32()
-            })
-            .collect(),
-        4 => data_bytes
-            .chunks_exact(4)
-            .map(|c| {
+            })),
+            4 => data.extend(piece.chunks_exact(4).map(|c| {
                 let b = [c[0], c[1], c[2], c[3]];
                 if big {
                     f32::from_be_bytes(b)
                 } else {
                     f32::from_le_bytes(b)
                 }
-            })
-            .collect(),
-        _ => data_bytes
-            .chunks_exact(8)
-            .map(|c| {
+            })),
+            _ => data.extend(piece.chunks_exact(8).map(|c| {
                 let b: [u8; 8] = c.try_into().expect("chunks of 8");
                 (if big {
                     f64::from_be_bytes(b)
                 } else {
                     f64::from_le_bytes(b)
                 }) as f32
-            })
-            .collect(),
-    };
-    let sh = if fortran {
-        IxDyn(&shape).f()
+            })),
+        }
+        left -= k;
+    }
+    let shape: Vec<usize> = e.shape.clone();
+    if h.fortran_order {
+        // Standard layout from here on: every consumer may reshape and slice rows.
+        let a = ArrayD::from_shape_vec(IxDyn(&shape).f(), data).map_err(|x| bad(x.to_string()))?;
+        Ok(a.as_standard_layout().into_owned())
     } else {
-        IxDyn(&shape).into_shape_with_order()
-    };
-    ArrayD::from_shape_vec(sh, data).map_err(|e| bad(e.to_string()))
+        ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|x| bad(x.to_string()))
+    }
 }
 
 /// A sink that streams wanted taps straight to a trace folder (low memory for big models).
