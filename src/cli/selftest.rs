@@ -186,7 +186,7 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         programs: Programs {
             parity: std::env::current_exe()?,
             python: super::python(),
-            numpy_engine: super::repo_root().join("scripts/numpy_engine.py"),
+            numpy_engine: super::script("numpy_engine.py"),
         },
     };
     let mut first = true;
