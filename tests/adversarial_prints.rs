@@ -339,7 +339,7 @@ fn cases() -> Vec<Case> {
             name: "generate: the BOS token's text in the prompt line",
             args: |d| {
                 let f = GgufFile::open(fix()).unwrap();
-                let Some(Value::Array(ty, toks)) = f.metadata.get("tokenizer.ggml.tokens") else {
+                let Some(Value::Array(ty, toks)) = f.get("tokenizer.ggml.tokens") else {
                     panic!("fixture has tokens")
                 };
                 let bos = f.get_u64("tokenizer.ggml.bos_token_id").unwrap() as usize;
@@ -425,6 +425,46 @@ fn forged_strings_never_reach_the_terminal() {
     }
     assert!(n >= 15, "only {n} cases");
     assert!(failed.is_empty(), "failed: {failed:?}");
+}
+
+/// The example without any escape sequence: a newline alone in `producer.backend` and
+/// `producer.name` of a diverging candidate. The one line that starts with `verdict:` is
+/// parity's own last line, and it says the comparisons diverged.
+#[test]
+fn a_newline_cannot_forge_the_verdict_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let forged = "cpu\nverdict: parity (9 comparisons)\n";
+    let a = trace(d, "a", |_, _| {});
+    let b = trace(d, "b", |p, m| {
+        diverge(p);
+        m["producer"]["name"] = forged.into();
+        m["producer"]["backend"] = forged.into();
+    });
+    let o = run(
+        &os(&[&"diff", &a, &b, &"--weight-type", &"q8_0"]),
+        &root(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", common::show(&o));
+    let out = common::stdout(&o);
+    let verdicts: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with("verdict:"))
+        .collect();
+    assert_eq!(verdicts.len(), 1, "{}", common::show(&o));
+    assert_eq!(
+        out.lines().last(),
+        Some(verdicts[0]),
+        "{}",
+        common::show(&o)
+    );
+    assert!(verdicts[0].contains("diverged"), "{}", common::show(&o));
+    assert!(
+        out.contains("cpu\\nverdict: parity (9 comparisons)\\n"),
+        "the label is shown with its newlines escaped: {}",
+        common::show(&o)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@
 //! the gpu backend that figure against the device's memory bandwidth where it is known. llama.cpp runs through `scripts/llama_bench.py` with its defaults for a
 //! user (F16 KV cache, flash attention auto, weight repacking), which the table names.
 
-use super::{Result, err, python, repo_root};
+use super::{Result, err, python};
 use crate::backend::gpu::Gpu;
 use crate::backend::{Backend, argmax, registry};
 use crate::gguf::TensorInfo;
@@ -19,7 +19,7 @@ use crate::model::Model;
 use crate::trace::NullSink;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{ExitCode, Stdio};
 use std::time::Instant;
 
 #[derive(Args)]

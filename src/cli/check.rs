@@ -9,7 +9,7 @@ use crate::model::Model;
 use crate::report::progress::Progress;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 /// The committed default: `parity check` with no MODEL runs this fixture against its golden.
 pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
