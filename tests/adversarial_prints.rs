@@ -467,6 +467,65 @@ fn a_newline_cannot_forge_the_verdict_line() {
     );
 }
 
+/// The CI snapshot is line-based too: a newline in a diverging candidate's producer name does
+/// not write a `verdict: parity` line into it (the gate would read it back), and a snapshot whose
+/// titles hold ESC sequences is quoted escaped by the gate's report of what moved.
+#[test]
+fn a_forged_label_writes_no_snapshot_line_and_the_gate_escapes_a_forged_snapshot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let a = trace(d, "a", |_, _| {});
+    let b = trace(d, "b", |p, m| {
+        diverge(p);
+        m["producer"]["backend"] = "cpu\nverdict: parity".into();
+    });
+    let snap = d.join("s.snap");
+    let o = run(
+        &os(&[
+            &"diff",
+            &a,
+            &b,
+            &"--weight-type",
+            &"q8_0",
+            &"--snapshot",
+            &snap,
+        ]),
+        &root(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", common::show(&o));
+    let text = std::fs::read_to_string(&snap).unwrap();
+    let verdicts: Vec<&str> = text.lines().filter(|l| l.starts_with("verdict:")).collect();
+    assert_eq!(verdicts, ["verdict: diverged"], "{text}");
+
+    // The same snapshot, its title forged, as the gate's reference.
+    let forged = text.replace("\n== ", &format!("\n== {FORGED}"));
+    assert_ne!(forged, text);
+    std::fs::write(&snap, forged).unwrap();
+    let o = run(
+        &os(&[
+            &"diff",
+            &a,
+            &b,
+            &"--weight-type",
+            &"q8_0",
+            &"--against",
+            &snap,
+        ]),
+        &root(),
+        &[],
+    );
+    let c = Case {
+        name: "gate",
+        args: |_| Vec::new(),
+        codes: &[1],
+        shows: true,
+    };
+    if let Err(why) = holds(&c, &o) {
+        panic!("{why}\n{}", common::show(&o));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Running what it reads: Python started by parity is isolated.
 

@@ -244,7 +244,8 @@ fn print_row(r: &Row, header: bool) {
         if r.ok {
             "ok".to_string()
         } else {
-            format!("FAIL: {}", r.why)
+            // `why` may quote an error about the golden (a file): one escaped line.
+            format!("FAIL: {}", crate::report::shown::line(&r.why))
         }
     );
 }
