@@ -88,10 +88,11 @@ pub fn python(root: &Path) -> PathBuf {
         })
 }
 
-/// Does `python -c code` succeed?
+/// Does `python -I -c code` succeed? Isolated, as parity runs Python: the working folder's
+/// modules neither satisfy nor break the probe.
 pub fn python_can(python: &Path, code: &str) -> bool {
     Command::new(python)
-        .args(["-c", code])
+        .args(["-I", "-c", code])
         .output()
         .is_ok_and(|o| o.status.success())
 }

@@ -476,7 +476,9 @@ fn write_trace(
         }
         Engine::Numpy => {
             let mut c = std::process::Command::new(&opt.programs.python);
-            c.arg(&opt.programs.numpy_engine);
+            // Isolated (`-I`): no working folder or script folder on sys.path, no PYTHON*
+            // variables, no user site, so a `numpy.py` where selftest runs is not imported.
+            c.arg("-I").arg(&opt.programs.numpy_engine);
             c.arg(model_path).arg("--golden").arg(&opt.golden);
             c.args(["--rounding", rounding.decode.numpy_name()]);
             if let Some(p) = rounding.prefill {

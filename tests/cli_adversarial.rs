@@ -175,7 +175,7 @@ fn fake_python(dir: &Path) -> PathBuf {
     let p = dir.join("fake-python");
     std::fs::write(
         &p,
-        "#!/bin/sh\nif [ \"$1\" = -c ]; then exit 0; fi\n\
+        "#!/bin/sh\n[ \"$1\" = -I ] && shift\nif [ \"$1\" = -c ]; then exit 0; fi\n\
          echo 'Traceback (most recent call last):' >&2\n\
          echo '  File \"llama_golden.py\", line 1, in <module>' >&2\n\
          echo 'MemoryError' >&2\nexit 1\n",
@@ -192,7 +192,7 @@ fn aborting_python(dir: &Path) -> PathBuf {
     let p = dir.join("abort-python");
     std::fs::write(
         &p,
-        "#!/bin/sh\nif [ \"$1\" = -c ]; then exit 0; fi\n\
+        "#!/bin/sh\n[ \"$1\" = -I ] && shift\nif [ \"$1\" = -c ]; then exit 0; fi\n\
          mkdir \"$(dirname \"$4\")/.$(basename \"$4\").partial-$$\"\n\
          echo 'GGML_ASSERT(false) failed' >&2\nkill -ABRT $$\n",
     )

@@ -11,7 +11,7 @@
 //! the gpu backend that figure against the device's memory bandwidth where it is known. llama.cpp runs through `scripts/llama_bench.py` with its defaults for a
 //! user (F16 KV cache, flash attention auto, weight repacking), which the table names.
 
-use super::{Result, err, python, repo_root};
+use super::{Result, err, python};
 use crate::backend::gpu::Gpu;
 use crate::backend::{Backend, argmax, registry};
 use crate::gguf::TensorInfo;
@@ -19,7 +19,7 @@ use crate::model::Model;
 use crate::trace::NullSink;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{ExitCode, Stdio};
 use std::time::Instant;
 
 #[derive(Args)]
@@ -184,9 +184,10 @@ fn time_llama(
     threads: usize,
 ) -> std::result::Result<serde_json::Value, LlamaUnavailable> {
     let py = python();
-    let script = repo_root().join("scripts/llama_bench.py");
+    let script = super::script("llama_bench.py");
     let tokens: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-    let mut cmd = Command::new(&py);
+    // Isolated (`-I`): nothing in the working folder is imported.
+    let mut cmd = super::python_command();
     cmd.arg(&script)
         .arg(path)
         .arg("--tokens")
@@ -697,7 +698,11 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     match llama {
         Some(Err(LlamaUnavailable(why))) => {
-            eprintln!("llama.cpp could not be run ({why}); {INSTALL_HINT}");
+            // `why` quotes the script's last stderr line: one escaped line.
+            eprintln!(
+                "llama.cpp could not be run ({}); {INSTALL_HINT}",
+                crate::report::shown::line(&why)
+            );
             Ok(ExitCode::from(2))
         }
         _ => Ok(ExitCode::SUCCESS),

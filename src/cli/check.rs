@@ -9,7 +9,7 @@ use crate::model::Model;
 use crate::report::progress::Progress;
 use clap::Args;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 /// The committed default: `parity check` with no MODEL runs this fixture against its golden.
 pub const DEFAULT_FIXTURE: &str = "fixtures/tiny-llama-q8_0.gguf";
@@ -140,12 +140,13 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     // the output; the next run clears those whose process is gone.
     crate::trace::staging::remove_stale(&out_dir);
     drop(model);
-    let script = repo_root().join("scripts/llama_golden.py");
+    let script = super::script("llama_golden.py");
     if !script.exists() {
         return Err(err(format!("{} not found", script.display())));
     }
     let py = python();
-    let probe = Command::new(&py)
+    // Isolated (`-I`): a `llama_cpp.py` in the working folder is not what gets imported.
+    let probe = super::python_command()
         .args(["-c", "import llama_cpp, numpy"])
         .output();
     match probe {
@@ -164,7 +165,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         }
     }
     eprintln!("prompt ids: {} — {policy}", join_ids(&ids));
-    let mut cmd = Command::new(&py);
+    let mut cmd = super::python_command();
     cmd.arg(&script).arg(model_s).arg("--out").arg(out_s);
     cmd.arg("--tokens").arg(join_ids(&ids));
     if let Some(p) = &a.input.prompt {
@@ -225,7 +226,8 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     drop(spin);
     let log = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
-        eprint!("{log}");
+        // llama.cpp's log quotes the model's metadata: kept as lines, controls escaped.
+        eprint!("{}", crate::report::shown::text(&log));
         return Ok(ExitCode::SUCCESS);
     }
     // The script removes its temporary folder on exit; killed by a signal (llama.cpp's
@@ -446,7 +448,10 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             eprintln!("prompt ids: {} — {}", join_ids(&r.prompt), r.ids_from);
         }
         match &r.golden {
-            Some((p, _)) => eprintln!("golden: {}", p.display()),
+            Some((p, _)) => eprintln!(
+                "golden: {}",
+                crate::report::shown::line(&p.display().to_string())
+            ),
             None => eprintln!(
                 "golden: none for sha256 {}… in {} — comparing backends with each other only (all fed the first one's greedy continuation)",
                 &model.sha256()[..12],
@@ -518,7 +523,11 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         }
         line.pop();
         let to_stderr = a.report.json.as_deref() == Some(Path::new("-"));
-        for l in std::iter::once(&line).chain(&r.notes) {
+        // Notes quote the golden's manifest (its backend name): one escaped line each.
+        for l in std::iter::once(&line)
+            .chain(&r.notes)
+            .map(|l| crate::report::shown::line(l))
+        {
             if to_stderr {
                 eprintln!("{l}");
             } else {

@@ -226,7 +226,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         if !extra.is_empty() && !a.report.quiet {
             eprintln!(
                 "note: the {side} records taps parity does not know (kept, not compared): {}",
-                extra.join(", ")
+                crate::report::shown::line(&extra.join(", "))
             );
         }
     }
@@ -346,8 +346,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let j = d.judgement.expect("judged with the model");
     say(&format!(
         "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}{}",
-        c.candidate,
-        c.baseline,
+        report::shown(&c.candidate),
+        report::shown(&c.baseline),
         report::table_styled(&c, !to_stderr && report::colour_stdout()),
         // Drift past the end-to-end tolerances (a NaN in the baseline) is a divergence too.
         // (Token ids that differ are the verdict below.)
@@ -359,7 +359,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     ));
     say(&format!(
         "model: {} ({}, judged in {:.1} s)\n{}",
-        model_path.display(),
+        // Found by a manifest's path, which the file chose.
+        report::shown(&model_path.display().to_string()),
         model.main_weight_type(),
         t0.elapsed().as_secs_f64(),
         judge::render(&j)

@@ -4,6 +4,7 @@ use super::{Result, err};
 use crate::gguf::{GgmlType, GgufFile, Value};
 use crate::model::Config;
 use crate::model::fixture::{FixtureSpec, build};
+use crate::report::shown::{line, shown};
 use clap::Args;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -133,16 +134,21 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     writeln!(
         o,
         "{}: GGUF v{}, {} bytes, {} metadata keys, {} tensors, alignment {}",
-        a.model.display(),
+        line(&a.model.display().to_string()),
         f.version,
         f.bytes().len(),
         f.metadata.len(),
         f.tensors.len(),
         f.alignment
     )?;
-    writeln!(o, "architecture: {}", f.architecture().unwrap_or("(none)"))?;
+    // Every string below is the file's own: shown escaped and capped (`report::shown`).
+    writeln!(
+        o,
+        "architecture: {}",
+        f.architecture().map_or("(none)".into(), shown)
+    )?;
     if let Some(name) = f.get_str("general.name") {
-        writeln!(o, "name: {name}")?;
+        writeln!(o, "name: {}", shown(name))?;
     }
     match &config {
         Ok(c) => {
@@ -218,17 +224,20 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             }
             writeln!(o, "  {}", extra.join(", "))?;
         }
-        Err(e) if !f.tensors.is_empty() => {
-            writeln!(o, "hyperparameters: not a runnable model: {e}")?
-        }
+        Err(e) if !f.tensors.is_empty() => writeln!(
+            o,
+            "hyperparameters: not a runnable model: {}",
+            line(&e.to_string())
+        )?,
         Err(_) => writeln!(o, "hyperparameters: none (vocab-only file)")?,
     }
     match tok_model {
         Some(m) => writeln!(
             o,
-            "tokenizer: {m}{} with {} tokens, bos {} eos {} add_bos {}",
+            "tokenizer: {}{} with {} tokens, bos {} eos {} add_bos {}",
+            shown(m),
             f.get_str("tokenizer.ggml.pre")
-                .map(|p| format!(" (pre {p})"))
+                .map(|p| format!(" (pre {})", shown(p)))
                 .unwrap_or_default(),
             n_tokens.unwrap_or(0),
             or_none(f.get_u64("tokenizer.ggml.bos_token_id")),
@@ -240,7 +249,8 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     if a.metadata {
         writeln!(o, "metadata:")?;
         for (k, v) in &f.metadata {
-            writeln!(o, "  {k} = {}", v.summary())?;
+            // summary() quotes strings with `{:?}`, which escapes them.
+            writeln!(o, "  {} = {}", shown(k), v.summary())?;
         }
     }
     let types: Vec<String> = by_type.iter().map(|(t, n)| format!("{n} {t}")).collect();
@@ -254,7 +264,7 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
         let w = f
             .tensors
             .iter()
-            .map(|t| t.name.len())
+            .map(|t| shown(&t.name).chars().count())
             .max()
             .unwrap_or(4)
             .max(4);
@@ -268,7 +278,7 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             writeln!(
                 o,
                 "  {:<w$}  {:<6}  {:>20}  {:>12}",
-                t.name,
+                shown(&t.name),
                 t.ty.name(),
                 shape,
                 t.n_bytes

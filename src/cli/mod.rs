@@ -107,9 +107,11 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            // One line, whatever the error's own formatting.
+            // One line, whatever the error's own formatting: parity's own line breaks read as
+            // spaces; whatever a file put into the message (an ESC, a CR, a bidi override) is
+            // escaped, and a quoted excerpt cannot make the line unbounded.
             let msg = e.to_string().replace('\n', " ");
-            eprintln!("error: {msg}");
+            eprintln!("error: {}", crate::report::shown::line(&msg));
             ExitCode::from(2)
         }
     }
@@ -147,6 +149,23 @@ was the model truncated or rewritten during the run?\n";
 /// copy it unpacks from itself when installed elsewhere (`assets`).
 pub fn repo_root() -> PathBuf {
     assets::root()
+}
+
+/// A command running [`python`] isolated (`-I`): neither the working folder nor the script's
+/// folder on `sys.path`, no PYTHON* variables (PYTHONPATH, PYTHONSTARTUP), no user
+/// site-packages, so a `llama_cpp.py`, `numpy.py` or `sitecustomize.py` lying where parity runs
+/// is never imported. parity's scripts import no module beside them, and are passed by
+/// absolute path ([`script`]).
+pub fn python_command() -> std::process::Command {
+    let mut c = std::process::Command::new(python());
+    c.arg("-I");
+    c
+}
+
+/// The absolute path of scripts/`name` (the working folder never decides which file runs).
+pub fn script(name: &str) -> PathBuf {
+    let p = repo_root().join("scripts").join(name);
+    std::path::absolute(&p).unwrap_or(p)
 }
 
 /// The Python that runs scripts/ (goldens, the llama.cpp side of `bench`): $PARITY_PYTHON, else

@@ -120,6 +120,8 @@ pub fn show(c: &Comparison, header: &str, with_table: bool, out: &ReportArgs) {
     if out.quiet {
         return;
     }
+    // Headers name the traces' producers: escaped as one line.
+    let header = report::shown::line(header);
     let text = format!(
         "{header}\n{}{}\n",
         if with_table {
@@ -326,7 +328,8 @@ pub fn finish_with(
                 p.display()
             ));
             for m in &moved {
-                say(format!("  {m}"));
+                // Keys of the old snapshot, a file: escaped and capped.
+                say(format!("  {}", report::shown::line(m)));
             }
             say(format!(
                 "gate: the new snapshot is {} (review: `cargo insta review`, or `mv {} {}` to accept)",

@@ -6,6 +6,7 @@ use crate::backend::{self, Backend, Emulation, Reference};
 use crate::gguf::GgufFile;
 use crate::model::Model;
 use crate::model::tokenizer::Tokenizer;
+use crate::report::shown::shown;
 use crate::trace::{ModelRef, Producer, TapFilter, Trace, TraceWriter};
 use clap::Args;
 use std::path::{Path, PathBuf};
@@ -39,7 +40,7 @@ pub fn prompt_ids(
     let bert = tok.kind() == "bert";
     let name = |id: u32| {
         tok.token_text(id)
-            .map_or_else(|| id.to_string(), |t| format!("{t} ({id})"))
+            .map_or_else(|| id.to_string(), |t| format!("{} ({id})", shown(t)))
     };
     let first_s = match first {
         Some(id) if no_bos => format!("{} left out (--no-bos)", name(id)),
@@ -351,7 +352,9 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
     eprintln!("{}", rounding_line(b.as_ref(), &model));
     let eos = if a.ignore_eos { None } else { tok.eos_id() };
     let out = generate_checked(b.as_mut(), &ids, a.n, eos)?;
-    println!("{}", tok.decode(&out));
+    // The generated text is the product: its newlines and tabs are kept, any other control
+    // character a vocabulary's tokens hold (ESC, CR, a bidi override) is escaped.
+    println!("{}", crate::report::shown::text(&tok.decode(&out)));
     println!("ids: {}", ids_text(&out));
     Ok(ExitCode::SUCCESS)
 }

@@ -193,7 +193,7 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         programs: Programs {
             parity: std::env::current_exe()?,
             python: super::python(),
-            numpy_engine: super::repo_root().join("scripts/numpy_engine.py"),
+            numpy_engine: super::script("numpy_engine.py"),
         },
     };
     let mut first = true;
@@ -251,7 +251,8 @@ fn print_row(r: &Row, header: bool) {
         if r.ok {
             "ok".to_string()
         } else {
-            format!("FAIL: {}", r.why)
+            // `why` may quote an error about the golden (a file): one escaped line.
+            format!("FAIL: {}", crate::report::shown::line(&r.why))
         }
     );
 }

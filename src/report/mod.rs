@@ -6,9 +6,11 @@ pub mod html;
 pub mod info;
 pub mod json;
 pub mod progress;
+pub mod shown;
 pub mod snapshot;
 
 pub use info::{RunInfo, TraceInfo};
+pub use shown::shown;
 
 use crate::compare::Comparison;
 use crate::trace::Tap;
@@ -218,7 +220,8 @@ pub fn verdict(c: &Comparison) -> String {
 }
 
 fn verdict_only(c: &Comparison) -> String {
-    let who = format!("{} vs {}", c.candidate, c.baseline);
+    // The labels are the manifests' producer names: escaped, so no value can start a line.
+    let who = format!("{} vs {}", shown(&c.candidate), shown(&c.baseline));
     if let Some(t) = &c.token_mismatch {
         return token_verdict(c, t, &who);
     }
@@ -358,7 +361,12 @@ fn token_verdict(c: &Comparison, t: &crate::compare::TokenMismatch, who: &str) -
             format!("[{}]", s.join(" "))
         }
     };
-    let text = |x: &Option<String>| x.as_ref().map(|s| format!(" {s:?}")).unwrap_or_default();
+    // Decoded token text: `{:?}` escapes it, the cap bounds it.
+    let text = |x: &Option<String>| {
+        x.as_ref()
+            .map(|s| format!(" {:?}", shown::capped(s, shown::MAX_VALUE)))
+            .unwrap_or_default()
+    };
     let aligned = c
         .results
         .iter()

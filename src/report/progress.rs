@@ -40,7 +40,7 @@ impl Progress {
                 .expect("valid template")
                 .progress_chars("=> "),
         );
-        b.set_message(what.to_string());
+        b.set_message(super::shown::line(what).into_owned());
         Progress(b)
     }
 
@@ -50,7 +50,7 @@ impl Progress {
         b.set_style(
             ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("valid template"),
         );
-        b.set_message(what.to_string());
+        b.set_message(super::shown::line(what).into_owned());
         if !b.is_hidden() {
             b.enable_steady_tick(Duration::from_millis(120));
         }
@@ -70,11 +70,13 @@ impl Progress {
     }
 
     pub fn set_message(&self, msg: &str) {
-        self.0.set_message(msg.to_string());
+        self.0.set_message(super::shown::line(msg).into_owned());
     }
 
-    /// Print a line above the bar without tearing it.
+    /// Print a line above the bar without tearing it. Labels and lines are escaped
+    /// ([`super::shown`]): a line of a file's text cannot move the cursor or start another.
     pub fn println(&self, line: &str) {
+        let line = super::shown::line(line);
         if self.0.is_hidden() {
             eprintln!("{line}");
         } else {

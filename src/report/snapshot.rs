@@ -174,10 +174,12 @@ fn summaries(comparisons: &[Comparison]) -> Vec<Summary> {
     comparisons
         .iter()
         .map(|c| {
+            // The labels are the manifests' producer names: escaped, so a newline in one cannot
+            // write a line of its own (`verdict: parity`) into the snapshot the gate reads back.
             let base = format!(
                 "{} vs {} [{}, {:?}]",
-                c.candidate,
-                c.baseline,
+                super::shown(&c.candidate),
+                super::shown(&c.baseline),
                 pair_name(c.pair),
                 c.weight_type
             );
