@@ -532,6 +532,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     .map(|v| format!(", load average {v}"))
             })
             .unwrap_or_default();
+        let sh = |s: &str| crate::report::shown::shown(s).into_owned();
         println!(
             "machine: {cpu}, {cores} cores ({simd}){load}; {threads} threads for both engines"
         );
@@ -554,9 +555,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         );
         for o in &ours {
             let Some(d) = &o.device else { continue };
+            // Driver strings come from the driver: escaped like a file's.
             println!(
                 "gpu: {} ({}, {}, driver {})",
-                d.adapter, d.device_type, d.api, d.driver
+                sh(&d.adapter),
+                sh(&d.device_type),
+                sh(&d.api),
+                sh(&d.driver)
             );
             if d.cpu_device {
                 println!(
@@ -576,7 +581,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 .as_object()
                 .map(|m| {
                     m.iter()
-                        .map(|(k, n)| format!("{k} x {n} tensors"))
+                        .map(|(k, n)| format!("{} x {n} tensors", sh(k)))
                         .collect()
                 })
                 .unwrap_or_default();
@@ -586,7 +591,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 Some(false) => "off".into(),
                 None => "?".into(),
             };
-            println!(
+            // The script's JSON is a child's output: one escaped line.
+            let line = format!(
                 "llama.cpp: {} (llama-cpp-python {}): KV cache {}/{}, flash attention {}, weight repacking {}, n_ubatch {}",
                 s["mode"].as_str().unwrap_or("?"),
                 j["llama_cpp_python"].as_str().unwrap_or("?"),
@@ -596,6 +602,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 repack,
                 s["n_ubatch"]
             );
+            println!("{}", crate::report::shown::line(&line));
         }
         println!();
         // One column per engine: parity's backends, then llama.cpp when it ran.
@@ -667,13 +674,13 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 (Some(p), Some(s)) => println!(
                     "gpu: decode read weights at {:.1}% of {}'s memory bandwidth ({p:.0} GB/s, from {})",
                     100.0 * s,
-                    d.adapter,
+                    sh(&d.adapter),
                     d.peak_from.unwrap_or("?")
                 ),
                 _ if d.cpu_device => {}
                 _ => println!(
                     "gpu: memory bandwidth of {} unknown: pass --peak-gbs to see decode's share of it",
-                    d.adapter
+                    sh(&d.adapter)
                 ),
             }
         }

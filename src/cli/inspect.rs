@@ -51,9 +51,11 @@ pub fn gpu(a: GpuArgs) -> Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("adapter: {} ({})", i.adapter, i.device_type);
-    println!("driver: {} {}", i.driver, i.driver_info);
-    println!("api: {}", i.api);
+    // Driver strings come from the driver: escaped like a file's.
+    let sh = |s: &str| crate::report::shown::shown(s).into_owned();
+    println!("adapter: {} ({})", sh(&i.adapter), sh(&i.device_type));
+    println!("driver: {} {}", sh(&i.driver), sh(&i.driver_info));
+    println!("api: {}", sh(&i.api));
     println!(
         "limits used: max storage binding {} bytes, max buffer {} bytes, workgroup storage {} bytes, {} invocations per workgroup (kernels use {})",
         i.max_binding,

@@ -35,8 +35,11 @@ const PALETTE: [(u8, u8, u8); 20] = [
     (189, 158, 57),
 ];
 
+/// Markup escaped, and control characters too (an ESC from a label would reach a terminal
+/// that shows the file).
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;")
+    super::shown::text(s)
+        .replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
