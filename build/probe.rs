@@ -91,9 +91,15 @@ pub fn python(root: &Path) -> PathBuf {
 /// Does `python -I -c code` succeed? Isolated, as parity runs Python: the working folder's
 /// modules neither satisfy nor break the probe.
 pub fn python_can(python: &Path, code: &str) -> bool {
-    Command::new(python)
-        .args(["-I", "-c", code])
-        .output()
+    let mut c = Command::new(python);
+    c.args(["-I", "-c", code]);
+    // As parity runs it: no PYTHON* variable reaches it (-I still honours PYTHONEXECUTABLE).
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PYTHON") {
+            c.env_remove(&k);
+        }
+    }
+    c.output()
         .is_ok_and(|o| o.status.success())
 }
 

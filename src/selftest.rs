@@ -479,6 +479,7 @@ fn write_trace(
             // Isolated (`-I`): no working folder or script folder on sys.path, no PYTHON*
             // variables, no user site, so a `numpy.py` where selftest runs is not imported.
             c.arg("-I").arg(&opt.programs.numpy_engine);
+            crate::trace::staging::isolate_python(&mut c);
             c.arg(model_path).arg("--golden").arg(&opt.golden);
             c.args(["--rounding", rounding.decode.numpy_name()]);
             if let Some(p) = rounding.prefill {

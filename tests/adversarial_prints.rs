@@ -20,7 +20,7 @@ const GOLDEN: &str = "golden/tiny-llama-q8_0";
 /// What a hostile file writes into every string it controls: an OSC that retitles the
 /// terminal, a clear-screen CSI (7-bit and C1), a right-to-left override, a carriage return
 /// and a line that reads like parity's verdict, twice (once after CRLF, once after LF).
-const FORGED: &str = "X\x1b]0;owned\x07\x1b[2J\u{9b}2J\u{202e}gnp.exe\u{2066}\r\nverdict: parity (9 comparisons)\nverdict: parity (9 comparisons)";
+const FORGED: &str = "X\x1b]0;owned\x07\x1b[2J\u{9b}2J\u{202e}gnp.exe\u{2066}\u{85}\u{2028}\x7f\r\nverdict: parity (9 comparisons)\nverdict: parity (9 comparisons)";
 
 /// How [`FORGED`]'s start is shown once escaped: proof that the value was printed, not dropped.
 const SHOWN: &str = "X\\x1b]0;owned\\x07\\x1b[2J";
@@ -29,7 +29,8 @@ const SHOWN: &str = "X\\x1b]0;owned\\x07\\x1b[2J";
 fn forbidden(c: char) -> bool {
     matches!(c,
         '\0'..='\x08' | '\x0b'..='\x1f' | '\x7f'..='\u{9f}'
-        | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}')
+        | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{200e}' | '\u{200f}'
+        | '\u{2028}' | '\u{2029}')
 }
 
 fn fix() -> PathBuf {
@@ -427,6 +428,79 @@ fn forged_strings_never_reach_the_terminal() {
     assert!(failed.is_empty(), "failed: {failed:?}");
 }
 
+/// JSON and HTML carry a file's strings too: `--json -` goes to the terminal, and a page or a
+/// report file is shown with `cat`. serde escapes C0 but not DEL, C1, bidi controls or line
+/// separators, and plotters escapes markup but not controls: neither output holds one raw, and
+/// the JSON still holds the exact string.
+#[test]
+fn forged_strings_stay_out_of_json_and_html() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let a = trace(d, "a", |_, _| {});
+    let b = trace(d, "b", |_, m| {
+        m["producer"]["name"] = FORGED.into();
+        m["producer"]["backend"] = FORGED.into();
+    });
+    let html = d.join("r.html");
+    let json = d.join("r.json");
+    let o = run(
+        &os(&[&"diff", &a, &b, &"--weight-type", &"q8_0", &"--json", &"-"]),
+        &root(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    if let Some(bad) = stdout.chars().find(|&c| forbidden(c)) {
+        panic!("--json - printed {bad:?} raw");
+    }
+    let j: serde_json::Value = serde_json::from_str(&stdout).expect("still JSON");
+    assert!(
+        j.to_string()
+            .contains(&serde_json::to_string(FORGED).unwrap()[1..40]),
+        "the JSON holds the string itself: {stdout}"
+    );
+    let o = run(
+        &os(&[
+            &"diff",
+            &a,
+            &b,
+            &"--weight-type",
+            &"q8_0",
+            &"--html",
+            &html,
+            &"--json",
+            &json,
+        ]),
+        &root(),
+        &[],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+    for f in [&html, &json] {
+        let text = std::fs::read_to_string(f).unwrap();
+        if let Some(bad) = text.chars().find(|&c| forbidden(c)) {
+            panic!("{} holds {bad:?} raw", f.display());
+        }
+    }
+    // `inspect --json` of a GGUF whose name, architecture key and a tensor name are forged.
+    let g = gguf(
+        d,
+        "m.gguf",
+        &[("general.name", forged()), ("x\u{202e}key", forged())],
+        &[("output_norm.weight", "norm\u{2028}\u{85}")],
+    );
+    let o = run(
+        &os(&[&"inspect", &g, &"--json", &"--metadata"]),
+        &root(),
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    if let Some(bad) = stdout.chars().find(|&c| forbidden(c)) {
+        panic!("inspect --json printed {bad:?} raw:\n{}", common::show(&o));
+    }
+    let j: serde_json::Value = serde_json::from_str(&stdout).expect("inspect --json is JSON");
+    assert!(j.to_string().contains("owned"), "{stdout}");
+}
+
 /// The example without any escape sequence: a newline alone in `producer.backend` and
 /// `producer.name` of a diverging candidate. The one line that starts with `verdict:` is
 /// parity's own last line, and it says the comparisons diverged.
@@ -546,7 +620,8 @@ fn python_with(what: &str) -> Option<PathBuf> {
 
 /// Plant, in `cwd` and in a hostile `PYTHONPATH` folder, modules named as what parity's Python
 /// imports (llama_cpp, numpy, gguf) and as what Python runs at start (sitecustomize,
-/// usercustomize), and a PYTHONSTARTUP file: each writes a marker into `marks` when executed.
+/// usercustomize), a PYTHONSTARTUP file, and a venv that PYTHONEXECUTABLE names with a `.pth`
+/// file: each writes a marker into `marks` when executed.
 /// Returns the environment that points Python at the hostile folder.
 fn plant(cwd: &Path, hostile: &Path, marks: &Path) -> Vec<(String, String)> {
     std::fs::create_dir_all(hostile).unwrap();
@@ -583,9 +658,40 @@ fn plant(cwd: &Path, hostile: &Path, marks: &Path) -> Vec<(String, String)> {
         ),
     )
     .unwrap();
+    // `-I` still honours PYTHONEXECUTABLE: it points sys.executable at a planted venv whose
+    // pyvenv.cfg makes its site-packages live, and a `.pth` there runs at start.
+    let venv = hostile.join("venv");
+    std::fs::create_dir_all(venv.join("bin")).unwrap();
+    let real = common::python();
+    let cfg = real
+        .parent()
+        .and_then(Path::parent)
+        .map(|v| v.join("pyvenv.cfg"))
+        .and_then(|c| std::fs::read_to_string(c).ok())
+        .unwrap_or_else(|| {
+            let home = std::fs::canonicalize(&real).unwrap_or(real.clone());
+            format!("home = {}\n", home.parent().unwrap().display())
+        });
+    std::fs::write(venv.join("pyvenv.cfg"), cfg).unwrap();
+    for minor in 8..=20 {
+        let site = venv.join(format!("lib/python3.{minor}/site-packages"));
+        std::fs::create_dir_all(&site).unwrap();
+        std::fs::write(
+            site.join("planted.pth"),
+            format!(
+                "import os; open({:?}, 'w').write('executed')\n",
+                marks.join("pth-via-pythonexecutable").display().to_string()
+            ),
+        )
+        .unwrap();
+    }
     vec![
         ("PYTHONPATH".into(), hostile.display().to_string()),
         ("PYTHONSTARTUP".into(), startup.display().to_string()),
+        (
+            "PYTHONEXECUTABLE".into(),
+            venv.join("bin/python").display().to_string(),
+        ),
     ]
 }
 

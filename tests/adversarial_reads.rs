@@ -355,6 +355,68 @@ fn model_paths_that_read_without_end_are_never_hashed_to_the_end() {
     }
 }
 
+/// A regular file behind a GGUF header that is far longer than its tensors say (sparse: a
+/// terabyte costs nothing on disk): a manifest naming it gets no hash of the whole file, and
+/// is refused at once.
+#[test]
+fn model_files_longer_than_their_gguf_are_never_hashed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let magic_only = tmp.path().join("magic.gguf");
+    std::fs::write(&magic_only, b"GGUF").unwrap();
+    let padded = tmp.path().join("padded.gguf");
+    std::fs::copy(root().join(FIX), &padded).unwrap();
+    for p in [&magic_only, &padded] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_len(1 << 40)
+            .unwrap();
+        let (base, cand) = with_model(tmp.path(), p.to_str().unwrap(), &"ab".repeat(32));
+        let t0 = Instant::now();
+        let o = run(&[&"diff", &base, &cand]);
+        refused(&o, &["is not found here"], &p.display().to_string());
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{}: {:?}",
+            p.display(),
+            t0.elapsed()
+        );
+        std::fs::remove_file(p).unwrap();
+    }
+}
+
+/// A manifest naming 200,000 taps parity does not know: read in linear time (a list search
+/// made it minutes), and the note names ten of them and counts the rest.
+#[test]
+fn a_manifest_of_many_unknown_taps_is_read_at_once_and_noted_short() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = golden_copy(tmp.path(), "t");
+    let mut m = manifest(&t);
+    let first = m["tensors"][0].clone();
+    let list = m["tensors"].as_array_mut().unwrap();
+    for i in 0..200_000 {
+        let mut e = first.clone();
+        e["tap"] = format!("x{i}").into();
+        list.push(e);
+    }
+    set_manifest(&t, &m);
+    let t0 = Instant::now();
+    let o = run(&[&"diff", &root().join(GOLDEN), &t, &"--weight-type", &"q8_0"]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    let note = o
+        .stderr
+        .lines()
+        .find(|l| l.contains("does not know"))
+        .unwrap_or_else(|| panic!("no note:\n{}", o.show()));
+    assert!(
+        note.contains("x0, x1") && note.ends_with("and 199990 more"),
+        "{note}"
+    );
+    assert!(note.len() < 300, "{note}");
+}
+
 /// Whether `--json`'s report holds text decoded by a tokenizer.
 fn decoded(report: &Path) -> bool {
     let r: Json = serde_json::from_slice(&std::fs::read(report).unwrap()).unwrap();

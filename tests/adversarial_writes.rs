@@ -545,6 +545,54 @@ fn outputs_that_are_inputs_are_refused_before_any_work() {
             &[],
         ),
         (
+            "dump --out G/s000 --force: a step folder of the golden it replays",
+            &["--out", "holds s000/", "of the input --golden"],
+            |_, m, g| {
+                os(&[
+                    &"dump",
+                    &m,
+                    &"--golden",
+                    &g,
+                    &"--out",
+                    &g.join("s000"),
+                    &"--force",
+                ])
+            },
+            &[],
+        ),
+        (
+            "dump --out G/x --force, where G's manifest names its taps x/sNNN/* and G/x looks like a trace",
+            &["--out", "holds x/s000/", "of the input --golden"],
+            |_, m, g| {
+                // The golden's taps moved under x/, with a manifest there that --force accepts.
+                let mp = g.join("manifest.json");
+                let mut j: serde_json::Value =
+                    serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+                std::fs::create_dir_all(g.join("x")).unwrap();
+                for t in j["tensors"].as_array_mut().unwrap() {
+                    let f = t["file"].as_str().unwrap().to_string();
+                    let to = g.join("x").join(&f);
+                    std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+                    if !to.exists() {
+                        std::fs::rename(g.join(&f), &to).unwrap();
+                    }
+                    t["file"] = format!("x/{f}").into();
+                }
+                std::fs::copy(&mp, g.join("x/manifest.json")).unwrap();
+                std::fs::write(&mp, serde_json::to_string(&j).unwrap()).unwrap();
+                os(&[
+                    &"dump",
+                    &m,
+                    &"--golden",
+                    &g,
+                    &"--out",
+                    &g.join("x"),
+                    &"--force",
+                ])
+            },
+            &[],
+        ),
+        (
             "golden --out the folder holding the model",
             &["--out", "holds the input the model"],
             |d, m, _| os(&[&"golden", &m, &"-p", &"hi", &"--out", &d, &"--force"]),

@@ -522,7 +522,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             "llama_cpp_tg_weight_gb_s": their_gbs,
             "llama_cpp_error": match &llama { Some(Err(LlamaUnavailable(e))) => Some(e), _ => None },
         });
-        println!("{}", serde_json::to_string_pretty(&j)?);
+        println!(
+            "{}",
+            crate::report::shown::json(serde_json::to_string_pretty(&j)?)
+        );
     } else {
         let load = std::fs::read_to_string("/proc/loadavg")
             .ok()

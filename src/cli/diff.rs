@@ -83,6 +83,24 @@ fn open_if(p: &Path, sha: &str, size: Option<u64>) -> Option<Model> {
     if &magic != b"GGUF" {
         return None;
     }
+    // A file the manifest names is hashed only when it is a valid GGUF no longer than its own
+    // tensors say: a sparse 100 GB file behind a GGUF header would otherwise be hashed for minutes.
+    let g = crate::gguf::GgufFile::open(p).ok()?;
+    let end = g
+        .tensors
+        .iter()
+        .map(|t| t.offset.saturating_add(t.n_bytes))
+        .max()
+        .unwrap_or(0)
+        .saturating_add(g.data_offset);
+    if meta.len()
+        > end
+            .div_ceil(g.alignment.max(1))
+            .saturating_mul(g.alignment.max(1))
+    {
+        return None;
+    }
+    drop(g);
     let (hex, _) = crate::trace::open::sha256_file(p).ok()?;
     if hex != sha {
         return None;
@@ -224,9 +242,19 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     for (t, side) in [(&base, "baseline"), (&cand, "candidate")] {
         let extra = t.not_compared();
         if !extra.is_empty() && !a.report.quiet {
+            // At most ten names: a manifest can name any number.
+            let more = match extra.len() {
+                n if n > 10 => format!(" and {} more", n - 10),
+                _ => String::new(),
+            };
+            let names: Vec<String> = extra
+                .iter()
+                .take(10)
+                .map(|n| crate::report::shown::shown(n).into_owned())
+                .collect();
             eprintln!(
-                "note: the {side} records taps parity does not know (kept, not compared): {}",
-                crate::report::shown::line(&extra.join(", "))
+                "note: the {side} records taps parity does not know (kept, not compared): {}{more}",
+                crate::report::shown::line(&names.join(", "))
             );
         }
     }

@@ -48,7 +48,10 @@ pub fn gpu(a: GpuArgs) -> Result<ExitCode> {
             "workgroup_size": crate::backend::gpu::context::WG,
             "subgroup_size": [i.subgroup.0, i.subgroup.1], "reductions": reduce, "f16": i.f16,
         });
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        println!(
+            "{}",
+            crate::report::shown::json(serde_json::to_string_pretty(&v)?)
+        );
         return Ok(ExitCode::SUCCESS);
     }
     // Driver strings come from the driver: escaped like a file's.
@@ -129,7 +132,11 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             })).collect::<Vec<_>>(),
             "tensor_bytes": total_bytes,
         });
-        writeln!(o, "{}", serde_json::to_string_pretty(&j)?)?;
+        writeln!(
+            o,
+            "{}",
+            crate::report::shown::json(serde_json::to_string_pretty(&j)?)
+        )?;
         return emit(&o);
     }
 

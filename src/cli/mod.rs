@@ -159,6 +159,7 @@ pub fn repo_root() -> PathBuf {
 pub fn python_command() -> std::process::Command {
     let mut c = std::process::Command::new(python());
     c.arg("-I");
+    crate::trace::staging::isolate_python(&mut c);
     c
 }
 

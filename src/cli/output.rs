@@ -253,7 +253,10 @@ pub fn finish_with(
     };
     let mut json_stdout = None;
     if let Some(p) = &out.json {
-        let text = serde_json::to_string_pretty(&report::json::report(comparisons, &info))? + "\n";
+        let text = report::shown::json(serde_json::to_string_pretty(&report::json::report(
+            comparisons,
+            &info,
+        ))?) + "\n";
         if out.json_to_stdout() {
             json_stdout = Some(text);
         } else {

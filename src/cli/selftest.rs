@@ -52,7 +52,10 @@ pub fn mutations(a: MutationsArgs) -> Result<ExitCode> {
         })
         .collect();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!(
+            "{}",
+            crate::report::shown::json(serde_json::to_string_pretty(&rows)?)
+        );
         return Ok(ExitCode::SUCCESS);
     }
     println!(
@@ -205,7 +208,10 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
     })?;
     let failed = rows.iter().filter(|r| !r.ok).count();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        println!(
+            "{}",
+            crate::report::shown::json(serde_json::to_string_pretty(&rows)?)
+        );
     } else {
         println!(
             "selftest: {} of {} rows ok on {} (golden {}){}{}{}",

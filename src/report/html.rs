@@ -145,9 +145,11 @@ fn curve(c: &Comparison, g: &Grid) -> Result<String, String> {
         let mut chart = ChartBuilder::on(&plot)
             .margin(12)
             .caption(
+                // plotters escapes markup, not control characters: the labels are a file's.
                 format!(
                     "{} vs {}: log10 NMSE by layer (worst over steps)",
-                    c.candidate, c.baseline
+                    super::shown::shown(&c.candidate),
+                    super::shown::shown(&c.baseline)
                 ),
                 ("sans-serif", 17),
             )

@@ -102,6 +102,26 @@ pub fn capped(s: &str, n: usize) -> Cow<'_, str> {
     }
 }
 
+/// Serialized JSON with every character [`shown`] escapes written as a `\uXXXX` escape: serde
+/// escapes C0 controls but writes DEL, C1, bidi controls and line separators raw, and a JSON
+/// report printed to a terminal (`--json -`) must not carry them. Those characters can only
+/// stand inside strings there, so the JSON means the same.
+pub fn json(s: String) -> String {
+    if !s.chars().any(|c| c >= '\x7f' && escaped(c)) {
+        return s;
+    }
+    let mut out = String::with_capacity(s.len() + 16);
+    for c in s.chars() {
+        if c >= '\x7f' && escaped(c) {
+            // Every such character is in the BMP: one escape.
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +170,19 @@ mod tests {
         assert!(line(&"c".repeat(10_000)).chars().count() <= MAX_LINE + 1);
         assert_eq!(capped("日本語", 2), "日本…");
         assert_eq!(capped("ab", 2), "ab");
+    }
+
+    #[test]
+    fn json_escapes_what_serde_writes_raw_and_means_the_same() {
+        let v = serde_json::json!({"name": "a\u{202e}b\u{85}c\u{2028}d\x7fe\x1b日本"});
+        let raw = serde_json::to_string_pretty(&v).unwrap();
+        assert!(raw.contains('\u{202e}'), "serde writes it raw: {raw}");
+        let safe = json(raw);
+        assert!(!safe.chars().any(|c| escaped(c) && c != '\n'), "{safe}");
+        assert!(safe.contains("\\u202e") && safe.contains("\\u0085") && safe.contains("\\u007f"));
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&safe).unwrap(), v);
+        let plain = serde_json::to_string_pretty(&serde_json::json!({"a": "日本 ok"})).unwrap();
+        assert_eq!(json(plain.clone()), plain);
     }
 
     proptest! {

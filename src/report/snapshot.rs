@@ -33,9 +33,11 @@ pub fn read(path: &std::path::Path) -> std::io::Result<String> {
     })
 }
 
-/// A piece of the snapshot's own text as a message quotes it: short, one line.
+/// A piece of the snapshot's own text as a message quotes it: short, one line, escaped as every
+/// other file-derived string is shown.
 fn quote(s: &str) -> String {
-    crate::trace::npy::excerpt(s, crate::trace::npy::EXCERPT)
+    let short = super::shown::capped(s, crate::trace::npy::EXCERPT);
+    super::shown::shown(&short).into_owned()
 }
 
 /// First line of the body; bumped when the layout changes.

@@ -279,13 +279,13 @@ impl Trace {
     /// The names of the taps this trace records that parity does not know (not compared),
     /// each once, in manifest order.
     pub fn not_compared(&self) -> Vec<String> {
-        let mut names: Vec<String> = Vec::new();
-        for e in &self.extra {
-            if !names.contains(&e.tap) {
-                names.push(e.tap.clone());
-            }
-        }
-        names
+        // A set: a manifest may name 10^5 unknown taps (a list search was quadratic).
+        let mut seen = std::collections::HashSet::new();
+        self.extra
+            .iter()
+            .filter(|e| seen.insert(e.tap.as_str()))
+            .map(|e| e.tap.clone())
+            .collect()
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &TapKey> {

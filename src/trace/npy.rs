@@ -45,7 +45,12 @@ pub fn excerpt(s: &str, max: usize) -> String {
             out.push('…');
             break;
         }
-        if c.is_control() {
+        // Controls, and the bidi controls and separators that reorder or split a line as seen
+        // (the set report::shown escapes; every error line also passes through it).
+        if c.is_control()
+            || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+                | '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{2028}' | '\u{2029}')
+        {
             out.extend(c.escape_default());
         } else {
             out.push(c);

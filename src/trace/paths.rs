@@ -156,6 +156,10 @@ fn input_files(p: &Path) -> Files {
 /// output that is a symbolic link (written through, it would go elsewhere). `inputs` and
 /// `outputs` pair a path with the flag that gave it (`--golden`, `--html`, `the model`).
 pub fn check_paths(inputs: &[(&Path, &str)], outputs: &[(&Path, &str)]) -> Result<(), String> {
+    // Nothing written: no input trace's manifest need be parsed and its files resolved.
+    if outputs.is_empty() {
+        return Ok(());
+    }
     let ins: Vec<(&Path, &str, Files)> = inputs
         .iter()
         .map(|&(p, flag)| (p, flag, input_files(p)))
@@ -183,12 +187,19 @@ pub fn check_paths(inputs: &[(&Path, &str)], outputs: &[(&Path, &str)]) -> Resul
                     ));
                 }
             }
-            if let Some((i, _)) = files.first()
-                && i.canon != o.canon
-                && i.canon.starts_with(&o.canon)
+            // The input itself or any file of an input trace (a tap the manifest names in a
+            // sub-folder an output folder would replace).
+            if let Some((_, what)) = files
+                .iter()
+                .find(|(i, _)| i.canon != o.canon && i.canon.starts_with(&o.canon))
             {
+                let which = if what.is_empty() {
+                    String::new()
+                } else {
+                    format!("{what} of ")
+                };
                 return Err(format!(
-                    "{oflag} {shown}: holds the input {iflag} {}: an input is never overwritten, give the output another path",
+                    "{oflag} {shown}: holds {which}the input {iflag} {}: an input is never overwritten, give the output another path",
                     inp.display()
                 ));
             }

@@ -52,6 +52,21 @@ pub fn forget_child(pid: u32) {
         .retain(|&p| p != pid);
 }
 
+/// Run `cmd` (a Python) isolated from what the user's shell and working folder hold: `-I` (no
+/// working or script folder on `sys.path`, no user site, most `PYTHON*` variables ignored) is
+/// added by the caller before the script; here every `PYTHON*` variable and
+/// `__PYVENV_LAUNCHER__` is removed from its environment, because `-I` still honours some
+/// (`PYTHONEXECUTABLE` points `sys.executable` at a planted `pyvenv.cfg`, whose site-packages
+/// `.pth` files then run).
+pub fn isolate_python(cmd: &mut std::process::Command) {
+    for (k, _) in std::env::vars_os() {
+        let name = k.to_string_lossy();
+        if name.starts_with("PYTHON") || name == "__PYVENV_LAUNCHER__" {
+            cmd.env_remove(&k);
+        }
+    }
+}
+
 /// Make `cmd`'s process receive SIGKILL when parity ends, however it ends (Linux's
 /// `PR_SET_PDEATHSIG`; elsewhere the interrupt watcher alone stops it).
 pub fn die_with_parent(cmd: &mut std::process::Command) {
