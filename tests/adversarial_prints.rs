@@ -50,20 +50,7 @@ fn os(v: &[&dyn AsRef<std::ffi::OsStr>]) -> Vec<OsString> {
     v.iter().map(|s| s.as_ref().to_os_string()).collect()
 }
 
-/// The committed golden copied to `dir/name`, its model made unknown (so `diff` compares end
-/// to end with --weight-type), then `edit` applied to its folder and manifest.
-fn trace(dir: &Path, name: &str, edit: impl FnOnce(&Path, &mut serde_json::Value)) -> PathBuf {
-    let d = dir.join(name);
-    copy_dir(&root().join(GOLDEN), &d);
-    let mp = d.join("manifest.json");
-    let mut m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
-    m["model"]["path"] = "elsewhere/model.gguf".into();
-    m["model"]["sha256"] = "0".repeat(64).into();
-    edit(&d, &mut m);
-    std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
-    d
-}
+use common::golden_unknown_model as trace;
 
 /// Make the trace diverge end to end: its last layer's output scaled by 1.5 at step 0.
 fn diverge(d: &Path) {

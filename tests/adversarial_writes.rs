@@ -94,15 +94,7 @@ fn dead_pid() -> u32 {
 /// Copy the committed golden to `dir/name` with its model unknown (sha256 zero), so that
 /// `diff --weight-type q8_0` compares end to end without looking for the model.
 fn trace_copy(dir: &Path, name: &str) -> PathBuf {
-    let d = dir.join(name);
-    copy_dir(&root().join(GOLDEN), &d);
-    let mp = d.join("manifest.json");
-    let mut m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
-    m["model"]["path"] = "elsewhere/model.gguf".into();
-    m["model"]["sha256"] = "0".repeat(64).into();
-    std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
-    d
+    common::golden_unknown_model(dir, name, |_, _| {})
 }
 
 /// Every file under `p` (links as links) with its bytes: to prove a folder untouched.

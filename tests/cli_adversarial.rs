@@ -134,21 +134,7 @@ fn npy_image(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Copy the committed golden to `dir/name`, with its model reference made unknown (so that
-/// `diff` compares end to end with --weight-type, without the judge) and `edit` applied to
-/// its manifest and files.
-fn trace_copy(dir: &Path, name: &str, edit: impl FnOnce(&Path, &mut serde_json::Value)) -> PathBuf {
-    let d = dir.join(name);
-    copy_dir(&root().join(GOLDEN), &d);
-    let mp = d.join("manifest.json");
-    let mut m: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
-    m["model"]["path"] = "elsewhere/model.gguf".into();
-    m["model"]["sha256"] = "0".repeat(64).into();
-    edit(&d, &mut m);
-    std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
-    d
-}
+use common::golden_unknown_model as trace_copy;
 
 /// Rewrite the trace's logits as `descr` (`<f2` or `<f8`).
 fn logits_as(d: &Path, descr: &str) {

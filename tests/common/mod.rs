@@ -158,3 +158,23 @@ pub const DEFAULT_BACKENDS: usize = if cfg!(parity_gpu) { 4 } else { 3 };
 #[allow(dead_code)]
 pub const DEFAULT_COMPARISONS: usize =
     (DEFAULT_BACKENDS - 1) + DEFAULT_BACKENDS + DEFAULT_BACKENDS * (DEFAULT_BACKENDS - 1) / 2;
+
+/// Copy the committed golden (`golden/tiny-llama-q8_0`) to `dir/name`, with its model reference
+/// made unknown (so that `diff` compares end to end with --weight-type, without the judge) and
+/// `edit` applied to its folder and manifest.
+pub fn golden_unknown_model(
+    dir: &Path,
+    name: &str,
+    edit: impl FnOnce(&Path, &mut serde_json::Value),
+) -> PathBuf {
+    let d = dir.join(name);
+    copy_dir(&root().join("golden/tiny-llama-q8_0"), &d);
+    let mp = d.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mp).unwrap()).unwrap();
+    m["model"]["path"] = "elsewhere/model.gguf".into();
+    m["model"]["sha256"] = "0".repeat(64).into();
+    edit(&d, &mut m);
+    std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    d
+}
