@@ -607,8 +607,9 @@ fn python_with(what: &str) -> Option<PathBuf> {
 
 /// Plant, in `cwd` and in a hostile `PYTHONPATH` folder, modules named as what parity's Python
 /// imports (llama_cpp, numpy, gguf) and as what Python runs at start (sitecustomize,
-/// usercustomize), a PYTHONSTARTUP file, and a venv that PYTHONEXECUTABLE names with a `.pth`
-/// file: each writes a marker into `marks` when executed.
+/// usercustomize), a PYTHONSTARTUP file, a venv that PYTHONEXECUTABLE names with a `.pth`
+/// file, and a `libllama.so` where LLAMA_CPP_LIB_PATH points: each writes a marker into `marks`
+/// when executed.
 /// Returns the environment that points Python at the hostile folder.
 fn plant(cwd: &Path, hostile: &Path, marks: &Path) -> Vec<(String, String)> {
     std::fs::create_dir_all(hostile).unwrap();
@@ -672,6 +673,29 @@ fn plant(cwd: &Path, hostile: &Path, marks: &Path) -> Vec<(String, String)> {
         )
         .unwrap();
     }
+    // llama-cpp-python loads `$LLAMA_CPP_LIB_PATH/libllama.so`: a planted one whose
+    // constructor writes a marker (native code, which no `-I` stops).
+    let lib = hostile.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    let c = lib.join("planted.c");
+    std::fs::write(
+        &c,
+        format!(
+            "#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen({:?}, \"w\"); if (f) fclose(f); }}\n",
+            marks.join("libllama-via-llama_cpp_lib_path").display().to_string()
+        ),
+    )
+    .unwrap();
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(lib.join("libllama.so"))
+        .arg(&c)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        built,
+        "cc builds the planted libllama.so (gcc is on every machine here)"
+    );
     vec![
         ("PYTHONPATH".into(), hostile.display().to_string()),
         ("PYTHONSTARTUP".into(), startup.display().to_string()),
@@ -679,6 +703,7 @@ fn plant(cwd: &Path, hostile: &Path, marks: &Path) -> Vec<(String, String)> {
             "PYTHONEXECUTABLE".into(),
             venv.join("bin/python").display().to_string(),
         ),
+        ("LLAMA_CPP_LIB_PATH".into(), lib.display().to_string()),
     ]
 }
 

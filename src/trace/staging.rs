@@ -54,14 +54,19 @@ pub fn forget_child(pid: u32) {
 
 /// Run `cmd` (a Python) isolated from what the user's shell and working folder hold: `-I` (no
 /// working or script folder on `sys.path`, no user site, most `PYTHON*` variables ignored) is
-/// added by the caller before the script; here every `PYTHON*` variable and
-/// `__PYVENV_LAUNCHER__` is removed from its environment, because `-I` still honours some
-/// (`PYTHONEXECUTABLE` points `sys.executable` at a planted `pyvenv.cfg`, whose site-packages
-/// `.pth` files then run).
+/// added by the caller before the script; here the variables that choose which code the child
+/// loads are removed from its environment: every `PYTHON*` and `__PYVENV_LAUNCHER__`, because
+/// `-I` still honours some (`PYTHONEXECUTABLE` points `sys.executable` at a planted
+/// `pyvenv.cfg`, whose site-packages `.pth` files then run), and llama-cpp-python's
+/// `LLAMA_CPP_LIB_PATH` (the folder its `libllama.so` is loaded from). Where the libraries come
+/// from is the venv's choice, not the environment's.
 pub fn isolate_python(cmd: &mut std::process::Command) {
     for (k, _) in std::env::vars_os() {
         let name = k.to_string_lossy();
-        if name.starts_with("PYTHON") || name == "__PYVENV_LAUNCHER__" {
+        if name.starts_with("PYTHON")
+            || name == "__PYVENV_LAUNCHER__"
+            || name.starts_with("LLAMA_CPP_LIB")
+        {
             cmd.env_remove(&k);
         }
     }
