@@ -506,22 +506,10 @@ fn publish(tmp: &Path, dir: &Path) -> Result<(), TraceError> {
 fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TraceError> {
     let p = dir.join("manifest.json");
     let text = serde_json::to_string_pretty(m).expect("manifest serializes");
-    new_file(&p)
+    // Made new in the staging folder: nothing already at its name, a link least of all, is opened.
+    super::staging::create_side_file(&p)
         .and_then(|mut f| std::io::Write::write_all(&mut f, (text + "\n").as_bytes()))
         .map_err(io_err(&p))
-}
-
-/// A file of the staging folder, made new (`O_EXCL|O_NOFOLLOW`): nothing already at its name,
-/// a link least of all, is opened.
-fn new_file(path: &Path) -> std::io::Result<std::fs::File> {
-    let mut o = std::fs::OpenOptions::new();
-    o.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        o.custom_flags(libc::O_NOFOLLOW);
-    }
-    o.open(path)
 }
 
 /// Write a little-endian f32 C-order .npy file into a folder that must exist.

@@ -306,7 +306,7 @@ fn replaceable(path: &Path) -> Result<(), String> {
 
 /// Create a side file (a probe, a partial) new: `O_CREAT|O_EXCL|O_NOFOLLOW`, so that a file
 /// or a link (dangling or not) already at its name is never opened or written through.
-fn create_side_file(p: &Path) -> std::io::Result<std::fs::File> {
+pub(crate) fn create_side_file(p: &Path) -> std::io::Result<std::fs::File> {
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create_new(true);
     #[cfg(unix)]
