@@ -150,22 +150,51 @@ impl<'m> Reference<'m> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
         // Output rows are independent: split them over threads in chunks (rayon), each with
-        // its own row buffer. Every dot is the same f64 sum as single-threaded, so the result
-        // is bit-identical whatever the thread count.
+        // its own row buffers. Every output is the same f64 sum whatever thread computes it,
+        // so the result is bit-identical whatever the thread count.
         const ROWS: usize = 64;
         let mut by_row = vec![0.0f32; n_out * t];
-        by_row
-            .par_chunks_mut(ROWS * t)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                let mut row = vec![0.0f32; n_in];
-                for (k, o) in chunk.chunks_mut(t).enumerate() {
-                    self.model.row(w, c * ROWS + k, &mut row);
-                    for (i, v) in o.iter_mut().enumerate() {
-                        *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
+        if self.emulation.accum() == Accum::F32 {
+            // `dot`'s f64 sums, with the input widened to f64 once per matmul, not once
+            // per row (`dots_f64`).
+            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            by_row
+                .par_chunks_mut(ROWS * t)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    let mut rows = vec![0.0f32; 4 * n_in];
+                    let mut acc = vec![[0.0f64; 8]; 4 * t];
+                    for (g, outs) in chunk.chunks_mut(4 * t).enumerate() {
+                        // A last group of fewer than four rows repeats its last one (and
+                        // drops its sums).
+                        let n = outs.len() / t;
+                        for (k, row) in rows.chunks_mut(n_in).enumerate() {
+                            self.model.row(w, c * ROWS + g * 4 + k.min(n - 1), row);
+                        }
+                        dots_f64(&rows, &x64, &mut acc);
+                        for (k, o) in outs.chunks_mut(t).enumerate() {
+                            for (i, v) in o.iter_mut().enumerate() {
+                                let (wr, xr) =
+                                    (&rows[k * n_in..][..n_in], &x64[i * n_in..][..n_in]);
+                                *v = dot_finish(wr, xr, acc[k * t + i]);
+                            }
+                        }
                     }
-                }
-            });
+                });
+        } else {
+            by_row
+                .par_chunks_mut(ROWS * t)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    let mut row = vec![0.0f32; n_in];
+                    for (k, o) in chunk.chunks_mut(t).enumerate() {
+                        self.model.row(w, c * ROWS + k, &mut row);
+                        for (i, v) in o.iter_mut().enumerate() {
+                            *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
+                        }
+                    }
+                });
+        }
         let mut out = vec![0.0f32; t * n_out];
         for (r, o) in by_row.chunks(t).enumerate() {
             for (i, &v) in o.iter().enumerate() {
@@ -266,6 +295,157 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     }
     let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x as f64 * y as f64).sum();
     (acc.iter().sum::<f64>() + tail) as f32
+}
+
+/// `dot`'s eight running sums (element j goes to sum j % 8) of four weight rows (`rows`, back
+/// to back) with each of the T input rows (`x`, widened to f64), over the whole blocks of
+/// eight, into `acc[k * T + i]`; `dot_finish` adds the tail. The same sums in the same order
+/// as `dot`, so the same bits, but arranged for the CPU: K in spans that keep their slice of
+/// the inputs in L1 (a lane's sum carries from one span to the next), and four (row, token)
+/// pairs at a time (2 rows × 2 tokens, or 4 rows × 1 token for a decode step or an odd last
+/// token) so that eight chains of adds run side by side where one dot has two.
+fn dots_f64(rows: &[f32], x: &[f64], acc: &mut [[f64; 8]]) {
+    const SPAN: usize = 1024;
+    let n = rows.len() / 4;
+    let t = x.len() / n;
+    acc.fill([0.0; 8]);
+    let whole = n / 8 * 8;
+    for k0 in (0..whole).step_by(SPAN) {
+        let k = k0..(k0 + SPAN).min(whole);
+        let w = |r: usize| &rows[r * n..][k.clone()];
+        let xr = |i: usize| &x[i * n..][k.clone()];
+        let mut i = 0;
+        while i + 2 <= t {
+            for r in [0, 2] {
+                let mut a = [
+                    [acc[r * t + i], acc[r * t + i + 1]],
+                    [acc[(r + 1) * t + i], acc[(r + 1) * t + i + 1]],
+                ];
+                sums_2x2([w(r), w(r + 1)], [xr(i), xr(i + 1)], &mut a);
+                [acc[r * t + i], acc[r * t + i + 1]] = a[0];
+                [acc[(r + 1) * t + i], acc[(r + 1) * t + i + 1]] = a[1];
+            }
+            i += 2;
+        }
+        if i < t {
+            let mut a: [[f64; 8]; 4] = std::array::from_fn(|r| acc[r * t + i]);
+            sums_4x1(std::array::from_fn(w), xr(i), &mut a);
+            for (r, a) in a.into_iter().enumerate() {
+                acc[r * t + i] = a;
+            }
+        }
+    }
+}
+
+/// `dot`'s ending: the eight sums in order, then the tail past the last block of eight.
+fn dot_finish(w: &[f32], x: &[f64], acc: [f64; 8]) -> f32 {
+    let whole = w.len() / 8 * 8;
+    let tail: f64 = w[whole..]
+        .iter()
+        .zip(&x[whole..])
+        .map(|(&a, &b)| a as f64 * b)
+        .sum();
+    (acc.iter().sum::<f64>() + tail) as f32
+}
+
+/// Adds `w[r][j] · x[i][j]` to `acc[r][i][j % 8]` in order of j (lengths: multiples of 8).
+fn sums_2x2(w: [&[f32]; 2], x: [&[f64]; 2], acc: &mut [[[f64; 8]; 2]; 2]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { sums_2x2_avx2(w, x, acc) };
+    }
+    for r in 0..2 {
+        for i in 0..2 {
+            sums_scalar(w[r], x[i], &mut acc[r][i]);
+        }
+    }
+}
+
+/// Adds `w[r][j] · x[j]` to `acc[r][j % 8]` in order of j (lengths: multiples of 8).
+fn sums_4x1(w: [&[f32]; 4], x: &[f64], acc: &mut [[f64; 8]; 4]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { sums_4x1_avx2(w, x, acc) };
+    }
+    for r in 0..4 {
+        sums_scalar(w[r], x, &mut acc[r]);
+    }
+}
+
+/// The scalar twin of the AVX2 kernels: one pair's eight running sums.
+fn sums_scalar(w: &[f32], x: &[f64], acc: &mut [f64; 8]) {
+    for (a, b) in w.chunks_exact(8).zip(x.chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += a[k] as f64 * b[k];
+        }
+    }
+}
+
+// The AVX2 kernels keep sums 0–3 of a pair in one register and 4–7 in another. The product
+// of two f32s is exact in f64, so the fused multiply-add rounds as `dot`'s multiply then add.
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn sums_2x2_avx2(w: [&[f32]; 2], x: [&[f64]; 2], acc: &mut [[[f64; 8]; 2]; 2]) {
+    use std::arch::x86_64::*;
+    let n = w[0].len();
+    assert!(n % 8 == 0 && w.iter().all(|r| r.len() == n) && x.iter().all(|r| r.len() == n));
+    // SAFETY: every load and store stays inside a slice of n (a multiple of 8) or an [f64; 8].
+    unsafe {
+        let mut lo = acc.map(|r| r.map(|a| _mm256_loadu_pd(a.as_ptr())));
+        let mut hi = acc.map(|r| r.map(|a| _mm256_loadu_pd(a.as_ptr().add(4))));
+        for c in (0..n).step_by(8) {
+            let wv: [[__m256d; 2]; 2] = std::array::from_fn(|r| {
+                let p = w[r].as_ptr().add(c);
+                [
+                    _mm256_cvtps_pd(_mm_loadu_ps(p)),
+                    _mm256_cvtps_pd(_mm_loadu_ps(p.add(4))),
+                ]
+            });
+            for i in 0..2 {
+                let p = x[i].as_ptr().add(c);
+                let (x0, x1) = (_mm256_loadu_pd(p), _mm256_loadu_pd(p.add(4)));
+                for r in 0..2 {
+                    lo[r][i] = _mm256_fmadd_pd(wv[r][0], x0, lo[r][i]);
+                    hi[r][i] = _mm256_fmadd_pd(wv[r][1], x1, hi[r][i]);
+                }
+            }
+        }
+        for r in 0..2 {
+            for i in 0..2 {
+                _mm256_storeu_pd(acc[r][i].as_mut_ptr(), lo[r][i]);
+                _mm256_storeu_pd(acc[r][i].as_mut_ptr().add(4), hi[r][i]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn sums_4x1_avx2(w: [&[f32]; 4], x: &[f64], acc: &mut [[f64; 8]; 4]) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    assert!(n % 8 == 0 && w.iter().all(|r| r.len() == n));
+    // SAFETY: every load and store stays inside a slice of n (a multiple of 8) or an [f64; 8].
+    unsafe {
+        let mut lo = acc.map(|a| _mm256_loadu_pd(a.as_ptr()));
+        let mut hi = acc.map(|a| _mm256_loadu_pd(a.as_ptr().add(4)));
+        for c in (0..n).step_by(8) {
+            let p = x.as_ptr().add(c);
+            let (x0, x1) = (_mm256_loadu_pd(p), _mm256_loadu_pd(p.add(4)));
+            for r in 0..4 {
+                let q = w[r].as_ptr().add(c);
+                lo[r] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(q)), x0, lo[r]);
+                hi[r] = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_loadu_ps(q.add(4))), x1, hi[r]);
+            }
+        }
+        for r in 0..4 {
+            _mm256_storeu_pd(acc[r].as_mut_ptr(), lo[r]);
+            _mm256_storeu_pd(acc[r].as_mut_ptr().add(4), hi[r]);
+        }
+    }
 }
 
 /// `Accum::F16`: the weight rounded to f16 (the input already is), the products added into an
@@ -702,6 +882,56 @@ pub(crate) fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `dots_f64` + `dot_finish` (AVX2 where the CPU has it) return `dot`'s bits: any length,
+    /// spans and tails, odd and even token counts, values across many magnitudes (where the
+    /// order of a sum shows); and the scalar twins agree with the AVX2 kernels.
+    #[test]
+    fn tiled_dots_are_dot_bit_for_bit() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let m = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            m * 2f32.powi((seed % 40) as i32 - 20)
+        };
+        for (n, t) in [
+            (1, 1),
+            (7, 2),
+            (8, 3),
+            (9, 1),
+            (31, 4),
+            (1024, 2),
+            (1031, 5),
+            (2500, 3),
+        ] {
+            let rows: Vec<f32> = (0..4 * n).map(|_| next()).collect();
+            let x: Vec<f32> = (0..t * n).map(|_| next()).collect();
+            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            let mut acc = vec![[0.0f64; 8]; 4 * t];
+            dots_f64(&rows, &x64, &mut acc);
+            for k in 0..4 {
+                for i in 0..t {
+                    let (wr, xr) = (&rows[k * n..][..n], &x[i * n..][..n]);
+                    let got = dot_finish(wr, &x64[i * n..][..n], acc[k * t + i]);
+                    assert_eq!(
+                        got.to_bits(),
+                        dot(wr, xr).to_bits(),
+                        "n {n} t {t} ({k}, {i})"
+                    );
+                }
+            }
+            let whole = n / 8 * 8;
+            let w4: [&[f32]; 4] = std::array::from_fn(|k| &rows[k * n..][..whole]);
+            let (mut a, mut b) = ([[0.0f64; 8]; 4], [[0.0f64; 8]; 4]);
+            sums_4x1(w4, &x64[..whole], &mut a);
+            for k in 0..4 {
+                sums_scalar(w4[k], &x64[..whole], &mut b[k]);
+            }
+            assert_eq!(a, b, "4x1 twin, n {n}");
+        }
+    }
 
     /// Every f16 pair (a, next a) and points between them: the exact midpoint goes to the even
     /// one, a hair either side of it to the nearer one (what `half::f16::from_f64` misses), also
