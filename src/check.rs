@@ -91,8 +91,8 @@ pub struct CheckOptions {
     pub golden_dirs: Vec<PathBuf>,
     /// Prompt ids given by the user (None: take them from the golden).
     pub prompt: Option<Vec<u32>>,
-    /// A device backend (gpu) whose device is missing is left out with a note instead of
-    /// failing the check: the default set asks for gpu only where an adapter exists.
+    /// The default set: a device backend (gpu) runs only on a hardware adapter it can build,
+    /// else it is left out with a note instead of failing the check.
     pub device_optional: bool,
 }
 
@@ -315,8 +315,11 @@ pub fn run(
     })
 }
 
-/// Stage 3b: a device backend (gpu) without its device is left out with a note when the
-/// caller made devices optional (the default set); asked for by name, it is an error.
+/// Stage 3b: in the default set (`device_optional`), a device backend (gpu) runs only on a
+/// hardware adapter: without one, or with only a device that runs on the CPU (lavapipe: the
+/// same check takes minutes and proves nothing about a GPU), it is left out with a note that
+/// says how to include it. Asked for by name, it runs wherever it can, and fails without a
+/// device.
 fn with_devices<'e>(
     plan: &Plan,
     entries: Vec<&'e registry::Entry>,
@@ -328,6 +331,25 @@ fn with_devices<'e>(
     }
     let mut kept = Vec::new();
     for e in entries {
+        if let Some(probe) = e.probe {
+            match probe() {
+                registry::Probe::Hardware(_) => {}
+                registry::Probe::Missing(why) => {
+                    notes.push(format!("{}: not checked — {why}", e.name));
+                    continue;
+                }
+                registry::Probe::Software(name) => {
+                    let all: Vec<&str> = opt.backends.iter().map(String::as_str).collect();
+                    notes.push(format!(
+                        "{}: not checked — the only GPU adapter ({}) runs on the CPU; `--backends {}` includes it",
+                        e.name,
+                        crate::report::shown::shown(&name),
+                        all.join(",")
+                    ));
+                    continue;
+                }
+            }
+        }
         if e.device
             && let Err(err) = e.build(plan.model, plan.n_ctx, plan.threads)
         {
@@ -767,5 +789,103 @@ impl<S: Sink> Sink for Counting<'_, S> {
     }
     fn replays(&self, key: &TapKey) -> bool {
         self.inner.replays(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default set keeps a device backend only on a hardware adapter that it can build:
+    /// no adapter, a software one, or a build that fails each leave it out with one note
+    /// saying why (the CPU backends go on); asked for by name, nothing is left out here.
+    #[test]
+    fn default_set_leaves_out_a_device_it_cannot_use() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama-q8_0.gguf");
+        let model = Model::open(&path).unwrap();
+        let device = |probe: fn() -> registry::Probe, build: registry::Build| registry::Entry {
+            name: "gpu",
+            aliases: &[],
+            rounding: backend::Emulation::None,
+            replayable: true,
+            about: "",
+            device: true,
+            probe: Some(probe),
+            build,
+        };
+        let fails: registry::Build = |_, _, _| Err(BackendError::Gpu("tensor too big".into()));
+        let builds: registry::Build = |m, n, _| {
+            Ok(Box::new(backend::Reference::new(
+                m,
+                backend::Emulation::None,
+                n,
+            )))
+        };
+        let cases: [(fn() -> registry::Probe, registry::Build, Option<&str>); 4] = [
+            (
+                || registry::Probe::Missing("no GPU adapter".into()),
+                builds,
+                Some("gpu: not checked — no GPU adapter"),
+            ),
+            (
+                || registry::Probe::Software("llvmpipe".into()),
+                builds,
+                Some(
+                    "gpu: not checked — the only GPU adapter (llvmpipe) runs on the CPU; `--backends reference,gpu` includes it",
+                ),
+            ),
+            (
+                || registry::Probe::Hardware("a GPU".into()),
+                fails,
+                Some("gpu: not checked — tensor too big"),
+            ),
+            (|| registry::Probe::Hardware("a GPU".into()), builds, None),
+        ];
+        for (probe, build, note) in cases {
+            let gpu = device(probe, build);
+            let plain = registry::find("reference").unwrap();
+            let mut opt = CheckOptions {
+                backends: vec!["reference".into(), "gpu".into()],
+                device_optional: true,
+                threads: 1,
+                steps: None,
+                op_by_op: true,
+                golden: None,
+                golden_dirs: Vec::new(),
+                prompt: None,
+            };
+            let plan = Plan {
+                model: &model,
+                model_ref: ModelRef {
+                    path: String::new(),
+                    sha256: String::new(),
+                    size: None,
+                },
+                prompt: vec![1, 2],
+                steps: 1,
+                n_ctx: 4,
+                threads: 1,
+                has_golden: false,
+            };
+            let mut notes = Vec::new();
+            let kept = with_devices(&plan, vec![plain, &gpu], &opt, &mut notes).unwrap();
+            let names: Vec<&str> = kept.iter().map(|e| e.name).collect();
+            match note {
+                Some(n) => {
+                    assert_eq!(names, ["reference"], "{n}");
+                    assert_eq!(notes, [n.to_string()]);
+                }
+                None => {
+                    assert_eq!(names, ["reference", "gpu"]);
+                    assert!(notes.is_empty(), "{notes:?}");
+                }
+            }
+            // Named by the user: kept whatever the probe says (a failure is the pass's error).
+            opt.device_optional = false;
+            let mut notes = Vec::new();
+            let kept = with_devices(&plan, vec![plain, &gpu], &opt, &mut notes).unwrap();
+            assert_eq!(kept.len(), 2);
+            assert!(notes.is_empty());
+        }
     }
 }

@@ -391,7 +391,9 @@ fn sums_scalar(w: &[f32], x: &[f64], acc: &mut [f64; 8]) {
 fn sums_2x2_avx2(w: [&[f32]; 2], x: [&[f64]; 2], acc: &mut [[[f64; 8]; 2]; 2]) {
     use std::arch::x86_64::*;
     let n = w[0].len();
-    assert!(n % 8 == 0 && w.iter().all(|r| r.len() == n) && x.iter().all(|r| r.len() == n));
+    assert!(
+        n.is_multiple_of(8) && w.iter().all(|r| r.len() == n) && x.iter().all(|r| r.len() == n)
+    );
     // SAFETY: every load and store stays inside a slice of n (a multiple of 8) or an [f64; 8].
     unsafe {
         let mut lo = acc.map(|r| r.map(|a| _mm256_loadu_pd(a.as_ptr())));
@@ -427,7 +429,7 @@ fn sums_2x2_avx2(w: [&[f32]; 2], x: [&[f64]; 2], acc: &mut [[[f64; 8]; 2]; 2]) {
 fn sums_4x1_avx2(w: [&[f32]; 4], x: &[f64], acc: &mut [[f64; 8]; 4]) {
     use std::arch::x86_64::*;
     let n = x.len();
-    assert!(n % 8 == 0 && w.iter().all(|r| r.len() == n));
+    assert!(n.is_multiple_of(8) && w.iter().all(|r| r.len() == n));
     // SAFETY: every load and store stays inside a slice of n (a multiple of 8) or an [f64; 8].
     unsafe {
         let mut lo = acc.map(|a| _mm256_loadu_pd(a.as_ptr()));

@@ -2,6 +2,7 @@
 //! applies, whether it can be replayed op by op, and how to build it. The CLI, `check` and
 //! the reports ask this table instead of spelling backend names themselves.
 
+pub use super::gpu::context::Probe;
 use super::{Backend, BackendError, Emulation, Fast, Reference, gpu::Gpu};
 use crate::model::Model;
 
@@ -14,13 +15,16 @@ pub struct Entry {
     /// (op by op).
     pub replayable: bool,
     pub about: &'static str,
-    /// Needs a GPU adapter: `check`'s default set includes it only when one exists.
+    /// Needs a GPU adapter: `check`'s default set includes it only when a hardware one exists.
     pub device: bool,
-    build: Build,
+    /// For a device backend: which adapter it would run on, found without opening it.
+    pub probe: Option<fn() -> Probe>,
+    pub(crate) build: Build,
 }
 
 /// Builds a backend over a model: (model, n_ctx, threads).
-type Build = for<'m> fn(&'m Model, usize, usize) -> Result<Box<dyn Backend + 'm>, BackendError>;
+pub(crate) type Build =
+    for<'m> fn(&'m Model, usize, usize) -> Result<Box<dyn Backend + 'm>, BackendError>;
 
 impl Entry {
     /// A backend over `model` with room for `n_ctx` positions; `threads` (0 = all cores) is
@@ -55,6 +59,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "plain f32, readable: the forward pass as written",
         device: false,
+        probe: None,
         build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::None, n_ctx))),
     },
     Entry {
@@ -64,6 +69,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "the reference rounding matmul inputs as ggml's CPU backend does",
         device: false,
+        probe: None,
         build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::GgmlCpu, n_ctx))),
     },
     Entry {
@@ -73,6 +79,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "SIMD and threads, ggml's CPU rounding",
         device: false,
+        probe: None,
         build: |m, n_ctx, threads| Ok(Box::new(Fast::new(m, n_ctx, resolve_threads(threads)))),
     },
     Entry {
@@ -82,6 +89,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "the GPU through wgpu (Vulkan, Metal, DX12): f32 activations, f32 accumulation",
         device: true,
+        probe: Some(super::gpu::context::probe),
         build: |m, n_ctx, _| Ok(Box::new(Gpu::new(m, n_ctx)?)),
     },
 ];

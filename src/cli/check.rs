@@ -301,8 +301,9 @@ pub struct CheckArgs {
     #[arg(long)]
     steps: Option<usize>,
     /// Backends to run: reference (plain f32), reference:ggml-cpu (emulating ggml's CPU
-    /// activation rounding), fast, gpu (wgpu). Default: reference,reference:ggml-cpu,fast and
-    /// gpu when a GPU adapter exists (else the verdict says the GPU was not checked).
+    /// activation rounding), fast, gpu (wgpu). Default: reference,reference:ggml-cpu,fast, and
+    /// gpu when a hardware GPU adapter exists (a software one such as lavapipe only when named
+    /// here; either way the report says in one line when the GPU was not checked).
     #[arg(long, value_delimiter = ',')]
     backends: Option<Vec<String>>,
     /// Worker threads for the fast backend (0 = all cores).

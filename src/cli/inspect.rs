@@ -47,6 +47,7 @@ pub fn gpu(a: GpuArgs) -> Result<ExitCode> {
             "max_invocations_per_workgroup": i.max_invocations,
             "workgroup_size": crate::backend::gpu::context::WG,
             "subgroup_size": [i.subgroup.0, i.subgroup.1], "reductions": reduce, "f16": i.f16,
+            "driver_stderr": i.driver_log,
         });
         println!(
             "{}",
@@ -72,6 +73,16 @@ pub fn gpu(a: GpuArgs) -> Result<ExitCode> {
         i.subgroup.0, i.subgroup.1
     );
     println!("f16: {}", if i.f16 { "yes" } else { "no" });
+    if i.device_type == "Cpu" {
+        println!(
+            "note: this adapter runs on the CPU; `parity check` leaves it out unless --backends names gpu"
+        );
+    }
+    // The driver's own lines, kept off stderr while the device opened (Mesa's XDG_RUNTIME_DIR
+    // complaint is not parity's error).
+    for l in i.driver_log.lines() {
+        println!("driver stderr: {}", sh(l));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -28,6 +28,19 @@ pub fn parity_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     c.output().expect("run parity")
 }
 
+/// `parity_env` with the variables in `remove` taken out of the inherited environment.
+pub fn parity_env_without(args: &[&str], env: &[(&str, &str)], remove: &[&str]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
+    c.args(args).current_dir(root());
+    for k in remove {
+        c.env_remove(k);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run parity")
+}
+
 pub fn parity(args: &[&str]) -> Output {
     parity_env(args, &[])
 }

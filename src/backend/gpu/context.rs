@@ -28,6 +28,9 @@ pub struct GpuInfo {
     /// The reductions use subgroup ops (else the shared-memory fallback).
     pub subgroups: bool,
     pub f16: bool,
+    /// What the driver wrote on stderr while the device was opened (shown by `parity gpu`,
+    /// never as parity's own lines).
+    pub driver_log: String,
 }
 
 pub struct Context {
@@ -36,20 +39,130 @@ pub struct Context {
     pub info: GpuInfo,
 }
 
+/// The adapter a context would use, as `check` needs to know it before building anything.
+pub enum Probe {
+    /// A hardware GPU (discrete, integrated or virtual): its name.
+    Hardware(String),
+    /// Only a device that runs on the CPU (lavapipe/llvmpipe, SwiftShader, WARP): its name.
+    Software(String),
+    /// No adapter at all: the line to print.
+    Missing(String),
+}
+
+/// Which adapter `check`'s default set would run on, without opening a device. Whatever the
+/// driver writes on stderr meanwhile is swallowed (see `quiet_stderr`).
+pub fn probe() -> Probe {
+    let (picked, _) = quiet_stderr(|| pick_adapter(&instance()).map(|a| a.get_info()));
+    match picked {
+        None => Probe::Missing(NO_ADAPTER.to_string()),
+        Some(i) if i.device_type == wgpu::DeviceType::Cpu => Probe::Software(i.name),
+        Some(i) => Probe::Hardware(i.name),
+    }
+}
+
+fn instance() -> wgpu::Instance {
+    wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12,
+        ..wgpu::InstanceDescriptor::new_without_display_handle()
+    })
+}
+
+/// The adapter to use: a discrete GPU before an integrated one, before a virtual one, before
+/// anything else, a device running on the CPU last (wgpu's own high-performance choice can
+/// return lavapipe while a real GPU is present).
+fn pick_adapter(instance: &wgpu::Instance) -> Option<wgpu::Adapter> {
+    let rank = |a: &wgpu::Adapter| match a.get_info().device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    };
+    let all = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+    all.into_iter().min_by_key(rank)
+}
+
+/// Runs `f` with this process's stderr (fd 2) sent to a pipe and returns what was written
+/// there: Vulkan drivers print their own lines (Mesa's `error: XDG_RUNTIME_DIR is invalid or
+/// not set in the environment.`), which must not read as parity's errors. Where the pipe
+/// cannot be made, `f` runs with stderr as it is.
+pub fn quiet_stderr<T>(f: impl FnOnce() -> T) -> (T, String) {
+    #[cfg(unix)]
+    {
+        use std::io::Read;
+        use std::os::fd::FromRawFd;
+        let mut fds = [0; 2];
+        // SAFETY: plain fd calls; every fd made here is closed or handed to a File.
+        let saved = unsafe {
+            if libc::pipe(fds.as_mut_ptr()) != 0 {
+                return (f(), String::new());
+            }
+            let saved = libc::dup(2);
+            if saved < 0 || libc::dup2(fds[1], 2) < 0 {
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+                if saved >= 0 {
+                    libc::close(saved);
+                }
+                return (f(), String::new());
+            }
+            libc::close(fds[1]);
+            saved
+        };
+        // SAFETY: fds[0] is ours alone from here.
+        let mut pipe = unsafe { std::fs::File::from_raw_fd(fds[0]) };
+        // Read while `f` runs: a driver that writes more than the pipe holds must not block.
+        let reader = std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = pipe.by_ref().take(1 << 16).read_to_end(&mut text);
+            let _ = std::io::copy(&mut pipe, &mut std::io::sink());
+            text
+        });
+        let out = f();
+        // SAFETY: put fd 2 back; that closes the pipe's last write end (unless the driver
+        // kept a copy: then the reader ends when the process does, and is not waited for).
+        unsafe {
+            libc::dup2(saved, 2);
+            libc::close(saved);
+        }
+        let text = if reader.is_finished() || wait_briefly(&reader) {
+            reader.join().unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        (out, String::from_utf8_lossy(&text).trim_end().to_string())
+    }
+    #[cfg(not(unix))]
+    {
+        (f(), String::new())
+    }
+}
+
+#[cfg(unix)]
+fn wait_briefly<T>(h: &std::thread::JoinHandle<T>) -> bool {
+    for _ in 0..100 {
+        if h.is_finished() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    h.is_finished()
+}
+
 impl Context {
-    /// The first adapter wgpu finds (high performance preferred), with the adapter's own
-    /// limits (not wgpu's conservative defaults: a 128 MiB binding would refuse real models).
+    /// The adapter `pick_adapter` prefers (a device on the CPU only when there is nothing
+    /// else), with the adapter's own limits (not wgpu's conservative defaults: a 128 MiB
+    /// binding would refuse real models). The driver's stderr is kept in `info.driver_log`.
     /// `PARITY_GPU_NO_SUBGROUPS=1` forces the shared-memory reductions (tests use it).
     pub fn new() -> Result<Context, String> {
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-            backends: wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12,
-            ..wgpu::InstanceDescriptor::new_without_display_handle()
-        });
-        let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
-            power_preference: wgpu::PowerPreference::HighPerformance,
-            ..Default::default()
-        }))
-        .map_err(|_| NO_ADAPTER.to_string())?;
+        let (cx, log) = quiet_stderr(Context::open);
+        let mut cx = cx?;
+        cx.info.driver_log = log;
+        Ok(cx)
+    }
+
+    fn open() -> Result<Context, String> {
+        let adapter = pick_adapter(&instance()).ok_or_else(|| NO_ADAPTER.to_string())?;
         let feats = adapter.features();
         let no_sg = std::env::var_os("PARITY_GPU_NO_SUBGROUPS").is_some_and(|v| v == "1");
         let subgroups = feats.contains(wgpu::Features::SUBGROUP) && !no_sg;
@@ -93,6 +206,7 @@ impl Context {
             subgroup: (a.subgroup_min_size, a.subgroup_max_size),
             subgroups,
             f16,
+            driver_log: String::new(),
         };
         if info.max_invocations < WG {
             return Err(format!(
