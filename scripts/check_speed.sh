@@ -1,26 +1,52 @@
 #!/usr/bin/env bash
-# Time and peak memory of `parity check` with every backend and op by op on one model, against
-# the goal in issue 10 (1.1B Q4_0 model, 2 threads: within 30 s, peak RSS < 2x the file).
-# Runs it N times (default 3) and prints each run, then the median and range.
+# `parity check` against llama.cpp's own golden run, side by side on one machine (issue 30):
+# each round makes a fresh golden for the same ids with `parity golden` (llama.cpp through
+# llama-cpp-python, its default 1 thread), then runs `parity check` on it (every CPU backend
+# end to end and op by op, --threads 2), alternating so that both see the same machine load.
+# Prints each round, then medians and ranges of: the check's wall time, its ratio to the
+# golden's wall time and to llama.cpp's own time inside it (model load included, the taps'
+# writing not), and the check's peak RSS as a multiple of the file.
 #
-# Usage: scripts/check_speed.sh MODEL GOLDEN [N]
+# Usage: scripts/check_speed.sh MODEL IDS [ROUNDS] [STEPS]
+#   IDS: comma-separated prompt ids (scripts/depth_matrix.sh lists the ones it uses per shape)
+#   ROUNDS: default 3; STEPS: decode steps, default 4
+# PARITY=path picks the binary (default target/release/parity).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=${PARITY:-$root/target/release/parity}
-model=$1; golden=$2; n=${3:-3}
+model=$1; ids=$2; rounds=${3:-3}; steps=${4:-4}
 size=$(stat -c %s "$model")
-ts=(); rs=()
-for i in $(seq "$n"); do
-  /usr/bin/time -f "%e %M" -o /tmp/parity_speed.$$ "$P" check "$model" --golden "$golden" --threads 2 --quiet >/dev/null 2>&1 || true
-  read -r t kib < /tmp/parity_speed.$$
-  ratio=$(python3 -c "print(f'{$kib*1024/$size:.2f}')")
-  echo "run $i: ${t} s, peak RSS $((kib / 1024)) MiB = ${ratio}x the file ($((size / 1048576)) MiB)"
-  ts+=("$t"); rs+=("$ratio")
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+rows=()
+for i in $(seq "$rounds"); do
+  rm -rf "$work/golden"
+  /usr/bin/time -f "%e %M" -o "$work/tg" "$P" golden "$model" --tokens "$ids" --steps "$steps" \
+    --out "$work/golden" > "$work/golden.txt" 2>&1
+  read -r tg _ < "$work/tg"
+  # The golden's own line: "… in 14.26s (llama.cpp 10.39s) …".
+  tl=$(grep -o 'llama.cpp [0-9.]*s' "$work/golden.txt" | tail -1 | tr -dc '0-9.')
+  set +e
+  /usr/bin/time -f "%e %M" -o "$work/tc" "$P" check "$model" --golden "$work/golden" --threads 2 \
+    > "$work/check.txt" 2>&1
+  rc=$?
+  set -e
+  read -r tc kib < "$work/tc"
+  echo "round $i: golden ${tg} s (llama.cpp ${tl} s); check ${tc} s (exit $rc), peak RSS $((kib / 1024)) MiB"
+  grep '^backends:' "$work/check.txt" | sed 's/^/         /'
+  rows+=("$tg $tl $tc $kib")
 done
-rm -f /tmp/parity_speed.$$
-python3 - "${ts[@]}" -- "${rs[@]}" <<'PY'
+python3 - "$size" "${rows[@]}" <<'PY'
 import statistics, sys
-a = sys.argv[1:]; i = a.index("--")
-t = [float(x) for x in a[:i]]; r = [float(x) for x in a[i+1:]]
-print(f"median {statistics.median(t):.1f} s (range {min(t):.1f}-{max(t):.1f}); peak RSS median {statistics.median(r):.2f}x the file (range {min(r):.2f}-{max(r):.2f}); load average {open('/proc/loadavg').read().split()[0]}")
+size = int(sys.argv[1])
+rows = [list(map(float, r.split())) for r in sys.argv[2:]]
+def line(name, xs, unit=""):
+    print(f"{name}: median {statistics.median(xs):.2f}{unit} (range {min(xs):.2f}-{max(xs):.2f})")
+line("golden wall", [r[0] for r in rows], " s")
+line("llama.cpp inside the golden", [r[1] for r in rows], " s")
+line("check wall", [r[2] for r in rows], " s")
+line("check / golden wall (same round)", [r[2] / r[0] for r in rows], "x")
+line("check / llama.cpp's own time (same round)", [r[2] / r[1] for r in rows], "x")
+line("check peak RSS / file", [r[3] * 1024 / size for r in rows], "x")
+print(f"file {size / 2**20:.0f} MiB; load average {open('/proc/loadavg').read().split()[0]}")
 PY

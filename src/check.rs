@@ -749,17 +749,25 @@ fn compare_all(
     }
     events(Event::Comparing { n: todo.len() });
     let weight_type = model.main_weight_type();
-    let mut comparisons = Vec::with_capacity(todo.len());
-    for (base, cand, pair, against_golden) in todo {
-        let opt = CompareOptions {
-            pair,
-            weight_type,
-            require_same_model: true,
-        };
-        comparisons.push(Judged {
-            comparison: compare(base, cand, &opt)?,
-            against_golden,
-        });
+    // Each comparison reads only its two traces: they run side by side (rayon), in order.
+    use rayon::prelude::*;
+    let done: Vec<Result<Judged, CompareError>> = todo
+        .into_par_iter()
+        .map(|(base, cand, pair, against_golden)| {
+            let opt = CompareOptions {
+                pair,
+                weight_type,
+                require_same_model: true,
+            };
+            Ok(Judged {
+                comparison: compare(base, cand, &opt)?,
+                against_golden,
+            })
+        })
+        .collect();
+    let mut comparisons = Vec::with_capacity(done.len());
+    for j in done {
+        comparisons.push(j?);
         events(Event::Compared);
     }
     Ok(comparisons)
