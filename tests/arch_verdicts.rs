@@ -44,11 +44,11 @@ fn check_passes(model: &Path, golden: Option<&Path>) {
     let o = parity(&args);
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
-    assert!(out.contains(common::DEFAULT_VERDICT), "{}", show(&o));
+    assert!(out.contains(&common::default_verdict()), "{}", show(&o));
     // Op by op ran for both replayable ggml-rounding backends (and the gpu, against the plain
     // reference fed the same inputs, where the default set has it).
     assert!(
-        out.matches("op by op on the baseline's inputs").count() == common::DEFAULT_BACKENDS - 1,
+        out.matches("op by op on the baseline's inputs").count() == common::default_backends() - 1,
         "{}",
         show(&o)
     );

@@ -652,7 +652,7 @@ fn golden_with_llama_defaults_is_checked_with_different_rounding() {
     let s = stdout(&o);
     assert!(!s.contains("op-by-op"), "{s}");
     let vs_golden: Vec<&str> = s.lines().filter(|l| l.contains("vs llama.cpp/")).collect();
-    assert_eq!(vs_golden.len(), DEFAULT_BACKENDS, "{s}");
+    assert_eq!(vs_golden.len(), default_backends(), "{s}");
     assert!(
         vs_golden
             .iter()

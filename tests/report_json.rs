@@ -55,7 +55,7 @@ fn a_clean_check_report_on_stdout_validates() {
     let comps = j["comparisons"].as_array().unwrap();
     assert_eq!(
         comps.len(),
-        common::DEFAULT_COMPARISONS,
+        common::default_comparisons(),
         "3 backends (4 with the gpu), their op-by-op passes, every pair"
     );
     // The golden is there with its llama.cpp version, and its ids decoded by the model's tokenizer.

@@ -165,6 +165,9 @@ pub trait Ops {
     /// The context length this backend holds a cache for: LongRoPE models (phi3) pick their
     /// RoPE factors by it, as llama.cpp does by its context size.
     fn n_ctx(&self) -> usize;
+    /// The forward is done with layer `layer`'s weights for this call (a backend reading them
+    /// from the map releases them: `Model::release_layer`). Default: nothing.
+    fn leave_layer(&mut self, _layer: usize) {}
     /// A tap point: hand `x` to the sink if it wants it, then let a replaying sink replace it
     /// (op by op) before the forward goes on from it.
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Self::Buf);

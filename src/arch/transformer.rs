@@ -109,6 +109,7 @@ pub fn forward<O: Ops>(
 
         x = ops.add(ffn_inp, &ffn_out);
         tap(ops, ly, Tap::LOut, &[t, e], &mut x);
+        ops.leave_layer(l);
     }
 
     let mut xn = ops.rms_norm(&x, &m.output_norm, eps);

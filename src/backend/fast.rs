@@ -471,6 +471,10 @@ impl Ops for Fast<'_> {
         self.n_ctx
     }
 
+    fn leave_layer(&mut self, layer: usize) {
+        self.model.release_layer(layer);
+    }
+
     fn last_row(&mut self, x: Buf, width: usize) -> Buf {
         let mut out = self.take(width);
         out.copy_from_slice(&x[x.len() - width..]);

@@ -154,3 +154,40 @@ pub fn generate(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Model;
+    use crate::trace::{MemorySink, TapFilter};
+
+    /// Releasing each layer's pages as a forward leaves it (a model larger than memory) changes
+    /// no bit of any tap, in the reference and the fast backend, prefill and decode.
+    #[test]
+    fn releasing_layers_changes_no_tap() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/tiny-llama-q8_0.gguf");
+        let trace = |release: bool, fast: bool| {
+            let mut m = Model::open(&path).unwrap();
+            m.set_release_layers(release);
+            let mut sink = MemorySink::new(TapFilter::all());
+            let mut b: Box<dyn Backend> = if fast {
+                Box::new(Fast::new(&m, 32, 2))
+            } else {
+                Box::new(Reference::new(&m, Emulation::GgmlCpu, 32))
+            };
+            run(b.as_mut(), &[1, 17, 42, 99], 3, None, &mut sink).unwrap();
+            sink.tensors
+        };
+        for fast in [false, true] {
+            let (kept, released) = (trace(false, fast), trace(true, fast));
+            assert!(!kept.is_empty());
+            assert_eq!(kept.len(), released.len());
+            for ((k, a), (k2, b)) in kept.iter().zip(&released) {
+                assert_eq!(k, k2);
+                let bits = |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(a), bits(b), "{k:?} (fast: {fast})");
+            }
+        }
+    }
+}

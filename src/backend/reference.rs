@@ -842,6 +842,10 @@ impl Ops for Reference<'_> {
         self.n_ctx
     }
 
+    fn leave_layer(&mut self, layer: usize) {
+        self.model.release_layer(layer);
+    }
+
     fn last_row(&mut self, x: Vec<f32>, width: usize) -> Vec<f32> {
         x[x.len() - width..].to_vec()
     }

@@ -521,6 +521,33 @@ impl GgufFile {
     }
 
     /// The tensor's bytes, borrowed from the mapping (bounds were checked at open).
+    /// Drop the pages holding tensor `t` from this process's memory (`release_range`).
+    pub fn release(&self, t: &TensorInfo) {
+        let start = self.data_offset + t.offset;
+        self.release_range(start as usize, (start + t.n_bytes) as usize);
+    }
+
+    /// Drop the pages of bytes `start..end` of the file from this process's memory. The map is
+    /// read-only, so nothing is lost: the pages stay in the page cache while memory allows and
+    /// the next read maps them again (or reads the file). A model larger than memory is walked
+    /// this way (`Model::release_layer`).
+    pub fn release_range(&self, start: usize, end: usize) {
+        let Storage::Mmap(m) = &self.data else {
+            return;
+        };
+        const PAGE: usize = 4096;
+        let a = start / PAGE * PAGE;
+        let b = end.div_ceil(PAGE).saturating_mul(PAGE).min(m.len());
+        if b > a {
+            // SAFETY: a read-only file map: MADV_DONTNEED only unmaps pages, which a later read
+            // faults back in with the file's bytes (no private copy exists to lose). The range
+            // lies inside the map. An error (a kernel without it) changes nothing.
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a)
+            };
+        }
+    }
+
     pub fn tensor_data(&self, t: &TensorInfo) -> &[u8] {
         let start = (self.data_offset + t.offset) as usize;
         &self.data[start..start + t.n_bytes as usize]

@@ -149,28 +149,34 @@ pub fn numpy_engine_python() -> Option<PathBuf> {
     Some(py)
 }
 
-/// The verdict line of a clean default `parity check` against a tight golden. The default set
-/// is reference, reference:ggml-cpu and fast, plus gpu where build.rs found a GPU driver (the
-/// check adds it when an adapter exists): 3 backends give 2 op-by-op comparisons (ggml-cpu,
-/// fast) + 3 against the golden + 3 pairs = 8; with gpu, 3 op by op (gpu against the plain
-/// reference fed the same inputs) + 4 + 6 = 13.
-#[cfg(parity_gpu)]
-#[allow(dead_code)]
-pub const DEFAULT_VERDICT: &str = "verdict: parity (13 comparisons)";
-#[cfg(not(parity_gpu))]
-#[allow(dead_code)]
-pub const DEFAULT_VERDICT: &str = "verdict: parity (8 comparisons)";
+/// Backends of the default `parity check` set on this machine: reference, reference:ggml-cpu
+/// and fast, plus gpu where a hardware GPU adapter exists (`parity gpu --json` says which
+/// adapter the gpu backend gets; one that runs on the CPU, lavapipe, is left out).
+pub fn default_backends() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        let o = parity(&["gpu", "--json"]);
+        let hw = o.status.success()
+            && serde_json::from_slice::<serde_json::Value>(&o.stdout)
+                .is_ok_and(|v| v["device_type"].as_str().is_some_and(|t| t != "Cpu"));
+        if hw { 4 } else { 3 }
+    })
+}
 
-/// Backends of the default `parity check` set on this machine (see [`DEFAULT_VERDICT`]).
-#[allow(dead_code)]
-pub const DEFAULT_BACKENDS: usize = if cfg!(parity_gpu) { 4 } else { 3 };
+/// Comparisons of a clean default `parity check` against a tight golden: op by op for every
+/// backend but the plain reference, each backend against the golden, and every pair of
+/// backends. 3 backends give 2 op-by-op comparisons (ggml-cpu, fast) + 3 against the golden +
+/// 3 pairs = 8; with gpu, 3 op by op (gpu against the plain reference fed the same inputs) +
+/// 4 + 6 = 13.
+pub fn default_comparisons() -> usize {
+    let n = default_backends();
+    (n - 1) + n + n * (n - 1) / 2
+}
 
-/// Comparisons of a clean default `parity check` against a tight golden (see [`DEFAULT_VERDICT`]):
-/// op by op for every backend but the plain reference, each backend against the golden, and
-/// every pair of backends.
-#[allow(dead_code)]
-pub const DEFAULT_COMPARISONS: usize =
-    (DEFAULT_BACKENDS - 1) + DEFAULT_BACKENDS + DEFAULT_BACKENDS * (DEFAULT_BACKENDS - 1) / 2;
+/// The verdict line of a clean default `parity check` against a tight golden.
+pub fn default_verdict() -> String {
+    format!("verdict: parity ({} comparisons)", default_comparisons())
+}
 
 /// Copy the committed golden (`golden/tiny-llama-q8_0`) to `dir/name`, with its model reference
 /// made unknown (so that `diff` compares end to end with --weight-type, without the judge) and
