@@ -25,7 +25,7 @@ for i in $(seq "$rounds"); do
     --out "$work/golden" > "$work/golden.txt" 2>&1
   read -r tg _ < "$work/tg"
   # The golden's own line: "… in 14.26s (llama.cpp 10.39s) …".
-  tl=$(grep -o 'llama.cpp [0-9.]*s' "$work/golden.txt" | tail -1 | tr -dc '0-9.')
+  tl=$(grep -o 'llama\.cpp [0-9.]*s' "$work/golden.txt" | tail -1 | sed -E 's/llama\.cpp ([0-9.]+)s/\1/')
   set +e
   /usr/bin/time -f "%e %M" -o "$work/tc" "$P" check "$model" --golden "$work/golden" --threads 2 \
     > "$work/check.txt" 2>&1
