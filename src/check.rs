@@ -3,6 +3,7 @@
 //! golden and against each other. The terminal, JSON, HTML and snapshot printers all render
 //! the [`CheckReport`] this returns; nothing here prints.
 
+use crate::backend::lockstep::{Fanout, Lockstep};
 use crate::backend::{self, BackendError, registry};
 use crate::compare::{CompareError, CompareOptions, Comparison, PairKind, compare};
 use crate::model::Model;
@@ -100,7 +101,7 @@ pub struct CheckOptions {
 pub enum Event {
     /// A backend pass starts: `forwards` forward calls (prefill + decode steps) follow.
     PassStart {
-        backend: &'static str,
+        backend: String,
         op_by_op: bool,
         forwards: usize,
     },
@@ -283,21 +284,31 @@ pub fn run(
     let mut notes = Vec::new();
     let entries = with_devices(&plan, entries, opt, &mut notes)?;
     let mut passes = Vec::new();
+    let op_entries = op_entries(&entries, golden.as_ref(), opt, &mut notes)?;
+    let mut walked = walk(
+        &plan,
+        &entries,
+        &op_entries,
+        golden.as_ref(),
+        &golden_forced,
+        &mut passes,
+        events,
+    )?;
     let (traces, forced) = end_to_end(
         &plan,
         &entries,
         &golden_forced,
+        &mut walked,
         &mut passes,
         &mut notes,
         events,
     )?;
     let op = op_by_op(
         &plan,
-        &entries,
+        &op_entries,
         golden.as_ref(),
-        opt,
+        &mut walked,
         &mut passes,
-        &mut notes,
         events,
     )?;
     let comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
@@ -550,18 +561,23 @@ impl Plan<'_> {
         events: &mut dyn FnMut(Event),
     ) -> Result<Ran<S>, CheckError> {
         events(Event::PassStart {
-            backend: e.name,
+            backend: e.name.to_string(),
             op_by_op,
             forwards: self.steps + 1,
         });
         let t0 = Instant::now();
         let mut b = e.build(self.model, self.n_ctx, self.threads)?;
-        let mut sink = Counting {
-            inner: sink,
-            events: &mut *events,
-        };
-        let info = backend::run(b.as_mut(), &self.prompt, self.steps, forced, &mut sink)?;
-        let sink = sink.inner;
+        let mut sink = sink;
+        let info = backend::run(
+            b.as_mut(),
+            &self.prompt,
+            self.steps,
+            forced,
+            &mut Counting {
+                inner: &mut sink,
+                events: &mut *events,
+            },
+        )?;
         let notes = b.notes();
         events(Event::PassEnd);
         let producer = Producer {
@@ -603,6 +619,7 @@ fn end_to_end(
     plan: &Plan,
     entries: &[&registry::Entry],
     golden_forced: &[u32],
+    walked: &mut Walked,
     passes: &mut Vec<Pass>,
     notes: &mut Vec<String>,
     events: &mut dyn FnMut(Event),
@@ -612,16 +629,17 @@ fn end_to_end(
         .then(|| golden_forced[..plan.steps].to_vec());
     let mut traces = Vec::new();
     for e in entries {
+        if let Some(t) = walked.take(e.name, false) {
+            if forced.is_none() {
+                forced = Some(decode_ids(&t.manifest.steps));
+            }
+            traces.push(t);
+            continue;
+        }
         let sink = MemorySink::new(TapFilter::all());
         let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
         if forced.is_none() {
-            forced = Some(
-                ran.info
-                    .iter()
-                    .skip(1)
-                    .flat_map(|s| s.tokens.clone())
-                    .collect(),
-            );
+            forced = Some(decode_ids(&ran.info));
         }
         for n in ran.notes {
             if !notes.contains(&n) {
@@ -649,21 +667,26 @@ struct OpTraces {
     devices: Vec<usize>,
 }
 
-/// Stage 5: op by op, each replayable backend that rounds like ggml's CPU, fed a tight
-/// golden's tensor at every tap (ReplaySink), so each op is judged on identical inputs. A
-/// device backend (gpu, f32 activations) is fed the same inputs and judged against the plain
-/// reference fed them too: the golden's own ops round activations as ggml's CPU does, the
-/// gpu does not.
-fn op_by_op(
-    plan: &Plan,
-    entries: &[&registry::Entry],
+/// The ids fed at the decode steps of a run.
+fn decode_ids(steps: &[StepInfo]) -> Vec<u32> {
+    steps
+        .iter()
+        .skip(1)
+        .flat_map(|s| s.tokens.clone())
+        .collect()
+}
+
+/// Stage 5a: which backends run op by op: each replayable backend that rounds like ggml's CPU,
+/// when the golden is a CPU one and op by op was not turned off; with a device backend (gpu,
+/// f32 activations), the plain reference too (the device is judged against it, both fed the
+/// golden's inputs: the golden's own ops round activations as ggml's CPU does, the gpu does
+/// not).
+fn op_entries<'e>(
+    entries: &[&'e registry::Entry],
     golden: Option<&(PathBuf, Trace)>,
     opt: &CheckOptions,
-    passes: &mut Vec<Pass>,
     notes: &mut Vec<String>,
-    events: &mut dyn FnMut(Event),
-) -> Result<OpTraces, CheckError> {
-    let mut out = OpTraces::default();
+) -> Result<Vec<&'e registry::Entry>, CheckError> {
     // Op by op replays a golden's tensors through ggml-cpu arithmetic: only a CPU golden's.
     if let Some((_, g)) = golden.filter(|_| opt.op_by_op)
         && let GoldenDevice::Gpu(dev) = golden_device(g)
@@ -673,10 +696,9 @@ fn op_by_op(
              unlike ggml's CPU; it is compared end to end as a different rounding"
         ));
     }
-    let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_ggml_cpu(g)) else {
-        return Ok(out);
-    };
-    let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();
+    if golden.is_none_or(|(_, g)| !opt.op_by_op || !golden_is_ggml_cpu(g)) {
+        return Ok(Vec::new());
+    }
     let mut op_entries: Vec<&registry::Entry> = entries
         .iter()
         .copied()
@@ -691,17 +713,159 @@ fn op_by_op(
         op_entries.push(registry::find("reference")?);
         op_entries.extend(devices);
     }
-    for e in op_entries {
-        let ran = plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
-        if let Some(err) = ran.sink.error {
+    Ok(op_entries)
+}
+
+/// Traces the lockstep walk made, each taken once by the stage that would have made it.
+#[derive(Default)]
+struct Walked {
+    traces: Vec<(&'static str, bool, Trace)>,
+}
+
+impl Walked {
+    fn take(&mut self, backend: &str, op_by_op: bool) -> Option<Trace> {
+        let i = self
+            .traces
+            .iter()
+            .position(|(b, o, _)| *b == backend && *o == op_by_op)?;
+        Some(self.traces.remove(i).2)
+    }
+}
+
+/// Stage 4: the reference passes, end to end and op by op, in one walk of the weights
+/// (`Lockstep`): each weight row decoded once for all of them, every member computing what it
+/// computes alone. They share the ids: the golden's, or (without one) the first backend's
+/// greedy continuation, so the walk leads only when a reference is the first backend.
+fn walk(
+    plan: &Plan,
+    entries: &[&registry::Entry],
+    op_entries: &[&registry::Entry],
+    golden: Option<&(PathBuf, Trace)>,
+    golden_forced: &[u32],
+    passes: &mut Vec<Pass>,
+    events: &mut dyn FnMut(Event),
+) -> Result<Walked, CheckError> {
+    let e2e: Vec<&registry::Entry> = entries.iter().copied().filter(|e| e.lockstep).collect();
+    let op: Vec<&registry::Entry> = op_entries.iter().copied().filter(|e| e.lockstep).collect();
+    let leads = plan.has_golden || entries.first().is_some_and(|e| e.lockstep);
+    if !leads || e2e.len() + op.len() < 2 {
+        return Ok(Walked::default());
+    }
+    let members: Vec<(&registry::Entry, bool)> = e2e
+        .iter()
+        .map(|&e| (e, false))
+        .chain(op.iter().map(|&e| (e, true)))
+        .collect();
+    let label: Vec<String> = members
+        .iter()
+        .map(|(e, o)| format!("{}{}", e.name, if *o { " op by op" } else { "" }))
+        .collect();
+    let label = format!("{} (one walk of the weights)", label.join(" + "));
+    events(Event::PassStart {
+        backend: label.clone(),
+        op_by_op: false,
+        forwards: plan.steps + 1,
+    });
+    let t0 = Instant::now();
+    let roundings: Vec<backend::Emulation> = members.iter().map(|(e, _)| e.rounding).collect();
+    let mut b = Lockstep::new(plan.model, &roundings, plan.n_ctx);
+    let forced = plan
+        .has_golden
+        .then(|| golden_forced[..plan.steps].to_vec());
+    let mut mem: Vec<MemorySink> = e2e
+        .iter()
+        .map(|_| MemorySink::new(TapFilter::all()))
+        .collect();
+    let mut replay: Vec<ReplaySink> = match golden {
+        Some((_, g)) => op.iter().map(|_| ReplaySink::new(g)).collect(),
+        None => Vec::new(),
+    };
+    let info = {
+        let mut sinks = mem
+            .iter_mut()
+            .map(|s| s as &mut dyn Sink)
+            .chain(replay.iter_mut().map(|s| s as &mut dyn Sink));
+        // The first member's forwards tick the progress bar.
+        let first = sinks.next().expect("two members at least");
+        let mut first = Counting {
+            inner: first,
+            events: &mut *events,
+        };
+        let mut fanout = Fanout {
+            sinks: std::iter::once(&mut first as &mut dyn Sink)
+                .chain(sinks)
+                .collect(),
+        };
+        backend::run(
+            &mut b,
+            &plan.prompt,
+            plan.steps,
+            forced.as_deref(),
+            &mut fanout,
+        )?
+    };
+    events(Event::PassEnd);
+    passes.push(Pass {
+        backend: label,
+        op_by_op: false,
+        seconds: t0.elapsed().as_secs_f64(),
+        peak_rss_bytes: peak_rss_bytes(),
+    });
+    let trace = |(e, o): (&registry::Entry, bool), tensors| {
+        let producer = Producer {
+            name: "parity".into(),
+            backend: format!("{}{}", e.name, if o { "/op-by-op" } else { "" }),
+            version: env!("CARGO_PKG_VERSION").into(),
+            settings: serde_json::json!({ "rounding": e.rounding.name() }),
+        };
+        Trace::from_memory(plan.model_ref.clone(), producer, info.clone(), tensors)
+    };
+    let mut walked = Walked::default();
+    for (m, s) in members.iter().take(e2e.len()).zip(mem) {
+        walked.traces.push((m.0.name, false, trace(*m, s.tensors)));
+    }
+    for (m, s) in members.iter().skip(e2e.len()).zip(replay) {
+        if let Some(err) = s.error {
             return Err(err.into());
         }
-        passes.push(ran.pass);
+        walked
+            .traces
+            .push((m.0.name, true, trace(*m, s.inner.tensors)));
+    }
+    Ok(walked)
+}
+
+/// Stage 5: op by op, each of `op_entries` fed a tight golden's tensor at every tap
+/// (ReplaySink), so each op is judged on identical inputs; a device backend is judged against
+/// the plain reference fed them too.
+fn op_by_op(
+    plan: &Plan,
+    op_entries: &[&registry::Entry],
+    golden: Option<&(PathBuf, Trace)>,
+    walked: &mut Walked,
+    passes: &mut Vec<Pass>,
+    events: &mut dyn FnMut(Event),
+) -> Result<OpTraces, CheckError> {
+    let mut out = OpTraces::default();
+    let Some((_, g)) = golden.filter(|_| !op_entries.is_empty()) else {
+        return Ok(out);
+    };
+    let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();
+    for &e in op_entries {
         if e.device {
             out.devices.push(out.traces.len());
         } else if e.rounding == backend::Emulation::None {
             out.plain = Some(out.traces.len());
         }
+        if let Some(t) = walked.take(e.name, true) {
+            out.traces.push(t);
+            continue;
+        }
+        let ran = plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
+        if let Some(err) = ran.sink.error {
+            return Err(err.into());
+        }
+        passes.push(ran.pass);
         out.traces.push(Trace::from_memory(
             plan.model_ref.clone(),
             ran.producer,
@@ -780,7 +944,7 @@ struct Counting<'e, S> {
     events: &'e mut dyn FnMut(Event),
 }
 
-impl<S: Sink> Sink for Counting<'_, S> {
+impl<S: Sink + ?Sized> Sink for Counting<'_, &mut S> {
     fn wants(&self, key: &TapKey) -> bool {
         self.inner.wants(key) || key.tap == Tap::Logits
     }
@@ -818,6 +982,7 @@ mod tests {
             replayable: true,
             about: "",
             device: true,
+            lockstep: false,
             probe: Some(probe),
             build,
         };

@@ -27,7 +27,11 @@ fn the_default_check_runs_away_from_the_checkout() {
     let cache = tmp.path().join("cache");
     let o = installed(&["check"], tmp.path(), &cache);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
-    assert!(stdout(&o).contains(&common::default_verdict()), "{}", show(&o));
+    assert!(
+        stdout(&o).contains(&common::default_verdict()),
+        "{}",
+        show(&o)
+    );
     let unpacked = cache
         .join("parity")
         .join(env!("CARGO_PKG_VERSION"))

@@ -4,6 +4,7 @@
 pub mod family;
 pub mod fast;
 pub mod gpu;
+pub mod lockstep;
 pub mod mutation;
 pub mod reference;
 pub mod registry;
@@ -165,8 +166,8 @@ mod tests {
     /// no bit of any tap, in the reference and the fast backend, prefill and decode.
     #[test]
     fn releasing_layers_changes_no_tap() {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures/tiny-llama-q8_0.gguf");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama-q8_0.gguf");
         let trace = |release: bool, fast: bool| {
             let mut m = Model::open(&path).unwrap();
             m.set_release_layers(release);
@@ -185,7 +186,8 @@ mod tests {
             assert_eq!(kept.len(), released.len());
             for ((k, a), (k2, b)) in kept.iter().zip(&released) {
                 assert_eq!(k, k2);
-                let bits = |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                let bits =
+                    |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(a), bits(b), "{k:?} (fast: {fast})");
             }
         }

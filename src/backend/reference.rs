@@ -149,52 +149,25 @@ impl<'m> Reference<'m> {
     pub(crate) fn matmul_plain(&self, w: &TensorInfo, x: &[f32], t: usize) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in);
+        if self.emulation.accum() == Accum::F32 {
+            return matmul_f64(self.model, w, &[&x], t).remove(0);
+        }
         // Output rows are independent: split them over threads in chunks (rayon), each with
-        // its own row buffers. Every output is the same f64 sum whatever thread computes it,
-        // so the result is bit-identical whatever the thread count.
+        // its own row buffer; every output is the same sum whatever thread computes it.
         const ROWS: usize = 64;
         let mut by_row = vec![0.0f32; n_out * t];
-        if self.emulation.accum() == Accum::F32 {
-            // `dot`'s f64 sums, with the input widened to f64 once per matmul, not once
-            // per row (`dots_f64`).
-            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            by_row
-                .par_chunks_mut(ROWS * t)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    let mut rows = vec![0.0f32; 4 * n_in];
-                    let mut acc = vec![[0.0f64; 8]; 4 * t];
-                    for (g, outs) in chunk.chunks_mut(4 * t).enumerate() {
-                        // A last group of fewer than four rows repeats its last one (and
-                        // drops its sums).
-                        let n = outs.len() / t;
-                        for (k, row) in rows.chunks_mut(n_in).enumerate() {
-                            self.model.row(w, c * ROWS + g * 4 + k.min(n - 1), row);
-                        }
-                        dots_f64(&rows, &x64, &mut acc);
-                        for (k, o) in outs.chunks_mut(t).enumerate() {
-                            for (i, v) in o.iter_mut().enumerate() {
-                                let (wr, xr) =
-                                    (&rows[k * n_in..][..n_in], &x64[i * n_in..][..n_in]);
-                                *v = dot_finish(wr, xr, acc[k * t + i]);
-                            }
-                        }
+        by_row
+            .par_chunks_mut(ROWS * t)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                let mut row = vec![0.0f32; n_in];
+                for (k, o) in chunk.chunks_mut(t).enumerate() {
+                    self.model.row(w, c * ROWS + k, &mut row);
+                    for (i, v) in o.iter_mut().enumerate() {
+                        *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
                     }
-                });
-        } else {
-            by_row
-                .par_chunks_mut(ROWS * t)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    let mut row = vec![0.0f32; n_in];
-                    for (k, o) in chunk.chunks_mut(t).enumerate() {
-                        self.model.row(w, c * ROWS + k, &mut row);
-                        for (i, v) in o.iter_mut().enumerate() {
-                            *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
-                        }
-                    }
-                });
-        }
+                }
+            });
         let mut out = vec![0.0f32; t * n_out];
         for (r, o) in by_row.chunks(t).enumerate() {
             for (i, &v) in o.iter().enumerate() {
@@ -202,6 +175,18 @@ impl<'m> Reference<'m> {
             }
         }
         out
+    }
+
+    /// Whether this reference reads weights as they are stored, sums in f64 (`matmul_f64`) and
+    /// has no bug that changes how a weight is read: then its matmuls can share one walk of the
+    /// weights with others' (`Lockstep`).
+    pub(crate) fn plain_matmuls(&self) -> bool {
+        self.mutation.is_none() && self.emulation.accum() == Accum::F32
+    }
+
+    /// The input of a matmul with a `ty` weight, rounded as this reference's engine rounds it.
+    pub(crate) fn matmul_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
+        self.emulate_input(ty, x, n_in)
     }
 
     /// One output of a weight matmul (`w` a weight row, `x` an already rounded input row),
@@ -279,6 +264,56 @@ impl<'m> Reference<'m> {
 /// output projection.
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// `out[m][t, r] = Σ_i W[r, i] · x_m[t, i]` for each input `x_m` (T rows each, already rounded
+/// as its engine rounds them), every output summed exactly as `dot` sums it: one walk of the
+/// weight's rows serves every input. Output rows are independent: split over threads in
+/// chunks (rayon); every output is the same f64 sum whatever thread computes it, so the
+/// result is bit-identical whatever the thread count or the number of inputs.
+pub(crate) fn matmul_f64(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> Vec<Vec<f32>> {
+    const ROWS: usize = 64;
+    let (n_in, n_out) = w.rows();
+    let m = xs.len();
+    // Widened to f64 once per matmul, not once per row.
+    let x64: Vec<Vec<f64>> = xs
+        .iter()
+        .map(|x| x.iter().map(|&v| v as f64).collect())
+        .collect();
+    // by_row[(r * m + j) * t + i]: output r of input j's row i.
+    let mut by_row = vec![0.0f32; n_out * m * t];
+    by_row
+        .par_chunks_mut(ROWS * m * t)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut rows = vec![0.0f32; 4 * n_in];
+            let mut acc = vec![[0.0f64; 8]; 4 * t];
+            for (g, outs) in chunk.chunks_mut(4 * m * t).enumerate() {
+                // A last group of fewer than four rows repeats its last one (and drops its
+                // sums).
+                let n = outs.len() / (m * t);
+                for (k, row) in rows.chunks_mut(n_in).enumerate() {
+                    model.row(w, c * ROWS + g * 4 + k.min(n - 1), row);
+                }
+                for (j, x) in x64.iter().enumerate() {
+                    dots_f64(&rows, x, &mut acc);
+                    for k in 0..n {
+                        for i in 0..t {
+                            let (wr, xr) = (&rows[k * n_in..][..n_in], &x[i * n_in..][..n_in]);
+                            outs[(k * m + j) * t + i] = dot_finish(wr, xr, acc[k * t + i]);
+                        }
+                    }
+                }
+            }
+        });
+    let mut out = vec![vec![0.0f32; t * n_out]; m];
+    for (rj, o) in by_row.chunks(t).enumerate() {
+        let (r, j) = (rj / m, rj % m);
+        for (i, &v) in o.iter().enumerate() {
+            out[j][i * n_out + r] = v;
+        }
+    }
+    out
 }
 
 /// Dot product, accumulated in f64 so that the reference's own rounding stays far below

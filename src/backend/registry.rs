@@ -17,6 +17,9 @@ pub struct Entry {
     pub about: &'static str,
     /// Needs a GPU adapter: `check`'s default set includes it only when a hardware one exists.
     pub device: bool,
+    /// A plain reference with this rounding: `check` runs it in one walk of the weights with
+    /// the others (`Lockstep`).
+    pub lockstep: bool,
     /// For a device backend: which adapter it would run on, found without opening it.
     pub probe: Option<fn() -> Probe>,
     pub(crate) build: Build,
@@ -59,6 +62,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "plain f32, readable: the forward pass as written",
         device: false,
+        lockstep: true,
         probe: None,
         build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::None, n_ctx))),
     },
@@ -69,6 +73,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "the reference rounding matmul inputs as ggml's CPU backend does",
         device: false,
+        lockstep: true,
         probe: None,
         build: |m, n_ctx, _| Ok(Box::new(Reference::new(m, Emulation::GgmlCpu, n_ctx))),
     },
@@ -79,6 +84,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "SIMD and threads, ggml's CPU rounding",
         device: false,
+        lockstep: false,
         probe: None,
         build: |m, n_ctx, threads| Ok(Box::new(Fast::new(m, n_ctx, resolve_threads(threads)))),
     },
@@ -89,6 +95,7 @@ pub const BACKENDS: &[Entry] = &[
         replayable: true,
         about: "the GPU through wgpu (Vulkan, Metal, DX12): f32 activations, f32 accumulation",
         device: true,
+        lockstep: false,
         probe: Some(super::gpu::context::probe),
         build: |m, n_ctx, _| Ok(Box::new(Gpu::new(m, n_ctx)?)),
     },

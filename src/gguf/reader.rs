@@ -542,9 +542,8 @@ impl GgufFile {
             // SAFETY: a read-only file map: MADV_DONTNEED only unmaps pages, which a later read
             // faults back in with the file's bytes (no private copy exists to lose). The range
             // lies inside the map. An error (a kernel without it) changes nothing.
-            let _ = unsafe {
-                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a)
-            };
+            let _ =
+                unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, a, b - a) };
         }
     }
 

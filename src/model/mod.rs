@@ -400,7 +400,8 @@ impl Model {
             let (bytes, mut h) = (self.file.bytes(), sha2::Sha256::new());
             for (i, chunk) in bytes.chunks(64 << 20).enumerate() {
                 h.update(chunk);
-                self.file.release_range(i * (64 << 20), i * (64 << 20) + chunk.len());
+                self.file
+                    .release_range(i * (64 << 20), i * (64 << 20) + chunk.len());
             }
             h.finalize().iter().map(|b| format!("{b:02x}")).collect()
         })

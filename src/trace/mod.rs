@@ -33,6 +33,11 @@ pub trait Sink {
     fn replays(&self, _key: &TapKey) -> bool {
         false
     }
+    /// Member `i`'s own sink, for a sink made of one per member of a lockstep run
+    /// (`backend::lockstep::Fanout`). Default: none.
+    fn member(&mut self, _i: usize) -> Option<&mut dyn Sink> {
+        None
+    }
 }
 
 /// Record `data` under `(step, layer, tap)` if the sink wants it.
