@@ -251,6 +251,16 @@ fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
     }
 }
 
+/// Hand the heap this process freed back to the system: between passes, so that one pass's
+/// freed temporaries do not stay resident under the next one's (glibc keeps them per thread).
+fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator's own.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Peak resident set size of this process so far (Linux: getrusage's ru_maxrss in KiB).
 pub fn peak_rss_bytes() -> Option<u64> {
     #[cfg(unix)]
@@ -311,6 +321,9 @@ pub fn run(
         &mut passes,
         events,
     )?;
+    // The weights are done with: their pages leave this process (they stay in the page cache)
+    // before the comparisons hold every trace at once.
+    model.file.release_range(0, usize::MAX);
     let comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
     let traces_op = op.traces;
     Ok(CheckReport {
@@ -586,6 +599,8 @@ impl Plan<'_> {
             version: env!("CARGO_PKG_VERSION").into(),
             settings: serde_json::json!({ "rounding": b.rounding().name() }),
         };
+        drop(b);
+        trim_heap();
         let pass = Pass {
             backend: e.name.into(),
             op_by_op,
@@ -805,6 +820,8 @@ fn walk(
         )?
     };
     events(Event::PassEnd);
+    drop(b);
+    trim_heap();
     passes.push(Pass {
         backend: label,
         op_by_op: false,
@@ -994,7 +1011,12 @@ mod tests {
                 n,
             )))
         };
-        let cases: [(fn() -> registry::Probe, registry::Build, Option<&str>); 4] = [
+        type Case = (
+            fn() -> registry::Probe,
+            registry::Build,
+            Option<&'static str>,
+        );
+        let cases: [Case; 4] = [
             (
                 || registry::Probe::Missing("no GPU adapter".into()),
                 builds,

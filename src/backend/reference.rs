@@ -65,13 +65,12 @@ impl<'m> Reference<'m> {
     pub fn new(model: &'m Model, emulation: Emulation, n_ctx: usize) -> Self {
         let c = &model.config;
         let n_ctx = n_ctx.min(c.n_ctx_train).max(1);
-        let kv = n_ctx * c.n_embd_kv();
         Reference {
             model,
             emulation,
             n_ctx,
-            k_cache: vec![vec![0.0; kv]; c.n_layer],
-            v_cache: vec![vec![0.0; kv]; c.n_layer],
+            k_cache: vec![Vec::new(); c.n_layer],
+            v_cache: vec![Vec::new(); c.n_layer],
             last_logits: Vec::new(),
             mutation: None,
             mutation_from: 0,
@@ -631,7 +630,7 @@ impl Backend for Reference<'_> {
 
     fn reset(&mut self) {
         for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
-            c.fill(0.0);
+            c.clear();
         }
     }
 
@@ -793,6 +792,14 @@ impl Ops for Reference<'_> {
         } else {
             pos0
         };
+        // The cache holds the positions run so far (zeros where nothing was written), not the
+        // whole context: a 7B's 256 positions would be 270 MB per reference, mostly unused.
+        let held = (pos0 + t).max(slot + t).min(self.n_ctx) * ekv;
+        for c in [&mut self.k_cache[layer], &mut self.v_cache[layer]] {
+            if c.len() < held {
+                c.resize(held, 0.0);
+            }
+        }
         if slot + t <= self.n_ctx {
             self.k_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(k);
             self.v_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(v);

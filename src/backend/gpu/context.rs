@@ -198,7 +198,7 @@ impl Context {
             driver_info: a.driver_info.clone(),
             api: format!("{:?}", a.backend),
             device_type: format!("{:?}", a.device_type),
-            max_binding: limits.max_storage_buffer_binding_size as u64,
+            max_binding: limits.max_storage_buffer_binding_size,
             max_buffer: limits.max_buffer_size,
             workgroup_storage: limits.max_compute_workgroup_storage_size,
             max_invocations: limits.max_compute_invocations_per_workgroup,
