@@ -100,8 +100,17 @@ pub struct Model {
     release_layers: bool,
 }
 
-/// Whether `len` bytes exceed half of the machine's memory (`MemTotal`; false where unknown).
+/// Whether `len` bytes exceed half of the memory this process may use: the machine's
+/// (`MemTotal`), or its cgroup's limit where lower (a container's); false where
+/// neither is known.
 fn larger_than_half_of_memory(len: u64) -> bool {
+    // cgroup v2, then v1 ("max" or a huge number: no limit).
+    let limit = [
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ]
+    .iter()
+    .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<u64>().ok());
     let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         let kib: u64 = s
             .lines()
@@ -113,7 +122,11 @@ fn larger_than_half_of_memory(len: u64) -> bool {
             .ok()?;
         Some(kib * 1024)
     });
-    total.is_some_and(|t| len > t / 2)
+    let usable = match (total, limit) {
+        (Some(t), Some(l)) => Some(t.min(l)),
+        (t, l) => t.or(l),
+    };
+    usable.is_some_and(|t| len > t / 2)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -462,4 +475,21 @@ fn check_vocab(f: &GgufFile, n_vocab: usize) -> Result<(), ModelError> {
 pub fn sha256_hex(bytes: &[u8]) -> String {
     let digest = sha2::Sha256::digest(bytes);
     digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Layers are released for a file larger than half of the usable memory only: never for a
+    /// megabyte, always for more bytes than any machine has (where memory is known at all).
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn layers_are_released_only_for_files_near_memory_size() {
+        assert!(!larger_than_half_of_memory(1 << 20));
+        assert!(larger_than_half_of_memory(u64::MAX / 2));
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/tiny-llama-q8_0.gguf");
+        assert!(!Model::open(&path).unwrap().release_layers);
+    }
 }
