@@ -10,7 +10,9 @@
 # Usage: scripts/check_speed.sh MODEL IDS [ROUNDS] [STEPS]
 #   IDS: comma-separated prompt ids (scripts/depth_matrix.sh lists the ones it uses per shape)
 #   ROUNDS: default 3; STEPS: decode steps, default 4
-# PARITY=path picks the binary (default target/release/parity).
+# PARITY=path picks the binary (default target/release/parity). BASE=path times a second
+# binary's check on the same golden in each round too (before/after A/B, alternating), with
+# the CPU backends named (an older default set adds a software GPU where one is installed).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=${PARITY:-$root/target/release/parity}
@@ -34,7 +36,17 @@ for i in $(seq "$rounds"); do
   read -r tc kib < "$work/tc"
   echo "round $i: golden ${tg} s (llama.cpp ${tl} s); check ${tc} s (exit $rc), peak RSS $((kib / 1024)) MiB"
   grep '^backends:' "$work/check.txt" | sed 's/^/         /'
-  rows+=("$tg $tl $tc $kib")
+  tb=0; kb=0
+  if [ -n "${BASE:-}" ]; then
+    set +e
+    /usr/bin/time -f "%e %M" -o "$work/tb" "$BASE" check "$model" --golden "$work/golden" \
+      --backends reference,reference:ggml-cpu,fast --threads 2 > "$work/base.txt" 2>&1
+    rb=$?
+    set -e
+    read -r tb kb < "$work/tb"
+    echo "         BASE check ${tb} s (exit $rb), peak RSS $((kb / 1024)) MiB"
+  fi
+  rows+=("$tg $tl $tc $kib $tb $kb")
 done
 python3 - "$size" "${rows[@]}" <<'PY'
 import statistics, sys
@@ -48,5 +60,10 @@ line("check wall", [r[2] for r in rows], " s")
 line("check / golden wall (same round)", [r[2] / r[0] for r in rows], "x")
 line("check / llama.cpp's own time (same round)", [r[2] / r[1] for r in rows], "x")
 line("check peak RSS / file", [r[3] * 1024 / size for r in rows], "x")
+if rows[0][4] > 0:
+    line("BASE check wall", [r[4] for r in rows], " s")
+    line("BASE check / golden wall (same round)", [r[4] / r[0] for r in rows], "x")
+    line("check / BASE check (same round)", [r[2] / r[4] for r in rows], "x")
+    line("BASE peak RSS / file", [r[5] * 1024 / size for r in rows], "x")
 print(f"file {size / 2**20:.0f} MiB; load average {open('/proc/loadavg').read().split()[0]}")
 PY
