@@ -112,8 +112,11 @@ impl<'m> Fast<'m> {
             n_ctx,
             pool: Pool::new(n_threads.max(1)),
             vectors,
-            k_cache: vec![vec![0.0; kv]; c.n_layer],
-            v_cache: vec![vec![0.0; kv]; c.n_layer],
+            // One zeroed allocation per layer (`vec![vec![…]; n]` would copy the first into
+            // the others, touching every page: 250 MB resident for a 7B's 256 positions);
+            // zeroed memory is mapped only where a position is written.
+            k_cache: (0..c.n_layer).map(|_| vec![0.0; kv]).collect(),
+            v_cache: (0..c.n_layer).map(|_| vec![0.0; kv]).collect(),
             free,
             mm: MatmulScratch::default(),
             rope: Vec::new(),
