@@ -739,3 +739,34 @@ fn a_gpu_golden_is_compared_as_a_different_rounding() {
     ]);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
 }
+
+/// The speed script (scripts/check_speed.sh: check against a fresh llama.cpp golden, side by
+/// side) runs end to end on the committed fixture and prints its ratios: a smoke that cannot
+/// flake (no time is asserted; the figures are for docs/performance.md).
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn check_speed_script_prints_its_ratios() {
+    let ids = "1,259,300,273,262,264,324,325";
+    let o = std::process::Command::new("bash")
+        .arg(root().join("scripts/check_speed.sh"))
+        .args(["fixtures/tiny-llama-q8_0.gguf", ids, "1", "2"])
+        .current_dir(root())
+        .env("PARITY", env!("CARGO_BIN_EXE_parity"))
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(out.contains("check ") && out.contains("(exit 0)"), "{out}");
+    for want in [
+        "golden wall: median ",
+        "llama.cpp inside the golden: median ",
+        "check / golden wall (same round): median ",
+        "check / llama.cpp's own time (same round): median ",
+        "check peak RSS / file: median ",
+    ] {
+        assert!(out.contains(want), "no '{want}' in {out}");
+    }
+}
