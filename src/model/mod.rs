@@ -488,8 +488,8 @@ mod tests {
     fn layers_are_released_only_for_files_near_memory_size() {
         assert!(!larger_than_half_of_memory(1 << 20));
         assert!(larger_than_half_of_memory(u64::MAX / 2));
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("fixtures/tiny-llama-q8_0.gguf");
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama-q8_0.gguf");
         assert!(!Model::open(&path).unwrap().release_layers);
     }
 }
