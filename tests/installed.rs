@@ -120,3 +120,100 @@ fn a_user_golden_goes_to_the_user_folder_and_check_finds_it() {
         show(&o)
     );
 }
+
+/// What crates.io would serve installs and runs: the two packaged crates (parity and the
+/// parity-trace it depends on) are unpacked, installed from there (`--locked`, parity-trace
+/// resolved to its packaged copy as the registry would), their sources deleted, and the
+/// installed binary runs the default check from an empty folder.
+#[test]
+fn the_packaged_crates_install_and_run_away_from_their_sources() {
+    // A fixed place under the target folder (not a fresh temporary one): the packaged sources'
+    // path is part of what cargo hashes, so a second run rebuilds incrementally.
+    let exe = std::env::current_exe().unwrap();
+    let target = exe.ancestors().nth(3).unwrap().to_path_buf();
+    let work = target.join("package-check");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work).unwrap();
+    let tmp = tempfile::tempdir_in(&work).unwrap();
+    let cargo = |args: &[&str], cwd: &std::path::Path| {
+        let o = Command::new(env!("CARGO"))
+            .args(args)
+            .current_dir(cwd)
+            .output()
+            .expect("run cargo");
+        assert!(o.status.success(), "cargo {}\n{}", args.join(" "), show(&o));
+    };
+    let pkg = tmp.path().join("pkg");
+    cargo(
+        &[
+            "package",
+            "-p",
+            "parity",
+            "-p",
+            "parity-trace",
+            "--no-verify",
+            "--allow-dirty",
+            "--target-dir",
+            pkg.to_str().unwrap(),
+        ],
+        &root(),
+    );
+    let src = work.join("src");
+    std::fs::create_dir(&src).unwrap();
+    let version = env!("CARGO_PKG_VERSION");
+    for name in ["parity", "parity-trace"] {
+        let krate = pkg.join(format!("package/{name}-{version}.crate"));
+        let size = std::fs::metadata(&krate).unwrap().len();
+        // crates.io refuses a crate over 10 MB.
+        assert!(size < 10 << 20, "{name}: {size} bytes");
+        let o = Command::new("tar")
+            .arg("xzf")
+            .arg(&krate)
+            .current_dir(&src)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+    }
+    // Built in this target folder's build directory, whose dev-profile dependencies are the
+    // ones `cargo test` built (only the two crates compile again); the binary itself lands in a
+    // folder of its own, never over target/debug/parity, which the other tests run.
+    let build_dir = format!("build.build-dir={:?}", target.to_str().unwrap());
+    let patch = format!(
+        "patch.crates-io.parity-trace.path={:?}",
+        src.join(format!("parity-trace-{version}"))
+    );
+    let inst = tmp.path().join("root");
+    cargo(
+        &[
+            "install",
+            "--locked",
+            "--debug",
+            "--path",
+            src.join(format!("parity-{version}")).to_str().unwrap(),
+            "--config",
+            &patch,
+            "--config",
+            &build_dir,
+            "--root",
+            inst.to_str().unwrap(),
+            "--target-dir",
+            tmp.path().join("target").to_str().unwrap(),
+        ],
+        tmp.path(),
+    );
+    std::fs::remove_dir_all(&src).unwrap();
+    let cwd = tmp.path().join("empty");
+    std::fs::create_dir(&cwd).unwrap();
+    let o = Command::new(inst.join("bin/parity"))
+        .arg("check")
+        .current_dir(&cwd)
+        .env("XDG_CACHE_HOME", tmp.path().join("cache"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        stdout(&o).contains(&common::default_verdict()),
+        "{}",
+        show(&o)
+    );
+}

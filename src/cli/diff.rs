@@ -19,9 +19,9 @@ use std::process::ExitCode;
 
 #[derive(Args)]
 pub struct DiffArgs {
-    /// Baseline trace folder (e.g. a llama.cpp golden).
+    /// Baseline trace: a folder or an .npz archive (e.g. a llama.cpp golden).
     baseline: PathBuf,
-    /// Candidate trace folder (e.g. your engine's dump).
+    /// Candidate trace: a folder or an .npz archive (e.g. your engine's dump, or the archive a wasm engine hands back).
     candidate: PathBuf,
     /// The GGUF model the traces were made from: with it, each op of the candidate is judged on
     /// its own inputs (default: the model path in the candidate's or the baseline's manifest,

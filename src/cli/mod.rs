@@ -52,7 +52,7 @@ enum Cmd {
     Golden(check::GoldenArgs),
     /// Run backends on a model, compare them with each other and with its llama.cpp golden.
     Check(check::CheckArgs),
-    /// Compare two trace folders (e.g. an external engine's dump against a golden).
+    /// Compare two traces, folders or .npz archives (e.g. an external engine's dump against a golden).
     Diff(diff::DiffArgs),
     /// Benchmark parity's backends (fast by default; --backends fast,gpu) against the real
     /// llama.cpp on the same model and threads: tok/s and decode weight bandwidth.

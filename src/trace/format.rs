@@ -1,98 +1,17 @@
 //! The trace folder: `manifest.json` + one `.npy` per (step, tap, layer).
 
-use super::{Sink, TapFilter, TapKey, taps::Tap};
+use super::{Manifest, ModelRef, Producer, Sink, StepInfo, TapFilter, TapKey, TensorEntry, TraceError};
 use ndarray::{ArrayD, IxDyn, ShapeBuilder};
-use npyz::WriterBuilder;
-use serde::{Deserialize, Serialize};
+use parity_trace::archive::Archive;
+use parity_trace::manifest::{MAX_MANIFEST_BYTES, short};
+use parity_trace::npy;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-pub const FORMAT: &str = "parity-trace";
-pub const VERSION: u32 = 1;
-
-#[derive(Debug, thiserror::Error)]
-pub enum TraceError {
-    #[error("{path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("{path}: not a parity trace manifest: {what}")]
-    BadManifest { path: String, what: String },
-    #[error("{path}: {what}")]
-    BadTensor { path: String, what: String },
-    #[error("{0}: output folder is not empty (pass --force to overwrite)")]
-    NotEmpty(String),
-}
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TraceError + '_ {
     move |source| TraceError::Io {
         path: path.display().to_string(),
         source,
-    }
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct ModelRef {
-    pub path: String,
-    pub sha256: String,
-    /// The file's size in bytes: `diff` looks for the model among files of this size only
-    /// (older manifests have none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size: Option<u64>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Producer {
-    pub name: String,
-    pub backend: String,
-    pub version: String,
-    #[serde(default)]
-    pub settings: serde_json::Value,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct StepInfo {
-    pub step: usize,
-    pub tokens: Vec<u32>,
-    pub positions: Vec<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forced: Option<bool>,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct TensorEntry {
-    pub step: usize,
-    pub tap: String,
-    pub layer: Option<usize>,
-    pub file: String,
-    pub shape: Vec<usize>,
-    pub dtype: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-pub struct Manifest {
-    pub format: String,
-    pub version: u32,
-    pub model: ModelRef,
-    pub producer: Producer,
-    pub steps: Vec<StepInfo>,
-    pub tensors: Vec<TensorEntry>,
-    /// Taps stored in another layout than the canonical one, by tap name, e.g.
-    /// `{"q_rope": "head-major"}` (see `judge::layout`); aligned on load by the judge.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub layouts: BTreeMap<String, String>,
-}
-
-impl Manifest {
-    /// The ids fed at the decode steps (step 1 on), in order: what another run must force to
-    /// see the same sequence.
-    pub fn decode_tokens(&self) -> Vec<u32> {
-        self.steps
-            .iter()
-            .skip(1)
-            .flat_map(|s| s.tokens.iter().copied())
-            .collect()
     }
 }
 
@@ -104,6 +23,12 @@ enum Source {
         root: PathBuf,
     },
     Memory(BTreeMap<TapKey, ArrayD<f32>>),
+    /// One `.npz` archive (a wasm engine's trace), mapped; members are slices of it.
+    Archive {
+        path: PathBuf,
+        map: memmap2::Mmap,
+        index: Archive,
+    },
 }
 
 /// A trace: its manifest and its tensors (read lazily from disk, or held in memory).
@@ -124,27 +49,26 @@ impl Trace {
         steps: Vec<StepInfo>,
         tensors: BTreeMap<TapKey, ArrayD<f32>>,
     ) -> Trace {
-        let entries: Vec<TensorEntry> = tensors.iter().map(|(k, a)| entry(k, a.shape())).collect();
+        let entries: Vec<TensorEntry> = tensors
+            .iter()
+            .map(|(k, a)| TensorEntry::f32(k, a.shape()))
+            .collect();
         let keys = tensors.keys().enumerate().map(|(i, k)| (*k, i)).collect();
         Trace {
-            manifest: Manifest {
-                format: FORMAT.into(),
-                version: VERSION,
-                model,
-                producer,
-                steps,
-                tensors: entries,
-                layouts: BTreeMap::new(),
-            },
+            manifest: Manifest::new(model, producer, steps, entries),
             keys,
             source: Source::Memory(tensors),
             extra: Vec::new(),
         }
     }
 
-    /// Open a trace folder: parse and validate the manifest; tensors are read on demand.
+    /// Open a trace folder or `.npz` archive: parse and validate the manifest; tensors are
+    /// read on demand.
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
         let dir = dir.as_ref();
+        if std::fs::metadata(dir).is_ok_and(|m| m.is_file()) {
+            return Self::open_archive(dir);
+        }
         let mpath = dir.join("manifest.json");
         // The folder itself may be a symlink the user named on purpose: resolved here, once;
         // every file read from it after this must lie inside what it resolves to.
@@ -152,127 +76,48 @@ impl Trace {
         let bytes = super::open::open_inside(&root, Path::new("manifest.json"))
             .and_then(|f| super::open::read_file_bounded(f, MAX_MANIFEST_BYTES, "a trace manifest"))
             .map_err(io_err(&mpath))?;
-        let bad = |what: String| TraceError::BadManifest {
-            path: mpath.display().to_string(),
-            what,
-        };
-        let manifest: Manifest =
-            serde_json::from_slice(&bytes).map_err(|e| bad(head_tail(&e.to_string())))?;
-        if manifest.format != FORMAT {
-            return Err(bad(format!(
-                "format is '{}', expected '{FORMAT}'",
-                short(&manifest.format)
-            )));
-        }
-        if manifest.version != VERSION {
-            return Err(bad(format!(
-                "version {} is not supported (this parity reads version {VERSION})",
-                manifest.version
-            )));
-        }
-        let mut next = 0usize;
-        for (i, s) in manifest.steps.iter().enumerate() {
-            // Steps index the tensors and feed position arithmetic (`pos0 + T`): their order
-            // and range are checked here, once, before any of it.
-            if s.step != i {
-                return Err(bad(format!(
-                    "steps[{i}] is step {} (steps are listed in order from 0, one entry each)",
-                    s.step
-                )));
-            }
-            if s.tokens.is_empty() {
-                return Err(bad(format!("step {} has no tokens", s.step)));
-            }
-            if let Some(p) = s.positions.iter().find(|&&p| p > MAX_POSITION) {
-                return Err(bad(format!(
-                    "step {} has position {p}, past any context ({MAX_POSITION} at most)",
-                    s.step
-                )));
-            }
-            if s.positions.len() != s.tokens.len() {
-                return Err(bad(format!(
-                    "step {} has {} tokens but {} positions (one position per token)",
-                    s.step,
-                    s.tokens.len(),
-                    s.positions.len()
-                )));
-            }
-            // Positions run on from 0, one per token (what the judge's KV cache replays).
-            if s.positions.iter().enumerate().any(|(k, &p)| p != next + k) {
-                return Err(bad(format!(
-                    "step {} has positions {}, expected {next}..{} (positions run on from 0 across the steps, one per token)",
-                    s.step,
-                    short(&format!("{:?}", s.positions)),
-                    next + s.positions.len()
-                )));
-            }
-            next += s.positions.len();
-        }
-        let mut keys = BTreeMap::new();
-        let mut extra = Vec::new();
-        for (i, t) in manifest.tensors.iter().enumerate() {
-            let Some(tap) = Tap::parse(&t.tap) else {
-                extra.push(t.clone());
-                continue;
-            };
-            if tap.per_layer() != t.layer.is_some() {
-                return Err(bad(format!(
-                    "tap '{}' {} a layer",
-                    short(&t.tap),
-                    if tap.per_layer() {
-                        "needs"
-                    } else {
-                        "cannot have"
-                    }
-                )));
-            }
-            // Names are checked here; where a name leads (symlinks) when the file is opened.
-            if t.file.contains("..") || Path::new(&t.file).is_absolute() {
-                return Err(bad(format!(
-                    "tensor file '{}' leaves the trace folder",
-                    short(&t.file)
-                )));
-            }
-            if t.step >= manifest.steps.len() {
-                return Err(bad(format!(
-                    "tensor '{}' is for step {}, which the manifest's steps do not list",
-                    short(&t.file),
-                    t.step
-                )));
-            }
-            if let Some(l) = t.layer.filter(|&l| l > MAX_POSITION) {
-                return Err(bad(format!("tensor '{}' has layer {l}", short(&t.file))));
-            }
-            if tap_elements(t).is_none() {
-                return Err(bad(format!(
-                    "tensor '{}': shape {} of dtype '{}' is not a float tensor parity can hold",
-                    short(&t.file),
-                    short(&format!("{:?}", t.shape)),
-                    short(&t.dtype)
-                )));
-            }
-            // An empty axis has nothing to compare, and every row/column split downstream
-            // (logit rows, head rows) would divide by it: refused here, once.
-            if t.shape.contains(&0) {
-                return Err(bad(format!(
-                    "tensor '{}' has shape {}: an empty axis (a tap holds at least one value)",
-                    short(&t.file),
-                    short(&format!("{:?}", t.shape))
-                )));
-            }
-            let key = TapKey::new(t.step, t.layer, tap);
-            if keys.insert(key, i).is_some() {
-                return Err(bad(format!("{key} is listed twice")));
-            }
-        }
+        let (manifest, index) = Manifest::parse(&bytes, &mpath.display().to_string())?;
         Ok(Trace {
             manifest,
-            keys,
+            keys: index.keys,
             source: Source::Dir {
                 dir: dir.to_path_buf(),
                 root,
             },
-            extra,
+            extra: index.extra,
+        })
+    }
+
+    /// Open a trace held in one `.npz` archive (what a wasm32 engine hands back): mapped, its
+    /// members indexed, the manifest checked as a folder's is.
+    fn open_archive(path: &Path) -> Result<Trace, TraceError> {
+        let f = super::open::open_regular(path).map_err(io_err(path))?;
+        // SAFETY: read-only map of a file parity does not write; a member is CRC-checked as
+        // it is read, so a file changed underneath is refused, not trusted.
+        let map = unsafe { memmap2::Mmap::map(&f) }.map_err(io_err(path))?;
+        let bad = |what: String| TraceError::BadManifest {
+            path: path.display().to_string(),
+            what,
+        };
+        let index = Archive::parse(&map).map_err(bad)?;
+        let mpath = path.join("manifest.json");
+        let bytes = index.get(&map, "manifest.json").map_err(bad)?;
+        if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(bad(format!(
+                "manifest.json is {} bytes, more than a manifest can be",
+                bytes.len()
+            )));
+        }
+        let (manifest, ix) = Manifest::parse(bytes, &mpath.display().to_string())?;
+        Ok(Trace {
+            manifest,
+            keys: ix.keys,
+            source: Source::Archive {
+                path: path.to_path_buf(),
+                map,
+                index,
+            },
+            extra: ix.extra,
         })
     }
 
@@ -304,18 +149,19 @@ impl Trace {
         match &self.source {
             Source::Memory(m) => Ok(m.get(key).cloned()),
             Source::Dir { dir, root } => read_tap(dir, root, &self.manifest.tensors[i]).map(Some),
+            Source::Archive { path, map, index } => {
+                let e = &self.manifest.tensors[i];
+                let bad = |what: String| TraceError::BadTensor {
+                    path: format!("{}:{}", path.display(), short(&e.file)),
+                    what,
+                };
+                let bytes = index.get(map, &e.file).map_err(&bad)?;
+                let data = npy::decode_file(bytes, &e.shape).map_err(&bad)?;
+                ArrayD::from_shape_vec(IxDyn(&e.shape), data)
+                    .map(Some)
+                    .map_err(|x| bad(x.to_string()))
+            }
         }
-    }
-}
-
-fn entry(k: &TapKey, shape: &[usize]) -> TensorEntry {
-    TensorEntry {
-        step: k.step,
-        tap: k.tap.name().to_string(),
-        layer: k.layer,
-        file: k.file(),
-        shape: shape.to_vec(),
-        dtype: "<f4".into(),
     }
 }
 
@@ -514,6 +360,7 @@ fn write_manifest(dir: &Path, m: &Manifest) -> Result<(), TraceError> {
 
 /// Write a little-endian f32 C-order .npy file into a folder that must exist.
 fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), TraceError> {
+    use std::io::Write;
     // Truncated if the backend records a tap twice; a link at the name is never followed.
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create(true).truncate(true);
@@ -523,49 +370,11 @@ fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Trac
         o.custom_flags(libc::O_NOFOLLOW);
     }
     let f = o.open(path).map_err(io_err(path))?;
-    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
-    let mut w = npyz::WriteOptions::<f32>::new()
-        .default_dtype()
-        .shape(&shape)
-        .writer(std::io::BufWriter::new(f))
-        .begin_nd()
-        .map_err(io_err(path))?;
-    w.extend(data.iter().copied()).map_err(io_err(path))?;
-    w.finish().map_err(io_err(path))
-}
-
-/// Largest manifest read: a 70B model's 80 layers × 20 taps × 100 steps of entries is ~30 MB.
-const MAX_MANIFEST_BYTES: u64 = 64 << 20;
-/// Largest position or layer index a manifest may name (llama.cpp's contexts and layer counts
-/// are far below; the bound keeps `pos0 + T` and friends far from overflow).
-pub const MAX_POSITION: usize = 1 << 24;
-/// Largest tensor a tap may hold (elements): the logits of a 256k vocabulary over a 16k-token
-/// prefill are 2^32; a bigger shape is a corrupt manifest, not a tap.
-const MAX_TAP_ELEMENTS: u64 = 1 << 33;
-
-/// A piece of a file's own text as an error line quotes it: short, one line.
-fn short(s: &str) -> String {
-    super::npy::excerpt(s, super::npy::EXCERPT)
-}
-
-/// A parser's message, which may quote a whole string of the file, cut to its head and its
-/// tail (where serde_json says the line and column).
-fn head_tail(msg: &str) -> String {
-    let n = msg.chars().count();
-    if n <= 2 * super::npy::EXCERPT {
-        return short(msg);
-    }
-    let tail: String = msg.chars().skip(n - 40).collect();
-    format!("{} {}", short(msg), short(&tail))
-}
-
-/// The number of values entry `e`'s shape holds, None past what a tap may hold (the dtype is the
-/// file header's to state: `read_tap` decodes by it).
-fn tap_elements(e: &TensorEntry) -> Option<u64> {
-    e.shape
-        .iter()
-        .try_fold(1u64, |a, &d| a.checked_mul(d as u64))
-        .filter(|&n| n <= MAX_TAP_ELEMENTS)
+    let mut w = std::io::BufWriter::new(f);
+    w.write_all(&npy::f32_header(shape))
+        .and_then(|()| data.iter().try_for_each(|v| w.write_all(&v.to_le_bytes())))
+        .and_then(|()| w.flush())
+        .map_err(io_err(path))
 }
 
 /// Read the tap of entry `e` from the trace folder `dir` (canonical: `root`) as an f32 tensor in
@@ -586,49 +395,18 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
     let len = f.metadata().map_err(io_err(&path))?.len();
     // Never read past the size the file had when opened (a /proc file, a file still growing).
     let mut r = f.take(len);
-    let h = super::npy::read_header(&mut r).map_err(bad)?;
-    let dims = |d: &[u64]| {
-        short(&format!(
-            "[{}]",
-            d.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
-    };
-    let want_shape: Vec<u64> = e.shape.iter().map(|&d| d as u64).collect();
-    if h.shape != want_shape {
-        return Err(bad(format!(
-            "shape {} differs from the manifest's {}",
-            dims(&h.shape),
-            dims(&want_shape)
-        )));
-    }
-    let descr = h.dtype.descr();
-    let shape_txt = dims(&want_shape);
+    let h = npy::read_header(&mut r).map_err(bad)?;
+    let want = npy::check_payload(&h, &e.shape, len.saturating_sub(h.data_offset)).map_err(bad)?;
     // At most MAX_TAP_ELEMENTS (checked at open) of at most 8 bytes: no overflow.
-    let n = tap_elements(e).expect("checked at open");
-    let size = h.dtype.size as u64;
-    let want = n * size;
-    let have = len.saturating_sub(h.data_offset);
-    if have < want {
-        return Err(bad(format!(
-            "truncated ({have} of {want} bytes of {descr} data for shape {shape_txt})"
-        )));
-    }
-    if have > want {
-        return Err(bad(format!(
-            "{have} bytes of data after the header, shape {shape_txt} of {descr} needs {want}"
-        )));
-    }
+    let n = e.elements().expect("checked at open");
     let mut data: Vec<f32> = Vec::new();
     data.try_reserve_exact(n as usize).map_err(|_| {
         bad(format!(
-            "shape {shape_txt} is {n} values ({} bytes as float32), more than this machine can hold",
+            "shape {} is {n} values ({} bytes as float32), more than this machine can hold",
+            short(&format!("{:?}", e.shape)),
             n * 4
         ))
     })?;
-    let big = h.dtype.big_endian;
     // Decoded piece by piece: the file's bytes are never held whole beside the tensor.
     let mut buf = vec![0u8; 1 << 16];
     let mut left = want as usize;
@@ -643,34 +421,7 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
                 io_err(&path)(err)
             }
         })?;
-        let piece = &buf[..k];
-        match size {
-            2 => data.extend(piece.chunks_exact(2).map(|c| {
-                let b = [c[0], c[1]];
-                let bits = if big {
-                    u16::from_be_bytes(b)
-                } else {
-                    u16::from_le_bytes(b)
-                };
-                half::f16::from_bits(bits).to_f32()
-            })),
-            4 => data.extend(piece.chunks_exact(4).map(|c| {
-                let b = [c[0], c[1], c[2], c[3]];
-                if big {
-                    f32::from_be_bytes(b)
-                } else {
-                    f32::from_le_bytes(b)
-                }
-            })),
-            _ => data.extend(piece.chunks_exact(8).map(|c| {
-                let b: [u8; 8] = c.try_into().expect("chunks of 8");
-                (if big {
-                    f64::from_be_bytes(b)
-                } else {
-                    f64::from_le_bytes(b)
-                }) as f32
-            })),
-        }
+        npy::decode_piece(h.dtype, &buf[..k], &mut data);
         left -= k;
     }
     let shape: Vec<usize> = e.shape.clone();
@@ -740,17 +491,7 @@ impl TraceWriter {
             return Err(e);
         }
         let entries = std::mem::take(&mut self.entries);
-        let mut m = Manifest {
-            format: FORMAT.into(),
-            version: VERSION,
-            model,
-            producer,
-            steps,
-            tensors: entries,
-            layouts: BTreeMap::new(),
-        };
-        m.tensors
-            .sort_by_key(|e| TapKey::new(e.step, e.layer, Tap::parse(&e.tap).expect("own tap")));
+        let m = Manifest::new(model, producer, steps, entries);
         write_manifest(&self.tmp, &m)?;
         super::staging::settle(&self.tmp, || publish(&self.tmp, &self.dir))?;
         self.done = true;
@@ -782,7 +523,7 @@ impl Sink for TraceWriter {
             _ => Ok(()),
         };
         match made.and_then(|()| write_npy_file(&path, shape, data)) {
-            Ok(()) => self.entries.push(entry(&key, shape)),
+            Ok(()) => self.entries.push(TensorEntry::f32(&key, shape)),
             Err(e) => self.error = Some(e),
         }
     }

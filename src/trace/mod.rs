@@ -3,16 +3,16 @@
 
 pub mod api;
 mod format;
-pub mod npy;
 pub mod open;
 pub mod paths;
 pub mod staging;
-mod taps;
 
-pub use format::{
-    Manifest, ModelRef, Producer, StepInfo, TensorEntry, Trace, TraceError, TraceWriter,
+pub use format::{Trace, TraceWriter};
+/// The format itself (manifest, tap names, `.npy`, archives) is the `parity-trace` crate's,
+/// which engines depend on alone.
+pub use parity_trace::{
+    Error as TraceError, Manifest, ModelRef, Producer, StepInfo, Tap, TapKey, TensorEntry, npy,
 };
-pub use taps::{Tap, TapKey};
 
 use ndarray::{ArrayD, IxDyn};
 use regex::Regex;

@@ -319,6 +319,176 @@ impl<'a> Lexer<'a> {
     }
 }
 
+/// The header of a little-endian float32 C-order `.npy` (version 1.0) of `shape`: magic,
+/// version, length and the dict, padded with spaces and a newline to a multiple of 64 bytes.
+pub fn f32_header(shape: &[usize]) -> Vec<u8> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let tuple = match dims.len() {
+        1 => format!("({},)", dims[0]),
+        _ => format!("({})", dims.join(", ")),
+    };
+    let mut dict = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {tuple}, }}");
+    while (10 + dict.len() + 1) % 64 != 0 {
+        dict.push(' ');
+    }
+    dict.push('\n');
+    let mut out = Vec::with_capacity(10 + dict.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(dict.len() as u16).to_le_bytes());
+    out.extend_from_slice(dict.as_bytes());
+    out
+}
+
+/// A whole `.npy` file: [`f32_header`] and the values, little-endian.
+pub fn f32_file(shape: &[usize], data: &[f32]) -> Vec<u8> {
+    let mut out = f32_header(shape);
+    out.reserve(data.len() * 4);
+    for v in data {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    out
+}
+
+/// Check a header against the shape a manifest lists and the bytes the file holds after the
+/// header; returns the number of data bytes to read. Nothing is read or allocated by what an
+/// unchecked field says.
+pub fn check_payload(h: &Header, shape: &[usize], have: u64) -> Result<u64, String> {
+    let dims = |d: &[u64]| {
+        excerpt(
+            &format!(
+                "[{}]",
+                d.iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            EXCERPT,
+        )
+    };
+    let want_shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    if h.shape != want_shape {
+        return Err(format!(
+            "shape {} differs from the manifest's {}",
+            dims(&h.shape),
+            dims(&want_shape)
+        ));
+    }
+    let descr = h.dtype.descr();
+    let shape_txt = dims(&want_shape);
+    let n = want_shape
+        .iter()
+        .try_fold(1u64, |a, &d| a.checked_mul(d))
+        .and_then(|n| n.checked_mul(h.dtype.size as u64))
+        .ok_or_else(|| format!("shape {shape_txt} of {descr} is past any size"))?;
+    if have < n {
+        return Err(format!(
+            "truncated ({have} of {n} bytes of {descr} data for shape {shape_txt})"
+        ));
+    }
+    if have > n {
+        return Err(format!(
+            "{have} bytes of data after the header, shape {shape_txt} of {descr} needs {n}"
+        ));
+    }
+    Ok(n)
+}
+
+/// Append the values in `piece` (whole elements of `dtype`) to `out` as f32: f16 widened
+/// exactly, f64 rounded to nearest (past f32's range to ±inf).
+pub fn decode_piece(dtype: Dtype, piece: &[u8], out: &mut Vec<f32>) {
+    let big = dtype.big_endian;
+    match dtype.size {
+        2 => out.extend(piece.chunks_exact(2).map(|c| {
+            let b = [c[0], c[1]];
+            f16_to_f32(if big {
+                u16::from_be_bytes(b)
+            } else {
+                u16::from_le_bytes(b)
+            })
+        })),
+        4 => out.extend(piece.chunks_exact(4).map(|c| {
+            let b = [c[0], c[1], c[2], c[3]];
+            if big {
+                f32::from_be_bytes(b)
+            } else {
+                f32::from_le_bytes(b)
+            }
+        })),
+        _ => out.extend(piece.chunks_exact(8).map(|c| {
+            let b: [u8; 8] = c.try_into().expect("chunks of 8");
+            (if big {
+                f64::from_be_bytes(b)
+            } else {
+                f64::from_le_bytes(b)
+            }) as f32
+        })),
+    }
+}
+
+/// IEEE half to single, exactly (subnormals, infinities and NaN payloads included).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h & 0x8000) as u32) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match (exp, man) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: value m·2^-24, normalised.
+            let shift = m.leading_zeros() - 21; // bring the top bit to bit 10
+            let m = (m << shift) & 0x3ff;
+            sign | ((113 - shift) << 23) | (m << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 112) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// Decode a whole `.npy` file held in memory (an archive member) whose manifest entry lists
+/// `shape`, to f32 values in C order (a Fortran-order file is transposed).
+pub fn decode_file(bytes: &[u8], shape: &[usize]) -> Result<Vec<f32>, String> {
+    let mut r = bytes;
+    let h = read_header(&mut r)?;
+    let data = &bytes[h.data_offset as usize..];
+    let n = check_payload(&h, shape, data.len() as u64)?;
+    let mut out = Vec::new();
+    out.try_reserve_exact((n / h.dtype.size as u64) as usize)
+        .map_err(|_| "more values than this machine can hold".to_string())?;
+    decode_piece(h.dtype, data, &mut out);
+    Ok(if h.fortran_order {
+        fortran_to_c(&out, shape)
+    } else {
+        out
+    })
+}
+
+/// Values of a Fortran-order (first axis fastest) array, reordered to C order.
+pub fn fortran_to_c(v: &[f32], shape: &[usize]) -> Vec<f32> {
+    let nd = shape.len();
+    if nd < 2 {
+        return v.to_vec();
+    }
+    // Fortran strides: 1, s0, s0·s1, …
+    let mut fstride = vec![1usize; nd];
+    for i in 1..nd {
+        fstride[i] = fstride[i - 1] * shape[i - 1];
+    }
+    let mut out = Vec::with_capacity(v.len());
+    let mut idx = vec![0usize; nd];
+    for _ in 0..v.len() {
+        out.push(v[idx.iter().zip(&fstride).map(|(i, s)| i * s).sum::<usize>()]);
+        // Advance the C-order index: last axis fastest.
+        for a in (0..nd).rev() {
+            idx[a] += 1;
+            if idx[a] < shape[a] {
+                break;
+            }
+            idx[a] = 0;
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -585,5 +755,41 @@ mod tests {
             prop_assert_eq!(head.fortran_order, fortran);
             prop_assert_eq!(head.dtype.descr(), descr);
         }
+    }
+
+    #[test]
+    fn f16_decodes_exactly_as_half_does() {
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            let got = f16_to_f32(bits);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn written_files_read_back_with_their_shape() {
+        for shape in [vec![3usize], vec![2, 3], vec![2, 1, 4], vec![1; 9]] {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 - 1.0).collect();
+            let f = f32_file(&shape, &data);
+            let h = read_header(&mut &f[..]).unwrap();
+            assert_eq!(h.data_offset % 64, 0, "numpy pads the header to 64 bytes");
+            assert_eq!(h.shape, shape.iter().map(|&d| d as u64).collect::<Vec<_>>());
+            assert_eq!(decode_file(&f, &shape).unwrap(), data);
+            assert!(decode_file(&f[..f.len() - 1], &shape).unwrap_err().contains("truncated"));
+            let mut wrong = shape.clone();
+            wrong[0] += 1;
+            assert!(decode_file(&f, &wrong).unwrap_err().contains("differs"));
+        }
+    }
+
+    #[test]
+    fn fortran_order_is_transposed_to_c_order() {
+        // [[0, 1, 2], [3, 4, 5]] stored first axis fastest: 0 3 1 4 2 5.
+        let f = [0.0, 3.0, 1.0, 4.0, 2.0, 5.0];
+        assert_eq!(fortran_to_c(&f, &[2, 3]), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
     }
 }
