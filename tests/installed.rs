@@ -174,6 +174,13 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
             .unwrap();
         assert!(o.status.success(), "{}", show(&o));
     }
+    // Unpacked under the repository's target folder, the crates would count as this workspace's
+    // members; from the registry they are crates of their own.
+    for name in ["parity", "parity-trace"] {
+        let toml = src.join(format!("{name}-{version}/Cargo.toml"));
+        let text = std::fs::read_to_string(&toml).unwrap();
+        std::fs::write(&toml, text + "\n[workspace]\n").unwrap();
+    }
     // Built in this target folder's build directory, whose dev-profile dependencies are the
     // ones `cargo test` built (only the two crates compile again); the binary itself lands in a
     // folder of its own, never over target/debug/parity, which the other tests run.

@@ -310,4 +310,22 @@ fn wasm32_engine_under_node_passes_diff_and_its_bug_is_named() {
         show(&o)
     );
     assert!(!tmp.path().join("q8.npz").exists());
+
+    // What docs/instrument.md shows for this run.
+    let out = tmp.path().join("neox.npz");
+    let o = run_wasm(MODEL, &out, Some("rope-neox"));
+    let d = parity(&["diff", GOLDEN, out.to_str().unwrap()]);
+    let printed = (show(&o) + &show(&d)).replace(out.to_str().unwrap(), "trace.npz");
+    assert_shown("docs/instrument.md", "tests/kit_rust.rs: wasm32", &printed);
+}
+
+/// docs/instrument.md shows what the native engine and `parity diff` print.
+#[test]
+fn the_docs_show_what_the_native_engine_prints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("trace");
+    let o = run_engine(&out, &[]);
+    let d = parity(&["diff", GOLDEN, out.to_str().unwrap()]);
+    let printed = (show(&o) + &show(&d)).replace(out.to_str().unwrap(), "trace");
+    assert_shown("docs/instrument.md", "tests/kit_rust.rs: native", &printed);
 }

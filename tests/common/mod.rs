@@ -197,3 +197,51 @@ pub fn golden_unknown_model(
     std::fs::write(&mp, serde_json::to_string_pretty(&m).unwrap()).unwrap();
     d
 }
+
+/// The lines a doc shows as a command's output: the ```text block after the marker
+/// `<!-- output of tests/FILE.rs: NAME -->` in `doc`, without its `$ ` command lines.
+#[allow(dead_code)]
+pub fn shown_output(doc: &str, marker: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(doc)).unwrap();
+    let tag = format!("<!-- output of {marker} -->");
+    let at = text
+        .find(&tag)
+        .unwrap_or_else(|| panic!("{doc} has no `{tag}`"));
+    let block = text[at..]
+        .split("```text\n")
+        .nth(1)
+        .and_then(|b| b.split("\n```").next())
+        .unwrap_or_else(|| panic!("{doc}: no ```text block after `{tag}`"));
+    block
+        .lines()
+        .filter(|l| !l.starts_with("$ ") && l.trim() != "…")
+        .map(String::from)
+        .collect()
+}
+
+/// Every line `doc` shows after `marker` is a line the run printed, `…` standing for any text
+/// (the pieces between must appear in order).
+#[allow(dead_code)]
+pub fn assert_shown(doc: &str, marker: &str, printed: &str) {
+    let lines = shown_output(doc, marker);
+    assert!(!lines.is_empty(), "{doc}: `{marker}` shows nothing");
+    let matches = |shown: &str, p: &str| {
+        let mut pieces = shown.split('…');
+        let Some(mut rest) = p.strip_prefix(pieces.next().unwrap_or("")) else {
+            return false;
+        };
+        for piece in pieces {
+            match rest.find(piece) {
+                Some(k) => rest = &rest[k + piece.len()..],
+                None => return false,
+            }
+        }
+        shown.ends_with('…') || rest.is_empty()
+    };
+    for l in lines {
+        assert!(
+            printed.lines().any(|p| matches(&l, p)),
+            "{doc} shows `{l}` ({marker}) but the run printed:\n{printed}"
+        );
+    }
+}
