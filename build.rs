@@ -69,7 +69,12 @@ fn probe_test_tools(root: &Path) {
 fn wasm32_std() -> bool {
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     std::process::Command::new(rustc)
-        .args(["--print", "target-libdir", "--target", "wasm32-unknown-unknown"])
+        .args([
+            "--print",
+            "target-libdir",
+            "--target",
+            "wasm32-unknown-unknown",
+        ])
         .output()
         .ok()
         .filter(|o| o.status.success())
@@ -93,7 +98,14 @@ fn node18() -> bool {
         .ok()
         .filter(|o| o.status.success())
         .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|v| v.trim().strip_prefix('v')?.split('.').next()?.parse::<u32>().ok())
+        .and_then(|v| {
+            v.trim()
+                .strip_prefix('v')?
+                .split('.')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        })
         .is_some_and(|major| major >= 18)
 }
 

@@ -86,9 +86,15 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let t = Trace::open(&path).unwrap();
         assert_eq!(t.manifest.producer.backend, "wasm");
-        let got = t.get(&TapKey::new(0, Some(0), Tap::KqSoftMax)).unwrap().unwrap();
+        let got = t
+            .get(&TapKey::new(0, Some(0), Tap::KqSoftMax))
+            .unwrap()
+            .unwrap();
         assert_eq!(got.shape(), &[1, 2, 2]);
-        assert_eq!(got.iter().copied().collect::<Vec<_>>(), vec![1.0, 0.0, 0.5, 0.5]);
+        assert_eq!(
+            got.iter().copied().collect::<Vec<_>>(),
+            vec![1.0, 0.0, 0.5, 0.5]
+        );
         // One byte of a tap changed: that tap is refused when read, naming the member.
         let mut bad = bytes.clone();
         let at = bad.len() / 3;

@@ -1,6 +1,8 @@
 //! The trace folder: `manifest.json` + one `.npy` per (step, tap, layer).
 
-use super::{Manifest, ModelRef, Producer, Sink, StepInfo, TapFilter, TapKey, TensorEntry, TraceError};
+use super::{
+    Manifest, ModelRef, Producer, Sink, StepInfo, TapFilter, TapKey, TensorEntry, TraceError,
+};
 use ndarray::{ArrayD, IxDyn, ShapeBuilder};
 use parity_trace::archive::Archive;
 use parity_trace::manifest::{MAX_MANIFEST_BYTES, short};

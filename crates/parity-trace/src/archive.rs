@@ -13,15 +13,19 @@ pub fn crc32(bytes: &[u8]) -> u32 {
         for (i, e) in t.iter_mut().enumerate() {
             let mut c = i as u32;
             for _ in 0..8 {
-                c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+                c = if c & 1 != 0 {
+                    0xEDB8_8320 ^ (c >> 1)
+                } else {
+                    c >> 1
+                };
             }
             *e = c;
         }
         t
     });
-    !bytes
-        .iter()
-        .fold(!0u32, |c, &b| t[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8))
+    !bytes.iter().fold(!0u32, |c, &b| {
+        t[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8)
+    })
 }
 
 /// Builds an archive in memory, member by member.
@@ -198,7 +202,14 @@ impl Archive {
                 return Err(bad(&format!("member '{shown}' runs past the file")));
             }
             if members
-                .insert(name, Member { start, len: size, crc })
+                .insert(
+                    name,
+                    Member {
+                        start,
+                        len: size,
+                        crc,
+                    },
+                )
                 .is_some()
             {
                 return Err(bad(&format!("member '{shown}' is listed twice")));
@@ -230,7 +241,9 @@ impl Archive {
             .get(m.start..m.start + m.len)
             .ok_or_else(|| format!("member '{shown}' runs past the file"))?;
         if crc32(b) != m.crc {
-            return Err(format!("member '{shown}' is damaged (its CRC-32 does not match)"));
+            return Err(format!(
+                "member '{shown}' is damaged (its CRC-32 does not match)"
+            ));
         }
         Ok(b)
     }
@@ -253,13 +266,20 @@ mod tests {
         w.add("s000/embd.npy", &[1, 2, 3]).unwrap();
         let bytes = w.finish().unwrap();
         let a = Archive::parse(&bytes).unwrap();
-        assert_eq!(a.names().collect::<Vec<_>>(), vec!["manifest.json", "s000/embd.npy"]);
+        assert_eq!(
+            a.names().collect::<Vec<_>>(),
+            vec!["manifest.json", "s000/embd.npy"]
+        );
         assert_eq!(a.get(&bytes, "s000/embd.npy").unwrap(), &[1, 2, 3]);
         assert!(a.get(&bytes, "nope").unwrap_err().contains("no member"));
         let mut bad = bytes.clone();
         let i = bad.windows(3).position(|w| w == [1, 2, 3]).unwrap();
         bad[i] = 9;
-        assert!(a.get(&bad, "s000/embd.npy").unwrap_err().contains("damaged"));
+        assert!(
+            a.get(&bad, "s000/embd.npy")
+                .unwrap_err()
+                .contains("damaged")
+        );
         for cut in [0, 10, 21, bytes.len() - 1] {
             assert!(Archive::parse(&bytes[..cut]).is_err(), "cut at {cut}");
         }

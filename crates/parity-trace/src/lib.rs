@@ -44,7 +44,10 @@ pub use writer::TraceWriter;
 #[derive(Debug)]
 pub enum Error {
     /// A file could not be read or written.
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     /// A manifest that is not one parity reads.
     BadManifest { path: String, what: String },
     /// A tap refused by the writer, or a tensor file that does not hold what the manifest says.

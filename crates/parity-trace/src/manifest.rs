@@ -201,7 +201,10 @@ impl Manifest {
                 )));
             }
             // Names are checked here; where a name leads (symlinks) when the file is opened.
-            if t.file.contains("..") || t.file.starts_with('/') || std::path::Path::new(&t.file).is_absolute() {
+            if t.file.contains("..")
+                || t.file.starts_with('/')
+                || std::path::Path::new(&t.file).is_absolute()
+            {
                 return Err(bad(format!(
                     "tensor file '{}' leaves the trace folder",
                     short(&t.file)
@@ -370,9 +373,21 @@ mod tests {
             assert!(!e.contains('\n'), "{e}");
         };
         let one = r#"[{"step":0,"tokens":[1],"positions":[0]}]"#;
-        refused(r#"[{"step":1,"tokens":[1],"positions":[0]}]"#, "[]", "steps[0] is step 1");
-        refused(r#"[{"step":0,"tokens":[1],"positions":[5]}]"#, "[]", "expected 0..1");
-        refused(r#"[{"step":0,"tokens":[],"positions":[]}]"#, "[]", "no tokens");
+        refused(
+            r#"[{"step":1,"tokens":[1],"positions":[0]}]"#,
+            "[]",
+            "steps[0] is step 1",
+        );
+        refused(
+            r#"[{"step":0,"tokens":[1],"positions":[5]}]"#,
+            "[]",
+            "expected 0..1",
+        );
+        refused(
+            r#"[{"step":0,"tokens":[],"positions":[]}]"#,
+            "[]",
+            "no tokens",
+        );
         refused(
             one,
             r#"[{"step":0,"tap":"embd","layer":null,"file":"../x.npy","shape":[1],"dtype":"<f4"}]"#,
@@ -398,7 +413,9 @@ mod tests {
             r#"[{"step":3,"tap":"embd","layer":null,"file":"a.npy","shape":[1],"dtype":"<f4"}]"#,
             "do not list",
         );
-        let e = Manifest::parse(b"{\"format\":\"x\"", "m.json").unwrap_err().to_string();
+        let e = Manifest::parse(b"{\"format\":\"x\"", "m.json")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("m.json: not a parity trace manifest"), "{e}");
     }
 }

@@ -779,7 +779,11 @@ mod tests {
             assert_eq!(h.data_offset % 64, 0, "numpy pads the header to 64 bytes");
             assert_eq!(h.shape, shape.iter().map(|&d| d as u64).collect::<Vec<_>>());
             assert_eq!(decode_file(&f, &shape).unwrap(), data);
-            assert!(decode_file(&f[..f.len() - 1], &shape).unwrap_err().contains("truncated"));
+            assert!(
+                decode_file(&f[..f.len() - 1], &shape)
+                    .unwrap_err()
+                    .contains("truncated")
+            );
             let mut wrong = shape.clone();
             wrong[0] += 1;
             assert!(decode_file(&f, &wrong).unwrap_err().contains("differs"));
@@ -790,6 +794,9 @@ mod tests {
     fn fortran_order_is_transposed_to_c_order() {
         // [[0, 1, 2], [3, 4, 5]] stored first axis fastest: 0 3 1 4 2 5.
         let f = [0.0, 3.0, 1.0, 4.0, 2.0, 5.0];
-        assert_eq!(fortran_to_c(&f, &[2, 3]), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(
+            fortran_to_c(&f, &[2, 3]),
+            vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        );
     }
 }

@@ -37,7 +37,9 @@ fn bad(shown: &str, what: String) -> Error {
 /// Is `name` one of the entries a trace consists of (`manifest.json`, `sNNN`)?
 fn is_trace_entry(name: &str) -> bool {
     name == "manifest.json"
-        || (name.len() > 1 && name.starts_with('s') && name[1..].bytes().all(|c| c.is_ascii_digit()))
+        || (name.len() > 1
+            && name.starts_with('s')
+            && name[1..].bytes().all(|c| c.is_ascii_digit()))
 }
 
 /// Make `dir` ready for a new trace: created if absent; a previous trace there is replaced
@@ -378,14 +380,18 @@ mod tests {
             w.finish().unwrap();
         }
         std::fs::write(dir.join("notes.txt"), "mine").unwrap();
-        let e = TraceWriter::with_model(&dir, model(), "toy", "cpu").err().unwrap();
+        let e = TraceWriter::with_model(&dir, model(), "toy", "cpu")
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("not empty"), "{e}");
         assert!(dir.join("notes.txt").exists() && dir.join("manifest.json").exists());
         #[cfg(unix)]
         {
             let link = tmp.path().join("link");
             std::os::unix::fs::symlink(&dir, &link).unwrap();
-            let e = TraceWriter::with_model(&link, model(), "toy", "cpu").err().unwrap();
+            let e = TraceWriter::with_model(&link, model(), "toy", "cpu")
+                .err()
+                .unwrap();
             assert!(e.to_string().contains("symbolic link"), "{e}");
         }
     }
