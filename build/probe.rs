@@ -27,6 +27,13 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
         // renders the HTML report).
         ("parity_jq", "jq", on_path(&["jq"])),
         ("parity_chromium", "chromium", on_path(CHROMIUMS)),
+        // A C99 and a C++11 compiler as `cc` and `c++` (tests/kit_c.rs builds the C trace
+        // writer bindings/c/parity_trace.h and a toy C engine with them).
+        (
+            "parity_cc",
+            "a C compiler and a C++ compiler (cc, c++)",
+            on_path(&["cc"]) && on_path(&["c++"]),
+        ),
         // The HF-checkpoint adapter (tests/instrument.rs) needs torch and transformers: several
         // GB, so in a venv of their own (.venv-hf, which .ci/run makes) or PARITY_HF_PYTHON.
         (

@@ -1,5 +1,5 @@
 //! The tools the build found for the test suite (build.rs, from build/probe.rs: llama_cpp,
-//! numpy, gguf-py, ../shared, jq, chromium, torch for HF, the aarch64 tools for qemu, a Vulkan
+//! numpy, gguf-py, ../shared, jq, chromium, cc/c++, torch for HF, the aarch64 tools for qemu, a Vulkan
 //! driver) are still the ones this machine has: otherwise tests would be ignored that could
 //! run (or the reverse), and this test says how to refresh the probe. It runs the very probes
 //! build.rs ran (`include!`d), so the two cannot drift apart.
@@ -22,6 +22,7 @@ fn the_build_probe_matches_this_machine() {
         ("parity_shared", cfg!(parity_shared)),
         ("parity_jq", cfg!(parity_jq)),
         ("parity_chromium", cfg!(parity_chromium)),
+        ("parity_cc", cfg!(parity_cc)),
         ("parity_hf", cfg!(parity_hf)),
         ("parity_qemu", cfg!(parity_qemu)),
         ("parity_gpu", cfg!(parity_gpu)),

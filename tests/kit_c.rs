@@ -1,0 +1,606 @@
+//! The C trace writer (bindings/c/parity_trace.h) and a toy C engine written against it
+//! (tests/engines/c/toy_llama.c), built with the machine's `cc` (C99, warnings as errors) and
+//! `c++` (the header as a C++11 translation unit): the engine's trace of
+//! golden/tiny-llama-f32 passes `parity diff`; each bug it can plant is named by parity at its
+//! step, layer and tap; the header refuses bad taps with a message naming them, replaces only
+//! a previous trace, never writes through a link, hashes like `sha256sum`, and its golden-ids
+//! reader refuses malformed manifests (truncated, nested too deep, huge numbers) with a
+//! message, never a crash. Everything is built in a temporary folder.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Compile `src` (relative to the repository) with `compiler` and `flags` into `dir/name`.
+fn build(dir: &Path, compiler: &str, flags: &[&str], src: &str, name: &str) -> PathBuf {
+    let exe = dir.join(name);
+    let o = Command::new(compiler)
+        .args(flags)
+        .arg("-I")
+        .arg(root().join("bindings/c"))
+        .arg(root().join(src))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-lm")
+        .output()
+        .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
+    assert!(
+        o.status.success(),
+        "{compiler} {} {src}\n{}",
+        flags.join(" "),
+        show(&o)
+    );
+    exe
+}
+
+const C99: &[&str] = &[
+    "-std=c99",
+    "-O2",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
+    "-pedantic",
+];
+
+fn toy(dir: &Path) -> PathBuf {
+    build(dir, "cc", C99, "tests/engines/c/toy_llama.c", "toy_llama")
+}
+
+fn checks(dir: &Path) -> PathBuf {
+    build(
+        dir,
+        "cc",
+        C99,
+        "tests/engines/c/trace_checks.c",
+        "trace_checks",
+    )
+}
+
+fn run(exe: &Path, args: &[&Path]) -> Output {
+    Command::new(exe).args(args).output().unwrap()
+}
+
+/// Run the toy engine on golden/tiny-llama-f32 (with `bug`) and diff its trace against the
+/// golden: the exit code and the JSON report.
+fn engine_diff(toy: &Path, out: &Path, bug: Option<&str>) -> (Option<i32>, serde_json::Value) {
+    let mut c = Command::new(toy);
+    c.arg(root().join("fixtures/tiny-llama-f32.gguf"))
+        .arg(root().join("golden/tiny-llama-f32"))
+        .arg(out);
+    if let Some(b) = bug {
+        c.args(["--bug", b]);
+    }
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{bug:?}: {}", show(&o));
+    assert!(stdout(&o).contains("5 steps, 175 taps"), "{}", show(&o));
+    let o = parity(&[
+        "diff",
+        "golden/tiny-llama-f32",
+        out.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
+    let j = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+    (o.status.code(), j)
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_trace_passes_diff_against_the_golden() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let out = tmp.path().join("trace");
+    let (code, j) = engine_diff(&toy, &out, None);
+    assert_eq!(code, Some(0), "{j:#}");
+    assert_eq!(j["verdict"], "parity", "{j:#}");
+    // The manifest names the engine, and the model by the sha256 the header computed: the
+    // golden's (made from the same fixture).
+    let cand = &j["traces"][1];
+    assert_eq!(cand["label"], "toy-c/cpu-f32");
+    assert_eq!(cand["model"]["sha256"], j["traces"][0]["model"]["sha256"]);
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["model"]["size"], 1595168);
+    assert_eq!(m["producer"]["settings"]["feed"], "one token at a time");
+    // The files are named as parity's own writers name them, with the golden's shapes.
+    let golden = root().join("golden/tiny-llama-f32");
+    assert_eq!(npy_files(&out), npy_files(&golden));
+    let (shape, _) = read_npy(&out.join("s000/kq_soft_max-1.npy"));
+    assert_eq!(shape, vec![4, 20, 20]);
+    let (shape, _) = read_npy(&out.join("s003/kq_soft_max-0.npy"));
+    assert_eq!(shape, vec![4, 1, 23]);
+    // Run again over the finished trace: it is replaced, not refused.
+    let (code, _) = engine_diff(&toy, &out, None);
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_planted_bugs_are_named_where_they_are() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    // (bug, the op parity's own-error judgement finds first at step 0 layer 0, the hypothesis
+    // it confirms by re-running that op with the bug)
+    let cases = [
+        ("rope-neox", "q_rope", "rope-neox"),
+        ("rms-eps-10x", "attn_norm", "rms-eps-10x"),
+        ("swiglu-swap", "ffn_act", "swiglu-swap"),
+    ];
+    for (bug, tap, name) in cases {
+        let out = tmp.path().join(bug);
+        let (code, j) = engine_diff(&toy, &out, Some(bug));
+        assert_eq!(code, Some(1), "{bug}: {j:#}");
+        assert_eq!(j["verdict"], "diverged", "{bug}");
+        assert_eq!(j["traces"][1]["producer"]["settings"]["bug"], bug);
+        let own = j["comparisons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["pair"] == "own-inputs")
+            .unwrap_or_else(|| panic!("{bug}: no own-inputs comparison: {j:#}"));
+        assert_eq!(own["verdict"], "diverged", "{bug}: {own:#}");
+        let d = &own["first_divergence"];
+        assert_eq!(
+            d["at"]["key"],
+            serde_json::json!({"step": 0, "layer": 0, "tap": tap}),
+            "{bug}: {d:#}"
+        );
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains(&format!(
+                "confirmed by experiment: {name} reproduces your {tap}"
+            )),
+            "{bug}: {why}"
+        );
+        let text = own["explanation"].as_str().unwrap();
+        assert!(
+            text.contains(&format!("first divergence at step 0 layer 0 {tap} ")),
+            "{bug}: {text}"
+        );
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_refuses_bad_taps_and_writes_what_parity_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = checks(tmp.path());
+    let out = tmp.path().join("checks");
+    let o = run(&exe, &[Path::new("checks"), &out]);
+    assert!(o.status.success(), "{}", show(&o));
+    let s = stdout(&o);
+    let refused: Vec<&str> = s
+        .lines()
+        .filter_map(|l| l.strip_prefix("refused: "))
+        .collect();
+    let expected = [
+        "sha256 'xyz' is not 64 hex digits",
+        "cannot hash the model /nonexistent/model.gguf",
+        "/: name the trace folder itself",
+        "tap 'l_out' before the first pt_step() call",
+        "step 0: 0 tokens",
+        "step 0 has position 1 at index 0, expected 0",
+        "unknown tap 'qq'",
+        "tap 'embd' cannot have a layer",
+        "tap 'q' needs a layer",
+        "tap 'q': layer -2 is not a layer index",
+        "step 0 layer 0 l_out: 0 axes",
+        "step 0 layer 0 l_out: 9 axes",
+        "step 0 layer 0 l_out: shape [2, 0] has an empty axis",
+        "step 0 layer 0 l_out: shape [2, 9223372036854775807] holds more than 8589934592 values",
+        "step 0 layer 0 l_out: shape [3, 4] should have the step's 2 tokens on axis 0",
+        "step 0 layer 0 kq_soft_max: shape [1, 3, 2] should have the step's 2 tokens on axis 1",
+        "step 0 layer 0 l_out: shape or data is NULL",
+        "step 0 layer 0 l_out recorded twice",
+        "settings are not one JSON object (byte 6: expected a value)",
+        "settings are not one JSON object (byte 0: not an object)",
+        "settings are not one JSON object (byte 3: text after it)",
+        "step 1 has position 5 at index 0, expected 2",
+        "step 1 layer 0 l_out recorded twice",
+    ];
+    assert_eq!(refused.len(), expected.len(), "{s}");
+    for (got, want) in refused.iter().zip(expected) {
+        assert!(got.contains(want), "refused: {got}\nexpected: {want}\n{s}");
+    }
+    assert!(s.contains("finished: 23 refused"), "{s}");
+    // What was accepted is a trace parity reads: the refused taps left nothing behind, the
+    // producer strings are escaped (a byte that is not UTF-8 becomes U+FFFD).
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["producer"]["name"], "eng\"ine\\\n\u{fffd}\u{e9}");
+    assert_eq!(m["producer"]["backend"], "cpu\t1");
+    assert_eq!(m["producer"]["settings"]["k"][1]["x"], "\"}");
+    assert_eq!(
+        npy_files(&out),
+        [
+            "s000/embd.npy",
+            "s000/kq_soft_max-0.npy",
+            "s000/l_out-0.npy",
+            "s001/l_out-0.npy"
+        ]
+    );
+    let t: Vec<(&str, &serde_json::Value)> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["file"].as_str().unwrap(), &t["layer"]))
+        .collect();
+    assert_eq!(t[0], ("s000/embd.npy", &serde_json::Value::Null));
+    let o = parity(&[
+        "diff",
+        out.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--weight-type",
+        "f32",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+
+    // The header as C++11, implementation included: builds warning-free and writes a trace.
+    let cxx = build(
+        tmp.path(),
+        "c++",
+        &[
+            "-std=c++11",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-pedantic",
+        ],
+        "tests/engines/c/cxx_check.cpp",
+        "cxx_check",
+    );
+    let out = tmp.path().join("cxx");
+    let o = run(&cxx, &[&out]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        stdout(&o).contains("refused: tap 'embd' cannot have a layer"),
+        "{}",
+        show(&o)
+    );
+    let (shape, data) = read_npy(&out.join("s000/embd.npy"));
+    assert_eq!(shape, vec![2, 4]);
+    assert_eq!(data, [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]);
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_replaces_only_a_trace_and_never_writes_through_a_link() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = checks(tmp.path());
+    let write = |dir: &Path| run(&exe, &[Path::new("write"), dir]);
+
+    // Over a previous trace: manifest.json and the sNNN folders are replaced (a stale s007
+    // goes), other files stay.
+    let t = tmp.path().join("t");
+    std::fs::create_dir_all(t.join("s007")).unwrap();
+    std::fs::write(t.join("s007/old.npy"), b"old").unwrap();
+    std::fs::write(t.join("manifest.json"), b"{}").unwrap();
+    std::fs::write(t.join("notes.txt"), b"mine").unwrap();
+    let o = write(&t);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(!t.join("s007").exists());
+    assert_eq!(std::fs::read(t.join("notes.txt")).unwrap(), b"mine");
+    assert_eq!(
+        npy_files(&t),
+        [
+            "s000/embd.npy",
+            "s000/kq_soft_max-0.npy",
+            "s000/l_out-0.npy",
+            "s001/embd.npy",
+            "s001/l_out-0.npy"
+        ]
+    );
+    let (_, data) = read_npy(&t.join("s001/l_out-0.npy"));
+    assert_eq!(data, [5.0, 6.0, -7.0, 8.0]);
+    // No staging folder is left beside it; a stale one of a process that is gone is removed.
+    let stale = tmp.path().join(".t.partial-999999999");
+    std::fs::create_dir(&stale).unwrap();
+    assert!(write(&t).status.success());
+    assert!(!stale.exists());
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.contains(".partial-")), "{names:?}");
+
+    // A link is never written through; a folder with sNNN entries but no manifest, or a
+    // step entry that is not a folder, is not replaced.
+    let real = tmp.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    let link = tmp.path().join("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let foreign = tmp.path().join("foreign");
+    std::fs::create_dir_all(foreign.join("s001")).unwrap();
+    std::fs::write(t.join("s009"), b"").unwrap();
+    for (dir, why) in [
+        (
+            &link,
+            "is a symbolic link: parity never writes through a link",
+        ),
+        (
+            &foreign,
+            "s001: not a trace's step folder (the folder has no manifest.json)",
+        ),
+        (&t, "s009: not a trace's step folder (not a folder)"),
+    ] {
+        let o = write(dir);
+        assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+        assert!(stdout(&o).contains(why), "{}", show(&o));
+    }
+    assert_eq!(std::fs::read_dir(&real).unwrap().count(), 0);
+    assert!(!foreign.join("manifest.json").exists());
+
+    // The big-endian path (forced on this host): the floats are byte-swapped as written.
+    let be = build(
+        tmp.path(),
+        "cc",
+        &[
+            "-std=c99",
+            "-Wall",
+            "-Werror",
+            "-DPARITY_TRACE_TEST_BIG_ENDIAN",
+        ],
+        "tests/engines/c/trace_checks.c",
+        "trace_checks_be",
+    );
+    let out = tmp.path().join("be");
+    let o = run(&be, &[Path::new("write"), &out]);
+    assert!(o.status.success(), "{}", show(&o));
+    let bytes = std::fs::read(out.join("s000/embd.npy")).unwrap();
+    let data: Vec<f32> = bytes[128..]
+        .chunks(4)
+        .map(|c| f32::from_be_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(data, [1.0, -2.0, 3.5, 0.25, 5.0, 6.0, -7.0, 8.0]);
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_sha256_matches_sha256sum() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = checks(tmp.path());
+    // Lengths around SHA-256's 64-byte blocks and its 56-byte padding boundary, one over the
+    // header's 64 KiB read, and the fixture.
+    let mut files = vec![root().join("fixtures/tiny-llama-f32.gguf")];
+    for n in [0usize, 1, 55, 56, 63, 64, 65, 119, 120, 1000, 65536 + 7] {
+        let p = tmp.path().join(format!("f{n}"));
+        std::fs::write(&p, (0..n).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>()).unwrap();
+        files.push(p);
+    }
+    let mut c = Command::new(&exe);
+    c.arg("sha").args(&files);
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let ours: Vec<String> = stdout(&o).lines().map(|l| l.to_string()).collect();
+    // The golden records the fixture's sha256 (llama_golden.py, Python's hashlib).
+    let g: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("golden/tiny-llama-f32/manifest.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        ours[0],
+        format!("{} 1595168", g["model"]["sha256"].as_str().unwrap())
+    );
+    assert!(
+        ours[1].starts_with("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 0")
+    );
+    let Ok(o) = Command::new("sha256sum").args(&files).output() else {
+        eprintln!("skipped the sha256sum comparison: no sha256sum on PATH");
+        return;
+    };
+    assert!(o.status.success(), "{}", show(&o));
+    let theirs: Vec<String> = stdout(&o)
+        .lines()
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect();
+    assert_eq!(theirs.len(), files.len());
+    for ((a, b), f) in ours.iter().zip(&theirs).zip(&files) {
+        assert!(
+            a.starts_with(b.as_str()),
+            "{}: {a} vs sha256sum {b}",
+            f.display()
+        );
+        let size = std::fs::metadata(f).unwrap().len();
+        assert!(a.ends_with(&format!(" {size}")), "{a}");
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_golden_ids_reader_refuses_malformed_manifests_cleanly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exe = checks(tmp.path());
+    let ids = |text: &[u8]| {
+        let d = tempfile::tempdir_in(tmp.path()).unwrap();
+        std::fs::write(d.path().join("manifest.json"), text).unwrap();
+        let o = run(&exe, &[Path::new("ids"), d.path()]);
+        // A clean refusal is exit 1 with a message; a crash would be a signal (no code).
+        assert!(matches!(o.status.code(), Some(0 | 1)), "{}", show(&o));
+        stdout(&o)
+    };
+
+    // The golden's ids, as serde_json reads them.
+    let golden = root().join("golden/tiny-llama-f32");
+    let text = std::fs::read(golden.join("manifest.json")).unwrap();
+    let m: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let want: String = m["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let j = |k: &str| {
+                s[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            format!("{};{}\n", j("tokens"), j("positions"))
+        })
+        .collect();
+    assert_eq!(ids(&text), want);
+    assert_eq!(want.lines().count(), 5);
+
+    let deep = format!(
+        r#"{{"format": "parity-trace", "x": {}{}, "steps": []}}"#,
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let deep_step = format!(
+        r#"{{"format": "parity-trace", "steps": [{{"tokens": [1], "positions": [0], "x": {}1{}}}]}}"#,
+        "{\"a\": ".repeat(200),
+        "}".repeat(200)
+    );
+    let ok = r#"{"format": "parity-trace", "producer": {"name": "a\"}]\\", "n": [1, {"x": null}, -1.5e-3, true]},
+                 "steps": [{"step": 0, "tok\u0065ns": [5, 6], "positions": [0, 1], "forced": true},
+                           {"step": 1, "tokens": [4294967295], "positions": [2]}]}"#;
+    assert_eq!(ids(ok.as_bytes()), "5,6;0,1\n4294967295;2\n");
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (text[..text.len() / 2].to_vec(), "manifest.json: byte"),
+        (text[..20].to_vec(), "byte 20: unexpected end (truncated?)"),
+        (text[..40].to_vec(), "byte 40: unexpected end (truncated?)"),
+        (Vec::new(), "manifest.json: empty"),
+        (b"[1]".to_vec(), "byte 0: not a JSON object"),
+        (deep.into_bytes(), "nested deeper than 128 levels"),
+        (deep_step.into_bytes(), "nested deeper than 128 levels"),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [99999999999999999999999], "positions": [0]}]}"#.to_vec(),
+            "number too large (4294967295 at most)",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [4294967296], "positions": [0]}]}"#.to_vec(),
+            "number too large (4294967295 at most)",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1], "positions": [16777217]}]}"#.to_vec(),
+            "number too large (16777216 at most)",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [-1], "positions": [0]}]}"#.to_vec(),
+            "expected a non-negative integer",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1.5], "positions": [0]}]}"#.to_vec(),
+            "expected a non-negative integer",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1, 2], "positions": [0]}]}"#.to_vec(),
+            "step 0 has 2 tokens and 1 positions",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1], "positions": [0]}, {"tokens": [2], "positions": [5]}]}"#.to_vec(),
+            "step 1 has position 5 at index 0, expected 1",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"step": 3, "tokens": [1], "positions": [0]}]}"#.to_vec(),
+            "steps[0] is step 3",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1], "tokens": [1], "positions": [0]}]}"#.to_vec(),
+            "duplicate key 'tokens'",
+        ),
+        (
+            br#"{"steps": [{"tokens": [1], "positions": [0]}]}"#.to_vec(),
+            "not a parity trace",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": []}"#.to_vec(),
+            "no steps",
+        ),
+        (
+            br#"{"format": "parity-trace", "steps": [{"tokens": [1], "positions": [0]}]} x"#.to_vec(),
+            "text after the manifest's object",
+        ),
+        (
+            br#"{"format": "parity-trace", "x": "a\qb", "steps": []}"#.to_vec(),
+            "bad escape in a string",
+        ),
+        (
+            b"{\"format\": \"parity-trace\", \"x\": \"a\x01\", \"steps\": []}".to_vec(),
+            "control character in a string",
+        ),
+        (
+            br#"{"format": "parity-trace", "x": [1,, 2], "steps": []}"#.to_vec(),
+            "expected a value",
+        ),
+    ];
+    for (text, why) in cases {
+        let s = ids(&text);
+        assert!(
+            s.starts_with("error: ") && s.contains(why),
+            "{why}: {s}\n{}",
+            String::from_utf8_lossy(&text[..text.len().min(200)])
+        );
+    }
+    // Not a regular file: refused, never waited on.
+    let d = tmp.path().join("fifo");
+    std::fs::create_dir(&d).unwrap();
+    if Command::new("mkfifo")
+        .arg(d.join("manifest.json"))
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        let o = run(&exe, &[Path::new("ids"), &d]);
+        assert!(stdout(&o).contains("not a regular file"), "{}", show(&o));
+    }
+    let o = run(&exe, &[Path::new("ids"), &tmp.path().join("absent")]);
+    assert!(stdout(&o).contains("No such file"), "{}", show(&o));
+
+    // Every prefix of a manifest with every kind of value, and the manifest with each byte
+    // replaced by a JSON-significant one, parsed in one process: each ends with the steps or
+    // a message, every prefix is refused; under AddressSanitizer and UBSan where the compiler
+    // has them (an overread or overflow then aborts the run).
+    let small = r#"{"format": "parity-trace", "version": 1,
+ "model": {"path": "m\u00e9.gguf", "sha256": "", "size": 12},
+ "producer": {"name": "a\"}]\\", "settings": {"n": [1, -2.5e+3, 0.0, true, false, null, {"x": [[]]}, "\/\b\f\n\r\t"]}},
+ "steps": [{"step": 0, "tokens": [1, 2, 3], "positions": [0, 1, 2], "forced": false},
+           {"step": 1, "tokens": [4294967295], "positions": [3]}],
+ "tensors": [{"step": 0, "tap": "embd", "layer": null, "file": "s000/embd.npy", "shape": [3, 8], "dtype": "<f4"}]}
+"#;
+    let f = tmp.path().join("small.json");
+    std::fs::write(&f, small).unwrap();
+    let san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"];
+    let with_sanitizers = Command::new("cc")
+        .args(["-std=c99", "-O1", "-g"])
+        .args(san)
+        .arg("-I")
+        .arg(root().join("bindings/c"))
+        .arg(root().join("tests/engines/c/trace_checks.c"))
+        .arg("-o")
+        .arg(tmp.path().join("fuzz"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let fuzz = if with_sanitizers {
+        tmp.path().join("fuzz")
+    } else {
+        eprintln!("cc has no AddressSanitizer here: the fuzz runs without it");
+        exe.clone()
+    };
+    let o = run(&fuzz, &[Path::new("fuzz"), &f]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let s = stdout(&o);
+    assert!(s.contains("accepted 0\n"), "{s}");
+    assert!(s.contains("mutations: "), "{s}");
+}
