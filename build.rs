@@ -55,58 +55,6 @@ fn probe_test_tools(root: &Path) {
             println!("cargo:rustc-cfg={cfg}");
         }
     }
-    // The Rust kit's engine (tests/kit_rust.rs): its wasm32 build needs rustup's
-    // wasm32-unknown-unknown standard library, and Node 18 or later to run it.
-    for (cfg, here) in [("parity_wasm32", wasm32_std()), ("parity_node", node18())] {
-        println!("cargo::rustc-check-cfg=cfg({cfg})");
-        if here {
-            println!("cargo:rustc-cfg={cfg}");
-        }
-    }
-}
-
-/// Is the wasm32-unknown-unknown standard library installed for this rustc?
-fn wasm32_std() -> bool {
-    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    std::process::Command::new(rustc)
-        .args([
-            "--print",
-            "target-libdir",
-            "--target",
-            "wasm32-unknown-unknown",
-        ])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|dir| std::fs::read_dir(dir.trim()).ok())
-        .is_some_and(|mut rd| {
-            rd.any(|e| {
-                e.is_ok_and(|e| {
-                    let n = e.file_name().to_string_lossy().into_owned();
-                    n.starts_with("libstd-") && n.ends_with(".rlib")
-                })
-            })
-        })
-}
-
-/// Does `node --version` say v18 or later?
-fn node18() -> bool {
-    std::process::Command::new("node")
-        .arg("--version")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|v| {
-            v.trim()
-                .strip_prefix('v')?
-                .split('.')
-                .next()?
-                .parse::<u32>()
-                .ok()
-        })
-        .is_some_and(|major| major >= 18)
 }
 
 fn main() {

@@ -34,6 +34,14 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
             "a C compiler and a C++ compiler (cc, c++)",
             on_path(&["cc"]) && on_path(&["c++"]),
         ),
+        // The Rust kit's toy engine built for wasm32 and run under Node (tests/kit_rust.rs):
+        // rustup's wasm32-unknown-unknown standard library, and Node 18 or later.
+        (
+            "parity_wasm32",
+            "the wasm32-unknown-unknown target (rustup target add wasm32-unknown-unknown)",
+            wasm32_std(),
+        ),
+        ("parity_node", "Node 18 or later", node18()),
         // The HF-checkpoint adapter (tests/instrument.rs) needs torch and transformers: several
         // GB, so in a venv of their own (.venv-hf, which .ci/run makes) or PARITY_HF_PYTHON.
         (
@@ -215,4 +223,36 @@ fn executable(m: &std::fs::Metadata) -> bool {
 #[cfg(not(unix))]
 fn executable(_: &std::fs::Metadata) -> bool {
     true
+}
+
+/// Is the wasm32-unknown-unknown standard library installed for this rustc?
+pub fn wasm32_std() -> bool {
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    Command::new(rustc)
+        .args(["--print", "target-libdir", "--target", "wasm32-unknown-unknown"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|dir| std::fs::read_dir(dir.trim()).ok())
+        .is_some_and(|mut rd| {
+            rd.any(|e| {
+                e.is_ok_and(|e| {
+                    let n = e.file_name().to_string_lossy().into_owned();
+                    n.starts_with("libstd-") && n.ends_with(".rlib")
+                })
+            })
+        })
+}
+
+/// Does `node --version` say v18 or later?
+pub fn node18() -> bool {
+    Command::new("node")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|v| v.trim().strip_prefix('v')?.split('.').next()?.parse::<u32>().ok())
+        .is_some_and(|major| major >= 18)
 }

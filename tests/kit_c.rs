@@ -604,3 +604,29 @@ fn c_golden_ids_reader_refuses_malformed_manifests_cleanly() {
     assert!(s.contains("accepted 0\n"), "{s}");
     assert!(s.contains("mutations: "), "{s}");
 }
+
+/// docs/instrument.md shows what the C engine with a planted rms eps and `parity diff` print.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn the_docs_show_what_the_c_engine_prints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let out = tmp.path().join("trace");
+    let o = Command::new(&toy)
+        .arg(root().join("fixtures/tiny-llama-f32.gguf"))
+        .arg(root().join("golden/tiny-llama-f32"))
+        .arg(&out)
+        .args(["--bug", "rms-eps-10x"])
+        .output()
+        .unwrap();
+    let d = parity(&["diff", "golden/tiny-llama-f32", out.to_str().unwrap()]);
+    let printed = (show(&o) + &show(&d)).replace(out.to_str().unwrap(), "trace");
+    assert_shown(
+        "docs/instrument.md",
+        "tests/kit_c.rs: rms-eps-10x",
+        &printed,
+    );
+}

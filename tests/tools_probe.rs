@@ -23,6 +23,8 @@ fn the_build_probe_matches_this_machine() {
         ("parity_jq", cfg!(parity_jq)),
         ("parity_chromium", cfg!(parity_chromium)),
         ("parity_cc", cfg!(parity_cc)),
+        ("parity_wasm32", cfg!(parity_wasm32)),
+        ("parity_node", cfg!(parity_node)),
         ("parity_hf", cfg!(parity_hf)),
         ("parity_qemu", cfg!(parity_qemu)),
         ("parity_gpu", cfg!(parity_gpu)),
