@@ -1,6 +1,7 @@
 //! Embeds what the `parity` binary needs at run time besides itself — the default fixture, its
-//! llama.cpp golden and the Python scripts — so that an installed binary (`cargo install
-//! --path .`) works away from its source checkout (src/cli/assets.rs unpacks them on first use).
+//! llama.cpp golden, the Python scripts and the Python trace writer they import — so that an
+//! installed binary (`cargo install --path .`) works away from its source checkout
+//! (src/cli/assets.rs unpacks them on first use).
 
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
@@ -70,6 +71,16 @@ fn main() {
     ] {
         list.push(root.join("scripts").join(s));
     }
+    // The Python trace writer the numpy engine and scripts/parity_trace.py import (the
+    // parity-trace package's source, beside scripts/ as in the repository). Each file is
+    // watched, not the folder: Python writes __pycache__ into it on every import (a module
+    // added later is caught by assets.rs's `the_python_package_is_embedded_whole`).
+    let mut py = Vec::new();
+    files(&root.join("bindings/python/parity_trace"), &mut py);
+    list.extend(
+        py.into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "py")),
+    );
     let mut code = String::from(
         "/// (path relative to the repository, contents)\npub static ASSETS: &[(&str, &[u8])] = &[\n",
     );

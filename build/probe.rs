@@ -72,6 +72,13 @@ pub fn probes(root: &Path) -> Vec<(&'static str, &'static str, bool)> {
             "root and a private mount namespace (unshare -m)",
             mount_namespace(),
         ),
+        // maturin builds the parity-trace wheel (tests/kit_python.rs): the Python's module
+        // (`pip install maturin` into .venv) or a `maturin` on PATH.
+        (
+            "parity_maturin",
+            "maturin (in .venv or on PATH)",
+            can("import maturin") || on_path(&["maturin"]),
+        ),
     ]
 }
 

@@ -3,8 +3,10 @@
 
 It reads a GGUF file with gguf-py, runs a llama or qwen2 model (biases, NORM/NEOX RoPE, GQA, a KV
 cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format.md), exactly as
-an engine author's dump would look to `parity diff`. It shares no code with parity: weights are
-decoded by gguf-py, every op is written again here.
+an engine author's dump would look to `parity diff`. It shares no computation with parity: weights
+are decoded by gguf-py, every op is written again here. The trace is written through the Python
+writer an engine author would use (parity_trace: bindings/python beside scripts/, else the
+installed parity-trace package).
 
   numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
@@ -24,7 +26,6 @@ catalog bugs (`parity mutations`); the manifest does not record it, so diff judg
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default.
 """
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -36,6 +37,19 @@ try:
     from gguf import GGMLQuantizationType as Q
 except ImportError as e:  # pragma: no cover - reported to the caller
     print(f"error: numpy_engine.py needs gguf-py and numpy ({e})", file=sys.stderr)
+    sys.exit(2)
+
+# The trace writer: the checkout's bindings/python beside scripts/ (what parity runs, also
+# unpacked with the installed binary), else an installed parity-trace package.
+_PKG = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                     "bindings", "python"))
+if os.path.isfile(os.path.join(_PKG, "parity_trace", "__init__.py")):
+    sys.path.insert(0, _PKG)
+try:
+    from parity_trace import TraceWriter
+except ImportError as e:  # pragma: no cover - reported to the caller
+    print(f"error: numpy_engine.py needs the parity_trace package: bindings/python in a parity "
+          f"checkout beside scripts/, or `pip install parity-trace` ({e})", file=sys.stderr)
     sys.exit(2)
 
 F32, F64 = np.float32, np.float64
@@ -457,51 +471,32 @@ def main():
         fail("no prompt ids")
     n_steps = len(forced) if forced is not None else a.steps
 
-    os.makedirs(a.out, exist_ok=True)
-    tensors = []
-    cur = {"step": 0}
+    w = TraceWriter(a.out, model=a.model, engine="numpy-engine", backend="numpy", version="0.1",
+                    settings={"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
+                              "prefill_rounding": a.prefill_rounding or a.rounding,
+                              "numpy": np.__version__},
+                    layouts={"q_rope": layout} if a.declare and layout != "token-major" else None)
 
     def rec(tap, layer, x):
         if a.taps == "sparse" and tap not in SPARSE:
             return
-        x = np.ascontiguousarray(x, dtype="<f4")
         if tap == "q_rope" and layout == "head-major":
-            x = np.ascontiguousarray(x.transpose(1, 0, 2))
-        s = cur["step"]
-        file = f"s{s:03}/{tap}.npy" if layer is None else f"s{s:03}/{tap}-{layer}.npy"
-        os.makedirs(os.path.join(a.out, f"s{s:03}"), exist_ok=True)
-        np.save(os.path.join(a.out, file), x)
-        tensors.append({"step": s, "tap": tap, "layer": layer, "file": file,
-                        "shape": list(x.shape), "dtype": "<f4"})
+            w.tap(layer, tap, np.ascontiguousarray(x.transpose(1, 0, 2)), layout=layout)
+        else:
+            w.tap(layer, tap, x)
 
     eng = Engine(m, a.prefill_rounding or a.rounding, mutation, len(prompt) + n_steps, a.kv)
-    steps = [{"step": 0, "tokens": prompt, "positions": list(range(len(prompt)))}]
+    w.step(prompt, range(len(prompt)))
     logits = eng.forward(prompt, 0, rec)
     eng.rounding = a.rounding
     pos = len(prompt)
     for s in range(1, n_steps + 1):
         tok = forced[s - 1] if forced is not None else int(np.argmax(logits))
-        cur["step"] = s
+        w.step([tok], [pos], forced=True)
         logits = eng.forward([tok], pos, rec)
-        steps.append({"step": s, "tokens": [tok], "positions": [pos], "forced": True})
         pos += 1
-
-    with open(a.model, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
-    manifest = {
-        "format": "parity-trace", "version": 1,
-        "model": {"path": a.model, "sha256": sha},
-        "producer": {"name": "numpy-engine", "backend": "numpy", "version": "0.1",
-                     "settings": {"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
-                                  "prefill_rounding": a.prefill_rounding or a.rounding,
-                                  "numpy": np.__version__}},
-        "steps": steps, "tensors": tensors,
-    }
-    if a.declare and layout != "token-major":
-        manifest["layouts"] = {"q_rope": layout}
-    with open(os.path.join(a.out, "manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
+    mf = w.finish()
+    tensors, steps = mf["tensors"], mf["steps"]
     print(f"wrote {len(tensors)} tensors over {len(steps)} steps to {a.out}", file=sys.stderr)
 
 

@@ -1,6 +1,7 @@
 //! The tools the build found for the test suite (build.rs, from build/probe.rs: llama_cpp,
-//! numpy, gguf-py, ../shared, jq, chromium, cc/c++, torch for HF, the aarch64 tools for qemu, a Vulkan
-//! driver) are still the ones this machine has: otherwise tests would be ignored that could
+//! numpy, gguf-py, ../shared, jq, chromium, cc/c++, wasm32 and node, torch for HF, the aarch64
+//! tools for qemu, a Vulkan driver, maturin) are still the ones this machine has: otherwise tests
+//! would be ignored that could
 //! run (or the reverse), and this test says how to refresh the probe. It runs the very probes
 //! build.rs ran (`include!`d), so the two cannot drift apart.
 
@@ -29,6 +30,7 @@ fn the_build_probe_matches_this_machine() {
         ("parity_qemu", cfg!(parity_qemu)),
         ("parity_gpu", cfg!(parity_gpu)),
         ("parity_mount_ns", cfg!(parity_mount_ns)),
+        ("parity_maturin", cfg!(parity_maturin)),
     ];
     let probes = probe::probes(&root());
     assert_eq!(

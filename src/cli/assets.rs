@@ -183,4 +183,29 @@ mod tests {
         // A second unpack rewrites nothing and still succeeds.
         unpack(dir.path()).unwrap();
     }
+
+    /// scripts/numpy_engine.py and scripts/parity_trace.py import the package beside them
+    /// (bindings/python/parity_trace): every module of it travels with the binary.
+    #[test]
+    fn the_python_package_is_embedded_whole() {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let dir = root.join("bindings/python/parity_trace");
+        let mut missing = Vec::new();
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let rel = format!("bindings/python/parity_trace/{name}");
+            if name.ends_with(".py") && !ASSETS.iter().any(|(r, _)| *r == rel) {
+                missing.push(rel);
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "not embedded (build.rs watches each file, not the folder: `touch build.rs`): {missing:?}"
+        );
+        assert!(
+            ASSETS
+                .iter()
+                .any(|(r, _)| *r == "bindings/python/parity_trace/__init__.py")
+        );
+    }
 }

@@ -170,10 +170,17 @@ pub fn script(name: &str) -> PathBuf {
 }
 
 /// The Python that runs scripts/ (goldens, the llama.cpp side of `bench`): $PARITY_PYTHON, else
-/// the repository's .venv, else python3.
+/// the venv this binary was installed into (`pip install 'parity-trace[golden]'` puts parity and
+/// llama-cpp-python there), else the repository's .venv, else python3.
 pub fn python() -> PathBuf {
     if let Ok(p) = std::env::var("PARITY_PYTHON") {
         return PathBuf::from(p);
+    }
+    if let Some(p) = std::env::current_exe()
+        .ok()
+        .and_then(|exe| venv_python(&exe))
+    {
+        return p;
     }
     // The checkout's venv (where .ci/run and the README put llama-cpp-python), if any.
     let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
@@ -181,5 +188,58 @@ pub fn python() -> PathBuf {
         venv
     } else {
         PathBuf::from("python3")
+    }
+}
+
+/// The environment's Python when `exe` lies in the `bin/` (`Scripts\` on Windows) of a venv
+/// (a folder with `pyvenv.cfg`, PEP 405) or a conda environment (`conda-meta/`): pip installs
+/// the wheel's parity there, beside that Python.
+fn venv_python(exe: &std::path::Path) -> Option<PathBuf> {
+    let bin = exe.parent()?;
+    let env = bin.parent()?;
+    let py = bin.join(if cfg!(windows) {
+        "python.exe"
+    } else {
+        "python"
+    });
+    let is_env = env.join("pyvenv.cfg").is_file() || env.join("conda-meta").is_dir();
+    (is_env && py.is_file()).then_some(py)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::venv_python;
+
+    #[test]
+    fn a_binary_in_a_venv_runs_that_venvs_python() {
+        let t = tempfile::tempdir().unwrap();
+        let (bin, py) = if cfg!(windows) {
+            ("Scripts", "python.exe")
+        } else {
+            ("bin", "python")
+        };
+        let venv = t.path().join("venv");
+        std::fs::create_dir_all(venv.join(bin)).unwrap();
+        let exe = venv.join(bin).join("parity");
+        std::fs::write(&exe, "").unwrap();
+        // A bin/ with a python but no pyvenv.cfg (/usr/local/bin, ~/.cargo/bin): not a venv.
+        std::fs::write(venv.join(bin).join(py), "").unwrap();
+        assert_eq!(venv_python(&exe), None);
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        assert_eq!(venv_python(&exe), Some(venv.join(bin).join(py)));
+        // A venv without its python (broken): not used.
+        std::fs::remove_file(venv.join(bin).join(py)).unwrap();
+        assert_eq!(venv_python(&exe), None);
+        // A conda environment.
+        let conda = t.path().join("conda");
+        std::fs::create_dir_all(conda.join(bin)).unwrap();
+        std::fs::create_dir_all(conda.join("conda-meta")).unwrap();
+        std::fs::write(conda.join(bin).join(py), "").unwrap();
+        assert_eq!(
+            venv_python(&conda.join(bin).join("parity")),
+            Some(conda.join(bin).join(py))
+        );
+        // cargo's own build of parity (target/<profile>/) is not in a venv.
+        assert_eq!(venv_python(&std::env::current_exe().unwrap()), None);
     }
 }

@@ -1,0 +1,205 @@
+"""Write a parity trace (docs/trace-format.md) from any Python engine.
+
+    from parity_trace import TraceWriter, golden_ids
+    w = TraceWriter("my-trace", model="model.gguf", engine="my-engine", backend="cpu")
+    for tokens, positions in golden_ids("golden/mine"):   # the golden's prompt, then each forced id
+        w.step(tokens, positions)
+        w.tap(None, "embd", x)                            # graph-wide taps: layer None
+        w.tap(0, "attn_norm", xn)                         # per-layer taps: the layer index
+        ...
+    w.finish()                                            # writes manifest.json
+
+Arrays are numpy shapes with the token axis first ([T, n_embd], [T, n_head, head_dim];
+kq_soft_max is [n_head, T, n_kv]); they are written as little-endian float32, C order. numpy
+arrays, torch tensors (any device, any float dtype, with or without grad) and mlx / jax arrays
+are accepted; torch and mlx are never imported unless such an array is given. The same checks as
+parity's Rust TraceWriter refuse a wrong name, layer, shape or a repeated tap.
+
+Submodules: `parity_trace.hf` (forward hooks for a Hugging Face `transformers` Llama model, which
+imports torch and transformers only when used) and `parity_trace.testing`
+(`assert_trace_matches(golden, trace)`: `parity diff` as a pytest assertion).
+
+`python -m parity_trace GOLDEN OUT` copies a golden through the writer (a self-check: `parity
+diff GOLDEN OUT` then says parity, bit-identical).
+
+This package is the one Python implementation of the format: scripts/parity_trace.py and
+scripts/hf_trace.py in the parity repository import it from bindings/python.
+"""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+
+__all__ = ["TAPS", "GRAPH_WIDE", "LAYOUTS", "TraceError", "TraceWriter", "golden_ids",
+           "sha256_file", "to_numpy"]
+
+# docs/trace-format.md's taps, in graph order within a layer (src/trace/taps.rs).
+TAPS = ["embd", "embd_scaled", "attn_norm", "q", "k", "v", "q_normed", "k_normed", "q_rope",
+        "k_rope", "kq_soft_max", "kqv_out", "attn_out", "attn_post_norm", "ffn_inp", "ffn_norm",
+        "ffn_gate", "ffn_up", "ffn_act", "ffn_out", "ffn_post_norm", "l_out", "result_norm",
+        "logits_uncapped", "logits"]
+GRAPH_WIDE = {"embd", "embd_scaled", "result_norm", "logits_uncapped", "logits"}
+# Stored orders a manifest may declare (docs/diagnosis.md, "Layouts"), with the axis that holds
+# the step's tokens in each (None: the tap's own default).
+LAYOUTS = {"head-major": 1, "token-major": 0, "head-interleaved": 0, "rotary-halves": None,
+           "transposed": -1}
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class TraceError(ValueError):
+    pass
+
+
+def to_numpy(x):
+    """A numpy array of `x`'s values: numpy arrays as they are; torch tensors detached, moved to
+    the CPU and widened to f32 (numpy has no bfloat16); mlx arrays widened to f32; anything else
+    (jax arrays, lists, numbers) through np.asarray. torch and mlx are not imported here unless
+    `x` is one of theirs."""
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__ or ""
+    if hasattr(x, "detach") and hasattr(x, "cpu") and hasattr(x, "numpy"):  # torch.Tensor
+        t = x.detach().cpu()
+        if getattr(t, "is_floating_point", lambda: False)():
+            t = t.float()
+        return t.numpy()
+    if mod.startswith("mlx"):
+        import mlx.core as mx  # given an mlx array, mlx is installed
+        return np.asarray(x.astype(mx.float32))
+    return np.asarray(x)
+
+
+class TraceWriter:
+    def __init__(self, out, model=None, sha256=None, engine="my-engine", backend="cpu",
+                 version="", settings=None, layouts=None):
+        """out: the trace folder (created; a previous trace there is replaced, other files kept).
+        model: the GGUF file the engine ran (its sha256 and size are recorded so parity refuses a
+        golden of another file); or pass sha256= directly, or neither to skip that check.
+        layouts: {tap: layout} declared in the manifest for taps stored in another order
+        (docs/diagnosis.md, "Layouts"), e.g. {"q_rope": "head-major"}."""
+        self.out = out
+        if os.path.exists(os.path.join(out, "manifest.json")):
+            # Replace a previous trace, never other files.
+            for name in os.listdir(out):
+                if name.startswith("s") and name[1:].isdigit():
+                    shutil.rmtree(os.path.join(out, name))
+        os.makedirs(out, exist_ok=True)
+        self.model = {"path": os.fspath(model) if model else "", "sha256": ""}
+        if sha256 is not None:
+            self.model["sha256"] = sha256
+        elif model and os.path.isfile(model):
+            self.model["sha256"] = sha256_file(model)
+            self.model["size"] = os.path.getsize(model)
+        self.producer = {"name": engine, "backend": backend, "version": version,
+                         "settings": settings or {}}
+        self.layouts = {}
+        for tap, layout in (layouts or {}).items():
+            self._layout_axis(tap, layout)
+            self.layouts[tap] = layout
+        self.steps, self.tensors, self.seen = [], [], set()
+
+    @staticmethod
+    def _layout_axis(name, layout):
+        if name not in TAPS:
+            raise TraceError(f"unknown tap '{name}' (docs/trace-format.md lists them)")
+        if layout not in LAYOUTS:
+            raise TraceError(f"{name}: unknown layout '{layout}' (known: {', '.join(LAYOUTS)})")
+        return LAYOUTS[layout]
+
+    def step(self, tokens, positions, forced=None):
+        """Begin a step: the prefill (step 0) with all prompt ids, then one call per decode step.
+        forced: whether the step's ids were fed (teacher-forced) rather than sampled; recorded
+        when given. Returns the step's index."""
+        tokens, positions = [int(t) for t in tokens], [int(p) for p in positions]
+        if not tokens or len(tokens) != len(positions):
+            raise TraceError(f"step {len(self.steps)}: {len(tokens)} tokens and "
+                             f"{len(positions)} positions (need the same, at least one)")
+        s = {"step": len(self.steps), "tokens": tokens, "positions": positions}
+        if forced is not None:
+            s["forced"] = bool(forced)
+        self.steps.append(s)
+        return len(self.steps) - 1
+
+    def tap(self, layer, name, data, shape=None, layout=None):
+        """Record one tensor of the current step. layer: None for graph-wide taps (embd,
+        result_norm, logits, ...), the layer index otherwise. shape: reshape the data to this
+        numpy shape first. layout: the order the tensor is stored in, when not canonical (by
+        default the one declared for this tap in the constructor's layouts); it only moves the
+        token-axis check, and is not declared by this call."""
+        if not self.steps:
+            raise TraceError(f"tap '{name}' before the first step() call")
+        if name not in TAPS:
+            raise TraceError(f"unknown tap '{name}' (docs/trace-format.md lists them)")
+        if (name in GRAPH_WIDE) != (layer is None):
+            raise TraceError(f"tap '{name}' " + ("cannot have" if name in GRAPH_WIDE else "needs")
+                             + " a layer")
+        layer = None if layer is None else int(layer)
+        a = np.asarray(to_numpy(data), dtype=np.float32)
+        if shape is not None:
+            shape = [int(d) for d in shape]
+            if int(np.prod(shape)) != a.size:
+                raise TraceError(f"{name}: shape {shape} does not hold {a.size} values")
+            a = a.reshape(shape)
+        s = self.steps[-1]
+        layout = layout or self.layouts.get(name)
+        axis = self._layout_axis(name, layout) if layout else None
+        if axis is None:
+            axis = 1 if name == "kq_soft_max" else 0
+        if axis < 0:
+            axis += a.ndim
+        if a.ndim <= axis or axis < 0 or a.shape[axis] != len(s["tokens"]):
+            raise TraceError(f"{name} (layer {layer}, step {s['step']}): shape {list(a.shape)} "
+                             f"should have the step's {len(s['tokens'])} tokens on axis {axis} "
+                             "(numpy shape = ggml ne reversed)")
+        key = (s["step"], layer, name)
+        if key in self.seen:
+            raise TraceError(f"{name} (layer {layer}, step {s['step']}) recorded twice")
+        self.seen.add(key)
+        file = f"s{s['step']:03}/{name}.npy" if layer is None else f"s{s['step']:03}/{name}-{layer}.npy"
+        os.makedirs(os.path.join(self.out, os.path.dirname(file)), exist_ok=True)
+        np.save(os.path.join(self.out, file), np.ascontiguousarray(a, dtype="<f4"))
+        self.tensors.append({"step": s["step"], "tap": name, "layer": layer, "file": file,
+                             "shape": list(a.shape), "dtype": "<f4"})
+
+    def finish(self):
+        """Write manifest.json; returns the manifest as a dict."""
+        manifest = {"format": "parity-trace", "version": 1, "model": self.model,
+                    "producer": self.producer, "steps": self.steps, "tensors": self.tensors}
+        if self.layouts:
+            manifest["layouts"] = dict(self.layouts)
+        with open(os.path.join(self.out, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+        return manifest
+
+
+def golden_ids(golden_dir):
+    """The ids and positions of each step of a golden (prompt, then the forced decode tokens):
+    what an engine must be fed to be compared with it."""
+    with open(os.path.join(golden_dir, "manifest.json")) as f:
+        m = json.load(f)
+    return [(s["tokens"], s["positions"]) for s in m["steps"]]
+
+
+def copy_trace(golden, out):
+    """Copy a trace's tensors through the writer (the self-check of `python -m parity_trace`):
+    `parity diff GOLDEN OUT` then says parity, bit-identical. Returns the writer."""
+    with open(os.path.join(golden, "manifest.json")) as f:
+        m = json.load(f)
+    w = TraceWriter(out, sha256=m["model"]["sha256"], engine="copy", backend="numpy")
+    w.model["path"] = m["model"]["path"]
+    for s in m["steps"]:
+        w.step(s["tokens"], s["positions"])
+        for t in (t for t in m["tensors"] if t["step"] == s["step"]):
+            w.tap(t["layer"], t["tap"], np.load(os.path.join(golden, t["file"])))
+    w.finish()
+    return w
