@@ -121,32 +121,6 @@ fn wheel_build() -> (PathBuf, &'static str, Vec<(String, String)>) {
     (target, "dev", env)
 }
 
-/// Puts `TARGET/<profile>/parity` back when dropped: the wheel's cargo run links its own
-/// `parity` there (the same path as the test profile's), and the test binaries that run after
-/// this one must get the binary `cargo test` built.
-struct KeepBinary {
-    path: PathBuf,
-    saved: PathBuf,
-}
-
-impl KeepBinary {
-    fn new(dir: &Path) -> KeepBinary {
-        let path = PathBuf::from(env!("CARGO_BIN_EXE_parity"));
-        let saved = dir.join("parity.cargo-test");
-        std::fs::copy(&path, &saved).expect("save the test build of parity");
-        KeepBinary { path, saved }
-    }
-}
-
-impl Drop for KeepBinary {
-    fn drop(&mut self) {
-        // A rename over the file: a process starting it meanwhile finds one or the other.
-        if let Err(e) = std::fs::rename(&self.saved, &self.path) {
-            eprintln!("cannot restore {}: {e}", self.path.display());
-        }
-    }
-}
-
 fn build_kit() -> Result<Kit, String> {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kit-python");
     // Fresh every run: the venv of an earlier run is removed, never reused.
@@ -155,24 +129,25 @@ fn build_kit() -> Result<Kit, String> {
     let (target, profile, env) = wheel_build();
     let wheels = dir.join("wheels");
     let t = Instant::now();
-    let keep = KeepBinary::new(&dir);
-    // In bindings/python: maturin reads the pyproject.toml of the folder it runs in.
+    // In bindings/python: maturin reads the pyproject.toml of the folder it runs in. Compiled
+    // in cargo's own build folder (what `cargo test` built is reused), the binary linked into
+    // a target folder of its own: never over TARGET/<profile>/parity, which other tests run.
     let o = maturin()
         .args(["build", "--profile", profile])
         .arg("--target-dir")
-        .arg(&target)
+        .arg(dir.join("target"))
         .arg("--out")
         .arg(&wheels)
+        .env("CARGO_BUILD_BUILD_DIR", &target)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .current_dir(root().join("bindings/python"))
         .output()
         .map_err(|e| format!("run maturin: {e}"))?;
-    drop(keep);
     if !o.status.success() {
         return Err(format!("maturin build\n{}", show(&o)));
     }
     eprintln!(
-        "maturin build --profile {profile} {env:?} --target-dir {}: {:.1} s",
+        "maturin build --profile {profile} {env:?}, build dir {}: {:.1} s",
         target.display(),
         t.elapsed().as_secs_f64()
     );
@@ -362,6 +337,11 @@ def test_torch_like_tensors_are_converted_without_importing_torch(tmp_path):
     let out = stdout(&o);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     assert!(out.contains("1 failed, 5 passed"), "{}", show(&o));
+    // What docs/instrument.md shows of this run.
+    let shown = out
+        .replace(g, "golden/tiny-llama-q8_0")
+        .replace(bug.to_str().unwrap(), "bug");
+    assert_shown("docs/instrument.md", "tests/kit_python.rs: pytest", &shown);
     assert!(
         out.contains("FAILED test_engine.py::test_planted_bug")
             && out.contains("the trace does not match (exit 1)")
