@@ -131,7 +131,7 @@ fn the_readme_walkthrough_runs_as_written() {
 
 /// A newcomer's test command is CI's run: the README's first block runs `.ci/run`, and
 /// `.ci/run` installs every tool build.rs probes for (so that no test is ignored), makes
-/// build.rs look again after an install, and ends in `cargo test` over the whole suite.
+/// build.rs look again after an install, and ends in `cargo test --workspace` over the whole suite (the kits' crates too).
 #[test]
 fn the_readme_test_command_is_ci_run() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
@@ -148,7 +148,7 @@ fn the_readme_test_command_is_ci_run() {
         .map(str::trim)
         .rfind(|l| !l.is_empty() && !l.starts_with('#'))
         .unwrap();
-    assert_eq!(last, "cargo test --no-fail-fast \"$@\"");
+    assert_eq!(last, "cargo test --workspace --no-fail-fast \"$@\"");
     for what in [
         "llama-cpp-python",
         "qemu-user-static",
@@ -156,6 +156,10 @@ fn the_readme_test_command_is_ci_run() {
         "libc6-dev-arm64-cross",
         "aarch64-unknown-linux-gnu",
         "mesa-vulkan-drivers",
+        "wasm32-unknown-unknown",
+        "nodejs",
+        "maturin",
+        "g++",
         "libvulkan1",
         "chromium",
         "jq",
