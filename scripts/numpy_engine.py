@@ -421,7 +421,7 @@ ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-a
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="the trace: a folder, or one .npz archive")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--golden", help="take the prompt and decode ids from this trace's manifest")
     src.add_argument("--tokens", help="prompt ids, comma-separated (used as given)")

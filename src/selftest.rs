@@ -189,7 +189,8 @@ pub struct SelftestOptions {
     pub from_layer: usize,
     /// Only these mutations by name (the clean run always runs).
     pub only: Option<Vec<String>>,
-    /// Keep the traces in this folder instead of a temporary one.
+    /// Keep the traces in this folder instead of a temporary one (one `.npz` archive per
+    /// row, named ENGINE-ROUNDING-CASE.npz; `parity diff` reads them as folders).
     pub keep: Option<PathBuf>,
     pub programs: Programs,
 }
@@ -291,8 +292,10 @@ pub fn run(
                 // a sparse trace differ at all.
                 let mut clean: Option<Trace> = None;
                 for &case in &cases {
+                    // One `.npz` file per trace: a folder of one file per tap costs more in
+                    // inode creation than the engine and the judge together on small models.
                     let dir = tmp.join(format!(
-                        "{}-{}-{}",
+                        "{}-{}-{}.npz",
                         engine.name(),
                         rounding.name().replace('/', "+"),
                         case.label().replace([' ', '(', ')'], "")

@@ -119,8 +119,11 @@ fn tree(p: &Path) -> Vec<(PathBuf, Vec<u8>)> {
         for e in es {
             v.extend(tree(&e));
         }
-    } else {
+    } else if m.is_file() {
         v.push((p.to_path_buf(), std::fs::read(p).unwrap()));
+    } else {
+        // A FIFO or a device: its kind, never its contents (reading a FIFO blocks).
+        v.push((p.to_path_buf(), format!("{:?}", m.file_type()).into_bytes()));
     }
     v
 }
@@ -759,4 +762,98 @@ if [ -c /dev/null ] && [ -c /dev/zero ]; then echo devices; else echo replaced; 
         "devices",
         "a device node was replaced"
     );
+}
+
+/// `dump --out T.npz` writes one archive: a link at T.npz (to a file, to a folder, dangling),
+/// a folder or a device named T.npz, and a file that is not a trace archive are refused before
+/// any work, with nothing changed; an archive parity wrote is replaced with --force only, and a
+/// stale partial of a dead writer planted as a link is removed without following it.
+#[test]
+fn npz_outputs_replace_only_a_trace_archive() {
+    let dump = |d: &Path, out: &Path, force: bool| {
+        let fix = root().join(FIX);
+        let mut v = os(&[&"dump", &fix, &"--golden", &GOLDEN, &"--out", &out]);
+        if force {
+            v.push("--force".into());
+        }
+        run(d, &v)
+    };
+    for (kind, words) in [
+        ("link to a file", &["symbolic link"][..]),
+        ("link to a folder", &["symbolic link"]),
+        ("dangling link", &["symbolic link"]),
+        ("folder", &["is a folder", "one file"]),
+        ("fifo", &["not a regular file"]),
+        (
+            "another zip",
+            &["not a trace archive", "--force replaces a trace only"],
+        ),
+        ("text file", &["not a trace archive"]),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        let outside = d.join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("target"), PRECIOUS).unwrap();
+        let out = d.join("t.npz");
+        match kind {
+            "link to a file" => symlink(outside.join("target"), &out).unwrap(),
+            "link to a folder" => symlink(&outside, &out).unwrap(),
+            "dangling link" => symlink(outside.join("gone"), &out).unwrap(),
+            "folder" => std::fs::create_dir(&out).unwrap(),
+            "fifo" => {
+                let c = std::ffi::CString::new(out.to_str().unwrap()).unwrap();
+                // SAFETY: a valid NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            }
+            // A zip without manifest.json (what `zip` or np.savez of anything else writes).
+            "another zip" => {
+                let mut w = parity_trace::archive::ArchiveWriter::new();
+                w.add("x.npy", b"not a tap").unwrap();
+                std::fs::write(&out, w.finish().unwrap()).unwrap();
+            }
+            _ => std::fs::write(&out, PRECIOUS).unwrap(),
+        }
+        let before = tree(d);
+        for force in [false, true] {
+            let what = format!("{kind} (force {force})");
+            // A regular file is refused as existing first; --force then asks what it is.
+            let regular = std::fs::symlink_metadata(&out).is_ok_and(|m| m.is_file());
+            let words = if regular && !force {
+                &["exists", "--force"][..]
+            } else {
+                words
+            };
+            refused(&dump(d, &out, force), words, &what);
+            assert_eq!(tree(d), before, "{what}: something was written or changed");
+        }
+    }
+    // A trace archive: kept without --force, replaced with it; the partial a killed writer
+    // left, planted as a link, is removed as a link.
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let out = d.join("t.npz");
+    ok(&dump(d, &out, false), "dump to a new .npz");
+    let first = std::fs::read(&out).unwrap();
+    refused(&dump(d, &out, false), &["exists", "--force"], "no --force");
+    assert_eq!(std::fs::read(&out).unwrap(), first);
+    std::fs::write(d.join("precious"), PRECIOUS).unwrap();
+    let stale = d.join(format!(".t.npz.partial-{}", dead_pid()));
+    symlink(d.join("precious"), &stale).unwrap();
+    ok(&dump(d, &out, true), "dump --force over its own archive");
+    assert!(
+        std::fs::symlink_metadata(&stale).is_err(),
+        "stale partial kept"
+    );
+    assert_eq!(
+        std::fs::read_to_string(d.join("precious")).unwrap(),
+        PRECIOUS
+    );
+    // Nothing but the archive (and the untouched file) is left beside it.
+    let mut names: Vec<String> = std::fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["precious", "t.npz"]);
 }

@@ -2,7 +2,9 @@
 //! (tests/engines/c/toy_llama.c), built with the machine's `cc` (C99, warnings as errors) and
 //! `c++` (the header as a C++11 translation unit): the engine's trace of
 //! golden/tiny-llama-f32 passes `parity diff`; each bug it can plant is named by parity at its
-//! step, layer and tap; the header refuses bad taps with a message naming them, replaces only
+//! step, layer and tap — the wrong values no catalog lists (eps 1e-3, RoPE base 20000, the
+//! attention scale 1/head_dim or none) fitted and named with their value, from full and sparse
+//! dumps; the header refuses bad taps with a message naming them, replaces only
 //! a previous trace, never writes through a link, hashes like `sha256sum`, and its golden-ids
 //! reader refuses malformed manifests (truncated, nested too deep, huge numbers) with a
 //! message, never a crash. Everything is built in a temporary folder.
@@ -164,6 +166,103 @@ fn c_engine_planted_bugs_are_named_where_they_are() {
             text.contains(&format!("first divergence at step 0 layer 0 {tap} ")),
             "{bug}: {text}"
         );
+    }
+}
+
+/// The trace `dir` cut to what engine authors dump first (embd, l_out, result_norm, logits).
+fn sparse_copy(dir: &Path, to: &Path) {
+    let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let keep = ["embd", "l_out", "result_norm", "logits"];
+    let tensors: Vec<serde_json::Value> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| keep.contains(&t["tap"].as_str().unwrap()))
+        .cloned()
+        .collect();
+    for t in &tensors {
+        let f = t["file"].as_str().unwrap();
+        std::fs::create_dir_all(to.join(f).parent().unwrap()).unwrap();
+        std::fs::copy(dir.join(f), to.join(f)).unwrap();
+    }
+    m["tensors"] = tensors.into();
+    std::fs::write(to.join("manifest.json"), m.to_string()).unwrap();
+}
+
+/// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
+/// 20000, scores divided by head_dim or not scaled): parity fits each and names it with its
+/// value, at its op in a full dump and at layer 0's l_out span in a sparse one.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_wrong_values_are_fitted_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    // (bug, its op in a full dump, the fitted hypothesis, words of its explanation)
+    let cases = [
+        (
+            "rms-eps-1e-3",
+            "attn_norm",
+            "rms-eps=1e-3",
+            "adds eps 1e-3; the model says 1e-5",
+        ),
+        (
+            "rope-theta-20000",
+            "q_rope",
+            "rope-theta=20000",
+            "frequency base is 20000; the model says 10000",
+        ),
+        (
+            "attn-scale-inv-d",
+            "kq_soft_max",
+            "attn-scale=3.125e-2",
+            "= 1/head_dim (32 where 1/sqrt(32) is meant)",
+        ),
+        (
+            "no-attn-scale",
+            "kq_soft_max",
+            "attn-scale=1",
+            "by 1 (no scaling at all)",
+        ),
+    ];
+    for (bug, tap, name, words) in cases {
+        let out = tmp.path().join(bug);
+        engine_diff(&toy, &out, Some(bug));
+        let sparse = tmp.path().join(format!("{bug}-sparse"));
+        sparse_copy(&out, &sparse);
+        for (trace, at) in [(&out, tap), (&sparse, "l_out")] {
+            let o = parity(&[
+                "diff",
+                "golden/tiny-llama-f32",
+                trace.to_str().unwrap(),
+                "--json",
+                "-",
+            ]);
+            let what = format!("{bug} {}", trace.display());
+            assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let own = j["comparisons"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|c| c["pair"] == "own-inputs")
+                .unwrap_or_else(|| panic!("{what}: no own-inputs comparison: {j:#}"));
+            let d = &own["first_divergence"];
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": 0, "layer": 0, "tap": at}),
+                "{what}: {d:#}"
+            );
+            let why = d["diagnosis"].as_str().unwrap();
+            assert!(
+                why.contains(&format!("confirmed by experiment: {name} reproduces your ")),
+                "{what}: {why}"
+            );
+            assert!(why.contains(words), "{what}: {why}");
+        }
     }
 }
 

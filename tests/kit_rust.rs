@@ -206,8 +206,8 @@ fn native_engine_planted_bugs_are_placed_and_named() {
             Some(0),
             "kq_soft_max",
             &[
-                "no hypothesis reproduces it",
-                "attention probabilities differ while q/k after RoPE matched: the score scale (1/sqrt(head_dim))",
+                "confirmed by experiment: attn-scale=1 reproduces your kq_soft_max",
+                "the engine scales attention scores by 1 (no scaling at all)",
             ],
         ),
         (

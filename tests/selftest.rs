@@ -170,7 +170,7 @@ fn selftest_rows_agree_with_diff_exit_codes() {
         for r in &rows {
             let label = r["case"].as_str().unwrap().replace([' ', '(', ')'], "");
             let dir = keep.join(format!(
-                "{}-{}-{label}",
+                "{}-{}-{label}.npz",
                 r["engine"].as_str().unwrap(),
                 r["rounding"].as_str().unwrap()
             ));

@@ -423,7 +423,8 @@ pub struct DumpArgs {
     /// Force these decode tokens instead of the greedy ones (sets --steps).
     #[arg(long, value_delimiter = ',')]
     forced: Option<Vec<u32>>,
-    /// Output trace folder.
+    /// Output trace: a folder, or one `.npz` archive when the name ends in `.npz` (one file
+    /// instead of one per tap: faster to write and read).
     #[arg(long)]
     out: PathBuf,
     /// Keep only taps whose name (e.g. `attn_norm-3`, `logits`) matches this regex.
@@ -437,7 +438,7 @@ pub struct DumpArgs {
     /// ggml-cpu.
     #[arg(long, value_name = "ROUNDING")]
     emulate: Option<String>,
-    /// Overwrite a non-empty output folder.
+    /// Overwrite the trace already at --out (a folder's or an archive's; never other files).
     #[arg(long)]
     force: bool,
     /// Worker threads for the fast backend (0 = all cores).
@@ -466,6 +467,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         inputs.push((g, "--golden"));
     }
     crate::trace::paths::check_paths(&inputs, &[(&a.out, "--out")]).map_err(err)?;
+    TraceWriter::check_target(&a.out, a.force)?;
     let model = Model::open(&a.model)?;
     let (mut ids, policy, forced) = match &a.golden {
         Some(dir) => {
@@ -553,6 +555,9 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         a.mutate_from_layer,
     )?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
+    if a.declare_layout {
+        sink.declare_layout("q_rope", "head-major");
+    }
     let info = backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?;
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ") });
     let m = sink.finish(
@@ -560,9 +565,6 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         producer(b.as_ref(), settings),
         info,
     )?;
-    if a.declare_layout {
-        declare_layout(&a.out, "q_rope", "head-major")?;
-    }
     eprintln!(
         "wrote {} tensors over {} steps to {}",
         m.tensors.len(),
@@ -570,23 +572,4 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         a.out.display()
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// Add `"layouts": {tap: layout}` to a written trace's manifest (the key external engines use
-/// to declare a tap stored in another layout; see docs/trace-format.md).
-pub fn declare_layout(dir: &Path, tap: &str, layout: &str) -> Result<()> {
-    let p = dir.join("manifest.json");
-    let text = std::fs::read_to_string(&p)?;
-    let mut v: serde_json::Value = serde_json::from_str(&text)?;
-    let obj = v
-        .as_object_mut()
-        .ok_or_else(|| err(format!("{}: not a JSON object", p.display())))?;
-    let layouts = obj
-        .entry("layouts")
-        .or_insert_with(|| serde_json::json!({}));
-    layouts[tap] = serde_json::Value::String(layout.to_string());
-    // Whole or not at all, and never through a link planted at the manifest's name.
-    crate::trace::staging::write_whole(&p, (serde_json::to_string_pretty(&v)? + "\n").as_bytes())
-        .map_err(err)?;
-    Ok(())
 }

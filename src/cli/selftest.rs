@@ -122,7 +122,8 @@ pub struct SelftestArgs {
     /// Print the rows as JSON.
     #[arg(long)]
     json: bool,
-    /// Keep the traces in this folder instead of a temporary one.
+    /// Keep the traces in this folder instead of a temporary one (one `.npz` archive per
+    /// row, named ENGINE-ROUNDING-CASE.npz; `parity diff` reads them as folders).
     #[arg(long)]
     keep: Option<PathBuf>,
 }

@@ -10,7 +10,7 @@
 
 use super::floor::{Floors, OpClass, class, span};
 use super::layout::Layout;
-use super::replay::{Candidate, KvCache, Replay, Setup, Window, replay};
+use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::{Finding, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
@@ -24,29 +24,6 @@ struct Hypothesis {
     name: String,
     catalog: Option<Mutation>,
     setup: Setup,
-}
-
-/// rms eps values engines use (model's own excluded, ×10 left to the catalog).
-fn eps_values(model_eps: f32) -> Vec<f32> {
-    let v: Vec<f32> = vec![1e-5, 1e-6, 1e-8, 1e-12, model_eps / 10.0];
-    let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
-    let mut out: Vec<f32> = Vec::new();
-    for e in v {
-        if !close(e, model_eps) && !close(e, model_eps * 10.0) && !out.iter().any(|&o| close(o, e))
-        {
-            out.push(e);
-        }
-    }
-    out
-}
-
-/// rope thetas engines use (model's own and the catalog's wrong one excluded).
-fn theta_values(model_theta: f32) -> Vec<f32> {
-    let mut v: Vec<f32> = vec![10000.0, 500000.0, 1000000.0, model_theta / 10.0];
-    let wrong = wrong_theta(model_theta);
-    v.retain(|&t| t != model_theta && t != wrong);
-    v.dedup();
-    v
 }
 
 fn fmt_num(x: f32) -> String {
@@ -111,8 +88,7 @@ fn experiments(
         decode: floors.decode,
         kv,
         mutation: None,
-        rms_eps: None,
-        rope_theta: None,
+        knob: None,
         window,
     };
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
@@ -128,7 +104,6 @@ fn experiments(
     let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
     let mut setups: BTreeMap<String, Setup> = BTreeMap::new();
     if run {
-        let c = &model.config;
         let mut hyps: Vec<Hypothesis> = Mutation::ALL
             .iter()
             .filter(|&&m| relevant(m, model, &k, &classes))
@@ -141,30 +116,6 @@ fn experiments(
                 },
             })
             .collect();
-        if classes.contains(&OpClass::Norm) {
-            for e in eps_values(c.rms_eps) {
-                hyps.push(Hypothesis {
-                    name: format!("rms-eps={}", fmt_num(e)),
-                    catalog: None,
-                    setup: Setup {
-                        rms_eps: Some(e),
-                        ..base.clone()
-                    },
-                });
-            }
-        }
-        if classes.contains(&OpClass::Rope) {
-            for t in theta_values(c.rope_theta) {
-                hyps.push(Hypothesis {
-                    name: format!("rope-theta={}", fmt_num(t)),
-                    catalog: None,
-                    setup: Setup {
-                        rope_theta: Some(t),
-                        ..base.clone()
-                    },
-                });
-            }
-        }
         hyps.retain(|h| only.is_none_or(|o| o.contains(&h.name)));
         let own = plain.metrics.get(&k).map(|m| m.nmse);
         for h in hyps {
@@ -200,6 +151,32 @@ fn experiments(
                 h.catalog,
             ));
         }
+        // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
+        for knob in Knob::ALL {
+            if !knob_acts(knob, model, &classes) {
+                continue;
+            }
+            if only.is_some_and(|o| !o.iter().any(|n| n.starts_with(knob.name()))) {
+                continue;
+            }
+            if let Some((v, nmse)) = fit(model, cand, &base, knob, k, own)? {
+                let name = knob_name(knob, v);
+                setups.insert(
+                    name.clone(),
+                    Setup {
+                        knob: Some((knob, v)),
+                        ..base.clone()
+                    },
+                );
+                tried.push((
+                    Tried {
+                        hypothesis: name,
+                        nmse,
+                    },
+                    None,
+                ));
+            }
+        }
         // Layouts: the candidate's own tensor read in another order, no re-run needed.
         if let (Some(r), Some(raw), Some(dims)) = (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
         {
@@ -230,6 +207,146 @@ fn experiments(
         span: sp,
         ran: run,
     })
+}
+
+/// Whether `knob` can change what ops of these classes compute.
+fn knob_acts(knob: Knob, model: &Model, classes: &BTreeSet<OpClass>) -> bool {
+    match knob {
+        Knob::RmsEps => classes.contains(&OpClass::Norm),
+        Knob::RopeTheta => classes.contains(&OpClass::Rope) && model.config.n_rot >= 2,
+        Knob::AttnScale => classes.contains(&OpClass::Attention),
+    }
+}
+
+/// The hypothesis name of a fitted value: `rms-eps=1e-3`, `attn-scale=0.015625`.
+pub fn knob_name(knob: Knob, v: f32) -> String {
+    format!("{}={}", knob.name(), fmt_num(v))
+}
+
+/// The step of the search in log10, and the range it may walk.
+fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
+    let l0 = (v0 as f64).log10();
+    match knob {
+        // A decade a step, 1e-14 to 1 (engines use 1e-12 … 1e-1).
+        Knob::RmsEps => (1.0, -14.0, 0.0),
+        // Half a decade, 10 to 1e9.
+        Knob::RopeTheta => (0.5, 1.0, 9.0),
+        // A factor 2, from 1/256 to 256 times the model's.
+        Knob::AttnScale => (
+            std::f64::consts::LOG10_2,
+            l0 - 8.0 * 0.30103,
+            l0 + 8.0 * 0.30103,
+        ),
+    }
+}
+
+/// Values an engine plausibly uses near `v` (within a factor `span`): 1, 2 and 5 times a power
+/// of ten, and for the attention scale 1, 1/head_dim and the model's own times a power of two.
+fn round_values(knob: Knob, model: &Model, v: f64, span: f64) -> Vec<f32> {
+    let near = |x: f64| x >= v / span && x <= v * span;
+    let e = v.log10().floor() as i32;
+    let mut out: Vec<f32> = (e - 2..=e + 2)
+        .flat_map(|p| [1.0, 2.0, 5.0].map(|m| m * 10f64.powi(p)))
+        .filter(|&x| near(x))
+        // Parsed from decimal: the f32 an engine's `1e-3f` is.
+        .map(|x| format!("{x:.6e}").parse().unwrap_or(f32::NAN))
+        .collect();
+    if knob == Knob::AttnScale {
+        // As an engine computes them in f32.
+        let hd = model.config.head_dim as f32;
+        out.extend(
+            [1.0, 1.0 / hd, 1.0 / hd.sqrt()]
+                .into_iter()
+                .filter(|&x| near(x as f64)),
+        );
+    }
+    out
+}
+
+/// Fit `knob` to the candidate at `k`: walk from the model's value in the direction that
+/// lowers the key's NMSE, a step at a time while it keeps falling, then try the round values
+/// around the best point; ties go to the value closest to the model's (the smallest change
+/// that explains the key). None when neither first step lowers the own error at all. The
+/// catalog's own wrong values (eps ×10, its wrong theta) are left to the catalog.
+fn fit(
+    model: &Model,
+    cand: &Candidate,
+    base: &Setup,
+    knob: Knob,
+    k: TapKey,
+    own: Option<f64>,
+) -> Result<Option<(f32, f64)>, JudgeError> {
+    let Some(own) = own else {
+        return Ok(None);
+    };
+    let v0 = knob.model_value(&model.config);
+    if !(v0.is_finite() && v0 > 0.0) {
+        return Ok(None);
+    }
+    let (step, lo, hi) = knob_search(knob, v0);
+    let l0 = (v0 as f64).log10();
+    let mut seen: Vec<(f32, f64)> = Vec::new();
+    let mut eval = |v: f32| -> Result<f64, JudgeError> {
+        if let Some(&(_, e)) = seen.iter().find(|(x, _)| *x == v) {
+            return Ok(e);
+        }
+        let setup = Setup {
+            knob: Some((knob, v)),
+            ..base.clone()
+        };
+        let r = replay(model, cand, &setup, &BTreeSet::new())?;
+        let e = r.metrics.get(&k).map_or(f64::INFINITY, |m| m.nmse);
+        seen.push((v, e));
+        Ok(e)
+    };
+    // A point of the walk: for eps and theta rounded to 3 significant digits (engines use
+    // round values; 10^-3, not its neighbour), for the scale the model's times a power of 2.
+    let at = |l: f64| -> f32 {
+        match knob {
+            Knob::AttnScale => (v0 as f64 * 2f64.powf(((l - l0) / step).round())) as f32,
+            _ => format!("{:.2e}", 10f64.powf(l)).parse().unwrap_or(f32::NAN),
+        }
+    };
+    let (up, down) = (eval(at(l0 + step))?, eval(at(l0 - step))?);
+    if up.min(down) >= own {
+        return Ok(None);
+    }
+    let dir = if up <= down { 1.0 } else { -1.0 };
+    let (mut best_l, mut best) = (l0 + dir * step, up.min(down));
+    loop {
+        let l = best_l + dir * step;
+        if l < lo || l > hi {
+            break;
+        }
+        let e = eval(at(l))?;
+        if e < best {
+            (best_l, best) = (l, e);
+        } else {
+            break;
+        }
+    }
+    for v in round_values(knob, model, 10f64.powf(best_l), 10f64.powf(step)) {
+        eval(v)?;
+    }
+    // The catalog's own wrong values are the catalog's to name.
+    let catalog = |v: f32| {
+        let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
+        close(v, v0)
+            || (knob == Knob::RmsEps && close(v, v0 * 10.0))
+            || (knob == Knob::RopeTheta && close(v, wrong_theta(v0)))
+    };
+    let min = seen
+        .iter()
+        .filter(|(v, _)| !catalog(*v))
+        .map(|&(_, e)| e)
+        .fold(f64::INFINITY, f64::min);
+    // As good as the best: within 1% of it (an exact fit, 0, ties only with 0).
+    let dist = |v: f32| ((v as f64).log10() - l0).abs();
+    Ok(seen
+        .iter()
+        .filter(|&&(v, e)| !catalog(v) && e <= min * 1.01)
+        .min_by(|a, b| dist(a.0).total_cmp(&dist(b.0)))
+        .copied())
 }
 
 /// A hypothesis within this factor of the own error is replayed under the tie twins too.
@@ -376,7 +493,22 @@ fn finding(
     ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
     let mut contradicted: Vec<(String, String)> = Vec::new();
     let mut held = Vec::with_capacity(ok.len());
+    // The key without any rounding, for the effect test (made once, when first needed).
+    let mut unrounded: Option<Vec<f32>> = None;
     for c in ok {
+        if let Some(setup) = setups.get(&c.0.hypothesis) {
+            let effect = effect(model, cand, setup, &k, &mut unrounded)?;
+            if effect < EFFECT_SHARE * op.own_nmse {
+                contradicted.push((
+                    c.0.hypothesis.clone(),
+                    format!(
+                        "its own effect on {} without any rounding (NMSE {effect:.1e} with vs without it) is under {EFFECT_SHARE} of the error it would explain ({:.1e}): it only moves values that sit on rounding ties",
+                        k.tap, op.own_nmse
+                    ),
+                ));
+                continue;
+            }
+        }
         match setups.get(&c.0.hypothesis) {
             Some(setup) => match holds(model, cand, setup, ops, &k, is_knob(&c.0.hypothesis))? {
                 Ok(()) => held.push(c),
@@ -546,6 +678,44 @@ fn finding(
     })
 }
 
+/// A hypothesis explains an own error only if it moves the key, by itself and without any
+/// rounding, by at least this share of that error (in NMSE): engine = reference + bug means
+/// the bug's own effect is the error. One that "reproduces" a key while its own effect is far
+/// smaller only flips values sitting on rounding ties (another eps 10^6 times smaller than the
+/// model's, inside a span of 8-bit activations), whatever its NMSE.
+pub const EFFECT_SHARE: f64 = 0.25;
+
+/// The effect of `setup`'s hypothesis on key `k`, replayed without activation rounding: the
+/// NMSE between the replays with and without it (`plain` caches the one without).
+fn effect(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    k: &TapKey,
+    plain: &mut Option<Vec<f32>>,
+) -> Result<f64, JudgeError> {
+    let unrounded = Setup {
+        rounding: crate::backend::Emulation::None,
+        decode: None,
+        ..setup.clone()
+    };
+    let keep = BTreeSet::from([*k]);
+    if plain.is_none() {
+        let base = Setup {
+            mutation: None,
+            knob: None,
+            ..unrounded.clone()
+        };
+        *plain = replay(model, cand, &base, &keep)?.kept.remove(k);
+    }
+    let with = replay(model, cand, &unrounded, &keep)?.kept.remove(k);
+    Ok(match (plain.as_deref(), with) {
+        (Some(a), Some(b)) if a.len() == b.len() => nmse(a, &b),
+        // Not kept (a key outside the window): nothing to hold against the hypothesis.
+        _ => f64::INFINITY,
+    })
+}
+
 /// How many times a hypothesis must cut the own error at the flagged key to be confirmed: a
 /// bug explains an error, it does not nudge it (a rounding tie flipped by a tiny change of the
 /// arithmetic cuts one key's error too, by chance).
@@ -562,7 +732,7 @@ pub const CONTRADICTS: f64 = 10.0;
 
 /// Whether `name` is a continuous knob (a value of a hyperparameter, not a catalog bug).
 pub fn is_knob(name: &str) -> bool {
-    name.starts_with("rms-eps=") || name.starts_with("rope-theta=")
+    Knob::parse(name).is_some()
 }
 
 fn cut_needed(name: &str) -> f64 {
@@ -662,17 +832,41 @@ fn nmse(a: &[f32], b: &[f32]) -> f64 {
 /// One sentence on what the confirmed hypothesis means for the engine.
 fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String {
     let c = &model.config;
-    if let Some(v) = name.strip_prefix("rms-eps=") {
-        return format!(
-            "the engine's RMSNorm adds eps {v}; the model says {:e} (attention.layer_norm_rms_epsilon)",
-            c.rms_eps
-        );
-    }
-    if let Some(v) = name.strip_prefix("rope-theta=") {
-        return format!(
-            "the engine's RoPE frequency base is {v}; the model says {} (rope.freq_base)",
-            c.rope_theta
-        );
+    if let Some((knob, v)) = Knob::parse(name) {
+        let fitted = "fitted by experiment over many values";
+        return match knob {
+            Knob::RmsEps => format!(
+                "the engine's RMSNorm adds eps {}; the model says {:e} (attention.layer_norm_rms_epsilon; {fitted})",
+                fmt_num(v),
+                c.rms_eps
+            ),
+            Knob::RopeTheta => format!(
+                "the engine's RoPE frequency base is {}; the model says {} (rope.freq_base; {fitted})",
+                fmt_num(v),
+                c.rope_theta
+            ),
+            Knob::AttnScale => {
+                let hd = c.head_dim as f32;
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
+                let what = if close(v, 1.0) {
+                    " (no scaling at all)".to_string()
+                } else if close(v, 1.0 / hd) {
+                    format!(
+                        " = 1/head_dim ({} where 1/sqrt({}) is meant)",
+                        c.head_dim, c.head_dim
+                    )
+                } else if close(v, 1.0 / hd.sqrt()) {
+                    " = 1/sqrt(head_dim)".to_string()
+                } else {
+                    String::new()
+                };
+                format!(
+                    "the engine scales attention scores by {}{what}; the model says {} ({fitted})",
+                    fmt_num(v),
+                    fmt_num(c.kq_scale)
+                )
+            }
+        };
     }
     if let Some(l) = name.strip_prefix("layout:") {
         return format!(
@@ -822,8 +1016,7 @@ fn acts_from(
         &Setup {
             window,
             mutation: None,
-            rms_eps: None,
-            rope_theta: None,
+            knob: None,
             ..setup.clone()
         },
         &keep,

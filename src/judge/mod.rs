@@ -343,8 +343,7 @@ fn judge_once(
                 decode,
                 kv,
                 mutation: None,
-                rms_eps: None,
-                rope_theta: None,
+                knob: None,
                 window: full,
             };
             replay(model, &cand, &setup, &none)?
@@ -378,8 +377,7 @@ fn judge_once(
                 decode,
                 kv,
                 mutation: None,
-                rms_eps: None,
-                rope_theta: None,
+                knob: None,
                 window: full,
             };
             let twin = replay(model, &cand, &setup, &none)?;

@@ -131,8 +131,75 @@ impl KvCache {
     }
 }
 
+/// A scalar the model sets that an engine may get wrong: the judge fits its value
+/// (`hypothesis::fit`) instead of trying a fixed list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Knob {
+    /// RMSNorm's epsilon (`attention.layer_norm_rms_epsilon`).
+    RmsEps,
+    /// RoPE's frequency base (`rope.freq_base`).
+    RopeTheta,
+    /// The attention score scale (1/sqrt(head_dim) unless the architecture says otherwise).
+    AttnScale,
+}
+
+impl Knob {
+    pub const ALL: [Knob; 3] = [Knob::RmsEps, Knob::RopeTheta, Knob::AttnScale];
+
+    /// The hypothesis prefix: `rms-eps=1e-3`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Knob::RmsEps => "rms-eps",
+            Knob::RopeTheta => "rope-theta",
+            Knob::AttnScale => "attn-scale",
+        }
+    }
+
+    /// What a user reads: "rms eps".
+    pub fn label(self) -> &'static str {
+        match self {
+            Knob::RmsEps => "rms eps",
+            Knob::RopeTheta => "RoPE frequency base",
+            Knob::AttnScale => "attention scale",
+        }
+    }
+
+    /// Where the model sets it.
+    pub fn source(self) -> &'static str {
+        match self {
+            Knob::RmsEps => "attention.layer_norm_rms_epsilon",
+            Knob::RopeTheta => "rope.freq_base",
+            Knob::AttnScale => "1/sqrt(head_dim) for this architecture",
+        }
+    }
+
+    /// The model's own value.
+    pub fn model_value(self, c: &crate::model::Config) -> f32 {
+        match self {
+            Knob::RmsEps => c.rms_eps,
+            Knob::RopeTheta => c.rope_theta,
+            Knob::AttnScale => c.kq_scale,
+        }
+    }
+
+    fn set(self, c: &mut crate::model::Config, v: f32) {
+        match self {
+            Knob::RmsEps => c.rms_eps = v,
+            Knob::RopeTheta => c.rope_theta = v,
+            Knob::AttnScale => c.kq_scale = v,
+        }
+    }
+
+    /// Parse `rms-eps=1e-3` back (a hypothesis name) into the knob and its value.
+    pub fn parse(hypothesis: &str) -> Option<(Knob, f32)> {
+        let (k, v) = hypothesis.split_once('=')?;
+        let knob = Knob::ALL.into_iter().find(|x| x.name() == k)?;
+        Some((knob, v.parse().ok()?))
+    }
+}
+
 /// What a replay runs: an activation rounding, a K/V cache type, an optional known bug, a
-/// model variant (other rms eps or rope theta), and the window.
+/// model variant (one knob set to another value), and the window.
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub rounding: Emulation,
@@ -144,8 +211,7 @@ pub struct Setup {
     /// where substituted) are rounded to f16 before the cache stores them.
     pub kv: KvCache,
     pub mutation: Option<Mutation>,
-    pub rms_eps: Option<f32>,
-    pub rope_theta: Option<f32>,
+    pub knob: Option<(Knob, f32)>,
     pub window: Window,
 }
 
@@ -237,11 +303,8 @@ fn variant(model: &Model, s: &Setup) -> Result<Model, JudgeError> {
         GgufFile::open(f.path())?
     };
     let mut m = Model::from_gguf(file)?;
-    if let Some(e) = s.rms_eps {
-        m.config.rms_eps = e;
-    }
-    if let Some(t) = s.rope_theta {
-        m.config.rope_theta = t;
+    if let Some((k, v)) = s.knob {
+        k.set(&mut m.config, v);
     }
     let w = s.window;
     m.layers = m.layers[w.l0..w.l_end.max(w.l0)].to_vec();
@@ -259,10 +322,7 @@ pub fn replay(
     keep: &BTreeSet<TapKey>,
 ) -> Result<Replay, JudgeError> {
     let w = setup.window;
-    let plain = w.l0 == 0
-        && w.l_end == model.config.n_layer
-        && setup.rms_eps.is_none()
-        && setup.rope_theta.is_none();
+    let plain = w.l0 == 0 && w.l_end == model.config.n_layer && setup.knob.is_none();
     let owned;
     let m: &Model = if plain {
         model

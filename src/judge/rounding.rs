@@ -221,8 +221,7 @@ pub fn measure(
                 decode: None,
                 kv: KvCache::F32,
                 mutation: None,
-                rms_eps: None,
-                rope_theta: None,
+                knob: None,
                 window: detect,
             };
             let rep = replay(model, cand, &setup, none)?;
@@ -275,8 +274,7 @@ pub fn measure(
                 decode: Some(r),
                 kv: KvCache::F32,
                 mutation: None,
-                rms_eps: None,
-                rope_theta: None,
+                knob: None,
                 window,
             };
             let rep = replay(model, cand, &setup, none)?;
@@ -321,8 +319,7 @@ pub fn measure(
                 decode,
                 kv: c,
                 mutation: None,
-                rms_eps: None,
-                rope_theta: None,
+                knob: None,
                 window,
             };
             let rep = replay(model, cand, &setup, none)?;

@@ -4,7 +4,7 @@ use super::{
     Manifest, ModelRef, Producer, Sink, StepInfo, TapFilter, TapKey, TensorEntry, TraceError,
 };
 use ndarray::{ArrayD, IxDyn, ShapeBuilder};
-use parity_trace::archive::Archive;
+use parity_trace::archive::{Archive, ArchiveWriter};
 use parity_trace::manifest::{MAX_MANIFEST_BYTES, short};
 use parity_trace::npy;
 use std::collections::BTreeMap;
@@ -198,6 +198,62 @@ fn check_out_dir(dir: &Path, force: bool) -> Result<(), TraceError> {
         }
         Err(_) => Ok(()),
     }
+}
+
+/// Does `path` name a one-file trace (`*.npz`) rather than a folder?
+pub fn is_archive_path(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("npz"))
+}
+
+fn archive_err(path: &Path, what: String) -> TraceError {
+    TraceError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(what),
+    }
+}
+
+/// Refuse an `.npz` output that exists unless `force`, and with `force` anything but a trace
+/// archive (a folder, a link, a device, another zip): `--force` replaces a trace only.
+fn check_out_archive(path: &Path, force: bool) -> Result<(), TraceError> {
+    let refuse = |what: &str| TraceError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(what.to_string()),
+    };
+    let m = match std::fs::symlink_metadata(path) {
+        Err(_) => return Ok(()),
+        Ok(m) => m,
+    };
+    if m.file_type().is_symlink() {
+        return Err(refuse(
+            "is a symbolic link: parity never writes through a link, give the file's own path",
+        ));
+    }
+    if m.is_dir() {
+        return Err(refuse(
+            "exists and is a folder (an .npz trace is one file; name a folder without .npz)",
+        ));
+    }
+    if !m.is_file() {
+        return Err(refuse(
+            "exists and is not a regular file (a FIFO, socket or device is never replaced)",
+        ));
+    }
+    if !force {
+        return Err(refuse("exists (pass --force to overwrite)"));
+    }
+    let is_trace = super::open::open_regular(path)
+        .ok()
+        // SAFETY: a read-only map, only parsed; a file changed underneath gives a wrong
+        // answer about whether it is a trace, never undefined behaviour in safe code below.
+        .and_then(|f| unsafe { memmap2::Mmap::map(&f) }.ok())
+        .is_some_and(|map| Archive::parse(&map).is_ok_and(|a| a.contains("manifest.json")));
+    if !is_trace {
+        return Err(refuse(
+            "is not a trace archive parity wrote: --force replaces a trace only, remove it or choose another --out",
+        ));
+    }
+    Ok(())
 }
 
 /// `--force` replaces a trace, never what is not one: a folder with `sNNN` entries but no
@@ -445,6 +501,11 @@ pub struct TraceWriter {
     tmp: PathBuf,
     filter: TapFilter,
     entries: Vec<TensorEntry>,
+    /// `Some` when `dir` names an `.npz` file: the trace is streamed into `tmp`, one file,
+    /// instead of a file per tap (thousands of inode creations, most of a small trace's cost).
+    archive: Option<ArchiveWriter<std::io::BufWriter<std::fs::File>>>,
+    /// Taps declared stored in another layout (the manifest's `"layouts"`).
+    layouts: std::collections::BTreeMap<String, String>,
     error: Option<TraceError>,
     done: bool,
     /// This process alone writes `dir` until the writer is dropped.
@@ -452,33 +513,64 @@ pub struct TraceWriter {
 }
 
 impl TraceWriter {
+    /// Whether a trace may be written at `dir` (asked again by [`TraceWriter::create`]):
+    /// for a command to refuse a bad `--out` before it does any work.
+    pub fn check_target(dir: &Path, force: bool) -> Result<(), TraceError> {
+        if is_archive_path(dir) {
+            check_out_archive(dir, force)
+        } else {
+            check_out_dir(dir, force)
+        }
+    }
+
+    /// A writer of the trace folder `dir`, or of one `.npz` archive when `dir` ends in `.npz`.
     pub fn create(dir: &Path, filter: TapFilter, force: bool) -> Result<Self, TraceError> {
-        check_out_dir(dir, force)?;
+        let archive = is_archive_path(dir);
+        let check = |force| Self::check_target(dir, force);
+        check(force)?;
         let tmp = staging_dir(dir)?;
         if let Some(parent) = tmp.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent))?;
         }
-        // One writer of `dir` at a time; the folder checked again under the lock (another
+        // One writer of `dir` at a time; the target checked again under the lock (another
         // writer may have published since).
         let lock = super::staging::lock(dir).map_err(io_err(dir))?;
-        check_out_dir(dir, force)?;
-        // Folders of writers killed outright (SIGKILL, a crash) go now.
+        check(force)?;
+        // Staging entries of writers killed outright (SIGKILL, a crash) go now.
         super::staging::remove_stale(&tmp_target(&tmp, dir));
         // Ours from an earlier writer with this PID, or planted: removed, a link never followed.
         if std::fs::symlink_metadata(&tmp).is_ok() {
             super::staging::remove_any(&tmp).map_err(io_err(&tmp))?;
         }
-        std::fs::create_dir(&tmp).map_err(io_err(dir))?;
-        super::staging::register(&tmp);
+        let archive = if archive {
+            let f = super::staging::create_side_file(&tmp).map_err(io_err(dir))?;
+            super::staging::register(&tmp);
+            Some(ArchiveWriter::to(std::io::BufWriter::with_capacity(
+                1 << 20,
+                f,
+            )))
+        } else {
+            std::fs::create_dir(&tmp).map_err(io_err(dir))?;
+            super::staging::register(&tmp);
+            None
+        };
         Ok(TraceWriter {
             dir: dir.to_path_buf(),
             tmp,
             filter,
             entries: Vec::new(),
+            archive,
+            layouts: Default::default(),
             error: None,
             done: false,
             _lock: lock,
         })
+    }
+
+    /// Declare that `tap` is stored in `layout` (the manifest's `"layouts"`, as an engine
+    /// that knows it stores a tap differently would).
+    pub fn declare_layout(&mut self, tap: &str, layout: &str) {
+        self.layouts.insert(tap.to_string(), layout.to_string());
     }
 
     /// Write the manifest and move the trace into place. Reports the first write error met
@@ -493,9 +585,25 @@ impl TraceWriter {
             return Err(e);
         }
         let entries = std::mem::take(&mut self.entries);
-        let m = Manifest::new(model, producer, steps, entries);
-        write_manifest(&self.tmp, &m)?;
-        super::staging::settle(&self.tmp, || publish(&self.tmp, &self.dir))?;
+        let mut m = Manifest::new(model, producer, steps, entries);
+        m.layouts = std::mem::take(&mut self.layouts);
+        match self.archive.take() {
+            Some(mut a) => {
+                let text = serde_json::to_string_pretty(&m).expect("manifest serializes") + "\n";
+                a.add("manifest.json", text.as_bytes())
+                    .and_then(|()| a.finish())
+                    .map_err(|what| archive_err(&self.dir, what))?;
+                super::staging::settle(&self.tmp, || {
+                    // Asked again: `dir` may have become a link or a folder while the backend ran.
+                    check_out_archive(&self.dir, true)?;
+                    std::fs::rename(&self.tmp, &self.dir).map_err(io_err(&self.dir))
+                })?;
+            }
+            None => {
+                write_manifest(&self.tmp, &m)?;
+                super::staging::settle(&self.tmp, || publish(&self.tmp, &self.dir))?;
+            }
+        }
         self.done = true;
         Ok(m)
     }
@@ -504,7 +612,9 @@ impl TraceWriter {
 impl Drop for TraceWriter {
     fn drop(&mut self) {
         if !self.done {
-            super::staging::settle(&self.tmp, || std::fs::remove_dir_all(&self.tmp).ok());
+            // The archive's file is closed first.
+            self.archive = None;
+            super::staging::settle(&self.tmp, || super::staging::remove_any(&self.tmp).ok());
         }
     }
 }
@@ -514,6 +624,14 @@ impl Sink for TraceWriter {
         self.error.is_none() && self.filter.matches(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
+        if let Some(a) = &mut self.archive {
+            let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            match a.add_parts(&key.file(), &[&npy::f32_header(shape), &bytes]) {
+                Ok(()) => self.entries.push(TensorEntry::f32(&key, shape)),
+                Err(what) => self.error = Some(archive_err(&self.dir, what)),
+            }
+            return;
+        }
         // The step folder is made inside the staging folder, never the staging folder itself:
         // once an interrupt has taken it away, writing fails instead of starting it again.
         let path = self.tmp.join(key.file());

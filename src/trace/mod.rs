@@ -7,7 +7,7 @@ pub mod open;
 pub mod paths;
 pub mod staging;
 
-pub use format::{Trace, TraceWriter};
+pub use format::{Trace, TraceWriter, is_archive_path};
 /// The format itself (manifest, tap names, `.npy`, archives) is the `parity-trace` crate's,
 /// which engines depend on alone.
 pub use parity_trace::{

@@ -9,6 +9,10 @@
         ...
     w.finish()                                            # writes manifest.json
 
+`TraceWriter("my-trace.npz", ...)` writes the trace as one uncompressed .npz archive instead of a
+folder (what `np.load` opens too; `parity diff` reads it as it reads a folder): one file, not
+one per tap, written beside the target and moved into place by finish().
+
 Arrays are numpy shapes with the token axis first ([T, n_embd], [T, n_head, head_dim];
 kq_soft_max is [n_head, T, n_kv]); they are written as little-endian float32, C order. numpy
 arrays, torch tensors (any device, any float dtype, with or without grad) and mlx / jax arrays
@@ -26,9 +30,11 @@ This package is the one Python implementation of the format: scripts/parity_trac
 scripts/hf_trace.py in the parity repository import it from bindings/python.
 """
 import hashlib
+import io
 import json
 import os
 import shutil
+import zipfile
 
 import numpy as np
 
@@ -87,12 +93,21 @@ class TraceWriter:
         layouts: {tap: layout} declared in the manifest for taps stored in another order
         (docs/diagnosis.md, "Layouts"), e.g. {"q_rope": "head-major"}."""
         self.out = out
-        if os.path.exists(os.path.join(out, "manifest.json")):
-            # Replace a previous trace, never other files.
-            for name in os.listdir(out):
-                if name.startswith("s") and name[1:].isdigit():
-                    shutil.rmtree(os.path.join(out, name))
-        os.makedirs(out, exist_ok=True)
+        self._zip = None
+        if os.fspath(out).lower().endswith(".npz"):
+            # One archive, written under a staging name beside it and renamed by finish().
+            if os.path.isdir(out) or os.path.islink(out):
+                raise TraceError(f"{out}: is a folder or a link (an .npz trace is one file)")
+            head, tail = os.path.split(os.path.abspath(out))
+            self._tmp = os.path.join(head, f".{tail}.partial-{os.getpid()}")
+            self._zip = zipfile.ZipFile(self._tmp, "w", zipfile.ZIP_STORED)
+        else:
+            if os.path.exists(os.path.join(out, "manifest.json")):
+                # Replace a previous trace, never other files.
+                for name in os.listdir(out):
+                    if name.startswith("s") and name[1:].isdigit():
+                        shutil.rmtree(os.path.join(out, name))
+            os.makedirs(out, exist_ok=True)
         self.model = {"path": os.fspath(model) if model else "", "sha256": ""}
         if sha256 is not None:
             self.model["sha256"] = sha256
@@ -165,8 +180,14 @@ class TraceWriter:
             raise TraceError(f"{name} (layer {layer}, step {s['step']}) recorded twice")
         self.seen.add(key)
         file = f"s{s['step']:03}/{name}.npy" if layer is None else f"s{s['step']:03}/{name}-{layer}.npy"
-        os.makedirs(os.path.join(self.out, os.path.dirname(file)), exist_ok=True)
-        np.save(os.path.join(self.out, file), np.ascontiguousarray(a, dtype="<f4"))
+        a = np.ascontiguousarray(a, dtype="<f4")
+        if self._zip is not None:
+            buf = io.BytesIO()
+            np.save(buf, a)
+            self._zip.writestr(file, buf.getvalue())
+        else:
+            os.makedirs(os.path.join(self.out, os.path.dirname(file)), exist_ok=True)
+            np.save(os.path.join(self.out, file), a)
         self.tensors.append({"step": s["step"], "tap": name, "layer": layer, "file": file,
                              "shape": list(a.shape), "dtype": "<f4"})
 
@@ -176,6 +197,11 @@ class TraceWriter:
                     "producer": self.producer, "steps": self.steps, "tensors": self.tensors}
         if self.layouts:
             manifest["layouts"] = dict(self.layouts)
+        if self._zip is not None:
+            self._zip.writestr("manifest.json", json.dumps(manifest, indent=1) + "\n")
+            self._zip.close()
+            os.replace(self._tmp, self.out)
+            return manifest
         with open(os.path.join(self.out, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.write("\n")

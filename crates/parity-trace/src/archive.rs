@@ -7,10 +7,16 @@
 
 /// The CRC-32 (IEEE) zip requires of each member.
 pub fn crc32(bytes: &[u8]) -> u32 {
-    static TABLE: std::sync::OnceLock<[u32; 256]> = std::sync::OnceLock::new();
-    let t = TABLE.get_or_init(|| {
-        let mut t = [0u32; 256];
-        for (i, e) in t.iter_mut().enumerate() {
+    !crc32_update(!0, bytes)
+}
+
+/// The slicing-by-8 tables (eight bytes per step: the CRC of a 7B model's taps would
+/// otherwise cost more than writing them).
+fn tables() -> &'static [[u32; 256]; 8] {
+    static TABLES: std::sync::OnceLock<[[u32; 256]; 8]> = std::sync::OnceLock::new();
+    TABLES.get_or_init(|| {
+        let mut t = [[0u32; 256]; 8];
+        for i in 0..256 {
             let mut c = i as u32;
             for _ in 0..8 {
                 c = if c & 1 != 0 {
@@ -19,19 +25,46 @@ pub fn crc32(bytes: &[u8]) -> u32 {
                     c >> 1
                 };
             }
-            *e = c;
+            t[0][i] = c;
+        }
+        for i in 0..256 {
+            for k in 1..8 {
+                let prev = t[k - 1][i];
+                t[k][i] = t[0][(prev & 0xff) as usize] ^ (prev >> 8);
+            }
         }
         t
-    });
-    !bytes.iter().fold(!0u32, |c, &b| {
-        t[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8)
     })
 }
 
-/// Builds an archive in memory, member by member.
-#[derive(Default)]
-pub struct ArchiveWriter {
-    out: Vec<u8>,
+/// The running (inverted) CRC `c` advanced over `bytes`.
+fn crc32_update(mut c: u32, bytes: &[u8]) -> u32 {
+    let t = tables();
+    let mut chunks = bytes.chunks_exact(8);
+    for b in &mut chunks {
+        let lo = c ^ u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let hi = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        c = t[7][(lo & 0xff) as usize]
+            ^ t[6][((lo >> 8) & 0xff) as usize]
+            ^ t[5][((lo >> 16) & 0xff) as usize]
+            ^ t[4][(lo >> 24) as usize]
+            ^ t[3][(hi & 0xff) as usize]
+            ^ t[2][((hi >> 8) & 0xff) as usize]
+            ^ t[1][((hi >> 16) & 0xff) as usize]
+            ^ t[0][(hi >> 24) as usize];
+    }
+    for &b in chunks.remainder() {
+        c = t[0][((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
+    }
+    c
+}
+
+/// Writes an archive member by member, in memory (`ArchiveWriter::new()`) or streamed to any
+/// `Write` (a file: a trace as large as the disk allows is never held whole).
+pub struct ArchiveWriter<W: std::io::Write = Vec<u8>> {
+    out: W,
+    /// Bytes written to `out` so far: the next member's offset.
+    at: u64,
     central: Vec<u8>,
     count: usize,
 }
@@ -39,24 +72,52 @@ pub struct ArchiveWriter {
 /// Zip without its 64-bit extension: sizes and offsets below 4 GiB, at most 65535 members.
 const LIMIT: u64 = u32::MAX as u64;
 
-impl ArchiveWriter {
+impl Default for ArchiveWriter<Vec<u8>> {
+    fn default() -> Self {
+        Self::to(Vec::new())
+    }
+}
+
+impl ArchiveWriter<Vec<u8>> {
     pub fn new() -> Self {
         Self::default()
+    }
+}
+
+impl<W: std::io::Write> ArchiveWriter<W> {
+    /// An archive streamed into `out`.
+    pub fn to(out: W) -> Self {
+        ArchiveWriter {
+            out,
+            at: 0,
+            central: Vec::new(),
+            count: 0,
+        }
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.out.write_all(bytes).map_err(|e| e.to_string())?;
+        self.at += bytes.len() as u64;
+        Ok(())
     }
 
     /// Append a member; refused past the classic zip limits (4 GiB, 65535 members).
     pub fn add(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        let offset = self.out.len() as u64;
-        if self.count >= 0xffff
-            || bytes.len() as u64 >= LIMIT
-            || offset + 30 + name.len() as u64 + bytes.len() as u64 >= LIMIT
-        {
+        self.add_parts(name, &[bytes])
+    }
+
+    /// Append a member whose bytes are `parts` one after another (an `.npy` header and its
+    /// data, without copying them together).
+    pub fn add_parts(&mut self, name: &str, parts: &[&[u8]]) -> Result<(), String> {
+        let offset = self.at;
+        let len: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        if self.count >= 0xffff || len >= LIMIT || offset + 30 + name.len() as u64 + len >= LIMIT {
             return Err(format!(
                 "{name}: a trace archive holds at most 65535 members and 4 GiB (write a folder instead)"
             ));
         }
-        let crc = crc32(bytes);
-        let size = bytes.len() as u32;
+        let crc = !parts.iter().fold(!0u32, |c, p| crc32_update(c, p));
+        let size = len as u32;
         let n = name.len() as u16;
         // Local file header: version 2.0, no flags, stored, no time, crc, sizes, name.
         let mut h = Vec::with_capacity(30 + name.len());
@@ -72,8 +133,10 @@ impl ArchiveWriter {
         h.extend_from_slice(&n.to_le_bytes());
         h.extend_from_slice(&0u16.to_le_bytes()); // extra
         h.extend_from_slice(name.as_bytes());
-        self.out.extend_from_slice(&h);
-        self.out.extend_from_slice(bytes);
+        self.put(&h)?;
+        for p in parts {
+            self.put(p)?;
+        }
         // Central directory entry.
         let c = &mut self.central;
         c.extend_from_slice(&0x0201_4b50u32.to_le_bytes());
@@ -94,23 +157,26 @@ impl ArchiveWriter {
         Ok(())
     }
 
-    /// The archive's bytes: the members, the central directory and its end record.
-    pub fn finish(mut self) -> Result<Vec<u8>, String> {
-        let at = self.out.len() as u64;
+    /// Write the central directory and its end record; returns the output (the archive's
+    /// bytes for an in-memory writer).
+    pub fn finish(mut self) -> Result<W, String> {
+        let at = self.at;
         if at + self.central.len() as u64 + 22 >= LIMIT {
             return Err("a trace archive holds at most 4 GiB (write a folder instead)".into());
         }
         let count = self.count as u16;
         let central = std::mem::take(&mut self.central);
-        self.out.extend_from_slice(&central);
-        self.out.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
-        self.out.extend_from_slice(&[0u8; 4]); // this disk, the directory's disk
-        self.out.extend_from_slice(&count.to_le_bytes());
-        self.out.extend_from_slice(&count.to_le_bytes());
-        self.out
-            .extend_from_slice(&(central.len() as u32).to_le_bytes());
-        self.out.extend_from_slice(&(at as u32).to_le_bytes());
-        self.out.extend_from_slice(&0u16.to_le_bytes()); // comment
+        let mut end = Vec::with_capacity(22);
+        end.extend_from_slice(&0x0605_4b50u32.to_le_bytes());
+        end.extend_from_slice(&[0u8; 4]); // this disk, the directory's disk
+        end.extend_from_slice(&count.to_le_bytes());
+        end.extend_from_slice(&count.to_le_bytes());
+        end.extend_from_slice(&(central.len() as u32).to_le_bytes());
+        end.extend_from_slice(&(at as u32).to_le_bytes());
+        end.extend_from_slice(&0u16.to_le_bytes()); // comment
+        self.put(&central)?;
+        self.put(&end)?;
+        self.out.flush().map_err(|e| e.to_string())?;
         Ok(self.out)
     }
 }
@@ -257,6 +323,30 @@ mod tests {
     fn crc_is_zips() {
         assert_eq!(crc32(b""), 0);
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+    }
+
+    /// The slicing-by-8 CRC is the bytewise one at every length and alignment, and a member
+    /// given in parts has the CRC of its bytes together.
+    #[test]
+    fn crc_by_eight_is_crc_by_one() {
+        let bytewise = |b: &[u8]| {
+            !b.iter().fold(!0u32, |c, &x| {
+                tables()[0][((c ^ x as u32) & 0xff) as usize] ^ (c >> 8)
+            })
+        };
+        let data: Vec<u8> = (0..300u32).map(|i| (i * 7919 % 251) as u8).collect();
+        for start in 0..9 {
+            for end in start..data.len() {
+                assert_eq!(crc32(&data[start..end]), bytewise(&data[start..end]));
+            }
+        }
+        let mut w = ArchiveWriter::new();
+        w.add_parts("a", &[&data[..13], &data[13..200], &data[200..]])
+            .unwrap();
+        w.add("b", &data).unwrap();
+        let bytes = w.finish().unwrap();
+        let a = Archive::parse(&bytes).unwrap();
+        assert_eq!(a.get(&bytes, "a").unwrap(), a.get(&bytes, "b").unwrap());
     }
 
     #[test]

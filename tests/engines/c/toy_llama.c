@@ -10,10 +10,15 @@
  *     toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug NAME]
  *     parity diff GOLDEN_DIR OUT_DIR
  *
- * --bug plants one of parity's catalogued bugs (src/backend/mutation.rs names them):
- *   rope-neox     RoPE pairs (i, i + n_rot/2) where the model pairs neighbours (2i, 2i+1)
- *   rms-eps-10x   every RMSNorm adds 10x the model's epsilon
- *   swiglu-swap   the FFN computes silu(up) * gate instead of silu(gate) * up
+ * --bug plants one bug. Three are in parity's catalog (src/backend/mutation.rs):
+ *   rope-neox         RoPE pairs (i, i + n_rot/2) where the model pairs neighbours (2i, 2i+1)
+ *   rms-eps-10x       every RMSNorm adds 10x the model's epsilon
+ *   swiglu-swap       the FFN computes silu(up) * gate instead of silu(gate) * up
+ * and four are values no catalog lists, which parity fits:
+ *   rms-eps-1e-3      every RMSNorm adds 1e-3, whatever the model says
+ *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
+ *   attn-scale-inv-d  attention scores are divided by head_dim, not its square root
+ *   no-attn-scale     attention scores are not scaled at all
  *
  * Build: cc -std=c99 -O2 -I bindings/c tests/engines/c/toy_llama.c -lm -o toy_llama
  */
@@ -25,8 +30,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP };
-static const char *const bug_names[] = {"none", "rope-neox", "rms-eps-10x", "swiglu-swap"};
+enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E3,
+       BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE };
+static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
+                                        "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
+                                        "attn-scale-inv-d", "no-attn-scale"};
 
 static void die(const char *fmt, const char *a) {
     fprintf(stderr, "toy_llama: ");
@@ -346,7 +354,7 @@ int main(int argc, char **argv) {
     int bug = BUG_NONE;
     size_t s, l, i, j, h, d, total = 0, ntaps = 0;
     size_t e, nh, nkv, hd, nff, nv, qw, kw;
-    float eps;
+    float eps, theta, scale;
     float **kc, **vc;
     char settings[160], err[512];
     const float *tok_embd, *out_norm, *out_w;
@@ -354,13 +362,11 @@ int main(int argc, char **argv) {
         for (i = 1; i < sizeof bug_names / sizeof *bug_names; i++)
             if (!strcmp(argv[5], bug_names[i])) bug = (int)i;
         if (bug == BUG_NONE) {
-            fprintf(stderr, "toy_llama: unknown bug '%s' (rope-neox, rms-eps-10x, swiglu-swap)\n",
-                    argv[5]);
+            fprintf(stderr, "toy_llama: unknown bug '%s' (see the head of toy_llama.c)\n", argv[5]);
             return 2;
         }
     } else if (argc != 4) {
-        fprintf(stderr, "usage: toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug rope-neox|"
-                        "rms-eps-10x|swiglu-swap]\n");
+        fprintf(stderr, "usage: toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug NAME]\n");
         return 2;
     }
     load(&m, argv[1]);
@@ -372,7 +378,11 @@ int main(int argc, char **argv) {
     nv = m.n_vocab;
     qw = nh * hd;
     kw = nkv * hd;
-    eps = bug == BUG_RMS_EPS_10X ? m.eps * 10.0f : m.eps;
+    eps = bug == BUG_RMS_EPS_10X ? m.eps * 10.0f : bug == BUG_RMS_EPS_1E3 ? 1e-3f : m.eps;
+    theta = bug == BUG_ROPE_THETA_20000 ? 20000.0f : m.theta;
+    scale = bug == BUG_ATTN_SCALE_INV_D ? 1.0f / (float)hd
+            : bug == BUG_NO_ATTN_SCALE  ? 1.0f
+                                        : 1.0f / sqrtf((float)hd);
     tok_embd = need(&m, "token_embd.weight", e, nv);
     out_norm = need(&m, "output_norm.weight", e, 1);
     out_w = tensor(&m, "output.weight", e, nv);
@@ -441,8 +451,8 @@ int main(int argc, char **argv) {
                 matvec(W("attn_v.weight", e, kw), e, kw, xn, v);
                 memcpy(qr, q, qw * sizeof *q);
                 memcpy(kr, k, kw * sizeof *k);
-                rope(qr, nh, hd, m.n_rot, p, m.theta, bug == BUG_ROPE_NEOX);
-                rope(kr, nkv, hd, m.n_rot, p, m.theta, bug == BUG_ROPE_NEOX);
+                rope(qr, nh, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
+                rope(kr, nkv, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
                 memcpy(kc[l] + p * kw, kr, kw * sizeof *kr);
                 memcpy(vc[l] + p * kw, v, kw * sizeof *v);
                 /* Attention of this token over positions 0..p (GQA: head h reads kv head
@@ -455,7 +465,7 @@ int main(int argc, char **argv) {
                         const float *kj = kc[l] + j * kw + kh * hd;
                         double dot = 0.0;
                         for (d = 0; d < hd; d++) dot += (double)qr[h * hd + d] * (double)kj[d];
-                        scores[j] = (float)dot / sqrtf((float)hd);
+                        scores[j] = (float)dot * scale;
                         if (scores[j] > max) max = scores[j];
                     }
                     for (j = 0; j < seen; j++) {
