@@ -234,8 +234,8 @@ fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
         // A factor 2, from 1/256 to 256 times the model's.
         Knob::AttnScale => (
             std::f64::consts::LOG10_2,
-            l0 - 8.0 * 0.30103,
-            l0 + 8.0 * 0.30103,
+            l0 - 8.0 * std::f64::consts::LOG10_2,
+            l0 + 8.0 * std::f64::consts::LOG10_2,
         ),
     }
 }
@@ -493,22 +493,7 @@ fn finding(
     ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
     let mut contradicted: Vec<(String, String)> = Vec::new();
     let mut held = Vec::with_capacity(ok.len());
-    // The key without any rounding, for the effect test (made once, when first needed).
-    let mut unrounded: Option<Vec<f32>> = None;
     for c in ok {
-        if let Some(setup) = setups.get(&c.0.hypothesis) {
-            let effect = effect(model, cand, setup, &k, &mut unrounded)?;
-            if effect < EFFECT_SHARE * op.own_nmse {
-                contradicted.push((
-                    c.0.hypothesis.clone(),
-                    format!(
-                        "its own effect on {} without any rounding (NMSE {effect:.1e} with vs without it) is under {EFFECT_SHARE} of the error it would explain ({:.1e}): it only moves values that sit on rounding ties",
-                        k.tap, op.own_nmse
-                    ),
-                ));
-                continue;
-            }
-        }
         match setups.get(&c.0.hypothesis) {
             Some(setup) => match holds(model, cand, setup, ops, &k, is_knob(&c.0.hypothesis))? {
                 Ok(()) => held.push(c),
@@ -675,44 +660,6 @@ fn finding(
         fallback,
         explained: below,
         text,
-    })
-}
-
-/// A hypothesis explains an own error only if it moves the key, by itself and without any
-/// rounding, by at least this share of that error (in NMSE): engine = reference + bug means
-/// the bug's own effect is the error. One that "reproduces" a key while its own effect is far
-/// smaller only flips values sitting on rounding ties (another eps 10^6 times smaller than the
-/// model's, inside a span of 8-bit activations), whatever its NMSE.
-pub const EFFECT_SHARE: f64 = 0.25;
-
-/// The effect of `setup`'s hypothesis on key `k`, replayed without activation rounding: the
-/// NMSE between the replays with and without it (`plain` caches the one without).
-fn effect(
-    model: &Model,
-    cand: &Candidate,
-    setup: &Setup,
-    k: &TapKey,
-    plain: &mut Option<Vec<f32>>,
-) -> Result<f64, JudgeError> {
-    let unrounded = Setup {
-        rounding: crate::backend::Emulation::None,
-        decode: None,
-        ..setup.clone()
-    };
-    let keep = BTreeSet::from([*k]);
-    if plain.is_none() {
-        let base = Setup {
-            mutation: None,
-            knob: None,
-            ..unrounded.clone()
-        };
-        *plain = replay(model, cand, &base, &keep)?.kept.remove(k);
-    }
-    let with = replay(model, cand, &unrounded, &keep)?.kept.remove(k);
-    Ok(match (plain.as_deref(), with) {
-        (Some(a), Some(b)) if a.len() == b.len() => nmse(a, &b),
-        // Not kept (a key outside the window): nothing to hold against the hypothesis.
-        _ => f64::INFINITY,
     })
 }
 

@@ -16,7 +16,7 @@ fn tables() -> &'static [[u32; 256]; 8] {
     static TABLES: std::sync::OnceLock<[[u32; 256]; 8]> = std::sync::OnceLock::new();
     TABLES.get_or_init(|| {
         let mut t = [[0u32; 256]; 8];
-        for i in 0..256 {
+        for (i, e) in t[0].iter_mut().enumerate() {
             let mut c = i as u32;
             for _ in 0..8 {
                 c = if c & 1 != 0 {
@@ -25,7 +25,7 @@ fn tables() -> &'static [[u32; 256]; 8] {
                     c >> 1
                 };
             }
-            t[0][i] = c;
+            *e = c;
         }
         for i in 0..256 {
             for k in 1..8 {
