@@ -58,7 +58,7 @@ COMPUTE_MUTATIONS = [
     "rope-neox", "rope-theta", "qk-permute", "gqa-modulo", "transposed-lm-head", "transposed-wo",
     "rms-eps-10x", "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
     "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
-    "rope-pos-off-by-one",
+    "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
 ]
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
@@ -356,7 +356,7 @@ class Engine:
             k = self.rope(k, rp, nkv, mut)
             rec("q_rope", l, q)
             rec("k_rope", l, k)
-            slot = pos0 + 1 if (mut == "kv-off-by-one" and pos0 > 0) else pos0
+            slot = pos0 + 1 if ((mut == "kv-off-by-one" and pos0 > 0) or mut == "kv-slot-late") else pos0
             if slot + T <= self.n_ctx:
                 kst, vst = k.reshape(T, -1), v.reshape(T, -1)
                 if self.kv == "f16":
@@ -367,7 +367,7 @@ class Engine:
             kc = self.k_cache[l][:n_kv].reshape(n_kv, nkv, hd)
             vc = self.v_cache[l][:n_kv].reshape(n_kv, nkv, hd)
             group = nh // nkv
-            kq_scale = F32(1.0 / np.sqrt(F32(hd)))
+            kq_scale = F32(1.0 / np.sqrt(F32(hd))) if m.attn_scale is None else m.attn_scale
             probs = np.zeros((nh, T, n_kv), F32)
             att = np.zeros((T, nh * hd), F32)
             for h in range(nh):
@@ -386,6 +386,8 @@ class Engine:
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
             rec("attn_out", l, attn_out)
             ffn_inp = (x + attn_out).astype(F32)
+            if mut == "attn-out-twice":
+                ffn_inp = (ffn_inp + attn_out).astype(F32)
             rec("ffn_inp", l, ffn_inp)
             xn = self.norm(ffn_inp, p + "ffn_norm.weight", mut)
             rec("ffn_norm", l, xn)
@@ -401,7 +403,7 @@ class Engine:
             x = (ffn_inp + ffn_out).astype(F32)
             rec("l_out", l, x)
         mut = self.mut
-        xn = self.norm(x, "output_norm.weight", mut)
+        xn = x if mut == "no-final-norm" else self.norm(x, "output_norm.weight", mut)
         rec("result_norm", None, xn)
         out = "output.weight" if m.has("output.weight") else "token_embd.weight"
         if mut == "tied-output":
@@ -443,6 +445,11 @@ def main():
     ap.add_argument("--layout", choices=["token-major", "head-major"], default="token-major",
                     help="how q_rope is stored")
     ap.add_argument("--declare", action="store_true", help="declare --layout in the manifest")
+    # Wrong values no catalog lists (the judge fits them): an engine that hard-codes its own.
+    ap.add_argument("--rms-eps", type=float, help="use this RMSNorm eps instead of the model's")
+    ap.add_argument("--rope-theta", type=float, help="use this RoPE base instead of the model's")
+    ap.add_argument("--attn-scale", type=float,
+                    help="scale attention scores by this instead of 1/sqrt(head_dim)")
     a = ap.parse_args()
 
     mutation = a.mutate
@@ -455,6 +462,11 @@ def main():
     if not os.path.exists(a.model):
         fail(f"{a.model}: no such file")
     m = Model(a.model, mutation, a.mutate_from_layer)
+    if a.rms_eps is not None:
+        m.eps = F32(a.rms_eps)
+    if a.rope_theta is not None:
+        m.theta = F32(a.rope_theta)
+    m.attn_scale = None if a.attn_scale is None else F32(a.attn_scale)
     if a.golden:
         with open(os.path.join(a.golden, "manifest.json")) as f:
             g = json.load(f)

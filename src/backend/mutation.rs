@@ -45,6 +45,13 @@ pub enum Mutation {
     RopePosOffByOne,
     /// Prefill rows attend to later positions too.
     NoCausalMask,
+    /// K/V written one slot after their position at every step, the prompt included: slot 0
+    /// stays empty and attention reads each earlier token's K/V one place late.
+    KvSlotLate,
+    /// The final RMSNorm (output_norm) is left out: the logits read the last layer's output.
+    NoFinalNorm,
+    /// The attention output is added to the residual twice: ffn_inp = x + 2·attn_out.
+    AttnOutTwice,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
     DecoderNibbleOrder,
     /// The output projection uses token_embd although output.weight exists.
@@ -112,6 +119,9 @@ impl Mutation {
         Mutation::KvOffByOne,
         Mutation::RopePosOffByOne,
         Mutation::NoCausalMask,
+        Mutation::KvSlotLate,
+        Mutation::NoFinalNorm,
+        Mutation::AttnOutTwice,
         Mutation::DecoderNibbleOrder,
         Mutation::TiedOutput,
         Mutation::NoBos,
@@ -142,6 +152,9 @@ impl Mutation {
             Mutation::SwigluSwap => "swiglu-swap",
             Mutation::KvOffByOne => "kv-off-by-one",
             Mutation::NoCausalMask => "no-causal-mask",
+            Mutation::KvSlotLate => "kv-slot-late",
+            Mutation::NoFinalNorm => "no-final-norm",
+            Mutation::AttnOutTwice => "attn-out-twice",
             Mutation::DecoderNibbleOrder => "decoder-nibble-order",
             Mutation::TiedOutput => "tied-output",
             Mutation::NoBos => "no-bos",
@@ -203,6 +216,15 @@ impl Mutation {
                 "decode steps store the new K/V one position after the one attention reads"
             }
             Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
+            Mutation::KvSlotLate => {
+                "K/V are written one slot after their position at every step, the prompt included: attention reads an empty slot 0 and each earlier token's K/V one place late"
+            }
+            Mutation::NoFinalNorm => {
+                "the final RMSNorm (output_norm) is left out: the output projection reads the last layer's output"
+            }
+            Mutation::AttnOutTwice => {
+                "the attention output is added to the residual twice (ffn_inp = x + 2 * attn_out)"
+            }
             Mutation::DecoderNibbleOrder => {
                 "the 4-bit decoder swaps the low and high nibble of each quant byte"
             }
@@ -307,6 +329,10 @@ impl Mutation {
             Mutation::RopePosOffByOne => at(1, Tap::QRope),
             Mutation::SwigluSwap => at(0, Tap::FfnAct),
             Mutation::KvOffByOne => at(1, Tap::KqSoftMax),
+            // The prompt's second row reads slot 0 (empty) and slot 1 (the first token's).
+            Mutation::KvSlotLate => at(0, Tap::KqSoftMax),
+            Mutation::NoFinalNorm => Some(TapKey::new(0, None, Tap::ResultNorm)),
+            Mutation::AttnOutTwice => at(0, Tap::FfnInp),
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
             // Before a final soft-cap, the projection is tapped on its own.
             Mutation::TransposedLmHead | Mutation::TiedOutput => {
@@ -363,6 +389,9 @@ impl Mutation {
             }
             Mutation::SwigluSwap => "step 0, layer 0, ffn_act",
             Mutation::KvOffByOne => "step 1 (first decode step), layer 0, kq_soft_max",
+            Mutation::KvSlotLate => "step 0, layer 0, kq_soft_max",
+            Mutation::NoFinalNorm => "step 0, result_norm",
+            Mutation::AttnOutTwice => "step 0, layer 0, ffn_inp",
             Mutation::AttnNormWeightTwice => {
                 "step 0, the first attn_norm whose weight has an element other than 0 or 1"
             }

@@ -53,6 +53,8 @@ pub struct Reference<'m> {
     mutation_from: usize,
     /// The layer of the latest tap (for the ops that are not told their layer).
     layer_now: Option<usize>,
+    /// The latest tap (which residual an `add` is).
+    tap_now: Option<Tap>,
 }
 
 impl<'m> Reference<'m> {
@@ -75,6 +77,7 @@ impl<'m> Reference<'m> {
             mutation: None,
             mutation_from: 0,
             layer_now: None,
+            tap_now: None,
         }
     }
 
@@ -675,6 +678,9 @@ impl Ops for Reference<'_> {
 
     fn rms_norm(&mut self, x: &Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
         let layer = layer_of(&w.name);
+        if w.name == "output_norm.weight" && self.mutated(Mutation::NoFinalNorm, None) {
+            return x.clone();
+        }
         let mut weight = self.model.vector(w);
         if self.mutated(Mutation::NormWeightMissing, layer) {
             weight.fill(1.0);
@@ -787,11 +793,9 @@ impl Ops for Reference<'_> {
         let ekv = self.model.config.n_embd_kv();
         let t = k.len() / ekv;
         // A decode step with kv-off-by-one writes one slot late (past the end: nowhere).
-        let slot = if self.mutated(Mutation::KvOffByOne, Some(layer)) && pos0 > 0 {
-            pos0 + 1
-        } else {
-            pos0
-        };
+        let late = (self.mutated(Mutation::KvOffByOne, Some(layer)) && pos0 > 0)
+            || self.mutated(Mutation::KvSlotLate, Some(layer));
+        let slot = if late { pos0 + 1 } else { pos0 };
         // The cache holds the positions run so far (zeros where nothing was written), not the
         // whole context: a 7B's 256 positions would be 270 MB per reference, mostly unused.
         let held = (pos0 + t).max(slot + t).min(self.n_ctx) * ekv;
@@ -868,6 +872,12 @@ impl Ops for Reference<'_> {
     }
 
     fn add(&mut self, a: Vec<f32>, b: &Vec<f32>) -> Vec<f32> {
+        // The op knows no place: the last tap before it says which residual this is.
+        if matches!(self.tap_now, Some(Tap::AttnOut | Tap::AttnPostNorm))
+            && self.mutated(Mutation::AttnOutTwice, self.layer_now)
+        {
+            return add(&add(&a, b), b);
+        }
         add(&a, b)
     }
 
@@ -895,6 +905,7 @@ impl Ops for Reference<'_> {
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Vec<f32>) {
         let (step, layer) = (key.step, key.layer);
         self.layer_now = layer;
+        self.tap_now = Some(key.tap);
         match key.tap {
             // An engine that lays q/k heads out as HF does (the converter's permutation
             // undone): every op after this point sees the permuted tensor.

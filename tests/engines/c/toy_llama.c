@@ -10,10 +10,13 @@
  *     toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug NAME]
  *     parity diff GOLDEN_DIR OUT_DIR
  *
- * --bug plants one bug. Three are in parity's catalog (src/backend/mutation.rs):
+ * --bug plants one bug. Six are in parity's catalog (src/backend/mutation.rs):
  *   rope-neox         RoPE pairs (i, i + n_rot/2) where the model pairs neighbours (2i, 2i+1)
  *   rms-eps-10x       every RMSNorm adds 10x the model's epsilon
  *   swiglu-swap       the FFN computes silu(up) * gate instead of silu(gate) * up
+ *   kv-slot-late      K/V are written at slot p + 1 for position p (slot 0 stays empty)
+ *   no-final-norm     the output norm is left out: the logits read the last layer's output
+ *   attn-out-twice    the attention output is added to the residual twice
  * and four are values no catalog lists, which parity fits:
  *   rms-eps-1e-3      every RMSNorm adds 1e-3, whatever the model says
  *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
@@ -31,10 +34,12 @@
 #include <string.h>
 
 enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E3,
-       BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE };
+       BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE, BUG_KV_SLOT_LATE,
+       BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
-                                        "attn-scale-inv-d", "no-attn-scale"};
+                                        "attn-scale-inv-d", "no-attn-scale",
+                                        "kv-slot-late",  "no-final-norm",    "attn-out-twice"};
 
 static void die(const char *fmt, const char *a) {
     fprintf(stderr, "toy_llama: ");
@@ -404,8 +409,8 @@ int main(int argc, char **argv) {
     vc = (float **)calloc(m.n_layer, sizeof *vc);
     if (!kc || !vc) die("out of memory%s", "");
     for (l = 0; l < m.n_layer; l++) {
-        kc[l] = alloc_f(total * kw);
-        vc[l] = alloc_f(total * kw);
+        kc[l] = alloc_f((total + 1) * kw); /* + 1: kv-slot-late writes one slot late */
+        vc[l] = alloc_f((total + 1) * kw);
     }
 
     for (s = 0; s < g.n; s++) {
@@ -453,8 +458,8 @@ int main(int argc, char **argv) {
                 memcpy(kr, k, kw * sizeof *k);
                 rope(qr, nh, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
                 rope(kr, nkv, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
-                memcpy(kc[l] + p * kw, kr, kw * sizeof *kr);
-                memcpy(vc[l] + p * kw, v, kw * sizeof *v);
+                memcpy(kc[l] + (p + (bug == BUG_KV_SLOT_LATE)) * kw, kr, kw * sizeof *kr);
+                memcpy(vc[l] + (p + (bug == BUG_KV_SLOT_LATE)) * kw, v, kw * sizeof *v);
                 /* Attention of this token over positions 0..p (GQA: head h reads kv head
                  * h / (n_head / n_head_kv)); its probabilities are row i of kq_soft_max. */
                 for (h = 0; h < nh; h++) {
@@ -481,7 +486,8 @@ int main(int argc, char **argv) {
                     }
                 }
                 matvec(W("attn_output.weight", qw, e), qw, e, att, ao);
-                for (d = 0; d < e; d++) fi[d] = x[d] + ao[d];
+                for (d = 0; d < e; d++)
+                    fi[d] = bug == BUG_ATTN_OUT_TWICE ? x[d] + ao[d] + ao[d] : x[d] + ao[d];
                 rms_norm(fi, W("ffn_norm.weight", e, 1), e, eps, fn);
                 matvec(W("ffn_gate.weight", e, nff), e, nff, fn, gate);
                 matvec(W("ffn_up.weight", e, nff), e, nff, fn, up);
@@ -495,7 +501,10 @@ int main(int argc, char **argv) {
                 for (d = 0; d < e; d++) lo[d] = fi[d] + fo[d];
                 x = lo;
             }
-            rms_norm(x, out_norm, e, eps, res_norm + i * e);
+            if (bug == BUG_NO_FINAL_NORM)
+                memcpy(res_norm + i * e, x, e * sizeof *x);
+            else
+                rms_norm(x, out_norm, e, eps, res_norm + i * e);
             matvec(out_w, e, nv, res_norm + i * e, logits + i * nv);
         }
 
