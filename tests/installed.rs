@@ -166,8 +166,11 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
         let size = std::fs::metadata(&krate).unwrap().len();
         // crates.io refuses a crate over 10 MB.
         assert!(size < 10 << 20, "{name}: {size} bytes");
+        // `-m`: the sources dated now, not as packaged. They are unpacked at a fixed path
+        // into the shared build directory, where an rlib built from an earlier version of them
+        // would otherwise look newer than its sources and be linked (a stale parity-trace).
         let o = Command::new("tar")
-            .arg("xzf")
+            .args(["-x", "-z", "-m", "-f"])
             .arg(&krate)
             .current_dir(&src)
             .output()
