@@ -59,6 +59,7 @@ COMPUTE_MUTATIONS = [
     "rms-eps-10x", "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
     "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
+    "causal-mask-off-by-one",
 ]
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
@@ -376,6 +377,8 @@ class Engine:
                 vh = vc[:, g, :].astype(F64)
                 for i in range(T):
                     vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
+                    if mut == "causal-mask-off-by-one":
+                        vis = min(vis + 1, n_kv)
                     s = (kh[:vis] @ q[i, h].astype(F64)).astype(F32) * kq_scale
                     e = np.exp(s - s.max()).astype(F32)
                     pr = e * F32(1.0 / np.sum(e.astype(F64)))

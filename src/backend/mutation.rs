@@ -45,6 +45,8 @@ pub enum Mutation {
     RopePosOffByOne,
     /// Prefill rows attend to later positions too.
     NoCausalMask,
+    /// The causal mask off by one: each prefill row also sees the next position.
+    CausalMaskOffByOne,
     /// K/V written one slot after their position at every step, the prompt included: slot 0
     /// stays empty and attention reads each earlier token's K/V one place late.
     KvSlotLate,
@@ -119,6 +121,7 @@ impl Mutation {
         Mutation::KvOffByOne,
         Mutation::RopePosOffByOne,
         Mutation::NoCausalMask,
+        Mutation::CausalMaskOffByOne,
         Mutation::KvSlotLate,
         Mutation::NoFinalNorm,
         Mutation::AttnOutTwice,
@@ -152,6 +155,7 @@ impl Mutation {
             Mutation::SwigluSwap => "swiglu-swap",
             Mutation::KvOffByOne => "kv-off-by-one",
             Mutation::NoCausalMask => "no-causal-mask",
+            Mutation::CausalMaskOffByOne => "causal-mask-off-by-one",
             Mutation::KvSlotLate => "kv-slot-late",
             Mutation::NoFinalNorm => "no-final-norm",
             Mutation::AttnOutTwice => "attn-out-twice",
@@ -216,6 +220,9 @@ impl Mutation {
                 "decode steps store the new K/V one position after the one attention reads"
             }
             Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
+            Mutation::CausalMaskOffByOne => {
+                "the causal mask is off by one: each prefill row also sees the next position (`j <= i + 1`)"
+            }
             Mutation::KvSlotLate => {
                 "K/V are written one slot after their position at every step, the prompt included: attention reads an empty slot 0 and each earlier token's K/V one place late"
             }
@@ -319,7 +326,9 @@ impl Mutation {
                 at(0, Tap::QRope)
             }
             Mutation::QkPermute => at(0, Tap::Q),
-            Mutation::GqaModulo | Mutation::NoCausalMask => at(0, Tap::KqSoftMax),
+            Mutation::GqaModulo | Mutation::NoCausalMask | Mutation::CausalMaskOffByOne => {
+                at(0, Tap::KqSoftMax)
+            }
             Mutation::TransposedWo => at(0, Tap::AttnOut),
             Mutation::RmsEps10x => at(0, Tap::AttnNorm),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
@@ -381,7 +390,9 @@ impl Mutation {
                 "step 0, layer 0, q_rope"
             }
             Mutation::QkPermute => "step 0, layer 0, q",
-            Mutation::GqaModulo | Mutation::NoCausalMask => "step 0, layer 0, kq_soft_max",
+            Mutation::GqaModulo | Mutation::NoCausalMask | Mutation::CausalMaskOffByOne => {
+                "step 0, layer 0, kq_soft_max"
+            }
             Mutation::TransposedWo => "step 0, layer 0, attn_out",
             Mutation::RmsEps10x => "step 0, layer 0, attn_norm",
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {

@@ -258,7 +258,12 @@ impl<'m> Reference<'m> {
         if a.window > 0 && self.mutated(Mutation::SwaOffByOne, Some(layer)) {
             a.window += 1;
         }
-        a.visible(pos0 + i)
+        let seen = a.visible(pos0 + i);
+        if self.mutated(Mutation::CausalMaskOffByOne, Some(layer)) {
+            // One position more, where the step has one (a decode step's row is its last).
+            return seen.start..(seen.end + 1).min(n_kv);
+        }
+        seen
     }
 }
 
