@@ -52,13 +52,7 @@ fn judged(model: &Path, golden: &Path, trace: &Path) -> (Option<i32>, serde_json
     ]);
     let j: serde_json::Value =
         serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
-    let own = j["comparisons"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["pair"] == "own-inputs")
-        .cloned()
-        .unwrap_or_else(|| panic!("no own-inputs comparison: {j:#}"));
+    let own = own_inputs(&j).clone();
     (o.status.code(), own)
 }
 

@@ -222,27 +222,6 @@ fn golden_on_a_gpu_needs_a_build_with_one() {
     assert!(!out.exists(), "nothing is published");
 }
 
-/// `dir` cut down to a sparse dump (embd, each layer's l_out, result_norm, logits), as an
-/// engine that taps only its residual stream writes.
-fn sparse_copy(dir: &Path, to: &Path) {
-    let mut m = manifest(dir);
-    let keep = ["embd", "l_out", "result_norm", "logits"];
-    let tensors: Vec<serde_json::Value> = m["tensors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|t| keep.contains(&t["tap"].as_str().unwrap()))
-        .cloned()
-        .collect();
-    for t in &tensors {
-        let f = t["file"].as_str().unwrap();
-        std::fs::create_dir_all(to.join(f).parent().unwrap()).unwrap();
-        std::fs::copy(dir.join(f), to.join(f)).unwrap();
-    }
-    m["tensors"] = tensors.into();
-    std::fs::write(to.join("manifest.json"), m.to_string()).unwrap();
-}
-
 /// Bugs planted into the real llama.cpp on Vulkan: it ran a copy of the Q4_0 fixture whose
 /// metadata says rms eps ×10 (or RoPE base 500000), and its trace is judged against the real
 /// model. Under the GPU's rounding each is found at step 0 layer 0 and named by experiment, from

@@ -145,12 +145,7 @@ fn c_engine_planted_bugs_are_named_where_they_are() {
         assert_eq!(code, Some(1), "{bug}: {j:#}");
         assert_eq!(j["verdict"], "diverged", "{bug}");
         assert_eq!(j["traces"][1]["producer"]["settings"]["bug"], bug);
-        let own = j["comparisons"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["pair"] == "own-inputs")
-            .unwrap_or_else(|| panic!("{bug}: no own-inputs comparison: {j:#}"));
+        let own = own_inputs(&j);
         assert_eq!(own["verdict"], "diverged", "{bug}: {own:#}");
         let d = &own["first_divergence"];
         assert_eq!(
@@ -175,27 +170,6 @@ fn c_engine_planted_bugs_are_named_where_they_are() {
             "{bug}: {text}"
         );
     }
-}
-
-/// The trace `dir` cut to what engine authors dump first (embd, l_out, result_norm, logits).
-fn sparse_copy(dir: &Path, to: &Path) {
-    let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
-    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let keep = ["embd", "l_out", "result_norm", "logits"];
-    let tensors: Vec<serde_json::Value> = m["tensors"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|t| keep.contains(&t["tap"].as_str().unwrap()))
-        .cloned()
-        .collect();
-    for t in &tensors {
-        let f = t["file"].as_str().unwrap();
-        std::fs::create_dir_all(to.join(f).parent().unwrap()).unwrap();
-        std::fs::copy(dir.join(f), to.join(f)).unwrap();
-    }
-    m["tensors"] = tensors.into();
-    std::fs::write(to.join("manifest.json"), m.to_string()).unwrap();
 }
 
 /// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
@@ -252,12 +226,7 @@ fn c_engine_wrong_values_are_fitted_and_named() {
             let what = format!("{bug} {}", trace.display());
             assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
             let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-            let own = j["comparisons"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|c| c["pair"] == "own-inputs")
-                .unwrap_or_else(|| panic!("{what}: no own-inputs comparison: {j:#}"));
+            let own = own_inputs(&j);
             let d = &own["first_divergence"];
             assert_eq!(
                 d["at"]["key"],

@@ -245,3 +245,37 @@ pub fn assert_shown(doc: &str, marker: &str, printed: &str) {
         );
     }
 }
+
+/// The trace `dir` cut to what engine authors dump first (embd, l_out, result_norm, logits),
+/// written to `to`: a sparse dump of the same run.
+#[allow(dead_code)]
+pub fn sparse_copy(dir: &Path, to: &Path) {
+    let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let keep = ["embd", "l_out", "result_norm", "logits"];
+    let tensors: Vec<serde_json::Value> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| keep.contains(&t["tap"].as_str().unwrap()))
+        .cloned()
+        .collect();
+    for t in &tensors {
+        let f = t["file"].as_str().unwrap();
+        std::fs::create_dir_all(to.join(f).parent().unwrap()).unwrap();
+        std::fs::copy(dir.join(f), to.join(f)).unwrap();
+    }
+    m["tensors"] = tensors.into();
+    std::fs::write(to.join("manifest.json"), m.to_string()).unwrap();
+}
+
+/// The own-inputs comparison of a `parity diff --json` report (the op-by-op judgement).
+#[allow(dead_code)]
+pub fn own_inputs(report: &serde_json::Value) -> &serde_json::Value {
+    report["comparisons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["pair"] == "own-inputs")
+        .unwrap_or_else(|| panic!("no own-inputs comparison: {report:#}"))
+}
