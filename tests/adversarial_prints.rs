@@ -825,3 +825,36 @@ fn selftest_numpy_engine_runs_no_module_from_the_working_folder() {
         common::show(&o)
     );
 }
+
+/// An output path with control characters and a newline (`dump --out`, `fixture --out`) is
+/// written where it says, and echoed escaped on one line: no terminal escape, no forged line.
+#[test]
+fn output_paths_are_echoed_escaped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = common::root().join("fixtures/tiny-llama-q8_0.gguf");
+    for (args, file) in [
+        (
+            vec![
+                "dump",
+                model.to_str().unwrap(),
+                "--tokens",
+                "1,2,3",
+                "--out",
+            ],
+            "t\x1b[2J\nforged: parity.npz",
+        ),
+        (vec!["fixture", "--out"], "f\x1b[2J\nforged: parity.gguf"),
+    ] {
+        let out = tmp.path().join(file);
+        let mut a = args.clone();
+        a.push(out.to_str().unwrap());
+        let o = common::parity(&a);
+        assert_eq!(o.status.code(), Some(0), "{}", common::show(&o));
+        assert!(out.is_file(), "{file:?}");
+        for text in [&o.stdout, &o.stderr] {
+            let text = String::from_utf8_lossy(text);
+            assert!(!text.contains('\x1b'), "{text:?}");
+            assert!(!text.lines().any(|l| l.starts_with("forged")), "{text:?}");
+        }
+    }
+}

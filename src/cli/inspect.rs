@@ -442,12 +442,16 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     // folder is refused, never replaced.
     crate::trace::staging::check_output_file(&a.out, "--out").map_err(err)?;
     // One writer at a time; checked again under the lock (another may have just finished).
-    let _lock = crate::trace::staging::lock(&a.out)
-        .map_err(|e| err(format!("--out {}: {e}", a.out.display())))?;
+    let _lock = crate::trace::staging::lock(&a.out).map_err(|e| {
+        err(format!(
+            "--out {}: {e}",
+            shown(&a.out.display().to_string())
+        ))
+    })?;
     if !a.force && std::fs::symlink_metadata(&a.out).is_ok() {
         return Err(err(format!(
             "--out {}: exists (pass --force to overwrite)",
-            a.out.display()
+            shown(&a.out.display().to_string())
         )));
     }
     let mut spec = FixtureSpec::new(&a.arch, ty, a.seed);
@@ -472,7 +476,7 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     write_atomically(&a.out, bytes)?;
     println!(
         "wrote {} ({} bytes, {} {}, seed {})",
-        a.out.display(),
+        shown(&a.out.display().to_string()),
         bytes.len(),
         spec.arch,
         ty,

@@ -569,7 +569,8 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         "wrote {} tensors over {} steps to {}",
         m.tensors.len(),
         m.steps.len(),
-        a.out.display()
+        // The path as given may hold control characters: escaped, one line.
+        shown(&a.out.display().to_string())
     );
     Ok(ExitCode::SUCCESS)
 }
