@@ -9,7 +9,7 @@ use crate::compare::{CompareError, CompareOptions, Comparison, PairKind, compare
 use crate::model::Model;
 use crate::trace::{
     MemorySink, ModelRef, Producer, ReplaySink, Sink, StepInfo, Tap, TapFilter, TapKey, Trace,
-    TraceError,
+    TraceError, goldens,
 };
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -152,31 +152,6 @@ impl CheckReport {
     pub fn diverged(&self) -> bool {
         self.comparisons.iter().any(|j| j.comparison.diverged())
     }
-}
-
-/// Trace folders under `dir` (or `dir` itself) whose model sha256 is `sha`. A folder that
-/// does not exist holds none.
-pub fn find_goldens(dir: &Path, sha: &str) -> Result<Vec<(PathBuf, Trace)>, TraceError> {
-    if dir.join("manifest.json").exists() {
-        return Ok(vec![(dir.to_path_buf(), Trace::open(dir)?)]);
-    }
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return Ok(out);
-    };
-    let mut paths: Vec<PathBuf> = rd.flatten().map(|e| e.path()).collect();
-    paths.sort();
-    for p in paths {
-        if p.join("manifest.json").exists() {
-            // A folder that is not a readable trace is not this model's golden.
-            if let Ok(t) = Trace::open(&p)
-                && t.manifest.model.sha256 == sha
-            {
-                out.push((p, t));
-            }
-        }
-    }
-    Ok(out)
 }
 
 /// A llama.cpp golden made with the tight settings (F32 KV cache, no flash attention).
@@ -416,7 +391,7 @@ fn select_golden(
             if !dir.is_dir() {
                 return Err(CheckError::GoldenMissing(dir.display().to_string()));
             }
-            let found = find_goldens(dir, &sha)?;
+            let found = goldens::find(dir, &sha)?;
             if dir.join("manifest.json").exists() {
                 let g = &found[0].1;
                 if g.manifest.model.sha256 != sha {
@@ -430,16 +405,7 @@ fn select_golden(
             }
             found
         }
-        None => {
-            let mut found = Vec::new();
-            for d in &opt.golden_dirs {
-                found = find_goldens(d, &sha)?;
-                if !found.is_empty() {
-                    break;
-                }
-            }
-            found
-        }
+        None => goldens::find_first(&opt.golden_dirs, &sha)?,
     };
     let searched = || match &opt.golden {
         Some(d) => d.display().to_string(),
@@ -466,7 +432,7 @@ fn select_golden(
                 .as_ref()
                 .filter(|_| goldens.is_empty() && all == 1)
             {
-                let g = &find_goldens(dir, &sha)?[0];
+                let g = &goldens::find(dir, &sha)?[0];
                 return Err(CheckError::GoldenOtherIds {
                     golden: g.0.display().to_string(),
                     golden_ids: prompt_of(&g.1),

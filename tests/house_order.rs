@@ -96,8 +96,9 @@ fn code(text: &str) -> String {
     out
 }
 
-/// Every path a `crate::` at `s` names, brace groups expanded (`crate::{a::b, c}`).
-fn paths(s: &str) -> Vec<Vec<String>> {
+/// Every path after a `root::` (`crate`, `super`, `self`) at `s`, brace groups expanded
+/// (`crate::{a::b, c}`); a leading `super::super::` stays in the path.
+fn paths_after(s: &str, root: &str) -> Vec<Vec<String>> {
     fn tree(s: &[u8], i: &mut usize, prefix: Vec<String>, out: &mut Vec<Vec<String>>) {
         let mut segs = prefix;
         loop {
@@ -147,15 +148,22 @@ fn paths(s: &str) -> Vec<Vec<String>> {
     }
     let mut out = Vec::new();
     let b = s.as_bytes();
-    for (at, _) in s.match_indices("crate::") {
+    let head = format!("{root}::");
+    for (at, _) in s.match_indices(head.as_str()) {
+        // Not the tail of a longer name or path (`super::super::`, `my_crate::`).
         let prev = at.checked_sub(1).map(|p| b[p]);
-        if prev.is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_') {
+        if prev.is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b':') {
             continue;
         }
-        let mut i = at + "crate::".len();
+        let mut i = at + head.len();
         tree(b, &mut i, Vec::new(), &mut out);
     }
     out
+}
+
+/// Every path a `crate::` at `s` names, brace groups expanded (`crate::{a::b, c}`).
+fn paths(s: &str) -> Vec<Vec<String>> {
+    paths_after(s, "crate")
 }
 
 /// room → (room it imports → the first file that does).
@@ -230,4 +238,133 @@ fn every_room_imports_only_rooms_below_it() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The module path of a source file: `judge/replay.rs` is `judge::replay`, `judge/mod.rs` is
+/// `judge`, `lib.rs` and `main.rs` the crate root.
+fn module_of(rel: &Path) -> Vec<String> {
+    let mut m: Vec<String> = rel
+        .iter()
+        .map(|p| p.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if matches!(m.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+        m.pop();
+    }
+    m
+}
+
+/// file → the files its `crate::`, `super::` and `self::` paths land in (the longest prefix
+/// of each path that is a module file). A parent's `mod child;` and its `pub use child::…`
+/// re-exports are the module tree, not imports: a file is a module of its parent.
+fn file_graph() -> BTreeMap<String, BTreeSet<String>> {
+    let mut files = Vec::new();
+    rs_files(&src(), &mut files);
+    files.sort();
+    let modules: BTreeMap<Vec<String>, String> = files
+        .iter()
+        .map(|f| {
+            let rel = f.strip_prefix(src()).unwrap();
+            (module_of(rel), rel.display().to_string())
+        })
+        .collect();
+    let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for f in &files {
+        let rel = f.strip_prefix(src()).unwrap();
+        let me = module_of(rel);
+        let name = rel.display().to_string();
+        let text = code(&std::fs::read_to_string(f).unwrap());
+        for root in ["crate", "super", "self"] {
+            for p in paths_after(&text, root) {
+                let mut full: Vec<String> = match root {
+                    "crate" => Vec::new(),
+                    "self" => me.clone(),
+                    _ => me[..me.len().saturating_sub(1)].to_vec(),
+                };
+                let mut rest = p.as_slice();
+                while let Some((first, tail)) = rest.split_first()
+                    && first == "super"
+                {
+                    full.pop();
+                    rest = tail;
+                }
+                full.extend(rest.iter().filter(|s| *s != "self").cloned());
+                let target = (1..=full.len()).rev().find_map(|n| modules.get(&full[..n]));
+                if let Some(t) = target.filter(|t| **t != name) {
+                    g.entry(name.clone()).or_default().insert(t.clone());
+                }
+            }
+        }
+    }
+    g
+}
+
+/// No file imports one that imports it back, directly or through others: each import edge
+/// a → b is checked for a way back from b to a.
+#[test]
+fn no_circle_of_files() {
+    let g = file_graph();
+    // A file the test cannot see into would hide circles: the reader sees the known imports.
+    assert!(
+        g.get("judge/rounding.rs")
+            .is_some_and(|t| t.contains("judge/replay.rs")),
+        "{g:?}"
+    );
+    assert!(
+        g.get("arch/registry.rs")
+            .is_some_and(|t| t.contains("arch/llama.rs") && t.contains("arch/spec.rs")),
+        "{g:?}"
+    );
+    let back = |from: &str, to: &str| -> Option<Vec<String>> {
+        // Breadth-first from `from`, the path kept, until `to`.
+        let mut prev: BTreeMap<String, String> = BTreeMap::new();
+        let mut queue = std::collections::VecDeque::from([from.to_string()]);
+        while let Some(x) = queue.pop_front() {
+            if x == to {
+                let mut path = vec![x.clone()];
+                let mut at = x;
+                while let Some(p) = prev.get(&at) {
+                    path.push(p.clone());
+                    at = p.clone();
+                }
+                path.reverse();
+                return Some(path);
+            }
+            for y in g.get(&x).into_iter().flatten() {
+                if !prev.contains_key(y) && y != from {
+                    prev.insert(y.clone(), x.clone());
+                    queue.push_back(y.clone());
+                }
+            }
+        }
+        None
+    };
+    let mut circles = Vec::new();
+    for (a, tos) in &g {
+        for b in tos {
+            if let Some(path) = back(b, a) {
+                circles.push(format!("{a} -> {}", path.join(" -> ")));
+            }
+        }
+    }
+    assert!(
+        circles.is_empty(),
+        "circles of files:\n{}",
+        circles.join("\n")
+    );
+}
+
+#[test]
+fn the_file_reader_resolves_relative_paths() {
+    let got = paths_after("use super::super::a::{b, c::D};\nuse super::e;", "super");
+    let want: Vec<Vec<&str>> = vec![
+        vec!["super", "a", "b"],
+        vec!["super", "a", "c", "D"],
+        vec!["e"],
+    ];
+    assert_eq!(got, want);
+    assert_eq!(module_of(Path::new("judge/mod.rs")), vec!["judge"]);
+    assert_eq!(
+        module_of(Path::new("judge/replay.rs")),
+        vec!["judge", "replay"]
+    );
 }

@@ -355,3 +355,83 @@ fn selftest_refuses_a_rounding_its_engine_cannot_run() {
         assert!(err.contains(says), "{rounding}: {err}");
     }
 }
+
+/// `selftest` with no `--golden` looks where `check` looks and where `parity golden` writes
+/// (the user's golden folder), and `--golden FOLDER` searches a folder of goldens; with none
+/// anywhere it says, in one line, every folder it searched. A trace parity dumps for the model
+/// stands in for llama.cpp's golden (the search matches the model's sha256, not the producer).
+#[test]
+fn selftest_finds_the_golden_where_every_command_looks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let user = d.join("user-goldens");
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_parity"))
+            .args(args)
+            .current_dir(d)
+            .env("PARITY_GOLDEN_DIR", &user)
+            .output()
+            .unwrap()
+    };
+    let o = run(&[
+        "fixture",
+        "--seed",
+        "11",
+        "--n-layer",
+        "2",
+        "--out",
+        "m.gguf",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let only = ["--only", "rope-neox"];
+
+    // Nowhere yet: one line naming ./golden, the user folder and the shipped goldens.
+    let o = run(&[&["selftest", "m.gguf"], &only[..]].concat());
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    for folder in ["golden", "user-goldens", "parity golden m.gguf"] {
+        assert!(err.contains(folder), "{folder}: {err}");
+    }
+
+    // In the user folder, as `parity golden` leaves it.
+    let g = user.join("m-golden");
+    std::fs::create_dir_all(&user).unwrap();
+    let o = run(&[
+        "dump",
+        "m.gguf",
+        "--tokens",
+        "1,5,9,3",
+        "--steps",
+        "2",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = run(&[&["selftest", "m.gguf"], &only[..]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(stdout(&o).contains("m-golden"), "{}", show(&o));
+
+    // ./golden comes first, and a folder named by --golden is searched the same way.
+    let o = run(&[
+        "dump",
+        "m.gguf",
+        "--tokens",
+        "1,7,2",
+        "--steps",
+        "2",
+        "--out",
+        "golden/here.npz",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = run(&[&["selftest", "m.gguf"], &only[..]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(stdout(&o).contains("here.npz"), "{}", show(&o));
+    let o = run(&[
+        &["selftest", "m.gguf", "--golden", user.to_str().unwrap()],
+        &only[..],
+    ]
+    .concat());
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(stdout(&o).contains("m-golden"), "{}", show(&o));
+}

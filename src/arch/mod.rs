@@ -26,6 +26,7 @@ pub mod llama;
 pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
+pub mod registry;
 pub mod spec;
 pub mod transformer;
 

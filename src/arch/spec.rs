@@ -1,8 +1,8 @@
 //! What an architecture is, as data: one [`ArchSpec`] per architecture, each in its own file
 //! (src/arch/llama.rs, qwen2.rs, …), stating what llama.cpp's graph for it does differently from
 //! llama. `Config::from_gguf` and `Model::from_gguf` read the metadata and tensors as the spec
-//! says, with no per-architecture code of their own; [`Arch::spec`] is the one place that maps
-//! an architecture to its spec. The vocabulary of a spec ([`Arch`], [`RopeType`],
+//! says, with no per-architecture code of their own; [`Arch::spec`] (src/arch/registry.rs) is
+//! the one place that maps an architecture to its spec. The vocabulary of a spec ([`Arch`], [`RopeType`],
 //! [`Activation`], …) lives here, so this floor imports nothing from `model`: `model` reads
 //! it (and re-exports the names its callers use).
 
@@ -28,52 +28,6 @@ pub enum Arch {
     Gemma2,
     Gemma3,
     Phi3,
-}
-
-impl Arch {
-    /// Every architecture, as `general.architecture` names it.
-    pub const ALL: &[Arch] = &[
-        Arch::Llama,
-        Arch::Qwen2,
-        Arch::Qwen3,
-        Arch::Gemma,
-        Arch::Gemma2,
-        Arch::Gemma3,
-        Arch::Phi3,
-    ];
-
-    /// What the architecture is, as data: its file in src/arch/ (the one place an architecture
-    /// is mapped to its description).
-    pub fn spec(self) -> &'static ArchSpec {
-        use super::{gemma, gemma2, gemma3, llama, phi3, qwen2, qwen3};
-        match self {
-            Arch::Llama => &llama::SPEC,
-            Arch::Qwen2 => &qwen2::SPEC,
-            Arch::Qwen3 => &qwen3::SPEC,
-            Arch::Gemma => &gemma::SPEC,
-            Arch::Gemma2 => &gemma2::SPEC,
-            Arch::Gemma3 => &gemma3::SPEC,
-            Arch::Phi3 => &phi3::SPEC,
-        }
-    }
-
-    /// `general.architecture` of its GGUF files.
-    pub fn name(self) -> &'static str {
-        self.spec().name
-    }
-
-    pub fn parse(s: &str) -> Option<Arch> {
-        Arch::ALL.iter().copied().find(|a| a.name() == s)
-    }
-
-    /// `llama, qwen2, …` for messages.
-    pub fn supported() -> String {
-        Arch::ALL
-            .iter()
-            .map(|a| a.name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
 }
 
 /// The activation of the gated feed-forward block: `act(gate) * up`.
@@ -223,22 +177,6 @@ pub enum Output {
 
 #[cfg(test)]
 mod tests {
-    use super::Arch;
-
-    #[test]
-    fn every_architecture_has_a_spec_whose_name_parses_back() {
-        let mut names = Vec::new();
-        for &a in Arch::ALL {
-            let name = a.spec().name;
-            assert_eq!(Arch::parse(name), Some(a), "{name}");
-            names.push(name);
-        }
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), Arch::ALL.len(), "names are unique: {names:?}");
-        assert_eq!(Arch::parse("mistral"), None);
-    }
-
     #[test]
     fn spec_rules_give_llama_cpp_values() {
         use super::*;

@@ -7,6 +7,7 @@ use crate::check::{CheckOptions, Event};
 use crate::compare::PairKind;
 use crate::model::Model;
 use crate::report::progress::Progress;
+use crate::trace::goldens;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -324,24 +325,9 @@ pub struct CheckArgs {
     verbose: bool,
 }
 
-/// Where goldens are looked for when `--golden` is not given: ./golden (where `parity
-/// golden --out golden/NAME` puts them), the user's golden folder, then the goldens that ship
-/// with parity.
-fn golden_dirs() -> Vec<PathBuf> {
-    let mut v = vec![PathBuf::from("golden")];
-    if let Some(d) = user_golden_dir() {
-        v.push(d);
-    }
-    v.push(repo_root().join("golden"));
-    v
-}
-
 /// Where `parity golden` writes when no --out is given: the user's golden folder, one
 /// subfolder per model file and content (`stem-sha12`).
 fn default_golden_out(model: &Path) -> Result<PathBuf> {
-    let dir = user_golden_dir().ok_or_else(|| {
-        err("no home folder to keep goldens in: pass --out DIR (or set PARITY_GOLDEN_DIR)")
-    })?;
     let file = std::fs::File::open(model).map_err(|e| err(format!("{}: {e}", model.display())))?;
     // SAFETY: read-only map of a file we only hash; a concurrent truncation is the same
     // hazard as in every GGUF read.
@@ -352,19 +338,9 @@ fn default_golden_out(model: &Path) -> Result<PathBuf> {
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    Ok(dir.join(format!("{stem}-{}", &sha[..12])))
-}
-
-/// `$PARITY_GOLDEN_DIR`, else `$XDG_DATA_HOME/parity/golden`, else
-/// `~/.local/share/parity/golden`.
-pub fn user_golden_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("PARITY_GOLDEN_DIR") {
-        return Some(PathBuf::from(d));
-    }
-    if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
-        return Some(PathBuf::from(d).join("parity/golden"));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/share/parity/golden"))
+    goldens::default_out(&stem, &sha).ok_or_else(|| {
+        err("no home folder to keep goldens in: pass --out DIR (or set PARITY_GOLDEN_DIR)")
+    })
 }
 
 pub fn check(a: CheckArgs) -> Result<ExitCode> {
@@ -411,7 +387,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         steps: a.steps,
         op_by_op: !a.no_op_by_op,
         golden: a.golden.clone(),
-        golden_dirs: golden_dirs(),
+        golden_dirs: goldens::search_dirs(&repo_root().join("golden")),
         prompt,
     };
     // One bar per backend pass (a tick per forward call), then one for the comparisons.

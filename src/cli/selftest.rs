@@ -7,7 +7,7 @@ use super::Result;
 use crate::backend::mutation::{Mutation, MutationKind};
 use crate::model::Model;
 use crate::selftest::{Engine, Programs, Rounding, Row, SelftestOptions, place};
-use crate::trace::Trace;
+use crate::trace::goldens;
 use clap::Args;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -89,8 +89,9 @@ pub fn mutations(a: MutationsArgs) -> Result<ExitCode> {
 pub struct SelftestArgs {
     /// GGUF model (default: the committed fixtures/tiny-llama-q8_0.gguf).
     model: Option<PathBuf>,
-    /// The model's llama.cpp golden (default: found by sha256 under ./golden or the
-    /// repository's golden/).
+    /// The model's llama.cpp golden, or a folder of goldens to search (default: found by
+    /// sha256 in ./golden, the user's golden folder where `parity golden` writes, then the
+    /// goldens that ship with parity).
     #[arg(long)]
     golden: Option<PathBuf>,
     /// Which engine writes the traces: parity's reference (`parity dump --mutate`, run as a
@@ -146,16 +147,21 @@ fn roundings(names: &[String]) -> Result<Vec<Rounding>> {
     Ok(v)
 }
 
-/// A golden for `model`: its sha256 in the manifest, under ./golden or the repository's golden/.
-fn find_golden(model: &Model) -> Option<PathBuf> {
-    let roots = [PathBuf::from("golden"), super::repo_root().join("golden")];
-    roots
-        .iter()
-        .filter_map(|r| std::fs::read_dir(r).ok())
-        .flat_map(|d| d.flatten())
-        .map(|e| e.path())
-        .filter(|p| p.join("manifest.json").exists())
-        .find(|p| Trace::open(p).is_ok_and(|t| t.manifest.model.sha256 == model.sha256()))
+/// A golden for `model`, by sha256, in the search order every command uses
+/// ([`goldens::search_dirs`]): the first long enough to show every bug (two steps, a prompt
+/// of two ids), else the first at all (whose shortness the selftest then names).
+fn find_golden(model: &Model, dirs: &[PathBuf]) -> Result<Option<PathBuf>> {
+    let mut any = None;
+    for d in dirs {
+        for (p, t) in goldens::find(d, model.sha256())? {
+            let prompt = t.manifest.steps.first().map_or(0, |s| s.tokens.len());
+            if prompt >= 2 && t.manifest.steps.len() >= 2 {
+                return Ok(Some(p));
+            }
+            any.get_or_insert(p);
+        }
+    }
+    Ok(any)
 }
 
 pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
@@ -165,14 +171,30 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         .unwrap_or_else(|| super::repo_root().join("fixtures/tiny-llama-q8_0.gguf"));
     let model = Model::open(&model_path)?;
     let golden = match &a.golden {
-        Some(g) => g.clone(),
-        None => find_golden(&model).ok_or_else(|| {
+        // A golden, or a folder of goldens searched as the default folders are.
+        Some(g) if g.join("manifest.json").exists() || g.is_file() || !g.is_dir() => g.clone(),
+        Some(g) => find_golden(&model, std::slice::from_ref(g))?.ok_or_else(|| {
             super::err(format!(
-                "no golden for {} (sha256 {}…) under ./golden or the repository's golden/: make one with `parity golden` and pass --golden DIR",
+                "no golden for {} (sha256 {}…) in {}",
                 model_path.display(),
-                &model.sha256()[..12]
+                &model.sha256()[..12],
+                g.display()
             ))
         })?,
+        None => {
+            let dirs = goldens::search_dirs(&super::repo_root().join("golden"));
+            find_golden(&model, &dirs)?.ok_or_else(|| {
+                let searched: Vec<String> =
+                    dirs.iter().map(|d| d.display().to_string()).collect();
+                super::err(format!(
+                    "no golden for {} (sha256 {}…) in {}: make one with `parity golden {}` or pass --golden DIR",
+                    model_path.display(),
+                    &model.sha256()[..12],
+                    searched.join(", "),
+                    model_path.display(),
+                ))
+            })?
+        }
     };
     if let Some(k) = &a.keep {
         crate::trace::paths::check_paths(

@@ -11,6 +11,7 @@
 use super::floor::{Floors, OpClass, class, span};
 use super::layout::Layout;
 use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
+use super::rounding;
 use super::{Finding, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
@@ -133,7 +134,7 @@ fn experiments(
             // closest kept, as the own errors were. (One far off stays far off: a tie moves one
             // quantum of one element.)
             if best > VISIBLE && own.is_some_and(|o| best <= TWIN_RETRY * o) {
-                let twins: Vec<Setup> = setup.twins(model).collect();
+                let twins = rounding::twin_setups(&setup, model);
                 for twin in twins {
                     let r = replay(model, cand, &twin, &BTreeSet::new())?;
                     if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < best) {
@@ -765,7 +766,7 @@ fn holds(
     // hypothesis predicts and the engine does not show. (More replays only lower each key's
     // error, so trying them only on a failure gives the same answer.)
     if !worse.is_empty() || (knob && places.len() < KNOB_PLACES) {
-        for twin in full.twins(model) {
+        for twin in rounding::twin_setups(&full, model) {
             runs.push(replay(model, cand, &twin, &BTreeSet::new())?);
         }
         (worse, places) = weigh(&runs);

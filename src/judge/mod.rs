@@ -350,67 +350,10 @@ fn judge_once(
         }
     };
 
-    // Rounding ties: an element that lands exactly on a tie (or next to one, where the
-    // inverse-scale formulas differ by an ulp) may take either neighbour, and which one is no
-    // bug. Where a key through a matmul sits above the tight matmul floor, the tie twins of the
-    // chosen rounding (`Family::tie_twins`: the same grid, another tie rule) are replayed too
-    // and each key keeps the closer of the two.
-    let mut ties = Vec::new();
-    // The GELU is measured the same way, per op kind: ggml-cpu's f16 table beside its
-    // quantized matmuls, or GELU in f32 (a GPU's) beside the same matmul grid (its twins).
-    let gelu = model.config.activation == crate::model::Activation::GeluTanh;
-    let above_noise = rep.metrics.iter().any(|(k, m)| {
-        m.nmse > floor::MM_ABS
-            && span(&cand, k).iter().any(|x| {
-                class(x.tap) == OpClass::Matmul || (gelu && x.tap == crate::trace::Tap::FfnAct)
-            })
-    });
-    let mut rounding = rounding;
-    if above_noise {
-        let base = rep.metrics.clone();
-        // Per twin: keys it reproduces closer than the chosen rounding, and farther.
-        let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
-        let twins = rounding::twins(model, rounding);
-        for t in twins {
-            let setup = Setup {
-                rounding: t,
-                decode,
-                kv,
-                mutation: None,
-                knob: None,
-                window: full,
-            };
-            let twin = replay(model, &cand, &setup, &none)?;
-            let (mut wins, mut losses) = (0, 0);
-            let total: f64 = twin.metrics.values().map(|m| m.nmse).sum();
-            for (k, m) in twin.metrics {
-                let Some(b) = base.get(&k) else { continue };
-                if m.nmse > b.nmse {
-                    losses += 1;
-                }
-                if m.nmse < b.nmse && !m.non_finite_failure() {
-                    wins += 1;
-                    let own = rep.metrics.get_mut(&k).expect("same keys");
-                    if m.nmse < own.nmse {
-                        *own = m;
-                        ties.retain(|(x, _)| *x != k);
-                        ties.push((k, t));
-                    }
-                }
-            }
-            tally.push((t, wins, losses, total));
-        }
-        // A twin that is closer somewhere and farther nowhere is the engine's family: named
-        // (of several, the closest over the trace; the first of equals).
-        if let Some(&(t, ..)) = tally
-            .iter()
-            .filter(|x| x.1 > 0 && x.2 == 0)
-            .min_by(|a, b| a.3.total_cmp(&b.3))
-        {
-            rounding = t;
-            ties.retain(|(_, x)| *x != t);
-        }
-    }
+    // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
+    // twin's error (an element on a tie may take either neighbour: no bug).
+    let (rounding, ties) =
+        rounding::refit_ties(model, &cand, &mut rep, rounding, decode, kv, full)?;
 
     // Floors.
     let pos_max = trace

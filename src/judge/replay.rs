@@ -215,19 +215,6 @@ pub struct Setup {
     pub window: Window,
 }
 
-impl Setup {
-    /// This setup under each tie twin of its rounding (`rounding::twins`): the same matmul
-    /// grid, the other tie rule (or GELU in f32).
-    pub fn twins(&self, model: &Model) -> impl Iterator<Item = Setup> + '_ {
-        super::rounding::twins(model, self.rounding)
-            .into_iter()
-            .map(|t| Setup {
-                rounding: t,
-                ..self.clone()
-            })
-    }
-}
-
 /// Steps `0..=s_max`, layers `l0..=l1` (`l1 = None`: no layer; `end`: through the output).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {

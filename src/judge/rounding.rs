@@ -138,6 +138,91 @@ pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
         .collect()
 }
 
+/// `setup` under each tie twin of its rounding ([`twins`]): the same matmul grid, the other
+/// tie rule (or GELU in f32).
+pub fn twin_setups(setup: &Setup, model: &Model) -> Vec<Setup> {
+    twins(model, setup.rounding)
+        .into_iter()
+        .map(|t| Setup {
+            rounding: t,
+            ..setup.clone()
+        })
+        .collect()
+}
+
+/// Rounding ties in the clean replay `rep` of the whole trace (`full`) under `rounding`. An
+/// element that lands exactly on a tie (or next to one, where the inverse-scale formulas differ
+/// by an ulp) may take either neighbour, and which one is no bug. Where a key through a matmul
+/// (or a GELU) sits above the tight matmul floor, the tie twins of `rounding` are replayed too
+/// and each key keeps the closer error, its twin listed. A twin closer somewhere and farther
+/// nowhere is the engine's family, returned in place of `rounding` (of several, the closest
+/// over the trace; the first of equals). The GELU is measured the same way: ggml-cpu's f16
+/// table beside its quantized matmuls, or GELU in f32 (a GPU's) on the same grid.
+#[allow(clippy::too_many_arguments)]
+pub fn refit_ties(
+    model: &Model,
+    cand: &Candidate,
+    rep: &mut replay::Replay,
+    rounding: Emulation,
+    decode: Option<Emulation>,
+    kv: KvCache,
+    full: Window,
+) -> Result<(Emulation, Vec<(TapKey, Emulation)>), JudgeError> {
+    let mut ties: Vec<(TapKey, Emulation)> = Vec::new();
+    let gelu = model.config.activation == crate::model::Activation::GeluTanh;
+    let above_noise = rep.metrics.iter().any(|(k, m)| {
+        m.nmse > super::floor::MM_ABS
+            && span(cand, k).iter().any(|x| {
+                class(x.tap) == OpClass::Matmul || (gelu && x.tap == crate::trace::Tap::FfnAct)
+            })
+    });
+    if !above_noise {
+        return Ok((rounding, ties));
+    }
+    let base = rep.metrics.clone();
+    // Per twin: keys it reproduces closer than the chosen rounding, and farther.
+    let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
+    for t in twins(model, rounding) {
+        let setup = Setup {
+            rounding: t,
+            decode,
+            kv,
+            mutation: None,
+            knob: None,
+            window: full,
+        };
+        let twin = replay(model, cand, &setup, &BTreeSet::new())?;
+        let (mut wins, mut losses) = (0, 0);
+        let total: f64 = twin.metrics.values().map(|m| m.nmse).sum();
+        for (k, m) in twin.metrics {
+            let Some(b) = base.get(&k) else { continue };
+            if m.nmse > b.nmse {
+                losses += 1;
+            }
+            if m.nmse < b.nmse && !m.non_finite_failure() {
+                wins += 1;
+                let own = rep.metrics.get_mut(&k).expect("same keys");
+                if m.nmse < own.nmse {
+                    *own = m;
+                    ties.retain(|(x, _)| *x != k);
+                    ties.push((k, t));
+                }
+            }
+        }
+        tally.push((t, wins, losses, total));
+    }
+    let mut rounding = rounding;
+    if let Some(&(t, ..)) = tally
+        .iter()
+        .filter(|x| x.1 > 0 && x.2 == 0)
+        .min_by(|a, b| a.3.total_cmp(&b.3))
+    {
+        rounding = t;
+        ties.retain(|(_, x)| *x != t);
+    }
+    Ok((rounding, ties))
+}
+
 /// What `r` does to the inputs of each of these weights: the activation type and the
 /// quantizer (SIMD, scalar reference, GPU). Two roundings with one signature are one.
 fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> (Accum, Vec<(GgmlType, Quantizer)>) {

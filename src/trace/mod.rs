@@ -3,6 +3,7 @@
 
 pub mod api;
 mod format;
+pub mod goldens;
 pub mod open;
 pub mod paths;
 pub mod staging;
