@@ -63,6 +63,8 @@ pub enum CheckError {
     Trace(#[from] TraceError),
     #[error(transparent)]
     Compare(#[from] CompareError),
+    #[error(transparent)]
+    Judge(#[from] crate::judge::JudgeError),
 }
 
 /// Ids as text: `1 388 268`.
@@ -299,7 +301,12 @@ pub fn run(
     // The weights are done with: their pages leave this process (they stay in the page cache)
     // before the comparisons hold every trace at once.
     model.file.release_range(0, usize::MAX);
-    let comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
+    let mut comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
+    if opt.op_by_op
+        && let Some(g) = golden.as_ref().filter(|(_, g)| golden_device(g) != GoldenDevice::Cpu)
+    {
+        comparisons.insert(0, judge_golden(model, g)?);
+    }
     let traces_op = op.traces;
     Ok(CheckReport {
         prompt: plan.prompt,
@@ -673,8 +680,10 @@ fn op_entries<'e>(
         && let GoldenDevice::Gpu(dev) = golden_device(g)
     {
         notes.push(format!(
-            "op by op: skipped — the golden ran on llama.cpp's {dev} backend, whose ops round \
-             unlike ggml's CPU; it is compared end to end as a different rounding"
+            "op by op: the golden ran on llama.cpp's {dev} backend, whose ops round unlike \
+             ggml's CPU: parity's backends are compared with it end to end, as a different \
+             rounding, and its own ops are judged on its own inputs under its measured rounding, \
+             as `parity diff` judges an engine"
         ));
     }
     if golden.is_none_or(|(_, g)| !opt.op_by_op || !golden_is_ggml_cpu(g)) {
@@ -695,6 +704,28 @@ fn op_entries<'e>(
         op_entries.extend(devices);
     }
     Ok(op_entries)
+}
+
+/// Stage 6b: a golden that did not run on ggml's CPU (a GPU's) cannot feed parity's backends
+/// op by op, and end to end its own rounding hides a small bug under the tolerances between
+/// roundings; so its own ops are judged on its own inputs, as `parity diff` judges an engine
+/// (the same library call). A golden with a bug fails the check, the bug placed and named.
+fn judge_golden(model: &Model, golden: &(PathBuf, Trace)) -> Result<Judged, CheckError> {
+    let g = &golden.1;
+    let opt = crate::judge::verdict::DiffOptions::new(model.main_weight_type());
+    let d = crate::judge::verdict::diff(g, g, Some(model), &opt)?;
+    let j = d.judgement.as_ref().expect("judged with the model");
+    let label = format!(
+        "{}/{}",
+        g.manifest.producer.name, g.manifest.producer.backend
+    );
+    // Against itself end to end: the verdict is the judgement's alone, and the comparison
+    // diverges exactly when it does.
+    let c = crate::judge::verdict::own_comparison(j, &d.verdict, &d.e2e, &label);
+    Ok(Judged {
+        comparison: c,
+        against_golden: true,
+    })
 }
 
 /// Traces the lockstep walk made, each taken once by the stage that would have made it.

@@ -95,8 +95,9 @@ fn assert_diff_passes(name: &str, cpu: &Path, gpu: &Path, prefill: &[&str]) {
     assert!(!text.contains("confirmed by experiment"), "{name}: {text}");
 }
 
-/// `parity check MODEL --golden GPU`: exit 0, op by op skipped (a GPU golden is not the
-/// CPU's arithmetic), every backend compared with the golden end to end.
+/// `parity check MODEL --golden GPU`: exit 0; parity's backends are not fed the golden op by
+/// op (a GPU golden is not the CPU's arithmetic) but compared with it end to end, and the
+/// golden's own ops are judged on its own inputs (one own-inputs comparison, first).
 fn assert_check_passes(name: &str, model: &Path, gpu: &Path) {
     let o = parity(&[
         "check",
@@ -121,6 +122,10 @@ fn assert_check_passes(name: &str, model: &Path, gpu: &Path) {
         vs.iter().all(|c| c["pair"] == "different-rounding"),
         "{name}"
     );
+    let own = &j["comparisons"][0];
+    assert_eq!(own["pair"], "own-inputs", "{name}: {own}");
+    assert_eq!(own["candidate"], "llama.cpp/llama.cpp-vulkan", "{name}");
+    assert!(own["first_divergence"].is_null(), "{name}: {own}");
 }
 
 /// Quantized weights (pairs of k summed last first), F16 weights (fours), F32 weights (the f32
@@ -293,5 +298,49 @@ fn bugs_planted_into_llama_cpp_on_vulkan_are_found_and_named() {
             let spans = own["limits"].to_string().contains("judged as spans");
             assert_eq!(spans, trace == &sparse, "{what}: {}", own["limits"]);
         }
+    }
+}
+
+/// A GPU golden that carries a bug fails `check`: the same planted goldens, recorded as made
+/// from the real model (as llama.cpp's own `--override-kv` on the real file records it: the
+/// tensors are those of the planted copy, the sha256 the model's). Each is found by judging
+/// the golden's own ops, placed at step 0 layer 0 and named, although every backend's
+/// end-to-end comparison with the golden may stay within the tolerances between roundings.
+#[test]
+fn check_fails_a_gpu_golden_that_carries_a_bug() {
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let sha = parity::model::sha256_hex(&std::fs::read(&model).unwrap());
+    let tmp = tempfile::tempdir().unwrap();
+    for (bug, tap, named) in [
+        ("rms-eps-10x", "attn_norm", "rms-eps-10x reproduces"),
+        ("rope-theta-500000", "q_rope", "rope-theta=500000 reproduces"),
+    ] {
+        let g = tmp.path().join(bug);
+        copy_dir(&root().join("golden-gpu/planted").join(bug), &g);
+        let mut m = manifest(&g);
+        m["model"]["sha256"] = serde_json::Value::String(sha.clone());
+        std::fs::write(g.join("manifest.json"), m.to_string()).unwrap();
+        let o = parity(&[
+            "check",
+            model.to_str().unwrap(),
+            "--golden",
+            g.to_str().unwrap(),
+            "--backends",
+            "reference,fast",
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{bug}: {}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let own = &j["comparisons"][0];
+        assert_eq!(own["pair"], "own-inputs", "{bug}: {own}");
+        let at = &own["first_divergence"]["at"]["key"];
+        assert_eq!(
+            (at["step"].as_u64(), at["layer"].as_u64(), at["tap"].as_str()),
+            (Some(0), Some(0), Some(tap)),
+            "{bug}: {at}"
+        );
+        let diagnosis = own["first_divergence"]["diagnosis"].as_str().unwrap();
+        assert!(diagnosis.contains(named), "{bug}: {diagnosis}");
     }
 }

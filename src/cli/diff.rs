@@ -7,12 +7,11 @@
 use super::output::{ReportArgs, finish_with, run_info, show};
 use super::{Result, err, repo_root};
 use crate::backend::Emulation;
-use crate::compare::{Comparison, Divergence, PairKind, TapResult};
-use crate::judge::verdict::{Basis, Verdict};
-use crate::judge::{self, JudgeOptions, Judgement};
+use crate::compare::PairKind;
+use crate::judge::{self, JudgeOptions};
 use crate::model::Model;
 use crate::report;
-use crate::trace::{TapKey, Trace};
+use crate::trace::Trace;
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -170,64 +169,6 @@ fn find_model(base: &Trace, cand: &Trace, dirs: &[PathBuf]) -> Option<(PathBuf, 
         }
     }
     None
-}
-
-/// The judgement as a comparison (own errors against the floors), so every report format and
-/// the exit code render it; the token-id finding of the end-to-end comparison comes first.
-fn as_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str) -> Comparison {
-    // An own error under its floor that a known bug explains is held to the f32 noise level:
-    // the flagged key's when it is, and the key the bug was placed at by experiment (where the
-    // confirmed hypothesis removes an own error under that key's floor).
-    let first = j.first.as_ref().filter(|_| v.basis == Basis::OwnError);
-    let explained = |k: TapKey| {
-        first.is_some_and(|f| (f.explained && f.flagged == k) || (f.key != f.flagged && f.key == k))
-    };
-    let results: Vec<TapResult> = j
-        .ops
-        .iter()
-        .map(|o| {
-            let held = explained(o.key);
-            TapResult {
-                key: o.key,
-                metrics: o.metrics,
-                threshold: if held {
-                    judge::hypothesis::VISIBLE
-                } else {
-                    o.floor
-                },
-                pass: o.pass && !(held && o.metrics.nmse > judge::hypothesis::VISIBLE),
-                gating: true,
-            }
-        })
-        .collect();
-    // One place for the text, the JSON and selftest: the verdict's (where the bug first shows,
-    // placed by experiment when it was), none when the ids differ (they are then the verdict).
-    let first_divergence = first.zip(v.place).map(|(f, place)| {
-        let i = results
-            .iter()
-            .position(|r| r.key == place)
-            .expect("the verdict's place is a judged key");
-        Divergence {
-            at: results[i].clone(),
-            matched_before: crate::compare::matched_before(&results, i),
-            diagnosis: f.text.replace("\n  ", "; "),
-        }
-    });
-    Comparison {
-        baseline: format!("own inputs/{}", judge::rounding_label(j)),
-        candidate: cand_label.to_string(),
-        pair: PairKind::OwnInputs,
-        weight_type: e2e.weight_type,
-        token_mismatch: e2e.token_mismatch.clone(),
-        results,
-        logits: Vec::new(),
-        kld_threshold: 0.0,
-        first_divergence,
-        only_in_baseline: 0,
-        only_in_candidate: 0,
-        rounding_family: Some(j.rounding.name()),
-        limits: j.limits(),
-    }
 }
 
 pub fn diff(a: DiffArgs) -> Result<ExitCode> {
@@ -397,7 +338,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         "{}/{}",
         cand.manifest.producer.name, cand.manifest.producer.backend
     );
-    let jc = as_comparison(&j, &d.verdict, &c, &label);
+    let jc = judge::verdict::own_comparison(&j, &d.verdict, &c, &label);
     show(&jc, "== verdict", false, &a.report);
     // The logits' agreement end to end, as a statistic beside the verdict.
     if let Some(l) = c.logits.last() {

@@ -7,7 +7,7 @@
 //! own spread, is a divergence of its own when it crosses them.
 
 use super::{JudgeError, JudgeOptions, Judgement, judge, replay::aligned_trace};
-use crate::compare::{CompareOptions, Comparison, PairKind, compare};
+use crate::compare::{CompareOptions, Comparison, Divergence, PairKind, TapResult, compare};
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey, Trace};
@@ -151,4 +151,62 @@ pub fn diff(
         judgement,
         verdict,
     })
+}
+
+/// The judgement as a comparison (own errors against the floors), so every report format and
+/// the exit code render it; the token-id finding of the end-to-end comparison comes first.
+pub fn own_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str) -> Comparison {
+    // An own error under its floor that a known bug explains is held to the f32 noise level:
+    // the flagged key's when it is, and the key the bug was placed at by experiment (where the
+    // confirmed hypothesis removes an own error under that key's floor).
+    let first = j.first.as_ref().filter(|_| v.basis == Basis::OwnError);
+    let explained = |k: TapKey| {
+        first.is_some_and(|f| (f.explained && f.flagged == k) || (f.key != f.flagged && f.key == k))
+    };
+    let results: Vec<TapResult> = j
+        .ops
+        .iter()
+        .map(|o| {
+            let held = explained(o.key);
+            TapResult {
+                key: o.key,
+                metrics: o.metrics,
+                threshold: if held {
+                    super::hypothesis::VISIBLE
+                } else {
+                    o.floor
+                },
+                pass: o.pass && !(held && o.metrics.nmse > super::hypothesis::VISIBLE),
+                gating: true,
+            }
+        })
+        .collect();
+    // One place for the text, the JSON and selftest: the verdict's (where the bug first shows,
+    // placed by experiment when it was), none when the ids differ (they are then the verdict).
+    let first_divergence = first.zip(v.place).map(|(f, place)| {
+        let i = results
+            .iter()
+            .position(|r| r.key == place)
+            .expect("the verdict's place is a judged key");
+        Divergence {
+            at: results[i].clone(),
+            matched_before: crate::compare::matched_before(&results, i),
+            diagnosis: f.text.replace("\n  ", "; "),
+        }
+    });
+    Comparison {
+        baseline: format!("own inputs/{}", super::rounding_label(j)),
+        candidate: cand_label.to_string(),
+        pair: PairKind::OwnInputs,
+        weight_type: e2e.weight_type,
+        token_mismatch: e2e.token_mismatch.clone(),
+        results,
+        logits: Vec::new(),
+        kld_threshold: 0.0,
+        first_divergence,
+        only_in_baseline: 0,
+        only_in_candidate: 0,
+        rounding_family: Some(j.rounding.name()),
+        limits: j.limits(),
+    }
 }
