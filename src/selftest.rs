@@ -193,6 +193,8 @@ pub struct SelftestOptions {
     /// row, named ENGINE-ROUNDING-CASE.npz; `parity diff` reads them as folders).
     pub keep: Option<PathBuf>,
     pub programs: Programs,
+    /// Cases judged at once, each with its engine process (0: one per core).
+    pub jobs: usize,
 }
 
 /// The taps of a sparse dump: what engine authors dump first.
@@ -285,48 +287,32 @@ pub fn run(
         }
     })?;
     let mut rows = Vec::new();
+    let jobs = match opt.jobs {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let result = (|| -> Result<(), SelftestError> {
         for &engine in &opt.engines {
             for &rounding in &opt.roundings {
-                // The clean engine's trace (the first case), to see where a bug first makes
-                // a sparse trace differ at all.
-                let mut clean: Option<Trace> = None;
-                for &case in &cases {
-                    // One `.npz` file per trace: a folder of one file per tap costs more in
-                    // inode creation than the engine and the judge together on small models.
-                    let dir = tmp.join(format!(
-                        "{}-{}-{}.npz",
-                        engine.name(),
-                        rounding.name().replace('/', "+"),
-                        case.label().replace([' ', '(', ')'], "")
-                    ));
-                    write_trace(engine, model_path, case, rounding, opt, &dir)?;
-                    let cand = Trace::open(&dir)?;
-                    let o = outcome(&golden, &cand, model)?;
-                    // In a sparse trace a small bug can leave the first layers' outputs
-                    // bit-identical (activation rounding to 8 bits absorbs it): it cannot be
-                    // placed before the first key where the trace differs at all.
-                    let observable = match (&clean, case) {
-                        (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
-                        _ => None,
-                    };
-                    let mut row = judge_row(case, engine, rounding, opt, model, &o, observable);
-                    if matches!(case, Case::Clean) {
-                        clean = Some(cand);
-                    }
-                    if let (Some(k), Some(exp)) = (observable, &row.expected)
-                        && !row.ok
-                        && place(&k) != *exp
-                    {
-                        row.why = format!(
-                            "{} (first difference in this trace: {})",
-                            row.why,
-                            place(&k)
-                        );
-                    }
-                    on_row(&row);
-                    rows.push(row);
-                }
+                let row = |case: Case, clean: Option<&Trace>| {
+                    one_row(engine, rounding, case, clean, model, model_path, &golden, opt, &tmp)
+                };
+                // The clean engine's trace first: in a sparse dump it says where a bug first
+                // makes the trace differ at all. Then the bugs, `jobs` at a time (each an
+                // engine process and a judgement of its own), their rows in catalog order.
+                let (first, clean) = row(cases[0], None)?;
+                on_row(&first);
+                rows.push(first);
+                let clean = matches!(cases[0], Case::Clean).then_some(clean);
+                in_order(
+                    &cases[1..],
+                    jobs,
+                    |&case| row(case, clean.as_ref()).map(|(r, _)| r),
+                    |r| {
+                        on_row(&r);
+                        rows.push(r);
+                    },
+                )?;
             }
         }
         Ok(())
@@ -336,6 +322,94 @@ pub fn run(
     }
     result?;
     Ok(rows)
+}
+
+/// One case through one engine configuration: its trace written by the engine's own process
+/// into `tmp`, judged by `diff`'s library call against the golden, and the row (with the
+/// trace, which the clean case hands to the bug cases).
+#[allow(clippy::too_many_arguments)]
+fn one_row(
+    engine: Engine,
+    rounding: Rounding,
+    case: Case,
+    clean: Option<&Trace>,
+    model: &Model,
+    model_path: &Path,
+    golden: &Trace,
+    opt: &SelftestOptions,
+    tmp: &Path,
+) -> Result<(Row, Trace), SelftestError> {
+    // One `.npz` file per trace: a folder of one file per tap costs more in inode creation
+    // than the engine and the judge together on small models.
+    let dir = tmp.join(format!(
+        "{}-{}-{}.npz",
+        engine.name(),
+        rounding.name().replace('/', "+"),
+        case.label().replace([' ', '(', ')'], "")
+    ));
+    write_trace(engine, model_path, case, rounding, opt, &dir)?;
+    let cand = Trace::open(&dir)?;
+    let o = outcome(golden, &cand, model)?;
+    // In a sparse trace a small bug can leave the first layers' outputs bit-identical
+    // (activation rounding to 8 bits absorbs it): it cannot be placed before the first key
+    // where the trace differs at all.
+    let observable = match (clean, case) {
+        (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
+        _ => None,
+    };
+    let mut row = judge_row(case, engine, rounding, opt, model, &o, observable);
+    if let (Some(k), Some(exp)) = (observable, &row.expected)
+        && !row.ok
+        && place(&k) != *exp
+    {
+        row.why = format!("{} (first difference in this trace: {})", row.why, place(&k));
+    }
+    Ok((row, cand))
+}
+
+/// `work` on each item, on up to `jobs` threads, each result handed to `emit` in the items'
+/// order as soon as it and those before it are done. The first error (in item order) stops
+/// the work: threads finish the item they hold and take no more.
+fn in_order<T: Sync, R: Send, E: Send>(
+    items: &[T],
+    jobs: usize,
+    work: impl Fn(&T) -> Result<R, E> + Sync,
+    mut emit: impl FnMut(R),
+) -> Result<(), E> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let (next, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, items.len().max(1)) {
+            let (tx, next, stop, work) = (tx.clone(), &next, &stop, &work);
+            s.spawn(move || {
+                while !stop.load(Relaxed) {
+                    let i = next.fetch_add(1, Relaxed);
+                    let Some(item) = items.get(i) else { break };
+                    if tx.send((i, work(item))).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut pending = std::collections::BTreeMap::new();
+        let mut want = 0;
+        for (i, r) in rx {
+            pending.insert(i, r);
+            while let Some(r) = pending.remove(&want) {
+                want += 1;
+                match r {
+                    Ok(v) => emit(v),
+                    Err(e) => {
+                        stop.store(true, Relaxed);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    })
 }
 
 /// A new folder of our own in the shared temp folder: made with `mkdir` (mode 0700), never
@@ -635,5 +709,35 @@ fn judge_row(
                 ..base
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_order;
+
+    /// Results come out in the items' order whatever order the threads finish in (the later
+    /// items here finish first), and the first error in that order is returned with every
+    /// result before it emitted and none after.
+    #[test]
+    fn in_order_emits_in_item_order_and_stops_at_the_first_error() {
+        let items: Vec<u64> = (0..24).collect();
+        let slow_first = |&i: &u64| -> Result<u64, String> {
+            std::thread::sleep(std::time::Duration::from_millis(24 - i));
+            Ok(i * 10)
+        };
+        let mut got = Vec::new();
+        in_order(&items, 4, slow_first, |r| got.push(r)).unwrap();
+        assert_eq!(got, items.iter().map(|i| i * 10).collect::<Vec<_>>());
+
+        let mut got = Vec::new();
+        let failing = |&i: &u64| if i == 7 || i == 12 { Err(i) } else { Ok(i) };
+        assert_eq!(in_order(&items, 3, failing, |r| got.push(r)), Err(7));
+        assert_eq!(got, (0..7).collect::<Vec<_>>());
+        // One thread, or none asked for: the same, in sequence.
+        let mut got = Vec::new();
+        in_order(&items, 0, |&i: &u64| Ok::<_, ()>(i), |r| got.push(r)).unwrap();
+        assert_eq!(got, items);
+        in_order(&[] as &[u64], 2, |&i: &u64| Ok::<_, ()>(i), |_| panic!("no items")).unwrap();
     }
 }

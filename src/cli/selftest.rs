@@ -123,6 +123,10 @@ pub struct SelftestArgs {
     /// Print the rows as JSON.
     #[arg(long)]
     json: bool,
+    /// Cases judged at once, each with its engine process (0 = one per core). Rows print in
+    /// catalog order whatever the order they finish in.
+    #[arg(long, short = 'j', default_value_t = 0)]
+    jobs: usize,
     /// Keep the traces in this folder instead of a temporary one (one `.npz` archive per
     /// row, named ENGINE-ROUNDING-CASE.npz; `parity diff` reads them as folders).
     #[arg(long)]
@@ -216,6 +220,7 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         from_layer: a.from_layer,
         only: a.only.clone(),
         keep: a.keep.clone(),
+        jobs: a.jobs,
         programs: Programs {
             parity: std::env::current_exe()?,
             python: super::python(),
