@@ -59,7 +59,8 @@ COMPUTE_MUTATIONS = [
     "rms-eps-10x", "norm-weight-twice", "norm-weight-missing", "swiglu-swap", "kv-off-by-one",
     "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
-    "causal-mask-off-by-one",
+    "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
+    "norm-weight-plus-one",
 ]
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
@@ -291,6 +292,8 @@ class Engine:
         if mut == "norm-weight-twice" or (
                 mut == "attn-norm-weight-twice" and name.endswith(".attn_norm.weight")):
             w = (w * w).astype(F32)
+        if mut == "norm-weight-plus-one":
+            w = (w + F32(1.0)).astype(F32)
         eps = self.m.eps * F32(10.0) if mut == "rms-eps-10x" else self.m.eps
         mean = (np.sum((x * x).astype(F64), axis=1) / x.shape[1]).astype(F32)
         scale = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
@@ -353,8 +356,10 @@ class Engine:
             rec("v", l, v)
             # rope-pos-off-by-one: decode steps rotate one position late, the cache slot right.
             rp = [ps + 1 for ps in positions] if (mut == "rope-pos-off-by-one" and pos0 > 0) else positions
-            q = self.rope(q, rp, nh, mut)
-            k = self.rope(k, rp, nkv, mut)
+            if mut != "rope-q-skipped":
+                q = self.rope(q, rp, nh, mut)
+            if mut != "rope-k-skipped":
+                k = self.rope(k, rp, nkv, mut)
             rec("q_rope", l, q)
             rec("k_rope", l, k)
             slot = pos0 + 1 if ((mut == "kv-off-by-one" and pos0 > 0) or mut == "kv-slot-late") else pos0
@@ -404,6 +409,8 @@ class Engine:
             ffn_out = self.matmul(p + "ffn_down.weight", act.astype(F32))
             rec("ffn_out", l, ffn_out)
             x = (ffn_inp + ffn_out).astype(F32)
+            if mut == "ffn-out-twice":
+                x = (x + ffn_out).astype(F32)
             rec("l_out", l, x)
         mut = self.mut
         xn = x if mut == "no-final-norm" else self.norm(x, "output_norm.weight", mut)

@@ -54,6 +54,15 @@ pub enum Mutation {
     NoFinalNorm,
     /// The attention output is added to the residual twice: ffn_inp = x + 2·attn_out.
     AttnOutTwice,
+    /// The feed-forward output is added to the residual twice: l_out = ffn_inp + 2·ffn_out.
+    FfnOutTwice,
+    /// RoPE rotates k but not q.
+    RopeQSkipped,
+    /// RoPE rotates q but not k.
+    RopeKSkipped,
+    /// Every RMSNorm multiplies by (1 + w), gemma's convention, on a model whose norm weights
+    /// are the multiplier itself (gemma's are stored with the 1 folded in: gemma-norm-plus-one).
+    NormWeightPlusOne,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
     DecoderNibbleOrder,
     /// The output projection uses token_embd although output.weight exists.
@@ -125,6 +134,10 @@ impl Mutation {
         Mutation::KvSlotLate,
         Mutation::NoFinalNorm,
         Mutation::AttnOutTwice,
+        Mutation::FfnOutTwice,
+        Mutation::RopeQSkipped,
+        Mutation::RopeKSkipped,
+        Mutation::NormWeightPlusOne,
         Mutation::DecoderNibbleOrder,
         Mutation::TiedOutput,
         Mutation::NoBos,
@@ -159,6 +172,10 @@ impl Mutation {
             Mutation::KvSlotLate => "kv-slot-late",
             Mutation::NoFinalNorm => "no-final-norm",
             Mutation::AttnOutTwice => "attn-out-twice",
+            Mutation::FfnOutTwice => "ffn-out-twice",
+            Mutation::RopeQSkipped => "rope-q-skipped",
+            Mutation::RopeKSkipped => "rope-k-skipped",
+            Mutation::NormWeightPlusOne => "norm-weight-plus-one",
             Mutation::DecoderNibbleOrder => "decoder-nibble-order",
             Mutation::TiedOutput => "tied-output",
             Mutation::NoBos => "no-bos",
@@ -232,6 +249,14 @@ impl Mutation {
             Mutation::AttnOutTwice => {
                 "the attention output is added to the residual twice (ffn_inp = x + 2 * attn_out)"
             }
+            Mutation::FfnOutTwice => {
+                "the feed-forward output is added to the residual twice (l_out = ffn_inp + 2 * ffn_out)"
+            }
+            Mutation::RopeQSkipped => "RoPE rotates k but not q",
+            Mutation::RopeKSkipped => "RoPE rotates q but not k",
+            Mutation::NormWeightPlusOne => {
+                "each RMSNorm multiplies by (1 + weight), gemma's convention, where the model's weight is the multiplier itself"
+            }
             Mutation::DecoderNibbleOrder => {
                 "the 4-bit decoder swaps the low and high nibble of each quant byte"
             }
@@ -288,6 +313,11 @@ impl Mutation {
             // Rotating nothing, or one pair, leaves NORM and NEOX the same.
             Mutation::RopeNeox => c.n_rot >= 4,
             Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
+            Mutation::RopeQSkipped | Mutation::RopeKSkipped => c.n_rot >= 2,
+            // On gemma the same op is gemma-norm-plus-one (its weights carry the 1 already).
+            Mutation::NormWeightPlusOne => {
+                !matches!(c.arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3)
+            }
             Mutation::GemmaNormPlusOne => {
                 matches!(c.arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3)
             }
@@ -342,6 +372,11 @@ impl Mutation {
             Mutation::KvSlotLate => at(0, Tap::KqSoftMax),
             Mutation::NoFinalNorm => Some(TapKey::new(0, None, Tap::ResultNorm)),
             Mutation::AttnOutTwice => at(0, Tap::FfnInp),
+            Mutation::FfnOutTwice => at(0, Tap::LOut),
+            // Position 0 is the identity: the prompt's second row shows it.
+            Mutation::RopeQSkipped => at(0, Tap::QRope),
+            Mutation::RopeKSkipped => at(0, Tap::KRope),
+            Mutation::NormWeightPlusOne => at(0, Tap::AttnNorm),
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
             // Before a final soft-cap, the projection is tapped on its own.
             Mutation::TransposedLmHead | Mutation::TiedOutput => {
@@ -403,6 +438,10 @@ impl Mutation {
             Mutation::KvSlotLate => "step 0, layer 0, kq_soft_max",
             Mutation::NoFinalNorm => "step 0, result_norm",
             Mutation::AttnOutTwice => "step 0, layer 0, ffn_inp",
+            Mutation::FfnOutTwice => "step 0, layer 0, l_out",
+            Mutation::RopeQSkipped => "step 0, layer 0, q_rope",
+            Mutation::RopeKSkipped => "step 0, layer 0, k_rope",
+            Mutation::NormWeightPlusOne => "step 0, layer 0, attn_norm",
             Mutation::AttnNormWeightTwice => {
                 "step 0, the first attn_norm whose weight has an element other than 0 or 1"
             }

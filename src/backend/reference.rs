@@ -55,6 +55,8 @@ pub struct Reference<'m> {
     layer_now: Option<usize>,
     /// The latest tap (which residual an `add` is).
     tap_now: Option<Tap>,
+    /// RoPE calls since the latest tap: the first rotates q, the second k.
+    ropes_since_tap: usize,
 }
 
 impl<'m> Reference<'m> {
@@ -78,6 +80,7 @@ impl<'m> Reference<'m> {
             mutation_from: 0,
             layer_now: None,
             tap_now: None,
+            ropes_since_tap: 0,
         }
     }
 
@@ -696,7 +699,9 @@ impl Ops for Reference<'_> {
         {
             weight.iter_mut().for_each(|v| *v *= *v);
         }
-        if self.mutated(Mutation::GemmaNormPlusOne, layer) {
+        if self.mutated(Mutation::GemmaNormPlusOne, layer)
+            || self.mutated(Mutation::NormWeightPlusOne, layer)
+        {
             weight.iter_mut().for_each(|v| *v += 1.0);
         }
         let eps = if self.mutated(Mutation::RmsEps10x, layer) {
@@ -766,6 +771,15 @@ impl Ops for Reference<'_> {
         n_heads: usize,
         r: &Rope,
     ) -> Vec<f32> {
+        // The forward rotates q, then k, between two taps.
+        self.ropes_since_tap += 1;
+        let skipped = match self.ropes_since_tap {
+            1 => Mutation::RopeQSkipped,
+            _ => Mutation::RopeKSkipped,
+        };
+        if self.mutated(skipped, Some(layer)) {
+            return x;
+        }
         let mut r = *r;
         if self.mutated(Mutation::RopeTheta, Some(layer)) {
             r.base = mutation::wrong_theta(r.base);
@@ -883,6 +897,11 @@ impl Ops for Reference<'_> {
         {
             return add(&add(&a, b), b);
         }
+        if matches!(self.tap_now, Some(Tap::FfnOut | Tap::FfnPostNorm))
+            && self.mutated(Mutation::FfnOutTwice, self.layer_now)
+        {
+            return add(&add(&a, b), b);
+        }
         add(&a, b)
     }
 
@@ -911,6 +930,7 @@ impl Ops for Reference<'_> {
         let (step, layer) = (key.step, key.layer);
         self.layer_now = layer;
         self.tap_now = Some(key.tap);
+        self.ropes_since_tap = 0;
         match key.tap {
             // An engine that lays q/k heads out as HF does (the converter's permutation
             // undone): every op after this point sees the permuted tensor.
