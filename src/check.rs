@@ -303,7 +303,9 @@ pub fn run(
     model.file.release_range(0, usize::MAX);
     let mut comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
     if opt.op_by_op
-        && let Some(g) = golden.as_ref().filter(|(_, g)| golden_device(g) != GoldenDevice::Cpu)
+        && let Some(g) = golden
+            .as_ref()
+            .filter(|(_, g)| golden_device(g) != GoldenDevice::Cpu)
     {
         comparisons.insert(0, judge_golden(model, g)?);
     }

@@ -295,7 +295,9 @@ pub fn run(
         for &engine in &opt.engines {
             for &rounding in &opt.roundings {
                 let row = |case: Case, clean: Option<&Trace>| {
-                    one_row(engine, rounding, case, clean, model, model_path, &golden, opt, &tmp)
+                    one_row(
+                        engine, rounding, case, clean, model, model_path, &golden, opt, &tmp,
+                    )
                 };
                 // The clean engine's trace first: in a sparse dump it says where a bug first
                 // makes the trace differ at all. Then the bugs, `jobs` at a time (each an
@@ -362,7 +364,11 @@ fn one_row(
         && !row.ok
         && place(&k) != *exp
     {
-        row.why = format!("{} (first difference in this trace: {})", row.why, place(&k));
+        row.why = format!(
+            "{} (first difference in this trace: {})",
+            row.why,
+            place(&k)
+        );
     }
     Ok((row, cand))
 }
@@ -738,6 +744,12 @@ mod tests {
         let mut got = Vec::new();
         in_order(&items, 0, |&i: &u64| Ok::<_, ()>(i), |r| got.push(r)).unwrap();
         assert_eq!(got, items);
-        in_order(&[] as &[u64], 2, |&i: &u64| Ok::<_, ()>(i), |_| panic!("no items")).unwrap();
+        in_order(
+            &[] as &[u64],
+            2,
+            |&i: &u64| Ok::<_, ()>(i),
+            |_| panic!("no items"),
+        )
+        .unwrap();
     }
 }

@@ -313,7 +313,11 @@ fn check_fails_a_gpu_golden_that_carries_a_bug() {
     let tmp = tempfile::tempdir().unwrap();
     for (bug, tap, named) in [
         ("rms-eps-10x", "attn_norm", "rms-eps-10x reproduces"),
-        ("rope-theta-500000", "q_rope", "rope-theta=500000 reproduces"),
+        (
+            "rope-theta-500000",
+            "q_rope",
+            "rope-theta=500000 reproduces",
+        ),
     ] {
         let g = tmp.path().join(bug);
         copy_dir(&root().join("golden-gpu/planted").join(bug), &g);
@@ -336,7 +340,11 @@ fn check_fails_a_gpu_golden_that_carries_a_bug() {
         assert_eq!(own["pair"], "own-inputs", "{bug}: {own}");
         let at = &own["first_divergence"]["at"]["key"];
         assert_eq!(
-            (at["step"].as_u64(), at["layer"].as_u64(), at["tap"].as_str()),
+            (
+                at["step"].as_u64(),
+                at["layer"].as_u64(),
+                at["tap"].as_str()
+            ),
             (Some(0), Some(0), Some(tap)),
             "{bug}: {at}"
         );

@@ -155,7 +155,12 @@ pub fn diff(
 
 /// The judgement as a comparison (own errors against the floors), so every report format and
 /// the exit code render it; the token-id finding of the end-to-end comparison comes first.
-pub fn own_comparison(j: &Judgement, v: &Verdict, e2e: &Comparison, cand_label: &str) -> Comparison {
+pub fn own_comparison(
+    j: &Judgement,
+    v: &Verdict,
+    e2e: &Comparison,
+    cand_label: &str,
+) -> Comparison {
     // An own error under its floor that a known bug explains is held to the f32 noise level:
     // the flagged key's when it is, and the key the bug was placed at by experiment (where the
     // confirmed hypothesis removes an own error under that key's floor).
