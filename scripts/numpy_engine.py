@@ -60,7 +60,7 @@ COMPUTE_MUTATIONS = [
     "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
-    "norm-weight-plus-one",
+    "norm-weight-plus-one", "causal-mask-excludes-self",
 ]
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
@@ -384,6 +384,13 @@ class Engine:
                     vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
                     if mut == "causal-mask-off-by-one":
                         vis = min(vis + 1, n_kv)
+                    if mut == "causal-mask-excludes-self":
+                        vis = pos0 + i
+                    if vis == 0:
+                        # A softmax over a row masked everywhere: exp(-inf - (-inf)) = NaN.
+                        probs[h, i, :] = np.nan
+                        att[i, h * hd:(h + 1) * hd] = np.nan
+                        continue
                     s = (kh[:vis] @ q[i, h].astype(F64)).astype(F32) * kq_scale
                     e = np.exp(s - s.max()).astype(F32)
                     pr = e * F32(1.0 / np.sum(e.astype(F64)))

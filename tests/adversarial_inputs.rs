@@ -383,6 +383,87 @@ fn minus_inf_logits_in_the_candidate_are_named() {
     );
 }
 
+/// A softmax row NaN in every entry, as an engine's softmax over a row masked everywhere gives,
+/// with every other value right: the text says where the NaN sits (whole softmax rows, at
+/// position 0) and what gives that, and no known bug is said to reproduce it (the one that
+/// masks position 0 out also changes every other row).
+#[test]
+fn whole_nan_softmax_rows_are_described_from_the_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cand = golden_with(tmp.path(), "cand", 0, "kq_soft_max-0", |v| {
+        // [n_head, t, n_kv]: row 0 of each head.
+        let (nh, t) = (4, 20);
+        let n_kv = v.len() / (nh * t);
+        for h in 0..nh {
+            v[h * t * n_kv..][..n_kv].fill(f32::NAN);
+        }
+    });
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cand.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(m["steps"][0]["tokens"].as_array().unwrap().len(), 20);
+    non_finite_found(
+        &root().join(GOLDEN),
+        &cand,
+        &[
+            "NaN first appears at step 0 layer 0 kq_soft_max",
+            "non-finite: every value of 4 of 80 softmax rows (position 0)",
+            "a softmax over a row masked everywhere",
+            "no known bug reproduces it",
+        ],
+    );
+}
+
+/// An engine whose causal mask leaves each row's own position out: position 0 sees nothing
+/// and its softmax is NaN. Named by experiment, from the full dump (at kq_soft_max) and from
+/// its sparse cut (at layer 0's l_out, where position 0's row is NaN): the replay with that
+/// bug puts NaN at exactly the candidate's places and reproduces the finite rest.
+#[test]
+fn a_mask_that_hides_a_rows_own_position_is_named_from_its_nan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let full = tmp.path().join("full");
+    let o = run(&[
+        &"dump",
+        &FIX,
+        &"--golden",
+        &GOLDEN,
+        &"--mutate",
+        &"causal-mask-excludes-self",
+        &"--out",
+        &full,
+    ]);
+    assert_eq!(o.code, Some(0), "{}", o.show());
+    let sparse = tmp.path().join("sparse");
+    common::sparse_copy(&full, &sparse);
+    for (trace, place, rows) in [
+        (
+            &full,
+            "step 0 layer 0 kq_soft_max",
+            "softmax rows (position 0)",
+        ),
+        (
+            &sparse,
+            "step 0 layer 0 l_out",
+            "every value of 1 of 20 token rows (position 0)",
+        ),
+    ] {
+        let o = run(&[&"diff", &GOLDEN, trace]);
+        assert_eq!(o.code, Some(1), "{}", o.show());
+        for w in [
+            &format!("NaN first appears at {place}") as &str,
+            rows,
+            "confirmed by experiment: causal-mask-excludes-self reproduces it",
+        ] {
+            assert!(
+                o.stdout.contains(w),
+                "{}: lacks '{w}'\n{}",
+                trace.display(),
+                o.show()
+            );
+        }
+    }
+}
+
 /// A NaN in the golden: the candidate (the clean golden) judges clean on its own inputs, and
 /// the end-to-end comparison names the baseline's NaN.
 #[test]

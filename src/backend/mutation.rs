@@ -47,6 +47,9 @@ pub enum Mutation {
     NoCausalMask,
     /// The causal mask off by one: each prefill row also sees the next position.
     CausalMaskOffByOne,
+    /// The causal mask leaves each row's own position out (`j < i`): position 0 sees nothing,
+    /// and its softmax over a row masked everywhere is NaN.
+    CausalMaskExcludesSelf,
     /// K/V written one slot after their position at every step, the prompt included: slot 0
     /// stays empty and attention reads each earlier token's K/V one place late.
     KvSlotLate,
@@ -131,6 +134,7 @@ impl Mutation {
         Mutation::RopePosOffByOne,
         Mutation::NoCausalMask,
         Mutation::CausalMaskOffByOne,
+        Mutation::CausalMaskExcludesSelf,
         Mutation::KvSlotLate,
         Mutation::NoFinalNorm,
         Mutation::AttnOutTwice,
@@ -169,6 +173,7 @@ impl Mutation {
             Mutation::KvOffByOne => "kv-off-by-one",
             Mutation::NoCausalMask => "no-causal-mask",
             Mutation::CausalMaskOffByOne => "causal-mask-off-by-one",
+            Mutation::CausalMaskExcludesSelf => "causal-mask-excludes-self",
             Mutation::KvSlotLate => "kv-slot-late",
             Mutation::NoFinalNorm => "no-final-norm",
             Mutation::AttnOutTwice => "attn-out-twice",
@@ -239,6 +244,9 @@ impl Mutation {
             Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
             Mutation::CausalMaskOffByOne => {
                 "the causal mask is off by one: each prefill row also sees the next position (`j <= i + 1`)"
+            }
+            Mutation::CausalMaskExcludesSelf => {
+                "the causal mask leaves each row's own position out (`j < i`): the first position sees nothing, and a softmax over a row masked everywhere is NaN"
             }
             Mutation::KvSlotLate => {
                 "K/V are written one slot after their position at every step, the prompt included: attention reads an empty slot 0 and each earlier token's K/V one place late"
@@ -356,9 +364,10 @@ impl Mutation {
                 at(0, Tap::QRope)
             }
             Mutation::QkPermute => at(0, Tap::Q),
-            Mutation::GqaModulo | Mutation::NoCausalMask | Mutation::CausalMaskOffByOne => {
-                at(0, Tap::KqSoftMax)
-            }
+            Mutation::GqaModulo
+            | Mutation::NoCausalMask
+            | Mutation::CausalMaskOffByOne
+            | Mutation::CausalMaskExcludesSelf => at(0, Tap::KqSoftMax),
             Mutation::TransposedWo => at(0, Tap::AttnOut),
             Mutation::RmsEps10x => at(0, Tap::AttnNorm),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
@@ -425,9 +434,10 @@ impl Mutation {
                 "step 0, layer 0, q_rope"
             }
             Mutation::QkPermute => "step 0, layer 0, q",
-            Mutation::GqaModulo | Mutation::NoCausalMask | Mutation::CausalMaskOffByOne => {
-                "step 0, layer 0, kq_soft_max"
-            }
+            Mutation::GqaModulo
+            | Mutation::NoCausalMask
+            | Mutation::CausalMaskOffByOne
+            | Mutation::CausalMaskExcludesSelf => "step 0, layer 0, kq_soft_max",
             Mutation::TransposedWo => "step 0, layer 0, attn_out",
             Mutation::RmsEps10x => "step 0, layer 0, attn_norm",
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {

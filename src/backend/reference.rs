@@ -266,6 +266,10 @@ impl<'m> Reference<'m> {
             // One position more, where the step has one (a decode step's row is its last).
             return seen.start..(seen.end + 1).min(n_kv);
         }
+        if self.mutated(Mutation::CausalMaskExcludesSelf, Some(layer)) {
+            // `j < i` where `j <= i` is meant: position 0 sees nothing.
+            return seen.start..seen.end - 1;
+        }
         seen
     }
 }
@@ -841,6 +845,12 @@ impl Ops for Reference<'_> {
                 let qv = &q[(i * nh + h) * hd..][..hd];
                 let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
                 let seen = self.visible(layer, a, pos0, i, n_kv);
+                // A row that sees no position is what an engine's softmax over a row masked
+                // everywhere gives: exp(-inf - (-inf)) = NaN in every entry.
+                if seen.is_empty() {
+                    p.fill(f32::NAN);
+                    continue;
+                }
                 for j in seen.clone() {
                     let mut s = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
                     if let Some(cap) = a.softcap.filter(|_| !no_cap) {
@@ -865,6 +875,11 @@ impl Ops for Reference<'_> {
                 let seen = self.visible(layer, a, pos0, i, n_kv);
                 let p = &p[(h * t + i) * n_kv..][..n_kv];
                 let out = &mut att[(i * nh + h) * hd..][..hd];
+                // A fully masked row's NaN probabilities reach every value (p · V).
+                if seen.is_empty() {
+                    out.fill(f32::NAN);
+                    continue;
+                }
                 for (d, o) in out.iter_mut().enumerate() {
                     let s: f64 = seen
                         .clone()

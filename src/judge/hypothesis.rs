@@ -36,7 +36,12 @@ fn fmt_num(x: f32) -> String {
 }
 
 /// Whether catalog bug `m` can change what the span computes.
-fn relevant(m: Mutation, model: &Model, k: &TapKey, classes: &BTreeSet<OpClass>) -> bool {
+pub(super) fn relevant(
+    m: Mutation,
+    model: &Model,
+    k: &TapKey,
+    classes: &BTreeSet<OpClass>,
+) -> bool {
     if m.kind() != MutationKind::Compute || !m.applies_to(model) {
         return false;
     }

@@ -15,6 +15,7 @@
 pub mod floor;
 pub mod hypothesis;
 pub mod layout;
+pub mod nonfinite;
 pub mod replay;
 pub mod rounding;
 pub mod span;
@@ -314,7 +315,8 @@ fn judge_once(
     let first_step = steps.iter().copied().min().unwrap_or(0);
 
     // The guard: a NaN or an Inf in the candidate is the finding, and no experiment runs on it.
-    let bad = first_non_finite(&cand)?;
+    let bad = nonfinite::first(&cand)?;
+    let experiments = opt.hypotheses;
     let guarded = JudgeOptions {
         hypotheses: opt.hypotheses && bad.is_none(),
         ..opt.clone()
@@ -412,18 +414,30 @@ fn judge_once(
     let mut below_floor = Vec::new();
     // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
     // model's graph has no op for is not judged, its values neither.)
-    let bad = bad.and_then(|b| Some(non_finite(&b, ops.iter().find(|o| o.key == b.key)?)));
+    let bad = match bad.and_then(|b| Some((b, ops.iter().find(|o| o.key == b.key)?))) {
+        Some((b, o)) => Some(nonfinite::candidate(
+            model,
+            &cand,
+            &floors,
+            kv,
+            &b,
+            o,
+            experiments,
+            &opt.roundings,
+        )?),
+        None => None,
+    };
     let first = match ops.iter().find(|o| !o.pass) {
         _ if bad.is_some() => bad,
         Some(o) if o.metrics.non_finite_failure() => {
-            let b = NonFinite {
+            let b = nonfinite::NonFinite {
                 key: o.key,
                 nan: o.metrics.nan_a,
                 inf: o.metrics.inf_a,
                 n: o.metrics.n,
                 whose: "the reference's recomputation from the candidate's finite inputs",
             };
-            Some(non_finite(&b, o))
+            Some(nonfinite::recomputed(&b, o))
         }
         Some(o) => Some(hypothesis::diagnose(
             model,
@@ -476,70 +490,6 @@ pub fn rounding_label(j: &Judgement) -> String {
     match j.decode_rounding {
         Some(d) => format!("prefill: {}, decode: {}", short(j.rounding), short(d)),
         None => short(j.rounding).to_string(),
-    }
-}
-
-/// Where non-finite values first appear (graph order) and how many.
-#[derive(Clone, Copy, Debug)]
-struct NonFinite {
-    key: TapKey,
-    nan: usize,
-    inf: usize,
-    /// Values in the tensor.
-    n: usize,
-    whose: &'static str,
-}
-
-/// The judge's guard: the first key of the candidate (graph order) holding a NaN or an Inf.
-/// No tap of a transformer holds one, so it is a finding of its own (an overflow, a division
-/// by zero, a fully masked softmax row), and no experiment may confirm a bug from such data.
-fn first_non_finite(cand: &Candidate) -> Result<Option<NonFinite>, JudgeError> {
-    for k in cand.trace.keys() {
-        let Some(v) = cand.raw(k)? else { continue };
-        let nan = v.iter().filter(|x| x.is_nan()).count();
-        let inf = v.iter().filter(|x| x.is_infinite()).count();
-        if nan + inf > 0 {
-            return Ok(Some(NonFinite {
-                key: *k,
-                nan,
-                inf,
-                n: v.len(),
-                whose: "the candidate",
-            }));
-        }
-    }
-    Ok(None)
-}
-
-/// The finding a non-finite value is, at its op `o` (own error and floor as measured on the
-/// finite rest).
-fn non_finite(b: &NonFinite, o: &OpResult) -> Finding {
-    let counts: Vec<String> = [(b.nan, "NaN"), (b.inf, "±Inf")]
-        .iter()
-        .filter(|(c, _)| *c > 0)
-        .map(|(c, w)| format!("{c} {w}"))
-        .collect();
-    Finding {
-        key: b.key,
-        flagged: b.key,
-        own_nmse: o.own_nmse,
-        floor: o.floor,
-        span_ops: o.span_ops,
-        confirmed: None,
-        confirmed_nmse: None,
-        catalog: None,
-        also: Vec::new(),
-        ruled_out: Vec::new(),
-        fallback: false,
-        explained: false,
-        text: format!(
-            "{} first appears at {} ({} in {}, of {} values): a non-finite value is a finding of its own (an overflow, a division by zero, a fully masked softmax row); no experiment runs on it",
-            if b.nan > 0 { "NaN" } else { "Inf" },
-            b.key,
-            counts.join(", "),
-            b.whose,
-            b.n
-        ),
     }
 }
 
