@@ -142,30 +142,41 @@ pub fn candidate(
         // the places are looked for under the measured rounding, else in plain f32 (which
         // carries a NaN on as engines' float paths do); a bug that puts the non-finite values
         // at the candidate's places keeps the closest finite rest over every rounding.
-        let under = |rounding| Setup {
+        let under = |rounding, kv| Setup {
             rounding,
             decode: (rounding == floors.rounding)
                 .then_some(floors.decode)
                 .flatten(),
+            kv,
             ..setup.clone()
         };
-        let places = |rounding| -> Result<Option<f64>, JudgeError> {
-            let r = replay(model, cand, &under(rounding), &keep)?;
+        let places = |rounding, kv| -> Result<Option<f64>, JudgeError> {
+            let r = replay(model, cand, &under(rounding, kv), &keep)?;
             Ok(r.kept.get(&k).and_then(|x| same_places(x, &want)))
         };
-        let mut e = match places(floors.rounding)? {
+        let mut e = match places(floors.rounding, kv)? {
             Some(e) => e,
-            None if floors.rounding != Emulation::None => match places(Emulation::None)? {
+            None if floors.rounding != Emulation::None => match places(Emulation::None, kv)? {
                 Some(e) => e,
                 None => continue,
             },
             None => continue,
         };
-        for &rounding in roundings.iter().filter(|&&r| r != floors.rounding) {
+        // The K/V cache type, measured on the same data, is tried both ways too.
+        let other_kv = match kv {
+            KvCache::F32 => KvCache::F16,
+            KvCache::F16 => KvCache::F32,
+        };
+        for (rounding, kv) in roundings
+            .iter()
+            .map(|&r| (r, kv))
+            .chain(roundings.iter().map(|&r| (r, other_kv)))
+            .filter(|&(r, c)| (r, c) != (floors.rounding, kv))
+        {
             if e <= o.floor * 1e-3 {
                 break;
             }
-            if let Some(e2) = places(rounding)? {
+            if let Some(e2) = places(rounding, kv)? {
                 e = e.min(e2);
             }
         }
