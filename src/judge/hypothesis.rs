@@ -62,6 +62,19 @@ pub(super) fn relevant(
     }
 }
 
+/// The clean replay of `window` under the measured rounding and cache: what each experiment
+/// at a key varies one thing of.
+pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup {
+    Setup {
+        rounding: floors.rounding,
+        decode: floors.decode,
+        kv,
+        mutation: None,
+        knob: None,
+        window,
+    }
+}
+
 /// What the experiments at one key left: the clean replay of its window (the reference's own
 /// tensors kept at the key's step and layer), each hypothesis tried with its NMSE, and the
 /// setups of the re-run ones by name (layouts need none).
@@ -89,14 +102,7 @@ fn experiments(
     let sp = span(cand, &k);
     let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
     let window = Window::for_key(cand, &k);
-    let base = Setup {
-        rounding: floors.rounding,
-        decode: floors.decode,
-        kv,
-        mutation: None,
-        knob: None,
-        window,
-    };
+    let base = clean_setup(floors, kv, window);
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
     // (step, layer): layouts are tested on them, the fallback heuristics read them.
     let keep: BTreeSet<TapKey> = cand

@@ -6,7 +6,7 @@
 //! every entry: `exp(-inf - (-inf))`). No rounding or knob is fitted on such data.
 
 use super::floor::{Floors, class};
-use super::hypothesis::relevant;
+use super::hypothesis::{clean_setup, relevant};
 use super::replay::{Candidate, KvCache, Setup, Window, replay};
 use super::span::span;
 use super::{Finding, JudgeError, OpResult};
@@ -117,14 +117,7 @@ pub fn candidate(
         ));
     }
     let classes: BTreeSet<_> = span(cand, &k).iter().map(|x| class(x.tap)).collect();
-    let base = Setup {
-        rounding: floors.rounding,
-        decode: floors.decode,
-        kv,
-        mutation: None,
-        knob: None,
-        window: Window::for_key(cand, &k),
-    };
+    let base = clean_setup(floors, kv, Window::for_key(cand, &k));
     let keep = BTreeSet::from([k]);
     let mut tried = 0;
     let mut matched: Vec<(Mutation, f64)> = Vec::new();
