@@ -45,6 +45,8 @@ MISSING_LLAMA_CPP = (
 # tap table (docs/trace-format.md), in graph order
 # --------------------------------------------------------------------------
 GLOBAL_FIRST = ["embd", "embd_scaled"]
+# K/V cache types a golden may be made with (llama.cpp's -ctk/-ctv); parity judges these.
+CACHE_TYPES = ["f32", "f16", "q8_0", "q4_0"]
 LAYER_TAPS = [
     "attn_norm", "q", "k", "v", "q_normed", "k_normed", "q_rope", "k_rope",
     "kq_soft_max", "kqv_out", "attn_out", "attn_post_norm", "ffn_inp", "ffn_norm",
@@ -225,6 +227,7 @@ class Capture:
         self.ggml = ggml
         self.np = np
         self.list_nodes = list_nodes
+        self.flash_attn_seen = False  # what flash attention "auto" resolved to
         self.records = []   # (name, op, type_name, ne, array4d) in callback order
         self.seen = []      # every node asked about: (name, op, type, ne, is_view, wanted)
         self.error = None
@@ -241,6 +244,8 @@ class Capture:
         self.error = None
         self.rope_params = {}
         self.kqv_out_ptrs = {}   # address of kqv_out-L -> L (this graph)
+        self.kqv_views = {}      # address of a reshape of kqv_out-L -> L
+        self.kqv_unrotated = {}  # address of the product rotating kqv_out-L back -> L
         self.attn_out_ptrs = {}  # address of attn_out-L (named or synthetic) -> L
         self.result_norm_ptr = None
         self.synthetic = {}      # address of an unnamed node -> the llama.cpp-style name we give it
@@ -260,6 +265,8 @@ class Capture:
             if ask:
                 want = self.wanted(name)
                 op = self.ggml.lib.ggml_op_desc(t)
+                if op == b"FLASH_ATTN_EXT":
+                    self.flash_attn_seen = True
                 if want:
                     m = LAYER_NAME_RE.match(name)
                     if m and m.group(1) == "kqv_out":
@@ -268,6 +275,21 @@ class Capture:
                         self.attn_out_ptrs[t] = int(m.group(2))
                     if name == "result_norm":
                         self.result_norm_ptr = t
+                elif op == b"RESHAPE" and g.src[0] in self.kqv_out_ptrs:
+                    self.kqv_views[t] = self.kqv_out_ptrs[g.src[0]]
+                elif op == b"RESHAPE" and g.src[0] in self.kqv_unrotated:
+                    # A quantized V cache is stored rotated (Walsh-Hadamard): llama.cpp names
+                    # the attention output kqv_out-L before rotating it back. The rotated-back
+                    # product (this view of it, in kqv_out's shape) is what Wo reads, and what
+                    # kqv_out means in every other trace.
+                    il = self.kqv_unrotated[g.src[0]]
+                    self.synthetic[t] = f"kqv_out-{il}"
+                    self.synthetic_src[f"kqv_out-{il}"] = name
+                    self.kqv_out_ptrs[t] = il
+                    want = True
+                elif (op == b"MUL_MAT" and g.src[1] in self.kqv_views and g.src[0]
+                      and GgmlTensor.from_address(g.src[0]).name.startswith(b"attn_inp_v_rot")):
+                    self.kqv_unrotated[t] = self.kqv_views[g.src[1]]
                 elif (UNNAMED_RE.match(name) and g.src[1] in self.kqv_out_ptrs
                       and op == b"MUL_MAT"):
                     # archs that leave Wo·kqv_out unnamed (qwen2 in 2026 trees): take the
@@ -763,6 +785,13 @@ def main(argv=None):
     ap.add_argument("--llama-defaults", action="store_true",
                     help="keep llama.cpp's default F16 KV cache and flash-attention auto "
                          "(and weight repacking) instead of the tight settings")
+    ap.add_argument("--cache-type-k", choices=CACHE_TYPES, default=None,
+                    help="K cache type (llama.cpp's -ctk; default f32, or f16 with --llama-defaults)")
+    ap.add_argument("--cache-type-v", choices=CACHE_TYPES, default=None,
+                    help="V cache type (llama.cpp's -ctv; a quantized V cache needs flash attention)")
+    ap.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None,
+                    help="flash attention (llama.cpp's -fa; default off, or auto with --llama-defaults); "
+                         "the manifest records what llama.cpp resolved it to")
     ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
     ap.add_argument("--list-nodes", action="store_true",
                     help="print every graph node of the prefill and the first decode step "
@@ -902,13 +931,17 @@ def main(argv=None):
     cp.n_threads = args.threads
     cp.n_threads_batch = args.threads
     cp_fields = {f[0] for f in type(cp)._fields_}
-    if not args.llama_defaults:
-        if "flash_attn_type" in cp_fields:
-            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        elif "flash_attn" in cp_fields:
-            cp.flash_attn = False
-        cp.type_k = L.GGML_TYPE_F32
-        cp.type_v = L.GGML_TYPE_F32
+    fa_want = args.flash_attn or ("auto" if args.llama_defaults else "off")
+    if "flash_attn_type" in cp_fields:
+        cp.flash_attn_type = {"on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                              "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                              "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO}[fa_want]
+    elif "flash_attn" in cp_fields:
+        cp.flash_attn = fa_want == "on"
+    default_kv = "f16" if args.llama_defaults else "f32"
+    for field, want in (("type_k", args.cache_type_k or default_kv),
+                        ("type_v", args.cache_type_v or default_kv)):
+        setattr(cp, field, getattr(L, "GGML_TYPE_" + want.upper()))
     capture = Capture(ggml, np, args.list_nodes)
     cb = L.ggml_backend_sched_eval_callback(capture.callback)
     cp.cb_eval = cb
@@ -927,7 +960,8 @@ def main(argv=None):
     steps_pos, steps_tokens, all_notes = [], [], {}
     # A GPU's arithmetic is not the CPU's (f16 tiles and softmax, f32 GELU): its recomputed ops
     # are checked at the loose level, as llama.cpp's defaults are.
-    tight_checks = not args.llama_defaults and mp.n_gpu_layers == 0
+    tight_kv = cp.type_k == L.GGML_TYPE_F32 and cp.type_v == L.GGML_TYPE_F32 and fa_want == "off"
+    tight_checks = tight_kv and mp.n_gpu_layers == 0
     checks = None if args.no_check else StepChecks(n_head, n_head_kv, tight_checks, np, rules)
     order = [(t, None) for t in GLOBAL_FIRST] + \
             [(t, il) for il in range(n_layer) for t in LAYER_TAPS] + \
@@ -1073,6 +1107,7 @@ def main(argv=None):
         "type_k": type_names.get(cp.type_k, str(cp.type_k)),
         "type_v": type_names.get(cp.type_v, str(cp.type_v)),
         "flash_attn": fa,
+        "flash_attn_resolved": capture.flash_attn_seen,
         "use_extra_bufts": bool(mp.use_extra_bufts) if has_extra_bufts else None,
         "n_ctx": n_ctx,
         "n_batch": cp.n_batch,

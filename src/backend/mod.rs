@@ -3,6 +3,7 @@
 
 pub mod family;
 pub mod fast;
+pub mod kvcache;
 pub mod gpu;
 pub mod lockstep;
 pub mod mutation;

@@ -11,6 +11,7 @@
 
 pub use super::family::Emulation;
 use super::family::{Accum, Gelu, Quantizer};
+use super::kvcache::{self, KvCache};
 use super::mutation::{self, Mutation};
 use super::{Backend, BackendError};
 use crate::arch::{self, Attn, Ops, Rope};
@@ -57,6 +58,11 @@ pub struct Reference<'m> {
     tap_now: Option<Tap>,
     /// RoPE calls since the latest tap: the first rotates q, the second k.
     ropes_since_tap: usize,
+    /// The K/V cache emulated (f32 by default: the exact reference).
+    kv: KvCache,
+    /// With flash attention: the latest `attn_probs`' scores, `(position, score)` per
+    /// (head, token) row, which `attn_values` accumulates online as the engine does.
+    flash_scores: Vec<Vec<(usize, f32)>>,
 }
 
 impl<'m> Reference<'m> {
@@ -81,7 +87,15 @@ impl<'m> Reference<'m> {
             layer_now: None,
             tap_now: None,
             ropes_since_tap: 0,
+            kv: KvCache::F32,
+            flash_scores: Vec::new(),
         }
+    }
+
+    /// Keep the K/V cache as `kv` says (its storage, rotation and arithmetic).
+    pub fn with_kv(mut self, kv: KvCache) -> Self {
+        self.kv = kv;
+        self
     }
 
     /// Behave like an engine with bug `m` (see [`Mutation`]); `None` is the correct engine.
@@ -828,8 +842,25 @@ impl Ops for Reference<'_> {
             }
         }
         if slot + t <= self.n_ctx {
-            self.k_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(k);
-            self.v_cache[layer][slot * ekv..(slot + t) * ekv].copy_from_slice(v);
+            let hd = self.model.config.head_dim;
+            let (kc, vc) = (
+                &mut self.k_cache[layer][slot * ekv..(slot + t) * ekv],
+                &mut self.v_cache[layer][slot * ekv..(slot + t) * ekv],
+            );
+            kc.copy_from_slice(k);
+            vc.copy_from_slice(v);
+            if let Some(n) = self.kv.k_rotation(hd) {
+                kvcache::rotate(&kvcache::hadamard(n), n, kc);
+            }
+            if let Some(n) = self.kv.v_rotation(hd) {
+                kvcache::rotate(&kvcache::hadamard(n), n, vc);
+            }
+            for row in kc.chunks_exact_mut(ekv) {
+                self.kv.k.store(row);
+            }
+            for row in vc.chunks_exact_mut(ekv) {
+                self.kv.v.store(row);
+            }
         }
     }
 
@@ -840,9 +871,19 @@ impl Ops for Reference<'_> {
         let kv_head = self.kv_head(layer, a);
         let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
         let mut probs = vec![0.0f32; nh * t * n_kv];
+        let rot = self.kv.k_rotation(hd).map(|n| (n, kvcache::hadamard(n)));
+        let mut qh = vec![0.0f32; hd];
+        let flash = self.kv.f16_accumulator(t);
+        let mut flash_scores = Vec::new();
         for h in 0..nh {
             for i in 0..t {
-                let qv = &q[(i * nh + h) * hd..][..hd];
+                // q as the engine dots it with its cache: rotated with K, rounded to K's type.
+                qh.copy_from_slice(&q[(i * nh + h) * hd..][..hd]);
+                if let Some((n, hm)) = &rot {
+                    kvcache::rotate(hm, *n, &mut qh);
+                }
+                self.kv.round_query(&mut qh, t);
+                let qv = &qh[..];
                 let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
                 let seen = self.visible(layer, a, pos0, i, n_kv);
                 // A row that sees no position is what an engine's softmax over a row masked
@@ -858,36 +899,56 @@ impl Ops for Reference<'_> {
                     }
                     p[j] = s;
                 }
+                if flash {
+                    flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
+                }
                 softmax(&mut p[seen]);
             }
         }
+        drop(kv_head);
+        self.flash_scores = flash_scores;
         probs
     }
 
     fn attn_values(&mut self, layer: usize, p: &Vec<f32>, a: &Attn) -> Vec<f32> {
         let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
         let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        // Flash attention over an f16 V: the scores of `attn_probs` accumulated online in f16.
+        let flash = std::mem::take(&mut self.flash_scores);
         let vc = &self.v_cache[layer];
         let kv_head = self.kv_head(layer, a);
         let mut att = vec![0.0f32; t * nh * hd];
+        let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
+        let mut pr = vec![0.0f32; n_kv];
         for h in 0..nh {
             for i in 0..t {
                 let seen = self.visible(layer, a, pos0, i, n_kv);
-                let p = &p[(h * t + i) * n_kv..][..n_kv];
                 let out = &mut att[(i * nh + h) * hd..][..hd];
                 // A fully masked row's NaN probabilities reach every value (p · V).
                 if seen.is_empty() {
                     out.fill(f32::NAN);
                     continue;
                 }
+                let base = kv_head(h) * hd;
+                if let Some(f) = &flash {
+                    let row = |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[j * ekv + base..][..hd]);
+                    kvcache::flash_f16(&f[h * t + i], row, out);
+                    continue;
+                }
+                pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);
+                self.kv.round_probs(&mut pr[seen.clone()]);
                 for (d, o) in out.iter_mut().enumerate() {
                     let s: f64 = seen
                         .clone()
-                        .map(|j| p[j] as f64 * vc[j * ekv + kv_head(h) * hd + d] as f64)
+                        .map(|j| pr[j] as f64 * vc[j * ekv + base + d] as f64)
                         .sum();
                     *o = s as f32;
                 }
             }
+        }
+        // A rotated V gives a rotated output: the engine rotates it back.
+        if let Some(n) = self.kv.v_rotation(hd) {
+            kvcache::rotate(&kvcache::hadamard(n), n, &mut att);
         }
         att
     }

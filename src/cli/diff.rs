@@ -45,10 +45,12 @@ pub struct DiffArgs {
     /// bf16, f16-acc, f16-acc-unfused) instead of measuring which one reproduces the engine.
     #[arg(long)]
     rounding: Option<String>,
-    /// Judge with this K/V cache type only (f32, f16) instead of measuring which one
-    /// reproduces the engine's attention.
-    #[arg(long, value_parser = ["f32", "f16"])]
-    kv: Option<String>,
+    /// Judge with this K/V cache only instead of the one the candidate declares or the one
+    /// measured to reproduce its attention: f32, f16, q8_0, q4_0, or K/V types (q8_0/f16);
+    /// `+ggml` for llama.cpp's arithmetic around it (q rotated and rounded to K's dot type),
+    /// `+fa` for flash attention (an f16 V accumulated in f16)
+    #[arg(long, value_parser = parse_kv)]
+    kv: Option<judge::replay::KvCache>,
     /// Skip the experiments at the first op out of its floor (name it by text heuristics only).
     #[arg(long)]
     no_experiments: bool,
@@ -257,8 +259,6 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     };
     // A manifest says what its producer calls itself, not how it rounds: end to end, any
     // candidate is held to the tolerance that covers llama.cpp's own spread, unless --strict.
-    // A manifest says what its producer calls itself, not how it rounds: end to end, any
-    // candidate is held to the tolerance that covers llama.cpp's own spread, unless --strict.
     let mut opt = judge::verdict::DiffOptions::new(wtype);
     if a.strict {
         opt.compare.pair = PairKind::SameRounding;
@@ -266,11 +266,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     opt.compare.require_same_model = !a.allow_model_mismatch;
     opt.judge = JudgeOptions {
         roundings: rounding.map_or(judge::ROUNDINGS.to_vec(), |r| vec![r]),
-        kv_caches: match a.kv.as_deref() {
-            Some("f16") => vec![judge::replay::KvCache::F16],
-            Some(_) => vec![judge::replay::KvCache::F32],
-            None => judge::KV_CACHES.to_vec(),
-        },
+        kv_caches: a.kv.into_iter().collect(),
         hypotheses: !a.no_experiments,
     };
     let info = run_info([&base, &cand]);
@@ -358,5 +354,11 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         ExitCode::from(1)
     } else {
         code
+    })
+}
+
+fn parse_kv(s: &str) -> std::result::Result<judge::replay::KvCache, String> {
+    judge::replay::KvCache::parse(s).ok_or_else(|| {
+        format!("{s:?}: expected f32, f16, q8_0, q4_0 or K/V types (q8_0/f16), optionally +ggml and +fa")
     })
 }

@@ -939,10 +939,7 @@ fn place(
     k: &TapKey,
 ) -> Result<Option<(TapKey, f64, f64)>, JudgeError> {
     let other = Setup {
-        kv: match setup.kv {
-            KvCache::F32 => KvCache::F16,
-            KvCache::F16 => KvCache::F32,
-        },
+        kv: setup.kv.other(),
         ..setup.clone()
     };
     let a = locate(model, cand, setup, ops, k)?;

@@ -71,7 +71,8 @@ pub enum JudgeError {
 pub struct JudgeOptions {
     /// Roundings to try (the best one is kept); default: every rounding parity knows.
     pub roundings: Vec<Emulation>,
-    /// K/V cache types to try (the best one is kept); default: f32 and f16.
+    /// K/V caches to try (the best one is kept); empty (the default): the cache the trace
+    /// declares ([`declared_kv`]), else every one parity emulates ([`KvCache::candidates`]).
     pub kv_caches: Vec<KvCache>,
     /// Run the experiments at the first flagged op.
     pub hypotheses: bool,
@@ -81,14 +82,42 @@ impl Default for JudgeOptions {
     fn default() -> Self {
         JudgeOptions {
             roundings: ROUNDINGS.to_vec(),
-            kv_caches: KV_CACHES.to_vec(),
+            kv_caches: Vec::new(),
             hypotheses: true,
         }
     }
 }
 
-/// The K/V cache types parity emulates, in order of preference on ties.
-pub const KV_CACHES: [KvCache; 2] = [KvCache::F32, KvCache::F16];
+/// The K/V caches to try on `trace` when none is given: a llama.cpp golden's own (its
+/// `type_k`, `type_v` and flash attention as resolved: exactly that one); for another producer
+/// whose settings name `type_k` and `type_v`, the caches of those types (its arithmetic is
+/// measured); else every cache parity emulates for this head size, in order of preference.
+pub fn declared_kv(trace: &Trace, head_dim: usize) -> Vec<KvCache> {
+    let p = &trace.manifest.producer;
+    let all = KvCache::candidates(head_dim);
+    if p.name == "llama.cpp" || p.backend.starts_with("llama.cpp") {
+        if let Some(kv) = KvCache::from_llama_settings(&p.settings) {
+            return vec![kv];
+        }
+    }
+    let ty = |f: &str| {
+        p.settings
+            .get(f)
+            .and_then(|v| v.as_str())
+            .and_then(replay::CacheType::parse)
+    };
+    match (ty("type_k"), ty("type_v")) {
+        (Some(k), Some(v)) => {
+            let mut c: Vec<KvCache> = all.into_iter().filter(|c| c.k == k && c.v == v).collect();
+            if c.is_empty() {
+                c = vec![KvCache::plain(k), KvCache::llama_cpp(k, v, false)];
+                c[0].v = v;
+            }
+            c
+        }
+        _ => all,
+    }
+}
 
 /// One key's own error.
 #[derive(Clone, Debug, Serialize)]
@@ -319,6 +348,10 @@ fn judge_once(
     let experiments = opt.hypotheses;
     let guarded = JudgeOptions {
         hypotheses: opt.hypotheses && bad.is_none(),
+        kv_caches: match opt.kv_caches.is_empty() {
+            true => declared_kv(trace, model.config.head_dim),
+            false => opt.kv_caches.clone(),
+        },
         ..opt.clone()
     };
     let opt = &guarded;

@@ -156,10 +156,7 @@ pub fn candidate(
             None => continue,
         };
         // The K/V cache type, measured on the same data, is tried both ways too.
-        let other_kv = match kv {
-            KvCache::F32 => KvCache::F16,
-            KvCache::F16 => KvCache::F32,
-        };
+        let other_kv = kv.other();
         for (rounding, kv) in roundings
             .iter()
             .map(|&r| (r, kv))

@@ -112,24 +112,7 @@ impl<'t> Candidate<'t> {
     }
 }
 
-/// The K/V cache type an engine stores: f32, or f16 (llama.cpp's default cache type; its
-/// k_rope and v taps stay the f32 values computed before the store).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvCache {
-    #[default]
-    F32,
-    F16,
-}
-
-impl KvCache {
-    pub fn name(self) -> &'static str {
-        match self {
-            KvCache::F32 => "f32",
-            KvCache::F16 => "f16",
-        }
-    }
-}
+pub use crate::backend::kvcache::{CacheType, KvCache};
 
 /// A scalar the model sets that an engine may get wrong: the judge fits its value
 /// (`hypothesis::fit`) instead of trying a fixed list.
@@ -207,8 +190,9 @@ pub struct Setup {
     /// `rounding` (the prefill's): each step's keys depend only on its own rounding, as every
     /// op is fed the candidate's inputs.
     pub decode: Option<Emulation>,
-    /// The cache type emulated: with f16 the reference's k_rope and v (or the candidate's,
-    /// where substituted) are rounded to f16 before the cache stores them.
+    /// The cache emulated: the reference's k_rope and v (or the candidate's, where
+    /// substituted) are stored as it stores them, and attention computed around it as the
+    /// engine computes it (`backend::kvcache`).
     pub kv: KvCache,
     pub mutation: Option<Mutation>,
     pub knob: Option<(Knob, f32)>,
@@ -330,11 +314,12 @@ pub fn replay(
         .max()
         .unwrap_or(1)
         + 1;
-    let mut b = Reference::new(m, setup.rounding, n_ctx).with_mutation(setup.mutation);
+    let mut b = Reference::new(m, setup.rounding, n_ctx)
+        .with_mutation(setup.mutation)
+        .with_kv(setup.kv);
     let mut sink = JudgeSink {
         cand,
         window: w,
-        kv: setup.kv,
         keep,
         out: Replay {
             metrics: BTreeMap::new(),
@@ -362,7 +347,6 @@ pub fn replay(
 struct JudgeSink<'a, 't> {
     cand: &'a Candidate<'t>,
     window: Window,
-    kv: KvCache,
     keep: &'a BTreeSet<TapKey>,
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
@@ -395,20 +379,13 @@ impl JudgeSink<'_, '_> {
     }
 }
 
-/// Whether `tap` is what the K/V cache stores (after it is tapped: see `arch::transformer`).
-fn cached(tap: Tap) -> bool {
-    matches!(tap, Tap::KRope | Tap::V)
-}
-
 impl Sink for JudgeSink<'_, '_> {
     fn wants(&self, key: &TapKey) -> bool {
         self.error.is_none() && self.map(key).is_some_and(|k| self.cand.contains(&k))
     }
 
     fn replays(&self, key: &TapKey) -> bool {
-        self.wants(key)
-            || (key.tap == self.entry() && self.window.l0 > 0)
-            || (self.kv == KvCache::F16 && cached(key.tap))
+        self.wants(key) || (key.tap == self.entry() && self.window.l0 > 0)
     }
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
@@ -441,16 +418,7 @@ impl Sink for JudgeSink<'_, '_> {
     }
 
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
-        let replaced = self.replace(key, data);
-        if self.kv == KvCache::F16 && cached(key.tap) && key.layer.is_some() {
-            // An f16 cache: attention reads these values rounded to f16 (round to nearest even,
-            // as ggml's and numpy's f32 -> f16 conversions do).
-            for x in data.iter_mut() {
-                *x = half::f16::from_f32(*x).to_f32();
-            }
-            return true;
-        }
-        replaced
+        self.replace(key, data)
     }
 }
 
