@@ -260,6 +260,29 @@ def f16_acc_matmul(x, w, ty, fused=True):
 
 # ---- the forward pass ---------------------------------------------------------------------
 
+def cache_store(kind, rows):
+    """Rows as a K/V cache of type `kind` stores them and reads them back (f32)."""
+    if kind == "f32":
+        return rows
+    if kind == "f16":
+        return rows.astype(np.float16).astype(F32)
+    b = rows.reshape(-1, 32).astype(F32)
+    if kind == "q8_0":
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        d = amax / F32(127)
+        inv = np.where(d == 0, F32(0), F32(1) / np.where(d == 0, F32(1), d))
+        q = np.rint(b * inv)
+        out = q * d.astype(np.float16).astype(F32)
+    else:  # q4_0, ggml's reference quantizer: the signed value of largest magnitude maps to -8
+        idx = np.abs(b).argmax(axis=1)
+        mx = b[np.arange(len(b)), idx][:, None]
+        d = mx / F32(-8)
+        inv = np.where(d == 0, F32(0), F32(1) / np.where(d == 0, F32(1), d))
+        q = np.minimum(F32(15), np.trunc(b * inv + F32(8.5)))
+        out = (q - F32(8)) * d.astype(np.float16).astype(F32)
+    return out.astype(F32).reshape(rows.shape)
+
+
 class Engine:
     def __init__(self, m, rounding, mutation, n_ctx, kv="f32"):
         self.m, self.rounding, self.mut = m, rounding, mutation
@@ -365,9 +388,7 @@ class Engine:
             slot = pos0 + 1 if ((mut == "kv-off-by-one" and pos0 > 0) or mut == "kv-slot-late") else pos0
             if slot + T <= self.n_ctx:
                 kst, vst = k.reshape(T, -1), v.reshape(T, -1)
-                if self.kv == "f16":
-                    kst = kst.astype(np.float16).astype(F32)
-                    vst = vst.astype(np.float16).astype(F32)
+                kst, vst = cache_store(self.kv, kst), cache_store(self.kv, vst)
                 self.k_cache[l][slot:slot + T] = kst
                 self.v_cache[l][slot:slot + T] = vst
             kc = self.k_cache[l][:n_kv].reshape(n_kv, nkv, hd)
@@ -452,8 +473,9 @@ def main():
     ap.add_argument("--prefill-rounding", choices=ROUNDINGS,
                     help="the prompt step's rounding, where it differs from the decode steps' "
                          "--rounding (llama.cpp Vulkan: f16-acc tiled prefill, f32 decode)")
-    ap.add_argument("--kv", choices=["f32", "f16"], default="f32",
-                    help="K/V cache type (llama.cpp's default cache is f16)")
+    ap.add_argument("--kv", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
+                    help="K/V cache type (llama.cpp's default cache is f16); q8_0/q4_0 store each "
+                         "row in 32-value blocks, read back as f32 (no rotation: a hand-written int8 cache)")
     ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
     ap.add_argument("--mutate-from-layer", type=int, default=0,
                     help="the bug acts from this layer on (and on the output norm and projection)")

@@ -303,9 +303,7 @@ pub fn run(
     model.file.release_range(0, usize::MAX);
     let mut comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
     if opt.op_by_op
-        && let Some(g) = golden
-            .as_ref()
-            .filter(|(_, g)| golden_device(g) != GoldenDevice::Cpu)
+        && let Some(g) = golden.as_ref().filter(|(_, g)| !golden_is_ggml_cpu(g))
     {
         comparisons.insert(0, judge_golden(model, g)?);
     }
@@ -708,9 +706,10 @@ fn op_entries<'e>(
     Ok(op_entries)
 }
 
-/// Stage 6b: a golden that did not run on ggml's CPU (a GPU's) cannot feed parity's backends
-/// op by op, and end to end its own rounding hides a small bug under the tolerances between
-/// roundings; so its own ops are judged on its own inputs, as `parity diff` judges an engine
+/// Stage 6b: a golden that is not a tight CPU one (a GPU's, or one made with an f16 or
+/// quantized K/V cache or flash attention) cannot feed parity's backends op by op, and end to
+/// end its own rounding hides a small bug under the tolerances between roundings; so its own
+/// ops are judged on its own inputs, under its own cache, as `parity diff` judges an engine
 /// (the same library call). A golden with a bug fails the check, the bug placed and named.
 fn judge_golden(model: &Model, golden: &(PathBuf, Trace)) -> Result<Judged, CheckError> {
     let g = &golden.1;

@@ -70,9 +70,7 @@ impl CacheType {
         match self {
             CacheType::F32 => {}
             // Round to nearest even, as ggml's and numpy's f32 -> f16 conversions do.
-            CacheType::F16 => row
-                .iter_mut()
-                .for_each(|x| *x = f16::from_f32(*x).to_f32()),
+            CacheType::F16 => row.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
             q => round_trip(q.ggml(), row),
         }
     }
@@ -390,7 +388,10 @@ mod tests {
             );
             assert_eq!(KvCache::parse(&spelled), Some(kv), "{spelled}");
         }
-        assert_eq!(KvCache::parse("q8_0"), Some(KvCache::plain(CacheType::Q8_0)));
+        assert_eq!(
+            KvCache::parse("q8_0"),
+            Some(KvCache::plain(CacheType::Q8_0))
+        );
         assert_eq!(KvCache::parse("q8_0+rot"), None);
         assert_eq!(KvCache::parse("q5_1"), None);
         // A quantized cache needs whole blocks per head.
@@ -402,7 +403,11 @@ mod tests {
         let mut r: Vec<f32> = (0..64).map(|i| (i as f32 * 0.1).cos()).collect();
         let before = r.clone();
         CacheType::Q8_0.store(&mut r);
-        let err: f32 = r.iter().zip(&before).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        let err: f32 = r
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
         assert!(err > 0.0 && err < 1.0 / 127.0, "{err}");
         let again = r.clone();
         CacheType::Q8_0.store(&mut r);
@@ -423,7 +428,11 @@ mod tests {
                 .iter()
                 .map(|&(j, s)| (s as f64).exp() / z * rows[j][d] as f64)
                 .sum();
-            assert!((out[d] as f64 - want).abs() < 2e-3, "{d}: {} vs {want}", out[d]);
+            assert!(
+                (out[d] as f64 - want).abs() < 2e-3,
+                "{d}: {} vs {want}",
+                out[d]
+            );
         }
     }
 }

@@ -3,8 +3,8 @@
 
 pub mod family;
 pub mod fast;
-pub mod kvcache;
 pub mod gpu;
+pub mod kvcache;
 pub mod lockstep;
 pub mod mutation;
 pub mod reference;

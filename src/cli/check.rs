@@ -38,6 +38,17 @@ pub struct GoldenArgs {
     /// tight ones (F32 KV cache, flash attention off, no weight repacking).
     #[arg(long)]
     llama_defaults: bool,
+    /// K cache type (llama.cpp's -ctk: f32, f16, q8_0, q4_0). Default f32, or f16 with
+    /// --llama-defaults. The golden records it and the judge holds it to that cache.
+    #[arg(long, value_parser = ["f32", "f16", "q8_0", "q4_0"])]
+    cache_type_k: Option<String>,
+    /// V cache type (llama.cpp's -ctv; a quantized V cache needs flash attention).
+    #[arg(long, value_parser = ["f32", "f16", "q8_0", "q4_0"])]
+    cache_type_v: Option<String>,
+    /// Flash attention (llama.cpp's -fa: on, off, auto). Default off, or auto with
+    /// --llama-defaults; the golden records what llama.cpp resolved it to.
+    #[arg(long, value_parser = ["on", "off", "auto"])]
+    flash_attn: Option<String>,
     /// llama.cpp threads.
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     threads: usize,
@@ -182,6 +193,15 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     if a.llama_defaults {
         cmd.arg("--llama-defaults");
+    }
+    for (flag, v) in [
+        ("--cache-type-k", &a.cache_type_k),
+        ("--cache-type-v", &a.cache_type_v),
+        ("--flash-attn", &a.flash_attn),
+    ] {
+        if let Some(v) = v {
+            cmd.arg(flag).arg(v);
+        }
     }
     if a.force {
         cmd.arg("--force");

@@ -359,6 +359,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
 
 fn parse_kv(s: &str) -> std::result::Result<judge::replay::KvCache, String> {
     judge::replay::KvCache::parse(s).ok_or_else(|| {
-        format!("{s:?}: expected f32, f16, q8_0, q4_0 or K/V types (q8_0/f16), optionally +ggml and +fa")
+        format!(
+            "{s:?}: expected f32, f16, q8_0, q4_0 or K/V types (q8_0/f16), optionally +ggml and +fa"
+        )
     })
 }

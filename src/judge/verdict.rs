@@ -212,6 +212,7 @@ pub fn own_comparison(
         only_in_baseline: 0,
         only_in_candidate: 0,
         rounding_family: Some(j.rounding.name()),
+        kv_cache: Some(j.kv.name()),
         limits: j.limits(),
     }
 }

@@ -129,6 +129,12 @@ pub struct ComparisonReport {
     /// other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_family: Option<String>,
+    /// For `own-inputs`: the K/V cache the candidate was judged under (declared by its
+    /// manifest, else measured): `f32`, `f16`, `q8_0`, `K q8_0 / V f16`, then
+    /// `, llama.cpp's arithmetic` and `, flash attention` where they apply; absent for the
+    /// other pairs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache: Option<String>,
     /// What the comparison cannot see, in the verdict's words (`own-inputs`: a matmul floor
     /// widened because no known rounding reproduces the engine; keys judged as spans of ops
     /// the trace has no taps inside); absent when there is nothing to say.
@@ -331,6 +337,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
         only_in_baseline: c.only_in_baseline,
         only_in_candidate: c.only_in_candidate,
         rounding_family: c.rounding_family.map(str::to_string),
+        kv_cache: c.kv_cache.clone(),
         limits: c.limits.clone(),
     }
 }

@@ -1,0 +1,253 @@
+//! K/V caches as roundings (issue 29, item 4): real llama.cpp goldens made with an f16, Q8_0
+//! or Q4_0 cache, with and without flash attention, are judged clean under their own cache
+//! (and a bug planted into one is found); an out-of-process engine with a quantized cache is
+//! measured to keep it, passes clean and is still caught with a bug.
+
+mod common;
+use common::*;
+use std::path::Path;
+
+/// A llama fixture with 64-wide heads (whole Q8_0/Q4_0 blocks and llama.cpp's 64-wide
+/// rotation) and room for a 96-token prompt: micro-batches of 64 rows or more take ggml's
+/// tiled flash-attention kernel, decode steps its one-row kernel.
+fn fixture(dir: &Path) -> String {
+    let m = dir.join("m.gguf");
+    let o = parity(&[
+        "fixture",
+        "--out",
+        m.to_str().unwrap(),
+        "--n-ctx",
+        "512",
+        "--seed",
+        "7",
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    m.to_str().unwrap().to_string()
+}
+
+fn prompt_ids() -> String {
+    // 96 ids inside the fixture's vocabulary, not a repetition of one token.
+    (0..96)
+        .map(|i| (3 + (i * 37) % 380).to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn golden(model: &str, out: &Path, flags: &[&str]) {
+    let ids = prompt_ids();
+    let mut args = vec![
+        "golden",
+        model,
+        "--tokens",
+        &ids,
+        "--steps",
+        "6",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(flags);
+    let o = parity(&args);
+    assert!(o.status.success(), "golden {flags:?}: {}", show(&o));
+}
+
+fn diff_json(model: &str, base: &Path, cand: &Path) -> (i32, serde_json::Value, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = tmp.path().join("r.json");
+    let o = parity(&[
+        "diff",
+        "--model",
+        model,
+        base.to_str().unwrap(),
+        cand.to_str().unwrap(),
+        "--json",
+        j.to_str().unwrap(),
+    ]);
+    let code = o.status.code().unwrap_or(-1);
+    let v = serde_json::from_slice(&std::fs::read(&j).unwrap_or_default())
+        .unwrap_or(serde_json::Value::Null);
+    (code, v, show(&o))
+}
+
+/// The worst own NMSE of a tap over the own-inputs comparison.
+fn worst(report: &serde_json::Value, tap: &str) -> f64 {
+    own_inputs(report)["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["key"]["tap"] == tap)
+        .map(|r| r["metrics"]["nmse"].as_f64().unwrap())
+        .fold(0.0, f64::max)
+}
+
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn llama_cpp_goldens_with_every_cache_type_pass_under_their_own_cache() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let m = fixture(tmp.path());
+    // (flags, the cache the report must name, whether flash attention ran)
+    let cases: [(&[&str], &str, bool); 5] = [
+        (
+            &["--llama-defaults"],
+            "f16, llama.cpp's arithmetic, flash attention",
+            true,
+        ),
+        (
+            &["--cache-type-k", "f16", "--cache-type-v", "f16"],
+            "f16, llama.cpp's arithmetic",
+            false,
+        ),
+        (
+            &["--cache-type-k", "q8_0"],
+            "K q8_0 / V f32, llama.cpp's arithmetic",
+            false,
+        ),
+        (
+            &[
+                "--cache-type-k",
+                "q8_0",
+                "--cache-type-v",
+                "q8_0",
+                "--flash-attn",
+                "on",
+            ],
+            "q8_0, llama.cpp's arithmetic, flash attention",
+            true,
+        ),
+        (
+            &[
+                "--cache-type-k",
+                "q4_0",
+                "--cache-type-v",
+                "f16",
+                "--flash-attn",
+                "on",
+            ],
+            "K q4_0 / V f16, llama.cpp's arithmetic, flash attention",
+            true,
+        ),
+    ];
+    for (i, (flags, named, fa)) in cases.iter().enumerate() {
+        let g = tmp.path().join(format!("g{i}"));
+        golden(&m, &g, flags);
+        let man: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(g.join("manifest.json")).unwrap()).unwrap();
+        let s = &man["producer"]["settings"];
+        assert_eq!(s["flash_attn_resolved"], *fa, "{flags:?}: {s:#}");
+        let (code, r, out) = diff_json(&m, &g, &g);
+        assert_eq!(code, 0, "{flags:?} must pass under its own cache:\n{out}");
+        assert!(
+            out.contains(&format!("K/V cache (given): {named}\n")),
+            "{flags:?}: the report names the golden's cache\n{out}"
+        );
+        // Emulated, the cache leaves attention at f32 noise and far under its floor (1e-5):
+        // not an allowance that would hide a bug of the same size.
+        let att = worst(&r, "kqv_out");
+        assert!(att < 1e-7, "{flags:?}: kqv_out own NMSE {att:e}");
+        // `check` judges such a golden's own ops too (it is not a tight one).
+        let o = parity(&["check", &m, "--golden", g.to_str().unwrap()]);
+        assert!(o.status.success(), "check {flags:?}: {}", show(&o));
+        assert!(
+            stdout(&o).contains("vs golden (own inputs"),
+            "{flags:?}: {}",
+            show(&o)
+        );
+    }
+
+    // The same Q8_0 golden judged as if its cache were an f32 one, or a plain (unrotated)
+    // Q8_0 one, is out of its floor: the emulation is what passes it, not a wide floor.
+    let g = tmp.path().join("g3");
+    for kv in ["f32", "q8_0"] {
+        let o = parity(&[
+            "diff",
+            "--model",
+            &m,
+            g.to_str().unwrap(),
+            g.to_str().unwrap(),
+            "--kv",
+            kv,
+        ]);
+        assert_eq!(o.status.code(), Some(1), "--kv {kv}: {}", show(&o));
+    }
+
+    // A bug planted into the Q8_0 golden (one layer's attention output scaled at step 3) is
+    // found where it is, by `diff` and by `check`.
+    let bad = tmp.path().join("bad");
+    copy_dir(&g, &bad);
+    let f = bad.join("s003/kqv_out-1.npy");
+    let (shape, mut data) = read_npy(&f);
+    data.iter_mut().for_each(|x| *x *= 0.95);
+    write_npy(&f, &shape, &data);
+    let (code, r, out) = diff_json(&m, &bad, &bad);
+    assert_eq!(code, 1, "{out}");
+    let at = &own_inputs(&r)["first_divergence"]["at"]["key"];
+    assert_eq!(
+        (
+            at["step"].as_u64(),
+            at["layer"].as_u64(),
+            at["tap"].as_str()
+        ),
+        (Some(3), Some(1), Some("kqv_out")),
+        "{out}"
+    );
+    let o = parity(&["check", &m, "--golden", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+}
+
+#[test]
+fn an_unknown_cache_type_is_refused_in_one_line() {
+    let o = parity(&["diff", "--model", "x.gguf", "a", "b", "--kv", "q5_1"]);
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("q5_1") && err.contains("q8_0"), "{err}");
+}
+
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn an_engine_with_a_quantized_cache_is_measured_passes_clean_and_is_caught_with_a_bug() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let m = fixture(tmp.path());
+    let g = tmp.path().join("golden");
+    golden(&m, &g, &[]);
+    let engine = root().join("scripts/numpy_engine.py");
+    for kv in ["q8_0", "q4_0"] {
+        for bug in [None, Some("kv-off-by-one"), Some("rope-neox")] {
+            let out = tmp
+                .path()
+                .join(format!("e-{kv}-{}", bug.unwrap_or("clean")));
+            let mut c = std::process::Command::new(&py);
+            c.arg(&engine)
+                .arg(&m)
+                .args(["--golden", g.to_str().unwrap(), "--rounding", "ggml"])
+                .args(["--kv", kv, "--out", out.to_str().unwrap()]);
+            if let Some(b) = bug {
+                c.args(["--mutate", b]);
+            }
+            let o = c.output().unwrap();
+            assert!(o.status.success(), "{}", show(&o));
+            let (code, r, text) = diff_json(&m, &g, &out);
+            match bug {
+                None => {
+                    assert_eq!(code, 0, "clean {kv}:\n{text}");
+                    // Measured: the engine's own cache type, plain (it does not rotate).
+                    assert_eq!(own_inputs(&r)["kv_cache"], kv, "{text}");
+                }
+                Some(b) => {
+                    assert_eq!(code, 1, "{kv} {b}:\n{text}");
+                    assert!(
+                        text.contains(&format!("confirmed by experiment: {b}")),
+                        "{kv} {b}:\n{text}"
+                    );
+                }
+            }
+        }
+    }
+}
