@@ -578,13 +578,13 @@ pub fn render(j: &Judgement) -> String {
         let fits: Vec<String> = j
             .kv_fits
             .iter()
-            .map(|f| format!("{} {:.1e}", f.kv.name(), f.median_nmse))
+            .map(|f| format!("{}: {:.1e}", f.kv.name(), f.median_nmse))
             .collect();
         let _ = writeln!(
             s,
             "K/V cache that reproduces the engine: {} (median own NMSE through attention: {})",
             j.kv.name(),
-            fits.join(", ")
+            fits.join("; ")
         );
     } else if j.kv != KvCache::F32 {
         let _ = writeln!(s, "K/V cache (given): {}", j.kv.name());
