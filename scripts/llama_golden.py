@@ -775,6 +775,12 @@ def main(argv=None):
     ap.add_argument("--forced", help="comma-separated token ids to feed at the decode steps "
                                      "instead of the greedy continuation")
     ap.add_argument("--no-bos", action="store_true", help="with --prompt: do not add BOS/special tokens")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="feed the prompt (and each --turn) in llama_decode calls of this many tokens, "
+                         "one step each (chunked prefill; 1: one token at a time); default: all at once")
+    ap.add_argument("--turn", action="append", default=[],
+                    help="comma-separated ids of a further turn, fed after the decode steps and "
+                         "followed by as many decode steps again (repeatable: a multi-turn conversation)")
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads (default 1)")
     ap.add_argument("--gpu-layers", type=int, default=0,
                     help="layers to offload to this build's GPU device (-1: all, output included); "
@@ -821,11 +827,20 @@ def main(argv=None):
         die("--threads must be >= 1")
     if args.gpu_layers < -1:
         die("--gpu-layers must be -1 (all) or >= 0")
+    if args.chunk < 0:
+        die("--chunk must be >= 0")
+    turns = [parse_ids(t, "--turn") for t in args.turn]
+    if any(not t for t in turns):
+        die("--turn: no ids")
+    n_rounds = 1 + len(turns)
     forced = parse_ids(args.forced, "--forced") if args.forced else None
     if forced is not None:
-        if args.steps is not None and args.steps != len(forced):
-            die(f"--steps {args.steps} disagrees with --forced ({len(forced)} tokens)")
-        n_steps = len(forced)
+        if args.steps is not None and args.steps * n_rounds != len(forced):
+            die(f"--steps {args.steps} disagrees with --forced ({len(forced)} tokens"
+                f"{f' over {n_rounds} turns' if n_rounds > 1 else ''})")
+        if len(forced) % n_rounds:
+            die(f"--forced: {len(forced)} ids do not split into {n_rounds} turns' decode steps")
+        n_steps = len(forced) // n_rounds
     else:
         n_steps = args.steps or 0
     if args.no_bos and args.tokens:
@@ -920,12 +935,13 @@ def main(argv=None):
     T = len(prompt)
 
     # context
-    n_ctx = args.n_ctx or max(256, -(-(T + n_steps) // 256) * 256)
-    if n_ctx < T + n_steps:
-        die(f"--n-ctx {n_ctx} is smaller than prompt + steps ({T + n_steps})")
+    n_total = T + sum(len(t) for t in turns) + n_steps * n_rounds
+    n_ctx = args.n_ctx or max(256, -(-n_total // 256) * 256)
+    if n_ctx < n_total:
+        die(f"--n-ctx {n_ctx} is smaller than prompt + turns + steps ({n_total})")
     cp = L.llama_context_default_params()
     cp.n_ctx = n_ctx
-    cp.n_batch = max(T, min(512, n_ctx))
+    cp.n_batch = max([T, min(512, n_ctx)] + [len(t) for t in turns])
     cp.n_ubatch = cp.n_batch
     cp.n_seq_max = 1
     cp.n_threads = args.threads
@@ -1013,7 +1029,8 @@ def main(argv=None):
         for given, real in capture.synthetic_src.items():
             how = ("MUL_MAT consuming result_norm" if given == "logits_uncapped" else
                    "ADD consuming attn_out" if given.startswith("ffn_inp") else
-                   "MUL_MAT consuming kqv_out")
+                   "the product rotating kqv_out back: a quantized V cache is stored rotated"
+                   if given.startswith("kqv_out") else "MUL_MAT consuming kqv_out")
             all_notes[given] = f"unnamed node {real!r} ({how}) taken as {given}"
         if args.list_nodes and step <= 1:
             listing.append((step, list(capture.seen), source, dict(capture.synthetic_src)))
@@ -1031,12 +1048,26 @@ def main(argv=None):
 
     t0 = time.time()
     try:
-        lg = decode(prompt, 0, 0)
-        pos = T
-        for s in range(1, n_steps + 1):
-            tok = forced[s - 1] if forced is not None else int(np.argmax(lg[-1]))
-            lg = decode([tok], pos, s)
-            pos += 1
+        step, pos, fi = 0, 0, 0
+
+        def feed(ids):
+            # the prompt or a turn: one step per chunk (--chunk), each chunk's rows attending to
+            # the cache of every earlier step
+            nonlocal step, pos
+            c = args.chunk or len(ids)
+            for i in range(0, len(ids), c):
+                lg = decode(ids[i:i + c], pos, step)
+                step, pos = step + 1, pos + len(ids[i:i + c])
+            return lg
+
+        lg = feed(prompt)
+        for r in range(n_rounds):
+            if r > 0:
+                lg = feed(turns[r - 1])
+            for _ in range(n_steps):
+                tok = forced[fi] if forced is not None else int(np.argmax(lg[-1]))
+                lg = decode([tok], pos, step)
+                step, pos, fi = step + 1, pos + 1, fi + 1
     except ValueError as e:
         die(f"mapping llama.cpp nodes to taps failed: {e}", 1)
     next_token = int(np.argmax(lg[-1]))
@@ -1113,6 +1144,8 @@ def main(argv=None):
         "n_batch": cp.n_batch,
         "n_ubatch": cp.n_ubatch,
         "llama_defaults": args.llama_defaults,
+        "chunk": args.chunk or None,
+        "turns": [len(t) for t in turns],
         "bos": bos_added,
         "add_special": (not args.no_bos) if args.prompt is not None else False,
         "prompt": args.prompt if args.prompt is not None else args.prompt_text,
@@ -1160,7 +1193,8 @@ def main(argv=None):
     if check_summary is not None:
         chk = f", self-check {check_summary['checks'] - check_summary['failed']}/{check_summary['checks']} ok"
     print(f"llama_golden: wrote {len(tensors)} tensors ({nbytes_total / 1e6:.2f} MB) for "
-          f"{len(steps_tokens)} steps (prefill {T} tokens + {n_steps} decode), {n_fed} tokens, "
+          f"{len(steps_tokens)} steps (prompt {T} tokens{f' in chunks of {args.chunk}' if args.chunk else ''}"
+          f"{f' + {len(turns)} more turns' if turns else ''} + {n_steps * n_rounds} decode), {n_fed} tokens, "
           f"to {out} in {time.time() - t_start:.2f}s (llama.cpp {t_run:.2f}s){chk}")
     return 0
 

@@ -510,10 +510,14 @@ def main():
         with open(os.path.join(a.golden, "manifest.json")) as f:
             g = json.load(f)
         prompt = list(g["steps"][0]["tokens"])
-        forced = [t for s in g["steps"][1:] for t in s["tokens"]]
+        # the golden's later steps as it fed them: one-token decode steps, or chunks of a
+        # prompt and further turns of several tokens each
+        later = [list(s["tokens"]) for s in g["steps"][1:]]
+        forced = [t for s in later for t in s]
     else:
         prompt = [int(t) for t in a.tokens.split(",")]
         forced = [int(t) for t in a.forced.split(",")] if a.forced else None
+        later = None
     if no_bos or double_bos:
         if m.bos is None or not prompt or prompt[0] != m.bos:
             fail(f"--no-bos/--double-bos: the prompt does not start with BOS ({m.bos})")
@@ -541,6 +545,12 @@ def main():
     logits = eng.forward(prompt, 0, rec)
     eng.rounding = a.rounding
     pos = len(prompt)
+    if later is not None and any(len(t) != 1 for t in later):
+        n_steps = 0
+        for toks in later:
+            w.step(toks, range(pos, pos + len(toks)), forced=True)
+            logits = eng.forward(toks, pos, rec)
+            pos += len(toks)
     for s in range(1, n_steps + 1):
         tok = forced[s - 1] if forced is not None else int(np.argmax(logits))
         w.step([tok], [pos], forced=True)

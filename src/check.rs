@@ -474,6 +474,9 @@ struct Plan<'m> {
     model_ref: ModelRef,
     prompt: Vec<u32>,
     steps: usize,
+    /// The golden's steps after the first, where one holds more than one token (a prompt fed
+    /// in chunks, a further turn): every backend is fed them step by step, as the golden was.
+    later: Option<Vec<Vec<u32>>>,
     n_ctx: usize,
     threads: usize,
     /// A golden exists: its decode ids are forced into every backend.
@@ -493,19 +496,34 @@ fn plan<'m>(
     if prompt.is_empty() {
         return Err(BackendError::Empty.into());
     }
+    // A golden whose later steps are not all one token is fed step by step.
+    let mut later: Option<Vec<Vec<u32>>> = golden.as_ref().and_then(|(_, g)| {
+        let s: Vec<Vec<u32>> = g.manifest.steps[1..]
+            .iter()
+            .map(|s| s.tokens.clone())
+            .collect();
+        s.iter().any(|t| t.len() != 1).then_some(s)
+    });
+    let has = later.as_ref().map_or(golden_forced.len(), |l| l.len());
     // Steps: the golden's, or fewer if asked; more than it has cannot be compared.
     let steps = match (golden, opt.steps) {
-        (Some((p, _)), Some(n)) if n > golden_forced.len() => {
+        (Some((p, _)), Some(n)) if n > has => {
             return Err(CheckError::StepsPastGolden {
                 steps: n,
                 golden: p.display().to_string(),
-                has: golden_forced.len(),
+                has,
             });
         }
-        (Some(_), n) => n.unwrap_or(golden_forced.len()),
+        (Some(_), n) => n.unwrap_or(has),
         (None, n) => n.unwrap_or(4),
     };
-    let n_ctx = prompt.len() + steps;
+    if let Some(l) = &mut later {
+        l.truncate(steps);
+    }
+    let n_ctx = prompt.len()
+        + later
+            .as_ref()
+            .map_or(steps, |l| l.iter().map(Vec::len).sum());
     if n_ctx > model.config.n_ctx_train {
         return Err(BackendError::ContextOverflow {
             end: n_ctx,
@@ -530,6 +548,7 @@ fn plan<'m>(
         },
         prompt,
         steps,
+        later,
         n_ctx,
         threads: opt.threads,
         has_golden: golden.is_some(),
@@ -537,6 +556,20 @@ fn plan<'m>(
 }
 
 impl Plan<'_> {
+    /// Run the plan's steps on `b`: the golden's step by step where it has steps of several
+    /// tokens, else the prompt and one-token decode steps (`forced`, else greedy).
+    fn feed(
+        &self,
+        b: &mut dyn backend::Backend,
+        forced: Option<&[u32]>,
+        sink: &mut dyn Sink,
+    ) -> Result<Vec<StepInfo>, BackendError> {
+        match &self.later {
+            Some(l) => backend::run_steps(b, &self.prompt, l, sink),
+            None => backend::run(b, &self.prompt, self.steps, forced, sink),
+        }
+    }
+
     /// One backend pass into `sink`: its trace parts, the sink back, and its time and memory.
     fn pass<S: Sink>(
         &self,
@@ -554,10 +587,8 @@ impl Plan<'_> {
         let t0 = Instant::now();
         let mut b = e.build(self.model, self.n_ctx, self.threads)?;
         let mut sink = sink;
-        let info = backend::run(
+        let info = self.feed(
             b.as_mut(),
-            &self.prompt,
-            self.steps,
             forced,
             &mut Counting {
                 inner: &mut sink,
@@ -614,7 +645,7 @@ fn end_to_end(
 ) -> Result<(Vec<Trace>, Vec<u32>), CheckError> {
     let mut forced: Option<Vec<u32>> = plan
         .has_golden
-        .then(|| golden_forced[..plan.steps].to_vec());
+        .then(|| golden_forced[..plan.steps.min(golden_forced.len())].to_vec());
     let mut traces = Vec::new();
     for e in entries {
         if let Some(t) = walked.take(e.name, false) {
@@ -784,7 +815,7 @@ fn walk(
     let mut b = Lockstep::new(plan.model, &roundings, plan.n_ctx);
     let forced = plan
         .has_golden
-        .then(|| golden_forced[..plan.steps].to_vec());
+        .then(|| golden_forced[..plan.steps.min(golden_forced.len())].to_vec());
     let mut mem: Vec<MemorySink> = e2e
         .iter()
         .map(|_| MemorySink::new(TapFilter::all()))
@@ -809,13 +840,7 @@ fn walk(
                 .chain(sinks)
                 .collect(),
         };
-        backend::run(
-            &mut b,
-            &plan.prompt,
-            plan.steps,
-            forced.as_deref(),
-            &mut fanout,
-        )?
+        plan.feed(&mut b, forced.as_deref(), &mut fanout)?
     };
     events(Event::PassEnd);
     drop(b);
@@ -865,7 +890,8 @@ fn op_by_op(
     let Some((_, g)) = golden.filter(|_| !op_entries.is_empty()) else {
         return Ok(out);
     };
-    let forced: Vec<u32> = g.manifest.decode_tokens()[..plan.steps].to_vec();
+    let forced = g.manifest.decode_tokens();
+    let forced = forced[..plan.steps.min(forced.len())].to_vec();
     for &e in op_entries {
         if e.device {
             out.devices.push(out.traces.len());
@@ -1056,6 +1082,7 @@ mod tests {
                 },
                 prompt: vec![1, 2],
                 steps: 1,
+                later: None,
                 n_ctx: 4,
                 threads: 1,
                 has_golden: false,

@@ -617,7 +617,7 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
         Trace::open(&out).unwrap()
     };
     for kv in [KvCache::F32, KvCache::F16] {
-        let j = judged(&model, &trace(kv.name(), None));
+        let j = judged(&model, &trace(&kv.name(), None));
         assert!(j.passed(), "{kv:?} clean: {}", judge::render(&j));
         assert_eq!(j.kv, kv, "{}", judge::render(&j));
         let [a, b] = [&j.kv_fits[0], &j.kv_fits[1]];
@@ -627,7 +627,7 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
         assert!(hit.median_nmse < 1e-13, "{}", judge::render(&j));
         assert!(miss.median_nmse > 1e-9, "{}", judge::render(&j));
 
-        let j = judged(&model, &trace(kv.name(), Some("rms-eps-10x")));
+        let j = judged(&model, &trace(&kv.name(), Some("rms-eps-10x")));
         let f = j.first.as_ref().expect("found");
         assert!(f.explained, "{kv:?}: {}", f.text);
         assert_eq!(f.key, TapKey::new(0, Some(0), Tap::LOut), "{}", f.text);

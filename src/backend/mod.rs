@@ -134,6 +134,40 @@ pub fn run(
     Ok(steps)
 }
 
+/// Prefill `prompt` (step 0), then feed each of `later` as one step of its own (teacher
+/// forced): a prompt fed in chunks, a further turn of a conversation, or one-token decode steps
+/// alike, each step's rows attending to the cache of every earlier step.
+pub fn run_steps(
+    backend: &mut dyn Backend,
+    prompt: &[u32],
+    later: &[Vec<u32>],
+    sink: &mut dyn Sink,
+) -> Result<Vec<StepInfo>, BackendError> {
+    if prompt.is_empty() || later.iter().any(|s| s.is_empty()) {
+        return Err(BackendError::Empty);
+    }
+    backend.reset();
+    backend.forward(prompt, 0, 0, sink)?;
+    let mut steps = vec![StepInfo {
+        step: 0,
+        tokens: prompt.to_vec(),
+        positions: (0..prompt.len()).collect(),
+        forced: None,
+    }];
+    let mut pos = prompt.len();
+    for (s, toks) in (1..).zip(later) {
+        backend.forward(toks, pos, s, sink)?;
+        steps.push(StepInfo {
+            step: s,
+            tokens: toks.clone(),
+            positions: (pos..pos + toks.len()).collect(),
+            forced: Some(true),
+        });
+        pos += toks.len();
+    }
+    Ok(steps)
+}
+
 /// Greedy generation: returns the `n` generated ids (stops early at `eos`).
 pub fn generate(
     backend: &mut dyn Backend,

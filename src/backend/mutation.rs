@@ -239,7 +239,7 @@ impl Mutation {
             }
             Mutation::SwigluSwap => "SwiGLU swaps its operands: silu(up) * gate",
             Mutation::KvOffByOne => {
-                "decode steps store the new K/V one position after the one attention reads"
+                "decode steps (every step after the first: a chunked prompt's later chunks and later turns too) store the new K/V one position after the one attention reads"
             }
             Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
             Mutation::CausalMaskOffByOne => {

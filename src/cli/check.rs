@@ -38,6 +38,14 @@ pub struct GoldenArgs {
     /// tight ones (F32 KV cache, flash attention off, no weight repacking).
     #[arg(long)]
     llama_defaults: bool,
+    /// Feed the prompt (and each --turn) to llama.cpp in calls of this many tokens, one step
+    /// each: a chunked prefill (1: one token at a time). Default: the whole prompt at once.
+    #[arg(long, default_value_t = 0)]
+    chunk: usize,
+    /// The ids of a further turn (comma separated), fed as one step (or chunks) after the
+    /// decode steps and followed by as many decode steps again; repeat for more turns.
+    #[arg(long)]
+    turn: Vec<String>,
     /// K cache type (llama.cpp's -ctk: f32, f16, q8_0, q4_0). Default f32, or f16 with
     /// --llama-defaults. The golden records it and the judge holds it to that cache.
     #[arg(long, value_parser = ["f32", "f16", "q8_0", "q4_0"])]
@@ -193,6 +201,12 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     if a.llama_defaults {
         cmd.arg("--llama-defaults");
+    }
+    if a.chunk > 0 {
+        cmd.arg("--chunk").arg(a.chunk.to_string());
+    }
+    for t in &a.turn {
+        cmd.arg("--turn").arg(t);
     }
     for (flag, v) in [
         ("--cache-type-k", &a.cache_type_k),

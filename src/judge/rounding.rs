@@ -28,6 +28,10 @@ pub fn rounding_name(r: Emulation) -> &'static str {
     r.family().about
 }
 
+/// A K/V cache fit this close rules out the quantized caches (they move attention by
+/// 1e-5..1e-3; f16's own rounding by ~1e-8..1e-7).
+pub const QUANT_RULED_OUT: f64 = 1e-7;
+
 /// How well one K/V cache type reproduced the candidate's attention.
 #[derive(Clone, Debug, Serialize)]
 pub struct KvFit {
@@ -400,6 +404,15 @@ pub fn measure(
             end: n_layer <= 2,
         };
         for &c in &opt.kv_caches {
+            // A quantized cache moves attention by 1e-5..1e-3: a cache tried before it that
+            // fits to f16's level (llama.cpp's defaults: ~1e-7) rules it out.
+            let best_so_far = kv_fits
+                .iter()
+                .map(|f: &KvFit| f.median_nmse)
+                .fold(f64::INFINITY, f64::min);
+            if (c.k.quantized() || c.v.quantized()) && best_so_far <= QUANT_RULED_OUT {
+                break;
+            }
             let setup = Setup {
                 rounding,
                 decode,
@@ -426,10 +439,6 @@ pub fn measure(
                 kv: c,
                 median_nmse: m,
             });
-            // A cache that reproduces attention to f32 noise cannot be beaten (2x lower).
-            if m <= EXACT_FIT {
-                break;
-            }
         }
         // Another type only when it reproduces the attention clearly better (2x).
         if let Some(first) = kv_fits.first() {
