@@ -58,7 +58,8 @@ fn chunked_one_token_and_multi_turn_goldens_are_judged_and_checked() {
     let prompt = ids(70, 37, 3);
     let turn = ids(20, 53, 5);
     // (flags, the steps' (first position, tokens) the golden must have)
-    let cases: Vec<(Vec<&str>, Vec<(u64, usize)>)> = vec![
+    type Case<'a> = (Vec<&'a str>, Vec<(u64, usize)>);
+    let cases: Vec<Case> = vec![
         (
             vec!["--chunk", "32", "--steps", "2"],
             vec![(0, 32), (32, 32), (64, 6), (70, 1), (71, 1)],

@@ -109,9 +109,10 @@ pub struct SelftestArgs {
     /// first); the bug must then be found at the right layer.
     #[arg(long)]
     sparse: bool,
-    /// The numpy engine's K/V cache type: f16 is llama.cpp's default cache (parity's own
-    /// engine keeps an f32 cache, so f16 needs --engine numpy).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "f16"])]
+    /// The numpy engine's K/V cache type: f16 is llama.cpp's default cache; q8_0 and q4_0
+    /// store 32-value blocks (a hand-written int8/int4 cache). parity's own engine keeps an
+    /// f32 cache, so another type needs --engine numpy.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "f16", "q8_0", "q4_0"])]
     kv: String,
     /// Place each compute bug deep: it acts from this layer on (and on the output norm and
     /// projection), so it must be found at this layer with every layer before it clean.

@@ -95,10 +95,10 @@ impl Default for JudgeOptions {
 pub fn declared_kv(trace: &Trace, head_dim: usize) -> Vec<KvCache> {
     let p = &trace.manifest.producer;
     let all = KvCache::candidates(head_dim);
-    if p.name == "llama.cpp" || p.backend.starts_with("llama.cpp") {
-        if let Some(kv) = KvCache::from_llama_settings(&p.settings) {
-            return vec![kv];
-        }
+    if (p.name == "llama.cpp" || p.backend.starts_with("llama.cpp"))
+        && let Some(kv) = KvCache::from_llama_settings(&p.settings)
+    {
+        return vec![kv];
     }
     let ty = |f: &str| {
         p.settings
@@ -110,8 +110,16 @@ pub fn declared_kv(trace: &Trace, head_dim: usize) -> Vec<KvCache> {
         (Some(k), Some(v)) => {
             let mut c: Vec<KvCache> = all.into_iter().filter(|c| c.k == k && c.v == v).collect();
             if c.is_empty() {
-                c = vec![KvCache::plain(k), KvCache::llama_cpp(k, v, false)];
-                c[0].v = v;
+                // A mix parity does not try by default (K q8_0 / V f16): plain and llama.cpp's.
+                let plain = KvCache {
+                    v,
+                    ..KvCache::plain(k)
+                };
+                c = vec![
+                    plain,
+                    KvCache::llama_cpp(k, v, false),
+                    KvCache::llama_cpp(k, v, true),
+                ];
             }
             c
         }

@@ -155,12 +155,18 @@ pub fn candidate(
             },
             None => continue,
         };
-        // The K/V cache type, measured on the same data, is tried both ways too.
-        let other_kv = kv.other();
-        for (rounding, kv) in roundings
+        // The K/V cache, measured on the same data (where the NaNs outweigh any cache's
+        // rounding), is tried every way parity emulates too.
+        let caches: Vec<KvCache> = std::iter::once(kv)
+            .chain(
+                KvCache::candidates(model.config.head_dim)
+                    .into_iter()
+                    .filter(|&c| c != kv),
+            )
+            .collect();
+        for (rounding, kv) in caches
             .iter()
-            .map(|&r| (r, kv))
-            .chain(roundings.iter().map(|&r| (r, other_kv)))
+            .flat_map(|&c| roundings.iter().map(move |&r| (r, c)))
             .filter(|&(r, c)| (r, c) != (floors.rounding, kv))
         {
             if e <= o.floor * 1e-3 {
