@@ -11,13 +11,17 @@ use std::path::Path;
 /// rotation) and room for a 96-token prompt: micro-batches of 64 rows or more take ggml's
 /// tiled flash-attention kernel, decode steps its one-row kernel.
 fn fixture(dir: &Path) -> String {
+    fixture_ctx(dir, "512")
+}
+
+fn fixture_ctx(dir: &Path, n_ctx: &str) -> String {
     let m = dir.join("m.gguf");
     let o = parity(&[
         "fixture",
         "--out",
         m.to_str().unwrap(),
         "--n-ctx",
-        "512",
+        n_ctx,
         "--seed",
         "7",
     ]);
@@ -249,5 +253,47 @@ fn an_engine_with_a_quantized_cache_is_measured_passes_clean_and_is_caught_with_
                 }
             }
         }
+    }
+}
+
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn a_long_decode_split_over_threads_is_judged_as_llama_cpp_splits_it() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    // llama.cpp pads the cache to 256 cells; from 512 on, a one-token flash-attention decode
+    // is split into one chunk per thread, each with its own f16 accumulator: at 2 threads the
+    // decode's kqv_out differs from a one-pass accumulation by ~1e-5, the attention floor.
+    let tmp = tempfile::tempdir().unwrap();
+    let m = fixture_ctx(tmp.path(), "1024");
+    let m = m.as_str();
+    let ids: String = (0..560)
+        .map(|i| (3 + (i * 37) % 380).to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    for threads in ["1", "2", "3"] {
+        let g = tmp.path().join(format!("g{threads}"));
+        let o = parity(&[
+            "golden",
+            m,
+            "--tokens",
+            &ids,
+            "--steps",
+            "4",
+            "--llama-defaults",
+            "--threads",
+            threads,
+            "--out",
+            g.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let (code, r, out) = diff_json(m, &g, &g);
+        assert_eq!(code, 0, "{threads} threads:\n{out}");
+        if threads != "1" {
+            assert!(out.contains(&format!("on {threads} threads")), "{out}");
+        }
+        let att = worst(&r, "kqv_out");
+        assert!(att < 1e-7, "{threads} threads: kqv_out own NMSE {att:e}");
     }
 }

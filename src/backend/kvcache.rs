@@ -114,6 +114,10 @@ pub struct KvCache {
     pub ggml: bool,
     /// Flash attention (with `ggml`: ggml's CPU kernel, an f16 V accumulated in f16).
     pub flash: bool,
+    /// llama.cpp's thread count, where more than one: with flash attention a one-token decode
+    /// over a padded cache of 512 cells or more is split into one chunk per thread, each
+    /// accumulated on its own and the partials reduced in chunk order (0: one pass).
+    pub threads: u16,
 }
 
 impl KvCache {
@@ -127,6 +131,7 @@ impl KvCache {
             v: t,
             ggml: false,
             flash: false,
+            threads: 0,
         }
     }
 
@@ -137,6 +142,7 @@ impl KvCache {
             v,
             ggml: true,
             flash,
+            threads: 0,
         }
     }
 
@@ -182,6 +188,10 @@ impl KvCache {
         if self.flash {
             s.push_str(", flash attention");
         }
+        // Threads matter only to flash attention's split decode.
+        if self.flash && self.threads > 1 {
+            s.push_str(&format!(" on {} threads", self.threads));
+        }
         s
     }
 
@@ -202,6 +212,7 @@ impl KvCache {
             v,
             ggml: false,
             flash: false,
+            threads: 0,
         };
         for p in parts {
             match p {
@@ -228,7 +239,12 @@ impl KvCache {
                 _ => return None,
             },
         };
-        Some(KvCache::llama_cpp(k, v, flash))
+        // A one-token decode runs on `n_threads` (the prompt on `n_threads_batch`).
+        let threads = s.get("n_threads").and_then(|t| t.as_u64()).unwrap_or(1);
+        Some(KvCache {
+            threads: threads.min(u16::MAX as u64) as u16,
+            ..KvCache::llama_cpp(k, v, flash)
+        })
     }
 
     /// The size of the Walsh–Hadamard rotation llama.cpp applies to q and K before a
@@ -255,6 +271,21 @@ impl KvCache {
     /// one-row CPU flash-attention kernel over an f16 V).
     pub fn f16_accumulator(&self, rows: usize) -> bool {
         self.ggml && self.flash && self.v == CacheType::F16 && !self.tiled(rows)
+    }
+
+    /// The chunk length ggml's CPU flash attention splits a decode step over: a one-token
+    /// step, an f16/f32 cache of one type, a cache padded (to 256 cells, as llama.cpp pads it)
+    /// to 512 cells or more, and more than one thread. None: one pass.
+    pub fn split_chunk(&self, rows: usize, n_kv: usize) -> Option<usize> {
+        let padded = n_kv.div_ceil(256) * 256;
+        (self.ggml
+            && self.flash
+            && rows == 1
+            && self.threads > 1
+            && self.k == self.v
+            && !self.k.quantized()
+            && padded >= 512)
+            .then(|| padded.div_ceil(self.threads as usize))
     }
 
     /// Round the query head `q` as the engine dots it with K (after any rotation), in a
@@ -321,10 +352,52 @@ pub fn rotate(h: &[f32], n: usize, x: &mut [f32]) {
 /// maximum rises, and divided by the running sum at the end.
 pub fn flash_f16(
     scores: &[(usize, f32)],
+    with_row: impl FnMut(usize, &mut dyn FnMut(&[f32])),
+    out: &mut [f32],
+) {
+    let (_, s, acc) = flash_f16_partial(scores, with_row, out.len());
+    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = a * inv;
+    }
+}
+
+/// [`flash_f16`] over chunks of `chunk` cache cells, each accumulated on its own, the partials
+/// reduced in chunk order in f32 (ggml's split-KV decode: one chunk per thread).
+pub fn flash_f16_split(
+    scores: &[(usize, f32)],
+    chunk: usize,
     mut with_row: impl FnMut(usize, &mut dyn FnMut(&[f32])),
     out: &mut [f32],
 ) {
-    let mut acc = vec![f16::ZERO; out.len()];
+    let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
+    let mut acc = vec![0.0f32; out.len()];
+    for part in scores.chunk_by(|a, b| a.0 / chunk == b.0 / chunk) {
+        let (mc, sc, vc) = flash_f16_partial(part, &mut with_row, out.len());
+        if mc == f32::NEG_INFINITY {
+            continue;
+        }
+        let mn = m.max(mc);
+        let (so, sn) = ((m - mn).exp(), (mc - mn).exp());
+        for (a, v) in acc.iter_mut().zip(&vc) {
+            *a = *a * so + v * sn;
+        }
+        s = s * so + sc * sn;
+        m = mn;
+    }
+    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = a * inv;
+    }
+}
+
+/// One chunk's running maximum, running sum and f16 accumulator (as f32, not yet divided).
+fn flash_f16_partial(
+    scores: &[(usize, f32)],
+    mut with_row: impl FnMut(usize, &mut dyn FnMut(&[f32])),
+    n: usize,
+) -> (f32, f32, Vec<f32>) {
+    let mut acc = vec![f16::ZERO; n];
     let (mut m, mut s) = (f32::NEG_INFINITY, 0.0f32);
     for &(j, sc) in scores {
         let (mut ms, mut vs) = (1.0f32, 1.0f32);
@@ -344,10 +417,7 @@ pub fn flash_f16(
         });
         s = s * ms + vs;
     }
-    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = a.to_f32() * inv;
-    }
+    (m, s, acc.iter().map(|a| a.to_f32()).collect())
 }
 
 /// Written as its name (`f16`, `q8_0, llama.cpp's arithmetic, flash attention`).
@@ -422,6 +492,9 @@ mod tests {
             .collect();
         let mut out = vec![0.0; 8];
         flash_f16(&scores, |j, f| f(&rows[j]), &mut out);
+        // Split in chunks of 2 cells and reduced: the same softmax-weighted values.
+        let mut split = vec![0.0; 8];
+        flash_f16_split(&scores, 2, |j, f| f(&rows[j]), &mut split);
         let z: f64 = scores.iter().map(|s| (s.1 as f64).exp()).sum();
         for d in 0..8 {
             let want: f64 = scores
@@ -432,6 +505,11 @@ mod tests {
                 (out[d] as f64 - want).abs() < 2e-3,
                 "{d}: {} vs {want}",
                 out[d]
+            );
+            assert!(
+                (split[d] as f64 - want).abs() < 2e-3,
+                "{d}: {} vs {want}",
+                split[d]
             );
         }
     }
