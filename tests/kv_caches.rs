@@ -221,22 +221,12 @@ fn an_engine_with_a_quantized_cache_is_measured_passes_clean_and_is_caught_with_
     let m = fixture(tmp.path());
     let g = tmp.path().join("golden");
     golden(&m, &g, &[]);
-    let engine = root().join("scripts/numpy_engine.py");
     for kv in ["q8_0", "q4_0"] {
         for bug in [None, Some("kv-off-by-one"), Some("rope-neox")] {
             let out = tmp
                 .path()
                 .join(format!("e-{kv}-{}", bug.unwrap_or("clean")));
-            let mut c = std::process::Command::new(&py);
-            c.arg(&engine)
-                .arg(&m)
-                .args(["--golden", g.to_str().unwrap(), "--rounding", "ggml"])
-                .args(["--kv", kv, "--out", out.to_str().unwrap()]);
-            if let Some(b) = bug {
-                c.args(["--mutate", b]);
-            }
-            let o = c.output().unwrap();
-            assert!(o.status.success(), "{}", show(&o));
+            numpy_engine_trace(&py, &m, &g, &out, bug, &["--kv", kv]);
             let (code, r, text) = diff_json(&m, &g, &out);
             match bug {
                 None => {

@@ -178,22 +178,12 @@ fn an_engine_fed_in_chunks_is_judged_per_step_and_caught_at_the_second_chunk() {
         g.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", show(&o));
-    let engine = root().join("scripts/numpy_engine.py");
     for taps in ["all", "sparse"] {
         for bug in [None, Some("kv-off-by-one"), Some("rope-pos-off-by-one")] {
             let out = tmp
                 .path()
                 .join(format!("e-{taps}-{}", bug.unwrap_or("clean")));
-            let mut c = std::process::Command::new(&py);
-            c.arg(&engine)
-                .arg(&m)
-                .args(["--golden", g.to_str().unwrap(), "--rounding", "ggml"])
-                .args(["--taps", taps, "--out", out.to_str().unwrap()]);
-            if let Some(b) = bug {
-                c.args(["--mutate", b]);
-            }
-            let o = c.output().unwrap();
-            assert!(o.status.success(), "{}", show(&o));
+            numpy_engine_trace(&py, &m, &g, &out, bug, &["--taps", taps]);
             assert_eq!(
                 shape(&out),
                 shape(&g),

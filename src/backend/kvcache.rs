@@ -67,11 +67,8 @@ impl CacheType {
     /// Round `row` as the cache stores it and reads it back. A row that is not whole blocks
     /// is left as it is (callers check [`CacheType::fits`] first).
     pub fn store(self, row: &mut [f32]) {
-        match self {
-            CacheType::F32 => {}
-            // Round to nearest even, as ggml's and numpy's f32 -> f16 conversions do.
-            CacheType::F16 => row.iter_mut().for_each(|x| *x = f16::from_f32(*x).to_f32()),
-            q => round_trip(q.ggml(), row),
+        if self != CacheType::F32 {
+            round_to(self.ggml(), row);
         }
     }
 
@@ -96,7 +93,8 @@ fn round_trip(ty: GgmlType, row: &mut [f32]) {
     quant::dequantize_row(ty, &q, row).expect("sized from the row");
 }
 
-/// Round `x` to the dot type `ty` (f16, Q8_0) in place, as ggml converts a matmul operand.
+/// Round `x` to `ty` (f16, Q8_0, Q4_0) in place, as ggml converts a matmul operand or stores
+/// a cache row (f16: round to nearest even, as ggml's and numpy's conversions do).
 fn round_to(ty: GgmlType, x: &mut [f32]) {
     match ty {
         GgmlType::F16 => x.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32()),
@@ -164,14 +162,13 @@ impl KvCache {
         v
     }
 
-    /// The type to try when the measured one may be wrong (a bug that moves attention more
-    /// than the cache's rounding can mislead the measurement): f16 for f32, else f32.
-    pub fn other(self) -> KvCache {
-        if self == KvCache::F32 {
-            KvCache::F16
-        } else {
-            KvCache::F32
-        }
+    /// The other caches to try where the measured one may be wrong (a bug that moves
+    /// attention more than any cache's rounding can mislead the measurement).
+    pub fn alternatives(self, head_dim: usize) -> Vec<KvCache> {
+        KvCache::candidates(head_dim)
+            .into_iter()
+            .filter(|&c| c != self)
+            .collect()
     }
 
     /// What a user reads: `f16`, `q8_0`, `K q8_0 / V f16`, then how it is computed
@@ -349,22 +346,10 @@ pub fn rotate(h: &[f32], n: usize, x: &mut [f32]) {
 /// ggml's CPU flash-attention accumulation for one query row over an f16 V: the online softmax
 /// over `scores` (visible positions, in cache order), each V row (lent by `with_row(j, f)`)
 /// added into an f16 accumulator (`y = f16(fma(v, w, y))`), rescaled in f16 when the running
-/// maximum rises, and divided by the running sum at the end.
+/// maximum rises. Cells are taken in chunks of `chunk` (ggml's split-KV decode: one chunk per
+/// thread; `usize::MAX`: one pass), each accumulated on its own, the partials reduced in chunk
+/// order in f32 and divided by the running sum at the end.
 pub fn flash_f16(
-    scores: &[(usize, f32)],
-    with_row: impl FnMut(usize, &mut dyn FnMut(&[f32])),
-    out: &mut [f32],
-) {
-    let (_, s, acc) = flash_f16_partial(scores, with_row, out.len());
-    let inv = if s == 0.0 { 0.0 } else { 1.0 / s };
-    for (o, a) in out.iter_mut().zip(&acc) {
-        *o = a * inv;
-    }
-}
-
-/// [`flash_f16`] over chunks of `chunk` cache cells, each accumulated on its own, the partials
-/// reduced in chunk order in f32 (ggml's split-KV decode: one chunk per thread).
-pub fn flash_f16_split(
     scores: &[(usize, f32)],
     chunk: usize,
     mut with_row: impl FnMut(usize, &mut dyn FnMut(&[f32])),
@@ -377,6 +362,7 @@ pub fn flash_f16_split(
         if mc == f32::NEG_INFINITY {
             continue;
         }
+        // One chunk: scale 0 for the empty start, 1 for the chunk, the accumulator as it is.
         let mn = m.max(mc);
         let (so, sn) = ((m - mn).exp(), (mc - mn).exp());
         for (a, v) in acc.iter_mut().zip(&vc) {
@@ -491,10 +477,10 @@ mod tests {
             .map(|j| (0..8).map(|d| ((j * 8 + d) as f32 * 0.3).sin()).collect())
             .collect();
         let mut out = vec![0.0; 8];
-        flash_f16(&scores, |j, f| f(&rows[j]), &mut out);
+        flash_f16(&scores, usize::MAX, |j, f| f(&rows[j]), &mut out);
         // Split in chunks of 2 cells and reduced: the same softmax-weighted values.
         let mut split = vec![0.0; 8];
-        flash_f16_split(&scores, 2, |j, f| f(&rows[j]), &mut split);
+        flash_f16(&scores, 2, |j, f| f(&rows[j]), &mut split);
         let z: f64 = scores.iter().map(|s| (s.1 as f64).exp()).sum();
         for d in 0..8 {
             let want: f64 = scores

@@ -932,10 +932,8 @@ impl Ops for Reference<'_> {
                 let base = kv_head(h) * hd;
                 if let Some(f) = &flash {
                     let row = |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[j * ekv + base..][..hd]);
-                    match self.kv.split_chunk(t, n_kv) {
-                        Some(c) => kvcache::flash_f16_split(&f[h * t + i], c, row, out),
-                        None => kvcache::flash_f16(&f[h * t + i], row, out),
-                    }
+                    let chunk = self.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
+                    kvcache::flash_f16(&f[h * t + i], chunk, row, out);
                     continue;
                 }
                 pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);

@@ -947,9 +947,10 @@ fn heuristic(
 
 /// `setup` under each other K/V cache parity emulates for this model's heads.
 fn other_caches(setup: &Setup, model: &Model) -> Vec<Setup> {
-    KvCache::candidates(model.config.head_dim)
+    setup
+        .kv
+        .alternatives(model.config.head_dim)
         .into_iter()
-        .filter(|&c| c != setup.kv)
         .map(|kv| Setup {
             kv,
             ..setup.clone()

@@ -157,13 +157,8 @@ pub fn candidate(
         };
         // The K/V cache, measured on the same data (where the NaNs outweigh any cache's
         // rounding), is tried every way parity emulates too.
-        let caches: Vec<KvCache> = std::iter::once(kv)
-            .chain(
-                KvCache::candidates(model.config.head_dim)
-                    .into_iter()
-                    .filter(|&c| c != kv),
-            )
-            .collect();
+        let mut caches = vec![kv];
+        caches.extend(kv.alternatives(model.config.head_dim));
         for (rounding, kv) in caches
             .iter()
             .flat_map(|&c| roundings.iter().map(move |&r| (r, c)))

@@ -149,6 +149,30 @@ pub fn numpy_engine_python() -> Option<PathBuf> {
     Some(py)
 }
 
+/// scripts/numpy_engine.py on `model`, fed `golden`'s steps with ggml's rounding, writing `out`;
+/// `bug` is a catalog mutation, `args` the rest of its flags. Panics if the engine fails.
+#[allow(dead_code)]
+pub fn numpy_engine_trace(
+    py: &Path,
+    model: &str,
+    golden: &Path,
+    out: &Path,
+    bug: Option<&str>,
+    args: &[&str],
+) {
+    let mut c = std::process::Command::new(py);
+    c.arg(root().join("scripts/numpy_engine.py"))
+        .arg(model)
+        .args(["--golden", golden.to_str().unwrap(), "--rounding", "ggml"])
+        .args(["--out", out.to_str().unwrap()])
+        .args(args);
+    if let Some(b) = bug {
+        c.args(["--mutate", b]);
+    }
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+}
+
 /// Backends of the default `parity check` set on this machine: reference, reference:ggml-cpu
 /// and fast, plus gpu where a hardware GPU adapter exists (`parity gpu --json` says which
 /// adapter the gpu backend gets; one that runs on the CPU, lavapipe, is left out).
