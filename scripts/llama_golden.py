@@ -929,7 +929,7 @@ def main(argv=None):
         bos_added = False
     if not prompt:
         die("the prompt tokenizes to zero tokens")
-    for tok in prompt + (forced or []):
+    for tok in prompt + (forced or []) + [t for turn in turns for t in turn]:
         if not 0 <= tok < n_vocab:
             die(f"token id {tok} out of range (n_vocab {n_vocab})")
     T = len(prompt)

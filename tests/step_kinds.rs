@@ -219,3 +219,43 @@ fn an_engine_fed_in_chunks_is_judged_per_step_and_caught_at_the_second_chunk() {
         }
     }
 }
+
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn a_turn_that_is_not_ids_of_the_model_is_refused_in_one_line() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("g");
+    for (turn, says) in [
+        ("5,99999", "token id 99999 out of range"),
+        ("4,x\n\u{1b}[31m", "--turn"),
+    ] {
+        let o = parity(&[
+            "golden",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "--tokens",
+            "1,2,3",
+            "--steps",
+            "1",
+            "--turn",
+            turn,
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(says), "{err}");
+        assert!(
+            !err.contains('\u{1b}'),
+            "a control character reached the terminal: {err:?}"
+        );
+        assert_eq!(
+            err.lines().filter(|l| l.starts_with("error")).count(),
+            1,
+            "{err}"
+        );
+        assert!(!out.exists(), "nothing written");
+    }
+}
