@@ -61,7 +61,10 @@ COMPUTE_MUTATIONS = [
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
     "norm-weight-plus-one", "causal-mask-excludes-self",
+    # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
+    "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
+WRAP = 8  # the catalog's width of the position bugs
 # (offset of the nibble array in a block, its length, block bytes), as src/backend/mutation.rs.
 NIBBLES = {
     Q.Q4_0: (2, 16, 18), Q.IQ4_NL: (2, 16, 18), Q.Q4_1: (4, 16, 20), Q.Q5_0: (6, 16, 22),
@@ -293,6 +296,9 @@ class Engine:
         kv = m.n_head_kv * m.head_dim
         self.k_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
         self.v_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
+        # the first position of the latest step of several tokens after the first (a turn, a
+        # chunk): where kv-reset-per-turn empties the cache, pos-restart-per-turn counts from
+        self.turn_start = 0
 
     def matmul(self, name, x, transposed=False):
         w = self.m.weight(name)
@@ -353,6 +359,8 @@ class Engine:
         nh, nkv, hd = m.n_head, m.n_head_kv, m.head_dim
         positions = list(range(pos0, pos0 + T))
         n_kv = pos0 + T
+        if T > 1 and pos0 > 0:
+            self.turn_start = pos0
         x = m.weight("token_embd.weight")[np.array(tokens)].astype(F32)
         rec("embd", None, x)
         for l in range(m.n_layer):
@@ -379,6 +387,10 @@ class Engine:
             rec("v", l, v)
             # rope-pos-off-by-one: decode steps rotate one position late, the cache slot right.
             rp = [ps + 1 for ps in positions] if (mut == "rope-pos-off-by-one" and pos0 > 0) else positions
+            if mut == "rope-pos-wrap":
+                rp = [ps % m.wrap for ps in positions]
+            if mut == "pos-restart-per-turn":
+                rp = [ps - self.turn_start for ps in positions]
             if mut != "rope-q-skipped":
                 q = self.rope(q, rp, nh, mut)
             if mut != "rope-k-skipped":
@@ -403,6 +415,8 @@ class Engine:
                 vh = vc[:, g, :].astype(F64)
                 for i in range(T):
                     vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
+                    if mut == "mask-tail-block" and i >= T // m.wrap * m.wrap:
+                        vis = n_kv  # the rows after the last full block: unmasked
                     if mut == "causal-mask-off-by-one":
                         vis = min(vis + 1, n_kv)
                     if mut == "causal-mask-excludes-self":
@@ -412,11 +426,16 @@ class Engine:
                         probs[h, i, :] = np.nan
                         att[i, h * hd:(h + 1) * hd] = np.nan
                         continue
-                    s = (kh[:vis] @ q[i, h].astype(F64)).astype(F32) * kq_scale
+                    # a ring of m.wrap slots: position j's slot holds the latest j' = j (mod W) so far
+                    start = self.turn_start if mut == "kv-reset-per-turn" else 0
+                    src = np.arange(start, vis)
+                    if mut == "kv-ring-wrap":
+                        src = src + (pos0 + i - src) // m.wrap * m.wrap
+                    s = (kh[src] @ q[i, h].astype(F64)).astype(F32) * kq_scale
                     e = np.exp(s - s.max()).astype(F32)
                     pr = e * F32(1.0 / np.sum(e.astype(F64)))
-                    probs[h, i, :vis] = pr
-                    att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vh[:vis]).astype(F32)
+                    probs[h, i, start:vis] = pr
+                    att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vh[src]).astype(F32)
             rec("kq_soft_max", l, probs)
             rec("kqv_out", l, att)
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
@@ -476,7 +495,9 @@ def main():
     ap.add_argument("--kv", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16); q8_0/q4_0 store each "
                          "row in 32-value blocks, read back as f32 (no rotation: a hand-written int8 cache)")
-    ap.add_argument("--mutate", choices=COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
+    ap.add_argument("--mutate", metavar="NAME[=WIDTH]",
+                    help="a catalog bug: " + ", ".join(COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
+                    + f" (a position bug may give its width: kv-ring-wrap=128; default {WRAP})")
     ap.add_argument("--mutate-from-layer", type=int, default=0,
                     help="the bug acts from this layer on (and on the output norm and projection)")
     ap.add_argument("--no-bos", action="store_true", help="drop the leading BOS")
@@ -491,7 +512,14 @@ def main():
                     help="scale attention scores by this instead of 1/sqrt(head_dim)")
     a = ap.parse_args()
 
-    mutation = a.mutate
+    mutation, width = a.mutate, WRAP
+    if mutation and "=" in mutation:
+        mutation, w = mutation.split("=", 1)
+        if mutation not in ("kv-ring-wrap", "rope-pos-wrap", "mask-tail-block") or not w.isdigit() or int(w) < 1:
+            fail(f"--mutate {a.mutate}: only a position bug takes a width, a whole number >= 1")
+        width = int(w)
+    if mutation is not None and mutation not in COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"]:
+        fail(f"--mutate {mutation}: unknown (known: {', '.join(COMPUTE_MUTATIONS)}, no-bos, double-bos, head-major-q-rope)")
     no_bos = a.no_bos or mutation == "no-bos"
     double_bos = a.double_bos or mutation == "double-bos"
     layout = "head-major" if mutation == "head-major-q-rope" else a.layout
@@ -501,6 +529,7 @@ def main():
     if not os.path.exists(a.model):
         fail(f"{a.model}: no such file")
     m = Model(a.model, mutation, a.mutate_from_layer)
+    m.wrap = width
     if a.rms_eps is not None:
         m.eps = F32(a.rms_eps)
     if a.rope_theta is not None:

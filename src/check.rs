@@ -55,6 +55,9 @@ pub enum CheckError {
         golden: String,
         has: usize,
     },
+    /// A run over the trace budget, said in one line (`arch::size::over_budget`).
+    #[error("{0}")]
+    OverBudget(String),
     #[error("no backend to run (give --backends)")]
     NoBackend,
     #[error(transparent)]
@@ -97,6 +100,9 @@ pub struct CheckOptions {
     /// The default set: a device backend (gpu) runs only on a hardware adapter it can build,
     /// else it is left out with a note instead of failing the check.
     pub device_optional: bool,
+    /// The largest trace one pass may hold, in bytes (`arch::size::DEFAULT_BUDGET`): a run
+    /// over it is refused before any pass starts.
+    pub max_trace_size: u64,
 }
 
 /// What a check is doing, for progress displays.
@@ -519,6 +525,23 @@ fn plan<'m>(
     };
     if let Some(l) = &mut later {
         l.truncate(steps);
+    }
+    // Each pass holds its trace in memory: refused before any runs when one is over budget.
+    let run: Vec<(usize, usize)> = match &later {
+        Some(l) => crate::arch::size::fed_steps(
+            std::iter::once(prompt.len()).chain(l.iter().map(Vec::len)),
+        ),
+        None => crate::arch::size::run_steps(prompt.len(), 0, steps, &[]),
+    };
+    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
+    if let Some(msg) = crate::arch::size::over_budget(
+        "each trace this check holds in memory",
+        bytes,
+        probs,
+        opt.max_trace_size,
+        "check fewer positions (a shorter prompt, fewer --steps)",
+    ) {
+        return Err(CheckError::OverBudget(msg));
     }
     let n_ctx = prompt.len()
         + later
@@ -1066,6 +1089,7 @@ mod tests {
             let mut opt = CheckOptions {
                 backends: vec!["reference".into(), "gpu".into()],
                 device_optional: true,
+                max_trace_size: crate::arch::size::DEFAULT_BUDGET,
                 threads: 1,
                 steps: None,
                 op_by_op: true,

@@ -247,6 +247,10 @@ pub struct Row {
     pub limits: Vec<String>,
     /// The found key's own NMSE over its floor: the margin by which a bug is seen.
     pub own_over_floor: Option<f64>,
+    /// The token position where a bug acting from some position on must be found, and the
+    /// position the verdict names (any row's).
+    pub expected_position: Option<usize>,
+    pub position: Option<usize>,
     pub ok: bool,
     pub why: String,
 }
@@ -268,7 +272,7 @@ pub fn run(
     on_row: &mut dyn FnMut(&Row),
 ) -> Result<Vec<Row>, SelftestError> {
     let golden = open_golden(model, opt)?;
-    let cases = cases(model, opt)?;
+    let cases = cases(model, opt, &run_steps(&golden))?;
     let made = match &opt.keep {
         Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),
         None => private_temp_dir(),
@@ -359,7 +363,12 @@ fn one_row(
         (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
         _ => None,
     };
-    let mut row = judge_row(case, engine, rounding, opt, model, &o, observable);
+    let steps = run_steps(golden);
+    let seen = Seen {
+        observable,
+        steps: &steps,
+    };
+    let mut row = judge_row(case, engine, rounding, opt, model, &o, &seen);
     if let (Some(k), Some(exp)) = (observable, &row.expected)
         && !row.ok
         && place(&k) != *exp
@@ -461,9 +470,27 @@ fn open_golden(model: &Model, opt: &SelftestOptions) -> Result<Trace, SelftestEr
     Ok(golden)
 }
 
+/// The golden's steps as (step, first position, token count).
+fn run_steps(golden: &Trace) -> Vec<(usize, usize, usize)> {
+    golden
+        .manifest
+        .steps
+        .iter()
+        .map(|s| {
+            let p0 = s.positions.first().copied().unwrap_or(0);
+            (s.step, p0, s.tokens.len())
+        })
+        .collect()
+}
+
 /// The clean run, then each catalog bug that applies to the model and can show in this
-/// dump at this depth (a layout bug also with its layout declared).
-fn cases(model: &Model, opt: &SelftestOptions) -> Result<Vec<Case>, SelftestError> {
+/// dump at this depth (a layout bug also with its layout declared; a position bug where the
+/// golden's run reaches its position).
+fn cases(
+    model: &Model,
+    opt: &SelftestOptions,
+    steps: &[(usize, usize, usize)],
+) -> Result<Vec<Case>, SelftestError> {
     let mut cases = vec![Case::Clean];
     for &m in Mutation::ALL {
         if let Some(only) = &opt.only
@@ -471,7 +498,12 @@ fn cases(model: &Model, opt: &SelftestOptions) -> Result<Vec<Case>, SelftestErro
         {
             continue;
         }
-        if !m.applies_to(model) {
+        if !m.applies_to(model) || (m.positional() && m.first_position(steps).is_none()) {
+            continue;
+        }
+        // A prompt shorter than a block of mask-tail-block is unmasked whole: at the first
+        // step, where it shows, that is no-causal-mask exactly.
+        if matches!(m, Mutation::MaskTailBlock(_)) && m.first_position(steps) == Some((0, 0)) {
             continue;
         }
         if opt.sparse && !m.shows_in_sparse() {
@@ -622,6 +654,13 @@ fn first_difference(a: &Trace, b: &Trace) -> Result<Option<TapKey>, TraceError> 
     Ok(None)
 }
 
+/// What a row is judged against besides the verdict: where a sparse trace first differs from
+/// the clean engine's, and the golden's steps (step, first position, token count).
+struct Seen<'a> {
+    observable: Option<TapKey>,
+    steps: &'a [(usize, usize, usize)],
+}
+
 /// The row of one case: whether `diff`'s verdict `o` is what the case must give.
 fn judge_row(
     case: Case,
@@ -630,8 +669,9 @@ fn judge_row(
     opt: &SelftestOptions,
     model: &Model,
     d: &Diffed,
-    observable: Option<TapKey>,
+    seen: &Seen,
 ) -> Row {
+    let (observable, steps) = (seen.observable, seen.steps);
     let sparse = opt.sparse;
     let o = &d.verdict;
     let j = d.judgement.as_ref();
@@ -653,6 +693,11 @@ fn judge_row(
         own_over_floor: j
             .and_then(|j| j.first.as_ref())
             .map(|f| f.own_nmse / f.floor),
+        expected_position: None,
+        position: j
+            .and_then(|j| j.first.as_ref())
+            .and_then(|f| f.position)
+            .map(|p| p.position),
         ok: false,
         why: String::new(),
     };
@@ -673,6 +718,11 @@ fn judge_row(
             let mut exp = m
                 .first_shows_from(model, opt.from_layer)
                 .unwrap_or_else(|| m.first_shows(model));
+            // A position bug shows in the step holding its first position, at that position.
+            let at_position = m.first_position(steps);
+            if let Some((step, _)) = at_position {
+                exp.step = step;
+            }
             // Where the sparse trace first differs from the clean engine's, if that is later.
             // (TapKey orders by graph: embedding taps, layers, output taps.)
             if let Some(k) = observable
@@ -704,12 +754,15 @@ fn judge_row(
                 (false, "found at the wrong place".to_string())
             } else if !named {
                 (false, "not named".to_string())
+            } else if at_position.is_some_and(|(_, p)| base.position != Some(p)) {
+                (false, "found at the wrong position".to_string())
             } else {
                 (true, "found at its place and named".to_string())
             };
             Row {
                 expected: Some(place(&exp)),
                 expected_name: Some(name.to_string()),
+                expected_position: at_position.map(|(_, p)| p),
                 ok,
                 why,
                 ..base

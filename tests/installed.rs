@@ -138,6 +138,7 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
     let cargo = |args: &[&str], cwd: &std::path::Path| {
         let o = Command::new(env!("CARGO"))
             .args(args)
+            .envs(common::dev_profile_as_test())
             .current_dir(cwd)
             .output()
             .expect("run cargo");
@@ -184,9 +185,11 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
         let text = std::fs::read_to_string(&toml).unwrap();
         std::fs::write(&toml, text + "\n[workspace]\n").unwrap();
     }
-    // Built in this target folder's build directory, whose dev-profile dependencies are the
-    // ones `cargo test` built (only the two crates compile again); the binary itself lands in a
-    // folder of its own, never over target/debug/parity, which the other tests run.
+    // Built in this target folder's build directory with the dev profile set as the test
+    // profile (`dev_profile_as_test`), as tests/kit_python.rs builds its wheel: without
+    // dev-dependencies the dependencies' features differ from `cargo test`'s, so whichever of
+    // the two runs first compiles them (minutes) and the other reuses them. The binary itself
+    // lands in a folder of its own, never over target/debug/parity, which the other tests run.
     let build_dir = format!("build.build-dir={:?}", target.to_str().unwrap());
     let patch = format!(
         "patch.crates-io.parity-trace.path={:?}",

@@ -172,6 +172,54 @@ fn c_engine_planted_bugs_are_named_where_they_are() {
     }
 }
 
+/// Bugs that act only from a position on, at widths the catalog never uses (a ring of 13 K/V
+/// slots, RoPE at p % 11), in an engine fed one token at a time: found inside the prompt at
+/// their first position, which the report names, and named with the width fitted from it.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_position_bugs_are_found_at_their_first_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    for (bug, tap, name, width) in [
+        ("kv-ring-13", "kq_soft_max", "kv-ring-wrap", 13),
+        ("rope-pos-mod-11", "q_rope", "rope-pos-wrap", 11),
+    ] {
+        let out = tmp.path().join(bug);
+        let (code, j) = engine_diff(&toy, &out, Some(bug));
+        assert_eq!(code, Some(1), "{bug}: {j:#}");
+        let d = &own_inputs(&j)["first_divergence"];
+        assert_eq!(
+            d["at"]["key"],
+            serde_json::json!({"step": 0, "layer": 0, "tap": tap}),
+            "{bug}: {d:#}"
+        );
+        // The 20-token prompt's rows before the width match; the first one past it does not.
+        assert_eq!(
+            d["position"],
+            serde_json::json!({"position": width, "row": width, "rows": 20, "token": j["traces"][0]["steps"][0]["tokens"][width]}),
+            "{bug}: {d:#}"
+        );
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains(&format!(
+                "confirmed by experiment: {name} reproduces your {tap}"
+            )),
+            "{bug}: {why}"
+        );
+        assert!(why.contains(&format!("mod {width}")), "{bug}: {why}");
+        let text = own_inputs(&j)["explanation"].as_str().unwrap();
+        assert!(
+            text.contains(&format!(
+                "first divergence at step 0 layer 0 {tap} from position {width} (row {width} of the step's 20"
+            )),
+            "{bug}: {text}"
+        );
+    }
+}
+
 /// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
 /// 20000, scores divided by head_dim or not scaled): parity fits each and names it with its
 /// value, at its op in a full dump and at layer 0's l_out span in a sparse one.

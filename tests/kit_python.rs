@@ -103,22 +103,7 @@ fn wheel_build() -> (PathBuf, &'static str, Vec<(String, String)>) {
     if profile_dir.file_name().is_some_and(|n| n == "release") {
         return (target, "release", Vec::new());
     }
-    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
-    let mut env = Vec::new();
-    let mut in_test = false;
-    for line in manifest.lines() {
-        let line = line.split('#').next().unwrap().trim();
-        if line.starts_with('[') {
-            in_test = line == "[profile.test]";
-        } else if let (true, Some((k, v))) = (in_test, line.split_once('=')) {
-            let key = k.trim().to_uppercase().replace('-', "_");
-            env.push((
-                format!("CARGO_PROFILE_DEV_{key}"),
-                v.trim().trim_matches('"').to_string(),
-            ));
-        }
-    }
-    (target, "dev", env)
+    (target, "dev", dev_profile_as_test())
 }
 
 fn build_kit() -> Result<Kit, String> {

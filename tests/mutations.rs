@@ -83,7 +83,17 @@ fn mutations_show_first_at_their_place(fixtures: bool) -> usize {
             if m.kind() == MutationKind::Tokens || !m.applies_to(&model) {
                 continue;
             }
-            let at = m.first_shows(&model);
+            let mut at = m.first_shows(&model);
+            // A bug that acts from a position or a turn on shows in the step holding it.
+            if m.positional() {
+                let run: Vec<(usize, usize, usize)> = std::iter::once((0, 0, ids.len()))
+                    .chain((1..=forced.len()).map(|s| (s, ids.len() + s - 1, 1)))
+                    .collect();
+                match m.first_position(&run) {
+                    Some((step, _)) => at.step = step,
+                    None => continue,
+                }
+            }
             let bad = taps(&model, Some(m), &ids, &forced);
             for (k, a) in &clean {
                 let b = &bad[k];

@@ -218,6 +218,52 @@ fn an_engine_fed_in_chunks_is_judged_per_step_and_caught_at_the_second_chunk() {
             }
         }
     }
+    // The bugs that act from a position or a turn on (issue 29, item 5), through both engines
+    // following this golden's chunks and turn: each found at its step and at its first
+    // position (selftest's rows hold the position the verdict names to the catalog's), named
+    // with the width fitted from where it shows. A ring of 8 slots and positions modulo 8 show
+    // in the first chunk at position 8; blocks of 8 leave the 6-token third chunk unmasked
+    // from position 64; a cache emptied, or positions restarted, at each step of several
+    // tokens shows at the second chunk, position 32.
+    let only = "kv-ring-wrap,rope-pos-wrap,mask-tail-block,kv-reset-per-turn,pos-restart-per-turn";
+    for extra in [
+        &["--engine", "both"][..],
+        &["--engine", "numpy", "--sparse"],
+    ] {
+        let mut args = vec![
+            "selftest",
+            &m,
+            "--golden",
+            g.to_str().unwrap(),
+            "--json",
+            "--only",
+            only,
+        ];
+        args.extend_from_slice(extra);
+        let o = parity(&args);
+        assert_eq!(o.status.code(), Some(0), "{extra:?}: {}", show(&o));
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+        let at = |case: &str| {
+            rows.iter()
+                .filter(|r| r["case"] == case)
+                .map(|r| (r["expected_position"].as_u64(), r["position"].as_u64()))
+                .collect::<Vec<_>>()
+        };
+        for (case, pos) in [
+            ("kv-ring-wrap", 8),
+            ("rope-pos-wrap", 8),
+            ("mask-tail-block", 64),
+            ("kv-reset-per-turn", 32),
+            ("pos-restart-per-turn", 32),
+        ] {
+            let found = at(case);
+            assert!(!found.is_empty(), "{extra:?}: no {case} row");
+            assert!(
+                found.iter().all(|&p| p == (Some(pos), Some(pos))),
+                "{extra:?} {case}: {found:?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -258,4 +304,96 @@ fn a_turn_that_is_not_ids_of_the_model_is_refused_in_one_line() {
         );
         assert!(!out.exists(), "nothing written");
     }
+}
+
+/// Bounded cost (issue 29, item 2): `dump`, `golden` and `check` estimate a run's trace before
+/// any work and refuse one over `--max-trace-size` (default 4G) in one line, exit 2, naming
+/// the size, the probabilities' share of it and the flag value that would cover it; nothing
+/// is written. An 8,192-token prompt on 4 layers of 4 heads is 4·4·8192²·4 B = 4.3 GB of
+/// `kq_soft_max`, and 8192 rows · 4 layers of about 4.6k f32 values (ten 256-wide taps, three
+/// 512-wide, four 128-wide) 0.6 GB more.
+#[test]
+fn a_run_over_the_trace_budget_is_refused_before_it_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("long.gguf");
+    let o = parity(&[
+        "fixture",
+        "--out",
+        m.to_str().unwrap(),
+        "--n-ctx",
+        "8192",
+        "--n-layer",
+        "4",
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let m = m.to_str().unwrap();
+    let long = ids(8192, 7, 3);
+    let out = tmp.path().join("out");
+    let o_s = out.to_str().unwrap();
+    let started = std::time::Instant::now();
+    for args in [
+        vec!["dump", m, "--tokens", &long, "--steps", "0", "--out", o_s],
+        vec!["golden", m, "--tokens", &long, "--steps", "0", "--out", o_s],
+        vec![
+            "check",
+            m,
+            "--tokens",
+            &long,
+            "--steps",
+            "0",
+            "--backends",
+            "reference,fast",
+        ],
+    ] {
+        let o = parity(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("error:"))
+            .unwrap_or_else(|| panic!("{args:?}: {}", show(&o)));
+        assert!(
+            line.contains("would be about 4.9 GB (4.3 GB of it the attention probabilities")
+                && line.contains("over the budget of 4.0 GB")
+                && line.contains("--max-trace-size 5G"),
+            "{args:?}: {line}"
+        );
+        assert!(!out.exists(), "{args:?} wrote {}", out.display());
+    }
+    // Refused from the estimate: an 8,192-token forward on the reference takes minutes.
+    assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+    // A smaller budget holds a short run too; a budget that is not a size is refused.
+    let o = parity(&[
+        "dump",
+        m,
+        "--tokens",
+        "1,2,3",
+        "--steps",
+        "1",
+        "--out",
+        o_s,
+        "--max-trace-size",
+        "2k",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--max-trace-size 1M"),
+        "{}",
+        show(&o)
+    );
+    assert!(!out.exists());
+    for bad in ["0", "4X", "-1G"] {
+        let o = parity(&[
+            "dump",
+            m,
+            "--tokens",
+            "1,2,3",
+            "--out",
+            o_s,
+            "--max-trace-size",
+            bad,
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{bad}: {}", show(&o));
+    }
+    assert!(!out.exists());
 }

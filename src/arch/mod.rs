@@ -27,6 +27,7 @@ pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod registry;
+pub mod size;
 pub mod spec;
 pub mod transformer;
 

@@ -91,7 +91,31 @@ pub enum Mutation {
     QkvSplitOrder,
     /// llama3, phi3: RoPE ignores the frequency factors (rope_freqs / LongRoPE factors).
     RopeFactorsIgnored,
+    // Bugs that act only from some position on (the width: [`WRAP`] in the catalog; the
+    // judge fits it from the position the bug first shows at).
+    /// The K/V cache is a ring of W slots read as if it held every position: attention at
+    /// position i reads, for each earlier position j, slot j mod W, which holds the latest
+    /// position ≡ j (mod W) written so far. Exact below position W.
+    KvRingWrap(u32),
+    /// RoPE rotates at position p mod W (a position counter kept modulo a buffer's size, or
+    /// restarting): exact below position W.
+    RopePosWrap(u32),
+    /// The causal mask is applied in whole blocks of W rows: the rows after a step's last
+    /// full block see every position of the step (a tiled kernel's remainder left unmasked;
+    /// a prompt whose length is a multiple of W is exact).
+    MaskTailBlock(u32),
+    /// Each step of several tokens after the first (a further turn, a later chunk of the
+    /// prompt) starts from an empty cache: it and the steps after it attend only from its
+    /// first position on (the positions go on).
+    KvResetPerTurn,
+    /// Each step of several tokens after the first is rotated from position 0 again, and the
+    /// decode steps after it count on from there; the cache slots are right.
+    PosRestartPerTurn,
 }
+
+/// The width of the catalog's position bugs: a ring of 8 slots, positions modulo 8, mask
+/// blocks of 8 rows (every committed golden's run is longer).
+pub const WRAP: u32 = 8;
 
 /// What a mutation changes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -154,6 +178,11 @@ impl Mutation {
         Mutation::QkNormSkipped,
         Mutation::QkvSplitOrder,
         Mutation::RopeFactorsIgnored,
+        Mutation::KvRingWrap(WRAP),
+        Mutation::RopePosWrap(WRAP),
+        Mutation::MaskTailBlock(WRAP),
+        Mutation::KvResetPerTurn,
+        Mutation::PosRestartPerTurn,
     ];
 
     pub fn name(self) -> &'static str {
@@ -193,11 +222,81 @@ impl Mutation {
             Mutation::QkNormSkipped => "qk-norm-skipped",
             Mutation::QkvSplitOrder => "qkv-split-order",
             Mutation::RopeFactorsIgnored => "rope-factors-ignored",
+            Mutation::KvRingWrap(_) => "kv-ring-wrap",
+            Mutation::RopePosWrap(_) => "rope-pos-wrap",
+            Mutation::MaskTailBlock(_) => "mask-tail-block",
+            Mutation::KvResetPerTurn => "kv-reset-per-turn",
+            Mutation::PosRestartPerTurn => "pos-restart-per-turn",
         }
     }
 
+    /// A catalog name; a position bug may give its width (`kv-ring-wrap=128`; default [`WRAP`]).
     pub fn parse(s: &str) -> Option<Mutation> {
-        Self::ALL.iter().copied().find(|m| m.name() == s)
+        let (name, width) = match s.split_once('=') {
+            Some((n, w)) => (n, Some(w.parse::<u32>().ok().filter(|&w| w >= 1)?)),
+            None => (s, None),
+        };
+        let m = Self::ALL.iter().copied().find(|m| m.name() == name)?;
+        match width {
+            None => Some(m),
+            Some(w) => m.wrap().map(|_| m.with_wrap(w)),
+        }
+    }
+
+    /// The width of a position bug (None: not one).
+    pub fn wrap(self) -> Option<usize> {
+        match self {
+            Mutation::KvRingWrap(w) | Mutation::RopePosWrap(w) | Mutation::MaskTailBlock(w) => {
+                Some(w as usize)
+            }
+            _ => None,
+        }
+    }
+
+    /// The same position bug at width `w` (any other bug unchanged).
+    pub fn with_wrap(self, w: u32) -> Mutation {
+        match self {
+            Mutation::KvRingWrap(_) => Mutation::KvRingWrap(w),
+            Mutation::RopePosWrap(_) => Mutation::RopePosWrap(w),
+            Mutation::MaskTailBlock(_) => Mutation::MaskTailBlock(w),
+            m => m,
+        }
+    }
+
+    /// Whether the bug acts only from some position or step on ([`Self::first_position`]).
+    pub fn positional(self) -> bool {
+        self.wrap().is_some()
+            || matches!(self, Mutation::KvResetPerTurn | Mutation::PosRestartPerTurn)
+    }
+
+    /// Where a position bug first shows in a run of `steps` (each: step, first position,
+    /// token count): the step and the position, or None when no row of the run is affected.
+    /// None for a bug that does not depend on the position.
+    pub fn first_position(self, steps: &[(usize, usize, usize)]) -> Option<(usize, usize)> {
+        match self {
+            // The first row past the width: position W reads slot 0 (position W's own K/V),
+            // or rotates at 0.
+            Mutation::KvRingWrap(w) | Mutation::RopePosWrap(w) => {
+                let w = w as usize;
+                steps
+                    .iter()
+                    .find(|&&(_, p0, t)| p0 <= w && w < p0 + t)
+                    .map(|&(s, _, _)| (s, w))
+            }
+            // The first row after a step's last full block, unless it is the step's last row
+            // (which sees every position of the step anyway).
+            Mutation::MaskTailBlock(w) => steps.iter().find_map(|&(s, p0, t)| {
+                let tail = t / w as usize * w as usize;
+                (tail + 1 < t).then_some((s, p0 + tail))
+            }),
+            // The first row of the first step of several tokens after the first.
+            Mutation::KvResetPerTurn | Mutation::PosRestartPerTurn => steps
+                .iter()
+                .skip(1)
+                .find(|&&(_, p0, t)| t > 1 && p0 > 0)
+                .map(|&(s, p0, _)| (s, p0)),
+            _ => None,
+        }
     }
 
     /// All names, comma-separated (for error messages).
@@ -287,6 +386,35 @@ impl Mutation {
             Mutation::RopeFactorsIgnored => {
                 "RoPE ignores the model's frequency factors (rope_freqs.weight, LongRoPE factors)"
             }
+            Mutation::KvRingWrap(_) => {
+                "the K/V cache is a ring buffer of W slots read as if it held every position: from position W on, attention reads slot p mod W, where a later token's K/V has overwritten position p's"
+            }
+            Mutation::RopePosWrap(_) => {
+                "RoPE rotates at position p mod W: from position W on, positions restart (a counter kept modulo a buffer's size)"
+            }
+            Mutation::MaskTailBlock(_) => {
+                "the causal mask is applied in whole blocks of W rows: the rows after a step's last full block see every position of the step (a tiled kernel's remainder left unmasked; exact when the prompt is a multiple of W)"
+            }
+            Mutation::KvResetPerTurn => {
+                "the K/V cache is emptied at each step of several tokens after the first (a further turn, a later chunk of the prompt): from there on attention reads nothing before it"
+            }
+            Mutation::PosRestartPerTurn => {
+                "RoPE positions restart at 0 at each step of several tokens after the first (a further turn, a later chunk of the prompt) and count on from there; the cache slots are right"
+            }
+        }
+    }
+
+    /// [`Self::describe`] with the width of a position bug said (`W` is 8 in the catalog).
+    pub fn describe_width(self) -> String {
+        match self.wrap() {
+            // The remainder starts at row W: any width dividing W that leaves the same
+            // remainder gives the same mask.
+            Some(w) if matches!(self, Mutation::MaskTailBlock(_)) => format!(
+                "{} (or of a width dividing {w} that leaves the same rows after the last block)",
+                self.describe().replace(" W", &format!(" {w}"))
+            ),
+            Some(w) => self.describe().replace(" W", &format!(" {w}")),
+            None => self.describe().to_string(),
         }
     }
 
@@ -322,6 +450,8 @@ impl Mutation {
             Mutation::RopeNeox => c.n_rot >= 4,
             Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
             Mutation::RopeQSkipped | Mutation::RopeKSkipped => c.n_rot >= 2,
+            Mutation::RopePosWrap(_) | Mutation::PosRestartPerTurn => c.n_rot >= 2,
+            Mutation::KvRingWrap(w) => c.swa_layers.iter().any(|&s| !s || c.n_swa > w as usize),
             // On gemma the same op is gemma-norm-plus-one (its weights carry the 1 already).
             Mutation::NormWeightPlusOne => {
                 !matches!(c.arch, Arch::Gemma | Arch::Gemma2 | Arch::Gemma3)
@@ -416,6 +546,13 @@ impl Mutation {
             Mutation::RopeFactorsIgnored => (from..model.config.n_layer)
                 .find(|&l| model.layers[l].rope_freqs.is_some())
                 .map(|l| TapKey::new(0, Some(l), Tap::QRope)),
+            // The step is the run's: the one holding `first_position`.
+            // A sliding window no longer than the ring never reads an overwritten slot.
+            Mutation::KvRingWrap(w) => (from..model.config.n_layer)
+                .find(|&l| !model.config.swa_layers[l] || model.config.n_swa > w as usize)
+                .map(|l| TapKey::new(0, Some(l), Tap::KqSoftMax)),
+            Mutation::MaskTailBlock(_) | Mutation::KvResetPerTurn => at(0, Tap::KqSoftMax),
+            Mutation::RopePosWrap(_) | Mutation::PosRestartPerTurn => at(0, Tap::QRope),
         }
     }
 }
@@ -468,6 +605,17 @@ impl Mutation {
             Mutation::QkNormSkipped => "step 0, layer 0, q_normed",
             Mutation::QkvSplitOrder => "step 0, layer 0, k",
             Mutation::RopeFactorsIgnored => "step 0, layer 0, q_rope",
+            Mutation::KvRingWrap(_) => "the step holding position 8, layer 0, kq_soft_max",
+            Mutation::RopePosWrap(_) => "the step holding position 8, layer 0, q_rope",
+            Mutation::MaskTailBlock(_) => {
+                "the first step that leaves 2+ rows after its last full block of 8, layer 0, kq_soft_max"
+            }
+            Mutation::KvResetPerTurn => {
+                "the first step of several tokens after the first (a turn, a chunk), layer 0, kq_soft_max"
+            }
+            Mutation::PosRestartPerTurn => {
+                "the first step of several tokens after the first (a turn, a chunk), layer 0, q_rope"
+            }
         }
     }
 }
@@ -688,6 +836,67 @@ mod tests {
             assert!(!m.describe().is_empty());
         }
         assert_eq!(Mutation::parse("rope"), None);
+    }
+
+    #[test]
+    fn position_bugs_take_a_width_and_know_where_they_show() {
+        assert_eq!(
+            Mutation::parse("kv-ring-wrap=128"),
+            Some(Mutation::KvRingWrap(128))
+        );
+        assert_eq!(
+            Mutation::parse("mask-tail-block"),
+            Some(Mutation::MaskTailBlock(WRAP))
+        );
+        for bad in [
+            "kv-ring-wrap=0",
+            "kv-ring-wrap=x",
+            "rms-eps-10x=3",
+            "rope-pos-wrap=",
+        ] {
+            assert_eq!(Mutation::parse(bad), None, "{bad}");
+        }
+        assert_eq!(
+            Mutation::KvRingWrap(16).describe_width(),
+            Mutation::KvRingWrap(16)
+                .describe()
+                .replace("of W slots", "of 16 slots")
+                .replace("position W", "position 16")
+                .replace("mod W", "mod 16")
+        );
+        // A 20-token prompt and 4 decode steps.
+        let run = [(0, 0, 20), (1, 20, 1), (2, 21, 1), (3, 22, 1), (4, 23, 1)];
+        assert_eq!(Mutation::KvRingWrap(8).first_position(&run), Some((0, 8)));
+        assert_eq!(
+            Mutation::RopePosWrap(21).first_position(&run),
+            Some((2, 21))
+        );
+        assert_eq!(Mutation::RopePosWrap(24).first_position(&run), None);
+        // Rows 16..19 after the last block of 8; with blocks of 10 the prompt is whole, and
+        // with blocks of 19 the tail is the last row alone.
+        assert_eq!(
+            Mutation::MaskTailBlock(8).first_position(&run),
+            Some((0, 16))
+        );
+        assert_eq!(Mutation::MaskTailBlock(10).first_position(&run), None);
+        assert_eq!(Mutation::MaskTailBlock(19).first_position(&run), None);
+        // A prompt shorter than a block is unmasked whole, from its first row.
+        assert_eq!(
+            Mutation::MaskTailBlock(32).first_position(&run),
+            Some((0, 0))
+        );
+        assert_eq!(Mutation::RmsEps10x.first_position(&run), None);
+        // No step of several tokens after the first: no turn to reset at.
+        assert_eq!(Mutation::KvResetPerTurn.first_position(&run), None);
+        let turns = [(0, 0, 32), (1, 32, 6), (2, 38, 1), (3, 39, 20), (4, 59, 1)];
+        assert_eq!(
+            Mutation::KvResetPerTurn.first_position(&turns),
+            Some((1, 32))
+        );
+        assert_eq!(
+            Mutation::PosRestartPerTurn.first_position(&turns[1..]),
+            Some((3, 39))
+        );
     }
 
     #[test]

@@ -63,6 +63,9 @@ pub struct Reference<'m> {
     /// With flash attention: the latest `attn_probs`' scores, `(position, score)` per
     /// (head, token) row, which `attn_values` accumulates online as the engine does.
     flash_scores: Vec<Vec<(usize, f32)>>,
+    /// The first position of the latest step of several tokens after the first (a turn, a
+    /// chunk): where kv-reset-per-turn empties the cache and pos-restart-per-turn counts from.
+    turn_start: usize,
 }
 
 impl<'m> Reference<'m> {
@@ -89,6 +92,7 @@ impl<'m> Reference<'m> {
             ropes_since_tap: 0,
             kv: KvCache::F32,
             flash_scores: Vec::new(),
+            turn_start: 0,
         }
     }
 
@@ -114,6 +118,23 @@ impl<'m> Reference<'m> {
     /// Whether bug `m` acts in `layer` (None: the output ops after the last layer).
     fn mutated(&self, m: Mutation, layer: Option<usize>) -> bool {
         self.mutation == Some(m) && layer.is_none_or(|l| l >= self.mutation_from)
+    }
+
+    /// The width of the position bug `like` (any width) when it acts at `layer`.
+    fn wrap(&self, like: Mutation, layer: usize) -> Option<usize> {
+        let m = self.mutation?;
+        (std::mem::discriminant(&m) == std::mem::discriminant(&like) && layer >= self.mutation_from)
+            .then(|| m.wrap())
+            .flatten()
+    }
+
+    /// The cache row attention at position `i` reads for position `j`: `j`, or with a ring of
+    /// W slots (kv-ring-wrap) the latest position ≡ j (mod W) written by then.
+    fn kv_source(&self, layer: usize, i: usize, j: usize) -> usize {
+        match self.wrap(Mutation::KvRingWrap(0), layer) {
+            Some(w) => j + (i - j) / w * w,
+            None => j,
+        }
     }
 
     /// Row `r` of a weight as the (possibly mutated) engine decodes it.
@@ -275,7 +296,17 @@ impl<'m> Reference<'m> {
         if a.window > 0 && self.mutated(Mutation::SwaOffByOne, Some(layer)) {
             a.window += 1;
         }
-        let seen = a.visible(pos0 + i);
+        let mut seen = a.visible(pos0 + i);
+        // An emptied cache: nothing before the turn's first position.
+        if self.mutated(Mutation::KvResetPerTurn, Some(layer)) {
+            seen.start = seen.start.max(self.turn_start);
+        }
+        // The rows after the step's last full block of W: unmasked within the step.
+        if let Some(w) = self.wrap(Mutation::MaskTailBlock(0), layer)
+            && i >= a.n_tokens / w * w
+        {
+            return seen.start..n_kv;
+        }
         if self.mutated(Mutation::CausalMaskOffByOne, Some(layer)) {
             // One position more, where the step has one (a decode step's row is its last).
             return seen.start..(seen.end + 1).min(n_kv);
@@ -661,6 +692,7 @@ impl Backend for Reference<'_> {
         for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
             c.clear();
         }
+        self.turn_start = 0;
     }
 
     fn forward(
@@ -672,6 +704,9 @@ impl Backend for Reference<'_> {
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
         super::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        if tokens.len() > 1 && pos0 > 0 {
+            self.turn_start = pos0;
+        }
         let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
         let nv = m.config.n_vocab;
         self.last_logits = logits[logits.len() - nv..].to_vec();
@@ -809,6 +844,27 @@ impl Ops for Reference<'_> {
             r.factors = None;
         }
         let factors = r.factors.map(|f| self.model.vector(f));
+        // Positions restarting at a turn: counted from its first position.
+        let pos0 = if self.mutated(Mutation::PosRestartPerTurn, Some(layer)) {
+            pos0 - self.turn_start
+        } else {
+            pos0
+        };
+        // Positions restarting every W (rope-pos-wrap): each row at its own position mod W.
+        if let Some(w) = self.wrap(Mutation::RopePosWrap(0), layer) {
+            let row = n_heads * r.head_dim;
+            for (t, x) in x.chunks_mut(row).enumerate() {
+                rope(
+                    x,
+                    (pos0 + t) % w,
+                    n_heads,
+                    &r,
+                    factors.as_deref(),
+                    &mut Vec::new(),
+                );
+            }
+            return x;
+        }
         // Decode steps rotated one position late (the cache slot stays right).
         let pos0 = if self.mutated(Mutation::RopePosOffByOne, Some(layer)) && pos0 > 0 {
             pos0 + 1
@@ -893,7 +949,8 @@ impl Ops for Reference<'_> {
                     continue;
                 }
                 for j in seen.clone() {
-                    let mut s = dot(qv, &kc[j * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
+                    let src = self.kv_source(layer, pos0 + i, j);
+                    let mut s = dot(qv, &kc[src * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
                     if let Some(cap) = a.softcap.filter(|_| !no_cap) {
                         s = softcap(s, cap);
                     }
@@ -930,8 +987,10 @@ impl Ops for Reference<'_> {
                     continue;
                 }
                 let base = kv_head(h) * hd;
+                let src = |j: usize| self.kv_source(layer, pos0 + i, j);
                 if let Some(f) = &flash {
-                    let row = |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[j * ekv + base..][..hd]);
+                    let row =
+                        |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[src(j) * ekv + base..][..hd]);
                     let chunk = self.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
                     kvcache::flash_f16(&f[h * t + i], chunk, row, out);
                     continue;
@@ -941,7 +1000,7 @@ impl Ops for Reference<'_> {
                 for (d, o) in out.iter_mut().enumerate() {
                     let s: f64 = seen
                         .clone()
-                        .map(|j| pr[j] as f64 * vc[j * ekv + base + d] as f64)
+                        .map(|j| pr[j] as f64 * vc[src(j) * ekv + base + d] as f64)
                         .sum();
                     *o = s as f32;
                 }

@@ -68,6 +68,10 @@ pub struct GoldenArgs {
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
+    /// Refuse a golden whose trace would be larger than this (bytes, or 500M, 4G, 1T), before
+    /// llama.cpp runs. The attention probabilities grow with the square of the length.
+    #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::arch::size::parse_size)]
+    max_trace_size: u64,
     /// Show llama.cpp's own log and the script's full error output.
     #[arg(long)]
     verbose: bool,
@@ -135,6 +139,19 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     if a.threads == 0 {
         return Err(err("--threads must be at least 1"));
+    }
+    // Turn ids are checked by the script; here only counted.
+    let turns: Vec<usize> = a.turn.iter().map(|t| t.split(',').count()).collect();
+    let run = crate::arch::size::run_steps(ids.len(), a.chunk, steps, &turns);
+    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
+    if let Some(msg) = crate::arch::size::over_budget(
+        "this golden",
+        bytes,
+        probs,
+        a.max_trace_size,
+        "make it of fewer positions (a shorter prompt, fewer --steps)",
+    ) {
+        return Err(err(msg));
     }
     // One writer of the folder at a time, held until the script has published (or failed).
     if let Some(parent) = std::path::absolute(&out_dir)?.parent() {
@@ -357,6 +374,10 @@ pub struct CheckArgs {
     /// comparisons that diverged, else the one that matters most, and a count of the rest).
     #[arg(long, short)]
     verbose: bool,
+    /// Refuse a check whose traces (each pass holds one in memory) would be larger than this
+    /// (bytes, or 500M, 4G, 1T), before any pass starts.
+    #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::arch::size::parse_size)]
+    max_trace_size: u64,
 }
 
 /// Where `parity golden` writes when no --out is given: the user's golden folder, one
@@ -423,6 +444,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         golden: a.golden.clone(),
         golden_dirs: goldens::search_dirs(&repo_root().join("golden")),
         prompt,
+        max_trace_size: a.max_trace_size,
     };
     // One bar per backend pass (a tick per forward call), then one for the comparisons.
     let quiet = a.report.quiet;

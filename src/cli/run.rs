@@ -455,6 +455,10 @@ pub struct DumpArgs {
     /// engine that knows it stores the tap differently would.
     #[arg(long, requires = "mutate")]
     declare_layout: bool,
+    /// Refuse a run whose trace would be larger than this (bytes, or 500M, 4G, 1T), before it
+    /// starts. The attention probabilities grow with the square of the length.
+    #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::arch::size::parse_size)]
+    max_trace_size: u64,
     /// The bug acts only from this layer on (and on the output norm and projection): a bug
     /// placed deep in the model.
     #[arg(long, requires = "mutate", default_value_t = 0)]
@@ -469,6 +473,8 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     crate::trace::paths::check_paths(&inputs, &[(&a.out, "--out")]).map_err(err)?;
     TraceWriter::check_target(&a.out, a.force)?;
     let model = Model::open(&a.model)?;
+    // A golden fed in chunks or with further turns is replayed step by step, as it was fed.
+    let mut later: Option<Vec<Vec<u32>>> = None;
     let (mut ids, policy, forced) = match &a.golden {
         Some(dir) => {
             let g = Trace::open(dir)?;
@@ -487,6 +493,13 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
                 .filter(|t| !t.is_empty())
                 .ok_or_else(|| err(format!("{}: the golden has no prompt ids", dir.display())))?;
             let policy = format!("ids replayed from the golden {}", dir.display());
+            let steps: Vec<Vec<u32>> = g.manifest.steps[1..]
+                .iter()
+                .map(|s| s.tokens.clone())
+                .collect();
+            if steps.iter().any(|t| t.len() != 1) {
+                later = Some(steps);
+            }
             (ids, policy, Some(g.manifest.decode_tokens()))
         }
         None if !a.input.given() => {
@@ -545,6 +558,23 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         Some(re) => TapFilter::regex(re).map_err(|e| err(format!("--taps: {e}")))?,
         None => TapFilter::all(),
     };
+    let run = match &later {
+        Some(l) => {
+            crate::arch::size::fed_steps(std::iter::once(ids.len()).chain(l.iter().map(Vec::len)))
+        }
+        None => crate::arch::size::run_steps(ids.len(), 0, steps, &[]),
+    };
+    let (bytes, probs) =
+        crate::arch::size::trace_bytes(&model.config, &run, &|k| filter.matches(k));
+    if let Some(msg) = crate::arch::size::over_budget(
+        "this dump's trace",
+        bytes,
+        probs,
+        a.max_trace_size,
+        "keep fewer taps (--taps 'l_out|result_norm|logits' scans every position cheaply)",
+    ) {
+        return Err(err(msg));
+    }
     let name = backend_name(&a.backend, a.emulate.as_deref())?;
     let mut b = make_mutated_backend(
         &name,
@@ -558,7 +588,10 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     if a.declare_layout {
         sink.declare_layout("q_rope", "head-major");
     }
-    let info = backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?;
+    let info = match &later {
+        Some(l) => backend::run_steps(b.as_mut(), &ids, l, &mut sink)?,
+        None => backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?,
+    };
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ") });
     let m = sink.finish(
         model_ref(&a.model, &model),

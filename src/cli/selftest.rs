@@ -38,7 +38,9 @@ pub fn mutations(a: MutationsArgs) -> Result<ExitCode> {
         .map(|&m| {
             let applies = model.as_ref().map(|md| m.applies_to(md));
             let first_shows = match &model {
-                Some(md) if m.applies_to(md) => place(&m.first_shows(md)),
+                // Where a position bug shows depends on the run, not only the model.
+                Some(md) if m.applies_to(md) && !m.positional() => place(&m.first_shows(md)),
+                Some(md) if m.applies_to(md) => m.typical_place().into(),
                 Some(_) => "-".into(),
                 None => m.typical_place().into(),
             };

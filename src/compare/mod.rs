@@ -3,6 +3,7 @@
 
 mod diagnose;
 pub mod metrics;
+pub mod position;
 pub mod tolerance;
 
 pub use metrics::{LogitStats, Metrics, logit_stats, metrics};
@@ -117,6 +118,9 @@ pub struct Divergence {
     /// Up to three taps just before it (graph order) that still matched.
     pub matched_before: Vec<TapResult>,
     pub diagnosis: String,
+    /// The first token position out of its floor (`own-inputs`: where the finding first
+    /// shows, row by row); None where it was not located.
+    pub position: Option<position::Position>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -258,6 +262,7 @@ pub fn compare(
                 at: results[i].clone(),
                 matched_before,
                 diagnosis,
+                position: None,
             })
         }
         None => None,
@@ -301,6 +306,7 @@ pub fn judge_drift(c: &mut Comparison, base: &Trace, cand: &Trace) -> Result<(),
             at: c.results[i].clone(),
             matched_before: matched_before(&c.results, i),
             diagnosis: diagnose::diagnose(base, cand, &c.results, i, c.weight_type)?,
+            position: None,
         });
     }
     Ok(())

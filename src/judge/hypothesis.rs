@@ -116,10 +116,55 @@ fn experiments(
     let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
     let mut setups: BTreeMap<String, Setup> = BTreeMap::new();
     if run {
+        // Position bugs are tried at the width the error says: the first row out of the
+        // floor is where a ring of W slots or positions modulo W first act (position W), or
+        // where a mask's remainder block starts (row W of the step; one block past the step
+        // when it is row 0).
+        let first = match plain.kept.get(&k) {
+            Some(ours) => super::position::first_at(cand, &k, ours, floors.key(&k, &sp))?,
+            None => None,
+        };
+        let steps: Vec<(usize, usize, usize)> = cand
+            .trace
+            .manifest
+            .steps
+            .iter()
+            .map(|s| {
+                (
+                    s.step,
+                    s.positions.first().copied().unwrap_or(0),
+                    s.tokens.len(),
+                )
+            })
+            .collect();
+        let fitted = |m: Mutation| -> Mutation {
+            let Some((_, pos)) = first else { return m };
+            let w = match m {
+                // The smallest block that leaves its first remainder row here, given every
+                // step's length (a later step shorter than a block is unmasked whole).
+                Mutation::MaskTailBlock(_) => {
+                    let longest = steps.iter().map(|s| s.2).max().unwrap_or(1);
+                    (2..=longest + 1)
+                        .find(|&w| {
+                            u32::try_from(w).is_ok_and(|w| {
+                                Mutation::MaskTailBlock(w).first_position(&steps)
+                                    == Some((k.step, pos))
+                            })
+                        })
+                        .unwrap_or(pos)
+                }
+                _ => pos,
+            };
+            match u32::try_from(w) {
+                Ok(w) if w >= 1 => m.with_wrap(w),
+                _ => m,
+            }
+        };
         let mut hyps: Vec<Hypothesis> = Mutation::ALL
             .iter()
             .filter(|&&m| relevant(m, model, &k, &classes))
-            .map(|&m| Hypothesis {
+            .map(|&m| fitted(m))
+            .map(|m| Hypothesis {
                 name: m.name().to_string(),
                 catalog: Some(m),
                 setup: Setup {
@@ -544,13 +589,17 @@ fn finding(
     for c in ok {
         match setups.get(&c.0.hypothesis) {
             Some(setup) => match holds(model, cand, setup, ops, &k, is_knob(&c.0.hypothesis))? {
-                Ok(()) => held.push(c),
+                Ok(n) => held.push((c, n)),
                 Err(why) => contradicted.push((c.0.hypothesis.clone(), why)),
             },
             // A layout reads the candidate's own tensor in another order: nothing to re-run.
-            None => held.push(c),
+            None => held.push((c, 0)),
         }
     }
+    // Equal at the flagged key, the one that explains more of the trace comes first (stable:
+    // the lowest NMSE, the catalog first, among equals).
+    held.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    let held: Vec<_> = held.into_iter().map(|(c, _)| c).collect();
     // Where each reproduces the bug from: the one that explains the earliest key is the bug
     // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
     // not (another eps can match a decode step the real one matches too, and miss the prompt).
@@ -693,6 +742,7 @@ fn finding(
         ));
     }
     Ok(Finding {
+        position: None,
         key: located.map_or(k, |l| l.0),
         flagged: k,
         own_nmse: op.own_nmse,
@@ -741,7 +791,10 @@ fn cut_needed(name: &str) -> f64 {
 /// other norm or rotation too; a wrong theta for a decode position off by one changes the
 /// prompt too). Keys before the flagged key's layer are not held against it (a bug may act
 /// only from a deep layer on); a knob must also cut the own error at `KNOB_PLACES` distinct
-/// (step, layer) places. Err: why not, in words.
+/// (step, layer) places. Ok: how many keys out of their floor it brings within them (the
+/// whole-trace evidence that tells apart hypotheses equal at the flagged key: positions
+/// modulo 32 and positions restarting at a turn at 32 agree until the next turn). Err: why
+/// not, in words.
 fn holds(
     model: &Model,
     cand: &Candidate,
@@ -749,7 +802,7 @@ fn holds(
     ops: &[OpResult],
     flagged: &TapKey,
     knob: bool,
-) -> Result<Result<(), String>, JudgeError> {
+) -> Result<Result<usize, String>, JudgeError> {
     let n_layer = model.config.n_layer;
     let s_max = cand.steps().into_iter().max().unwrap_or(0);
     let full = Setup {
@@ -768,6 +821,7 @@ fn holds(
     let weigh = |runs: &[Replay]| {
         let mut places: BTreeSet<(usize, isize)> = BTreeSet::new();
         let mut worse: Vec<(TapKey, f64, f64)> = Vec::new();
+        let mut explained = 0;
         for o in ops {
             let Some(h) = runs
                 .iter()
@@ -784,11 +838,14 @@ fn holds(
             if p > VISIBLE && h * CONFIRM_CUT <= p {
                 places.insert((o.key.step, depth(&o.key)));
             }
+            if !o.pass && h <= o.floor {
+                explained += 1;
+            }
         }
-        (worse, places)
+        (worse, places, explained)
     };
     let mut runs = vec![replay(model, cand, &full, &BTreeSet::new())?];
-    let (mut worse, mut places) = weigh(&runs);
+    let (mut worse, mut places, mut explained) = weigh(&runs);
     // Where that fails, under the tie twins of the rounding too, as the own errors it is held
     // against were measured: otherwise an element on a rounding tie reads as a difference the
     // hypothesis predicts and the engine does not show. (More replays only lower each key's
@@ -797,7 +854,7 @@ fn holds(
         for twin in rounding::twin_setups(&full, model) {
             runs.push(replay(model, cand, &twin, &BTreeSet::new())?);
         }
-        (worse, places) = weigh(&runs);
+        (worse, places, explained) = weigh(&runs);
     }
     if let Some((key, p, h)) = worse.first() {
         return Ok(Err(format!(
@@ -815,7 +872,7 @@ fn holds(
             if places.len() == 1 { "" } else { "s" }
         )));
     }
-    Ok(Ok(()))
+    Ok(Ok(explained))
 }
 
 fn nmse(a: &[f32], b: &[f32]) -> f64 {
@@ -884,7 +941,7 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
             wrong_theta(c.rope_theta),
             c.rope_theta
         ),
-        Some(m) => m.describe().to_string(),
+        Some(m) => m.describe_width(),
         None => String::new(),
     }
 }
@@ -981,7 +1038,9 @@ fn place(
 
 /// Where a confirmed bug acts from when no earlier key shows it (`locate` found none): the
 /// earliest key before `k` whose value the hypothesis changes at all (NMSE over f32 noise
-/// between the replays with and without it), with that change and the key's own error. In a
+/// between the replays with and without it) where the engine's own error could hide it (a
+/// change over the key's floor that the engine does not show rules the key out), with that
+/// change and the key's own error. In a
 /// sparse dump of an engine whose spans carry more rounding noise than the bug moves them (an
 /// eps ×10 beside f16 sums), the bug is first seen later than it acts; this says where.
 fn acts_from(
@@ -1035,7 +1094,10 @@ fn acts_from(
             p += (y as f64).powi(2);
         }
         let moved = if p > 0.0 { d / p } else { d };
-        if moved > VISIBLE {
+        // Where the engine would show that change and does not, the bug does not act there
+        // (one placed from a deep layer on, under a hypothesis replayed in every layer).
+        let shown = moved > o.floor && moved > CONTRADICTS * o.own_nmse.max(VISIBLE);
+        if moved > VISIBLE && !shown {
             return Ok(Some((o.key, moved, o.own_nmse)));
         }
     }

@@ -16,6 +16,7 @@ pub mod floor;
 pub mod hypothesis;
 pub mod layout;
 pub mod nonfinite;
+pub mod position;
 pub mod replay;
 pub mod rounding;
 pub mod span;
@@ -180,6 +181,8 @@ pub struct Finding {
     /// bug removes its own error (`hypothesis::below_floor`).
     pub explained: bool,
     pub text: String,
+    /// The token position it first shows at (`position::locate`).
+    pub position: Option<crate::compare::position::Position>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -508,7 +511,7 @@ fn judge_once(
         .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
         .map(|(t, l)| format!("{t}: {}", l.name(*t)))
         .collect();
-    Ok(Judgement {
+    let mut j = Judgement {
         rounding,
         decode_rounding: decode,
         fits,
@@ -522,7 +525,12 @@ fn judge_once(
         aligned,
         ties,
         layouts: Vec::new(),
-    })
+    };
+    let at = position::locate(model, &cand, &j)?;
+    if let Some(f) = &mut j.first {
+        f.position = at;
+    }
+    Ok(j)
 }
 
 /// The rounding that reproduces the engine, in a baseline's words: one family, or
@@ -678,6 +686,9 @@ pub fn render(j: &Judgement) -> String {
         }
         Some(f) => {
             let _ = writeln!(s, "{}", f.text);
+            if let Some(p) = f.position {
+                let _ = writeln!(s, "  first at {}", p.describe());
+            }
         }
     }
     s

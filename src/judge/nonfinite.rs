@@ -54,6 +54,7 @@ fn base_finding(b: &NonFinite, o: &OpResult, text: &str) -> Finding {
         .map(|(c, w)| format!("{c} {w}"))
         .collect();
     Finding {
+        position: None,
         key: b.key,
         flagged: b.key,
         own_nmse: o.own_nmse,

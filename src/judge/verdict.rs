@@ -197,6 +197,7 @@ pub fn own_comparison(
             at: results[i].clone(),
             matched_before: crate::compare::matched_before(&results, i),
             diagnosis: f.text.replace("\n  ", "; "),
+            position: f.position,
         }
     });
     Comparison {

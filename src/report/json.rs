@@ -181,6 +181,23 @@ pub struct DivergenceReport {
     pub matched_before: Vec<TapReport>,
     /// The likely cause, in words, with its evidence.
     pub diagnosis: String,
+    /// Where in the sequence it first shows (own-error verdicts): a bug inside a long prompt
+    /// shows at step 0, and this says at which token. Absent where it was not located.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub position: Option<PositionReport>,
+}
+
+/// A token position: the first row of the step out of its floor.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PositionReport {
+    /// Position in the sequence (0: the first prompt token).
+    pub position: usize,
+    /// Its row within the step, and the step's row count.
+    pub row: usize,
+    pub rows: usize,
+    /// The token id at that position.
+    pub token: u32,
 }
 
 /// Which tensor: (step, layer, tap).
@@ -319,6 +336,12 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
             at: tap(&d.at),
             matched_before: d.matched_before.iter().map(tap).collect(),
             diagnosis: d.diagnosis.clone(),
+            position: d.position.map(|p| PositionReport {
+                position: p.position,
+                row: p.row,
+                rows: p.rows,
+                token: p.token,
+            }),
         }),
         results: c.results.iter().map(tap).collect(),
         logits: c

@@ -250,11 +250,17 @@ fn verdict_only(c: &Comparison) -> String {
                 );
             }
             let what = format!("NMSE {:.3e}", m.nmse);
+            // The key first, then where in the step ("… l_out from position 13 (…)").
+            let at = match &d.position {
+                Some(p) if p.rows > 1 => format!("{} from {}", d.at.key, p.describe()),
+                Some(p) => format!("{} at {}", d.at.key, p.describe()),
+                None => d.at.key.to_string(),
+            };
             format!(
                 "DIVERGED ({who}, {} weights, {}): first divergence at {} — {what} over the threshold {:.0e} (cosine {:.6}, max |Δ| {:.3e}, SQNR {:.1} dB). Still matching just before: {}. Likely cause: {}.",
                 c.weight_type,
                 pair_name(c),
-                d.at.key,
+                at,
                 d.at.threshold,
                 m.cosine,
                 m.max_abs,

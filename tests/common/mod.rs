@@ -303,3 +303,28 @@ pub fn own_inputs(report: &serde_json::Value) -> &serde_json::Value {
         .find(|c| c["pair"] == "own-inputs")
         .unwrap_or_else(|| panic!("no own-inputs comparison: {report:#}"))
 }
+
+/// The `dev` profile with the `test` profile's settings, as `CARGO_PROFILE_DEV_*` variables
+/// taken from Cargo.toml's `[profile.test]`: what the tests that build parity without its
+/// dev-dependencies (the Python kit's wheel, the packaged crates' install) build with, in
+/// cargo's own build folder, so the dependencies the first compiles the second reuses (their
+/// features differ from `cargo test`'s, which dev-dependencies widen).
+#[allow(dead_code)]
+pub fn dev_profile_as_test() -> Vec<(String, String)> {
+    let manifest = std::fs::read_to_string(root().join("Cargo.toml")).unwrap();
+    let mut env = Vec::new();
+    let mut in_test = false;
+    for line in manifest.lines() {
+        let line = line.split('#').next().unwrap().trim();
+        if line.starts_with('[') {
+            in_test = line == "[profile.test]";
+        } else if let (true, Some((k, v))) = (in_test, line.split_once('=')) {
+            let key = k.trim().to_uppercase().replace('-', "_");
+            env.push((
+                format!("CARGO_PROFILE_DEV_{key}"),
+                v.trim().trim_matches('"').to_string(),
+            ));
+        }
+    }
+    env
+}

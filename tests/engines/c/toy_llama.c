@@ -22,6 +22,10 @@
  *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
  *   attn-scale-inv-d  attention scores are divided by head_dim, not its square root
  *   no-attn-scale     attention scores are not scaled at all
+ * and two that act only from a position on, at widths the catalog does not use:
+ *   kv-ring-13        the K/V cache is a ring of 13 slots (position p at slot p % 13), read
+ *                     as if it held every position
+ *   rope-pos-mod-11   RoPE rotates at position p % 11
  *
  * Build: cc -std=c99 -O2 -I bindings/c tests/engines/c/toy_llama.c -lm -o toy_llama
  */
@@ -35,11 +39,15 @@
 
 enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E3,
        BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE, BUG_KV_SLOT_LATE,
-       BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE };
+       BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE, BUG_KV_RING_13, BUG_ROPE_POS_MOD_11 };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
                                         "attn-scale-inv-d", "no-attn-scale",
-                                        "kv-slot-late",  "no-final-norm",    "attn-out-twice"};
+                                        "kv-slot-late",  "no-final-norm",    "attn-out-twice",
+                                        "kv-ring-13",    "rope-pos-mod-11"};
+
+/* The cache slot of position p: p itself, or p % 13 in the ring-buffer bug. */
+static size_t slot(size_t p, int bug) { return bug == BUG_KV_RING_13 ? p % 13 : p; }
 
 static void die(const char *fmt, const char *a) {
     fprintf(stderr, "toy_llama: ");
@@ -434,7 +442,7 @@ int main(int argc, char **argv) {
         check(w, pt_step(w, st->tokens, st->positions, st->n));
 
         for (i = 0; i < T; i++) { /* token i of the step, at position p */
-            size_t p = st->positions[i];
+            size_t p = st->positions[i], rp;
             float *x;
             if (st->tokens[i] >= nv) die("a golden id is past the vocabulary%s", "");
             x = embd + i * e;
@@ -456,10 +464,11 @@ int main(int argc, char **argv) {
                 matvec(W("attn_v.weight", e, kw), e, kw, xn, v);
                 memcpy(qr, q, qw * sizeof *q);
                 memcpy(kr, k, kw * sizeof *k);
-                rope(qr, nh, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
-                rope(kr, nkv, hd, m.n_rot, p, theta, bug == BUG_ROPE_NEOX);
-                memcpy(kc[l] + (p + (bug == BUG_KV_SLOT_LATE)) * kw, kr, kw * sizeof *kr);
-                memcpy(vc[l] + (p + (bug == BUG_KV_SLOT_LATE)) * kw, v, kw * sizeof *v);
+                rp = bug == BUG_ROPE_POS_MOD_11 ? p % 11 : p;
+                rope(qr, nh, hd, m.n_rot, rp, theta, bug == BUG_ROPE_NEOX);
+                rope(kr, nkv, hd, m.n_rot, rp, theta, bug == BUG_ROPE_NEOX);
+                memcpy(kc[l] + slot(p + (bug == BUG_KV_SLOT_LATE), bug) * kw, kr, kw * sizeof *kr);
+                memcpy(vc[l] + slot(p + (bug == BUG_KV_SLOT_LATE), bug) * kw, v, kw * sizeof *v);
                 /* Attention of this token over positions 0..p (GQA: head h reads kv head
                  * h / (n_head / n_head_kv)); its probabilities are row i of kq_soft_max. */
                 for (h = 0; h < nh; h++) {
@@ -467,7 +476,7 @@ int main(int argc, char **argv) {
                     float *prob = b[KQ] + (h * T + i) * n_kv, max = -INFINITY;
                     double sum = 0.0;
                     for (j = 0; j < seen; j++) {
-                        const float *kj = kc[l] + j * kw + kh * hd;
+                        const float *kj = kc[l] + slot(j, bug) * kw + kh * hd;
                         double dot = 0.0;
                         for (d = 0; d < hd; d++) dot += (double)qr[h * hd + d] * (double)kj[d];
                         scores[j] = (float)dot * scale;
@@ -481,7 +490,7 @@ int main(int argc, char **argv) {
                     for (d = 0; d < hd; d++) {
                         double acc = 0.0;
                         for (j = 0; j < seen; j++)
-                            acc += (double)prob[j] * (double)vc[l][j * kw + kh * hd + d];
+                            acc += (double)prob[j] * (double)vc[l][slot(j, bug) * kw + kh * hd + d];
                         att[h * hd + d] = (float)acc;
                     }
                 }

@@ -1,0 +1,93 @@
+//! Where a finding first shows, token-wise ([`Position`]): the own error at the finding's key
+//! recomputed and read row by row.
+
+use super::replay::{Candidate, Setup, Window, replay};
+use super::{JudgeError, Judgement};
+use crate::compare::position::{Position, first_row};
+use crate::model::Model;
+use crate::trace::TapKey;
+use std::collections::BTreeSet;
+
+/// The first row of `key` out of `floor`, the reference's tensor `ours` against the
+/// candidate's: (row within the step, position).
+pub fn first_at(
+    cand: &Candidate,
+    key: &TapKey,
+    ours: &[f32],
+    floor: f64,
+) -> Result<Option<(usize, usize)>, JudgeError> {
+    let (Some((_, pos0)), Some(theirs), Some(dims)) =
+        (cand.step_shape(key.step), cand.get(key)?, cand.dims(key))
+    else {
+        return Ok(None);
+    };
+    Ok(first_row(ours, &theirs, dims, key.tap, floor).map(|r| (r, pos0 + r)))
+}
+
+/// Where `j`'s finding first shows, token-wise: at the key it is placed at (its floor), else at
+/// the flagged key. A decode step has one row, its position.
+pub fn locate(
+    model: &Model,
+    cand: &Candidate,
+    j: &Judgement,
+) -> Result<Option<Position>, JudgeError> {
+    let Some(f) = &j.first else { return Ok(None) };
+    let mut keys = vec![f.key];
+    if f.flagged != f.key {
+        keys.push(f.flagged);
+    }
+    for key in keys {
+        let Some((rows, pos0)) = cand.step_shape(key.step) else {
+            continue;
+        };
+        let token = |row: usize| {
+            cand.trace
+                .manifest
+                .steps
+                .iter()
+                .find(|s| s.step == key.step)
+                .and_then(|s| s.tokens.get(row).copied())
+                .unwrap_or(0)
+        };
+        if rows == 1 {
+            return Ok(Some(Position {
+                position: pos0,
+                row: 0,
+                rows,
+                token: token(0),
+            }));
+        }
+        let Some(op) = j.ops.iter().find(|o| o.key == key) else {
+            continue;
+        };
+        let (Some(theirs), Some(dims)) = (cand.get(&key)?, cand.dims(&key)) else {
+            continue;
+        };
+        let rounding = j
+            .ties
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map_or(j.rounding, |(_, twin)| *twin);
+        let setup = Setup {
+            rounding,
+            decode: j.decode_rounding,
+            kv: j.kv,
+            mutation: None,
+            knob: None,
+            window: Window::for_key(cand, &key),
+        };
+        let keep: BTreeSet<TapKey> = [key].into();
+        let Some(ours) = replay(model, cand, &setup, &keep)?.kept.remove(&key) else {
+            continue;
+        };
+        if let Some(row) = first_row(&ours, &theirs, dims, key.tap, op.floor) {
+            return Ok(Some(Position {
+                position: pos0 + row,
+                row,
+                rows,
+                token: token(row),
+            }));
+        }
+    }
+    Ok(None)
+}
