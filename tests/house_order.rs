@@ -27,7 +27,8 @@ const ORDER: &[&str] = &[
 ];
 
 /// The files of the forward's floor of `arch`; every other file of src/arch is its spec.
-const ARCH_FORWARD: &[&str] = &["mod", "transformer"];
+/// size.rs sums the forward's taps at their shapes (mod.rs's `tap_dims`, `records`).
+const ARCH_FORWARD: &[&str] = &["mod", "transformer", "size"];
 
 fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")

@@ -86,12 +86,33 @@ fn judged(model: &Model, t: &Trace) -> Judgement {
     judge::judge(model, t, &JudgeOptions::default()).unwrap()
 }
 
-fn compute_mutations(model: &Model) -> Vec<Mutation> {
+fn compute_mutations(model: &Model, g: &Trace) -> Vec<Mutation> {
     Mutation::ALL
         .iter()
         .copied()
         .filter(|m| m.kind() == MutationKind::Compute && m.applies_to(model))
+        // A bug that acts from a position or a turn on, where this run reaches it.
+        .filter(|m| !m.positional() || m.first_position(&run_steps(g)).is_some())
         .collect()
+}
+
+/// The golden's steps as (step, first position, token count).
+fn run_steps(g: &Trace) -> Vec<(usize, usize, usize)> {
+    g.manifest
+        .steps
+        .iter()
+        .map(|s| (s.step, s.positions[0], s.tokens.len()))
+        .collect()
+}
+
+/// Where `m` first shows in the golden's run: `first_shows`, in the step holding its first
+/// position for a position bug.
+fn shows(model: &Model, g: &Trace, m: Mutation) -> TapKey {
+    let mut at = m.first_shows(model);
+    if let Some((step, _)) = m.first_position(&run_steps(g)) {
+        at.step = step;
+    }
+    at
 }
 
 #[test]
@@ -162,14 +183,14 @@ fn catalog_dense(name: &str, rounding: Emulation) {
         "{name}: {:?}",
         j.fits
     );
-    for m in compute_mutations(&model) {
+    for m in compute_mutations(&model, &g) {
         let t = engine_trace(&model, &g, Some(m), rounding, |_| true);
         let j = judged(&model, &t);
         let f = j
             .first
             .as_ref()
             .unwrap_or_else(|| panic!("{name} {m}: not found"));
-        assert_eq!(f.key, m.first_shows(&model), "{name} {m}: {}", f.text);
+        assert_eq!(f.key, shows(&model, &g, m), "{name} {m}: {}", f.text);
         assert_eq!(
             f.catalog.as_deref(),
             Some(m.name()),
@@ -249,10 +270,10 @@ fn catalog_through_a_sparse_trace_lands_on_the_layer() {
         );
         let full = engine_trace(&model, &g, None, rounding, |_| true);
         assert_eq!(judged(&model, &full).limits(), Vec::<String>::new());
-        for m in compute_mutations(&model) {
+        for m in compute_mutations(&model, &g) {
             let t = engine_trace(&model, &g, Some(m), rounding, sparse);
             let j = judged(&model, &t);
-            let shows = m.first_shows(&model);
+            let shows = shows(&model, &g, m);
             let f = j
                 .first
                 .as_ref()
