@@ -531,7 +531,7 @@ fn plan<'m>(
         Some(l) => crate::arch::size::fed_steps(
             std::iter::once(prompt.len()).chain(l.iter().map(Vec::len)),
         ),
-        None => crate::arch::size::run_steps(prompt.len(), 0, steps, &[]),
+        None => crate::arch::size::golden_feed(prompt.len(), 0, steps, &[]),
     };
     let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
     if let Some(msg) = crate::arch::size::over_budget(

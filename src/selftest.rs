@@ -272,7 +272,7 @@ pub fn run(
     on_row: &mut dyn FnMut(&Row),
 ) -> Result<Vec<Row>, SelftestError> {
     let golden = open_golden(model, opt)?;
-    let cases = cases(model, opt, &run_steps(&golden))?;
+    let cases = cases(model, opt, &crate::trace::step_shapes(&golden))?;
     let made = match &opt.keep {
         Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),
         None => private_temp_dir(),
@@ -363,7 +363,7 @@ fn one_row(
         (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
         _ => None,
     };
-    let steps = run_steps(golden);
+    let steps = crate::trace::step_shapes(golden);
     let seen = Seen {
         observable,
         steps: &steps,
@@ -468,19 +468,6 @@ fn open_golden(model: &Model, opt: &SelftestOptions) -> Result<Trace, SelftestEr
         });
     }
     Ok(golden)
-}
-
-/// The golden's steps as (step, first position, token count).
-fn run_steps(golden: &Trace) -> Vec<(usize, usize, usize)> {
-    golden
-        .manifest
-        .steps
-        .iter()
-        .map(|s| {
-            let p0 = s.positions.first().copied().unwrap_or(0);
-            (s.step, p0, s.tokens.len())
-        })
-        .collect()
 }
 
 /// The clean run, then each catalog bug that applies to the model and can show in this

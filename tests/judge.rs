@@ -92,16 +92,7 @@ fn compute_mutations(model: &Model, g: &Trace) -> Vec<Mutation> {
         .copied()
         .filter(|m| m.kind() == MutationKind::Compute && m.applies_to(model))
         // A bug that acts from a position or a turn on, where this run reaches it.
-        .filter(|m| !m.positional() || m.first_position(&run_steps(g)).is_some())
-        .collect()
-}
-
-/// The golden's steps as (step, first position, token count).
-fn run_steps(g: &Trace) -> Vec<(usize, usize, usize)> {
-    g.manifest
-        .steps
-        .iter()
-        .map(|s| (s.step, s.positions[0], s.tokens.len()))
+        .filter(|m| !m.positional() || m.first_position(&parity::trace::step_shapes(g)).is_some())
         .collect()
 }
 
@@ -109,7 +100,7 @@ fn run_steps(g: &Trace) -> Vec<(usize, usize, usize)> {
 /// position for a position bug.
 fn shows(model: &Model, g: &Trace, m: Mutation) -> TapKey {
     let mut at = m.first_shows(model);
-    if let Some((step, _)) = m.first_position(&run_steps(g)) {
+    if let Some((step, _)) = m.first_position(&parity::trace::step_shapes(g)) {
         at.step = step;
     }
     at

@@ -17,7 +17,7 @@ const NPY_HEADER: u64 = 128;
 /// The steps of a run, each (first position, token count): the prompt (in chunks of
 /// `chunk` tokens, 0 for whole), `decode` one-token steps, then each further turn (in chunks
 /// too) followed by `decode` steps again — the order `parity golden` feeds llama.cpp.
-pub fn run_steps(
+pub fn golden_feed(
     prompt: usize,
     chunk: usize,
     decode: usize,
@@ -149,10 +149,10 @@ mod tests {
 
     #[test]
     fn steps_follow_the_golden_feed() {
-        assert_eq!(run_steps(3, 0, 2, &[]), vec![(0, 3), (3, 1), (4, 1)]);
+        assert_eq!(golden_feed(3, 0, 2, &[]), vec![(0, 3), (3, 1), (4, 1)]);
         assert_eq!(fed_steps([3, 1, 4]), vec![(0, 3), (3, 1), (4, 4)]);
         assert_eq!(
-            run_steps(5, 2, 1, &[3]),
+            golden_feed(5, 2, 1, &[3]),
             vec![(0, 2), (2, 2), (4, 1), (5, 1), (6, 2), (8, 1), (9, 1)]
         );
     }

@@ -142,7 +142,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     // Turn ids are checked by the script; here only counted.
     let turns: Vec<usize> = a.turn.iter().map(|t| t.split(',').count()).collect();
-    let run = crate::arch::size::run_steps(ids.len(), a.chunk, steps, &turns);
+    let run = crate::arch::size::golden_feed(ids.len(), a.chunk, steps, &turns);
     let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
     if let Some(msg) = crate::arch::size::over_budget(
         "this golden",

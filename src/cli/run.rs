@@ -562,7 +562,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         Some(l) => {
             crate::arch::size::fed_steps(std::iter::once(ids.len()).chain(l.iter().map(Vec::len)))
         }
-        None => crate::arch::size::run_steps(ids.len(), 0, steps, &[]),
+        None => crate::arch::size::golden_feed(ids.len(), 0, steps, &[]),
     };
     let (bytes, probs) =
         crate::arch::size::trace_bytes(&model.config, &run, &|k| filter.matches(k));

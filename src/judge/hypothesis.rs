@@ -124,19 +124,7 @@ fn experiments(
             Some(ours) => super::position::first_at(cand, &k, ours, floors.key(&k, &sp))?,
             None => None,
         };
-        let steps: Vec<(usize, usize, usize)> = cand
-            .trace
-            .manifest
-            .steps
-            .iter()
-            .map(|s| {
-                (
-                    s.step,
-                    s.positions.first().copied().unwrap_or(0),
-                    s.tokens.len(),
-                )
-            })
-            .collect();
+        let steps = crate::trace::step_shapes(cand.trace);
         let fitted = |m: Mutation| -> Mutation {
             let Some((_, pos)) = first else { return m };
             let w = match m {

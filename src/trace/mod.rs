@@ -180,3 +180,19 @@ impl Sink for MemorySink {
         self.tensors.insert(key, a);
     }
 }
+
+/// Each step of `t` as (step, first position, token count): the run's shape, which the
+/// position bugs' places and the judge's fitted widths read.
+pub fn step_shapes(t: &Trace) -> Vec<(usize, usize, usize)> {
+    t.manifest
+        .steps
+        .iter()
+        .map(|s| {
+            (
+                s.step,
+                s.positions.first().copied().unwrap_or(0),
+                s.tokens.len(),
+            )
+        })
+        .collect()
+}
