@@ -2298,3 +2298,49 @@ fn golden_stopped_by_a_signal_stops_llama_cpp() {
     );
     assert!(!staging.exists(), "its staging folder is left");
 }
+
+/// A bad flag value that clap quotes back (a size, a number, a choice) holding a newline and an
+/// escape is shown escaped: one error line, nothing forged, exit 2.
+#[test]
+fn a_bad_flag_value_with_control_characters_is_shown_escaped() {
+    for args in [
+        vec![
+            "dump",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "--tokens",
+            "1,2",
+            "--out",
+            "/nonexistent/x",
+            "--max-trace-size",
+            "1k\n\u{1b}[31merror: forged",
+        ],
+        vec!["check", "--threads", "2\n\u{1b}[2Jforged"],
+        vec![
+            "selftest",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "--engine",
+            "numpy\nerror: forged",
+        ],
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_parity"))
+            .args(&args)
+            .current_dir(root())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(!err.contains('\u{1b}'), "{args:?}: {err:?}");
+        assert_eq!(
+            err.lines().filter(|l| l.contains("forged")).count(),
+            1,
+            "{args:?}: {err}"
+        );
+        assert!(
+            err.lines()
+                .find(|l| l.contains("forged"))
+                .unwrap()
+                .starts_with("error: invalid value"),
+            "{args:?}: {err}"
+        );
+    }
+}

@@ -89,7 +89,21 @@ pub fn main() -> ExitCode {
         }
         default_hook(info)
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        // clap quotes a bad value as given: with a newline or an escape in it, its error could
+        // print a forged line. Parsed again with every argument shown escaped, the same error
+        // says it in one piece (help and version print as they are).
+        Err(e) if e.use_stderr() => {
+            let args = std::env::args_os()
+                .map(|a| crate::report::shown::shown(&a.to_string_lossy()).into_owned());
+            match Cli::try_parse_from(args) {
+                Err(e) => e.exit(),
+                Ok(_) => e.exit(),
+            }
+        }
+        Err(e) => e.exit(),
+    };
     let result = match cli.cmd {
         Cmd::Inspect(a) => inspect::inspect(a),
         Cmd::Gpu(a) => inspect::gpu(a),
