@@ -203,9 +203,7 @@ impl<'m> Reference<'m> {
                 let mut row = vec![0.0f32; n_in];
                 for (k, o) in chunk.chunks_mut(t).enumerate() {
                     self.model.row(w, c * ROWS + k, &mut row);
-                    for (i, v) in o.iter_mut().enumerate() {
-                        *v = self.dot(w.ty, &row, &x[i * n_in..(i + 1) * n_in]);
-                    }
+                    self.dots(w.ty, &row, &x, o);
                 }
             });
         let mut out = vec![0.0f32; t * n_out];
@@ -236,7 +234,7 @@ impl<'m> Reference<'m> {
             (Accum::F32, _) => dot(w, x),
             // Vulkan's f32 × f32 matmul: f16 in shared memory, f32 accumulator.
             (Accum::F16 { .. }, GgmlType::F32) => {
-                let w16: Vec<f32> = w.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+                let w16: Vec<f32> = w.iter().map(|&v| round_f16(v)).collect();
                 dot(&w16, x)
             }
             // BF16 weights take Vulkan's bf16 path: an f32 accumulator (its inputs rounded to
@@ -247,13 +245,30 @@ impl<'m> Reference<'m> {
         }
     }
 
+    /// `out[i]` = `dot(ty, w, x row i)` for every row of `x`. An f16 accumulator's sum is one
+    /// long chain of roundings, so four rows run side by side to overlap their chains.
+    fn dots(&self, ty: GgmlType, w: &[f32], x: &[f32], out: &mut [f32]) {
+        let n = w.len();
+        match (self.emulation.accum(), ty) {
+            (Accum::F16 { fused }, GgmlType::F16) => dots_f16_acc(w, x, 4, fused, out),
+            (Accum::F16 { fused }, ty) if !matches!(ty, GgmlType::F32 | GgmlType::BF16) => {
+                dots_f16_acc(w, x, 2, fused, out)
+            }
+            _ => {
+                for (v, xr) in out.iter_mut().zip(x.chunks(n)) {
+                    *v = self.dot(ty, w, xr);
+                }
+            }
+        }
+    }
+
     /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
     fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
         let e = self.emulation;
         let act = e.act_type(ty, n_in);
         match act {
             GgmlType::F32 => return x.to_vec(),
-            GgmlType::F16 => return x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+            GgmlType::F16 => return x.iter().map(|&v| round_f16(v)).collect(),
             GgmlType::BF16 => {
                 return x
                     .iter()
@@ -550,24 +565,59 @@ fn sums_4x1_avx2(w: [&[f32]; 4], x: &[f64], acc: &mut [[f64; 8]; 4]) {
 /// rounding per step (the f16×f16 product and the sum are exact in f64 before it); unfused:
 /// the product rounded to f16, then the sum.
 pub(crate) fn dot_f16_acc(w: &[f32], x: &[f32], group: usize, fused: bool) -> f32 {
-    use half::f16;
-    let mut acc = f16::ZERO;
-    for (wc, xc) in w.chunks(group).zip(x.chunks(group)) {
-        for (&a, &b) in wc.iter().zip(xc).rev() {
-            let mut p = f16::from_f32(a).to_f64() * b as f64;
-            if !fused {
-                p = f16_nearest(p).to_f64();
-            }
-            acc = f16_nearest(acc.to_f64() + p);
-        }
-    }
-    acc.to_f32()
+    f16_acc_lanes::<1>(w, [x], group, fused)[0]
 }
 
-/// `v` rounded to the nearest f16, ties to even, in one rounding. `half`'s `from_f64` is not:
-/// with F16C it goes through f32 rounded to nearest (a second rounding an fma has not), and its
-/// fallback misses the nearest value on about one in 2000 inputs.
-fn f16_nearest(v: f64) -> half::f16 {
+/// `dot_f16_acc` of `w` with each row of `x` into `out`, `LANES` rows at a time.
+fn dots_f16_acc(w: &[f32], x: &[f32], group: usize, fused: bool, out: &mut [f32]) {
+    const LANES: usize = 4;
+    let n = w.len();
+    let mut rows = x.chunks_exact(LANES * n);
+    let mut outs = out.chunks_exact_mut(LANES);
+    for (xs, o) in (&mut rows).zip(&mut outs) {
+        let xs: [&[f32]; LANES] = std::array::from_fn(|j| &xs[j * n..(j + 1) * n]);
+        o.copy_from_slice(&f16_acc_lanes(w, xs, group, fused));
+    }
+    for (xr, v) in rows.remainder().chunks(n).zip(outs.into_remainder()) {
+        *v = dot_f16_acc(w, xr, group, fused);
+    }
+}
+
+/// `N` f16-accumulated sums of `w` with `xs[j]`, side by side: each lane is the same chain of
+/// roundings `dot_f16_acc` makes, so the result is that of `N` separate calls.
+#[inline(always)]
+fn f16_acc_lanes<const N: usize>(
+    w: &[f32],
+    xs: [&[f32]; N],
+    group: usize,
+    fused: bool,
+) -> [f32; N] {
+    let mut acc = [0.0f32; N];
+    let n = w.len();
+    let mut start = 0;
+    while start < n {
+        let end = (start + group).min(n);
+        for k in (start..end).rev() {
+            let a = round_f16(w[k]) as f64;
+            for j in 0..N {
+                let mut p = a * xs[j][k] as f64;
+                if !fused {
+                    p = f16_nearest(p) as f64;
+                }
+                acc[j] = f16_nearest(acc[j] as f64 + p);
+            }
+        }
+        start = end;
+    }
+    acc
+}
+
+/// `v` rounded to the nearest f16, ties to even, in one rounding, as an f32 (which holds every
+/// f16). `half`'s `from_f64` is not: with F16C it goes through f32 rounded to nearest (a
+/// second rounding an fma has not), and its fallback misses the nearest value on about one in
+/// 2000 inputs.
+#[inline]
+fn f16_nearest(v: f64) -> f32 {
     // Round to odd into f32 (cut toward zero, then set the last bit if anything was cut): f32
     // keeps 13 bits more than f16, so its f16 rounding is the one from the exact value.
     let mut f = v as f32;
@@ -577,7 +627,32 @@ fn f16_nearest(v: f64) -> half::f16 {
         }
         f = f32::from_bits(f.to_bits() | 1);
     }
-    half::f16::from_f32(f)
+    round_f16(f)
+}
+
+/// `x` rounded to the nearest f16 (ties to even, overflow to infinity), as an f32. Bit
+/// arithmetic the compiler inlines: `half`'s conversions are calls behind a CPU-feature check,
+/// and an f16-accumulating replay makes three per multiply-add (97% of its time before).
+#[inline]
+pub(crate) fn round_f16(x: f32) -> f32 {
+    const MIN_NORMAL: f32 = 6.103_515_6e-5; // 2^-14
+    let a = x.abs();
+    if a.is_nan() {
+        return x;
+    }
+    if a < MIN_NORMAL {
+        // Subnormal f16s are the multiples of 2^-24: beside 0.5 (whose f32 step is 2^-24) the
+        // addition rounds to one of them, ties to even; taking 0.5 off again is exact.
+        return ((a + 0.5) - 0.5).copysign(x);
+    }
+    // Normal: keep 10 of f32's 23 fraction bits, ties to even; a carry moves into the exponent.
+    let b = x.to_bits();
+    let r = f32::from_bits((b + 0x0fff + ((b >> 13) & 1)) & !0x1fff);
+    if r.abs() > 65504.0 {
+        f32::INFINITY.copysign(x)
+    } else {
+        r
+    }
 }
 
 /// RMSNorm in ggml's order: mean of squares summed in f64, scale = 1/sqrt(mean + eps) in f32,
@@ -1175,7 +1250,58 @@ mod tests {
                 (mid - (y - x) * 1e-12, a),
                 (mid + (y - x) * 1e-12, b),
             ] {
-                assert_eq!(f16_nearest(v), want, "{v:e}");
+                assert_eq!(f16_nearest(v), want.to_f32(), "{v:e}");
+            }
+        }
+    }
+
+    /// The inlined rounding is `half`'s (F16C's `vcvtps2ph` where the CPU has it) on a dense
+    /// sample of every f32 bit pattern: normals, subnormals, ties, overflow, infinities, NaN.
+    #[test]
+    fn round_f16_is_halfs_rounding_of_every_sampled_f32() {
+        let mut bits = 0u32;
+        loop {
+            let x = f32::from_bits(bits);
+            let (got, want) = (round_f16(x), half::f16::from_f32(x).to_f32());
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{x:e} ({bits:#x}): {got:e} vs {want:e}"
+            );
+            // A prime stride, plus every pattern near the f16 ties (low 13 bits 0x1000).
+            let next = bits.wrapping_add(if bits & 0x1fff == 0x0fff { 1 } else { 251 });
+            if next < bits {
+                break;
+            }
+            bits = next;
+        }
+        for bits in (0x3800_1000u32..0x3880_0000).step_by(0x2000) {
+            let x = f32::from_bits(bits);
+            assert_eq!(round_f16(x), half::f16::from_f32(x).to_f32(), "{x:e}");
+        }
+    }
+
+    /// Rows summed side by side are each row's own chain: bit for bit `dot_f16_acc`, for every
+    /// count of rows (whole groups of lanes and a remainder), both groupings, fused or not.
+    #[test]
+    fn f16_acc_rows_side_by_side_are_each_rows_dot() {
+        let n = 37;
+        let mut seed = 7u32;
+        let mut next = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            // Values near f16 ties and of mixed scale, so the roundings matter.
+            ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+                * [1.0, 64.0, 1e-3][(seed & 3) as usize % 3]
+        };
+        let w: Vec<f32> = (0..n).map(|_| next()).collect();
+        for t in 0..11 {
+            let x: Vec<f32> = (0..t * n).map(|_| next()).collect();
+            for (group, fused) in [(2, true), (2, false), (4, true), (4, false)] {
+                let mut out = vec![f32::NAN; t];
+                dots_f16_acc(&w, &x, group, fused, &mut out);
+                for (i, v) in out.iter().enumerate() {
+                    let want = dot_f16_acc(&w, &x[i * n..(i + 1) * n], group, fused);
+                    assert_eq!(v.to_bits(), want.to_bits(), "t {t} row {i} {group} {fused}");
+                }
             }
         }
     }
