@@ -799,6 +799,9 @@ def main(argv=None):
                     help="flash attention (llama.cpp's -fa; default off, or auto with --llama-defaults); "
                          "the manifest records what llama.cpp resolved it to")
     ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
+    ap.add_argument("--record", default=None,
+                    help="a recording plan parity has checked: taps=A,B (kept at every step; "
+                         "left out: all) and full=3,7-8 (steps kept whole)")
     ap.add_argument("--list-nodes", action="store_true",
                     help="print every graph node of the prefill and the first decode step "
                          "with the tap it maps to (stderr)")
@@ -984,6 +987,20 @@ def main(argv=None):
             [(t, None) for t in GLOBAL_LAST]
     tensors = []
     nbytes_total = 0
+    # The recording plan (`parity golden --record`, checked by parity): taps kept at every step,
+    # steps kept whole.
+    plan_taps, plan_full = None, []
+    for part in (args.record or "").split(";"):
+        key, _, value = part.partition("=")
+        if key.strip() == "taps" and "all" not in value.split(","):
+            plan_taps = {t.strip() for t in value.split(",")}
+        elif key.strip() == "full":
+            for item in filter(None, (i.strip() for i in value.split(","))):
+                lo, _, hi = item.partition("-")
+                plan_full.append((int(lo), int(hi or lo)))
+
+    def plan_wants(s, tap):
+        return plan_taps is None or tap in plan_taps or any(a <= s <= b for a, b in plan_full)
 
     def write_step(s, taps):
         """Each step goes to disk as soon as it is recorded: memory stays one step's taps (and
@@ -992,7 +1009,7 @@ def main(argv=None):
         os.makedirs(os.path.join(staging, f"s{s:03}"), exist_ok=True)
         for tap, il in order:
             a = taps.get((tap, il))
-            if a is None:
+            if a is None or not plan_wants(s, tap):
                 continue
             a = np.ascontiguousarray(a, dtype="<f4")
             rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"
@@ -1171,6 +1188,8 @@ def main(argv=None):
         "steps": steps,
         "tensors": tensors,
     }
+    if args.record:
+        manifest["record"] = args.record
     failed = check_summary is not None and check_summary["failed"] and not args.llama_defaults
     if failed:
         die(f"{check_summary['failed']} of {check_summary['checks']} self-checks failed: the "

@@ -46,7 +46,7 @@ _PKG = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 if os.path.isfile(os.path.join(_PKG, "parity_trace", "__init__.py")):
     sys.path.insert(0, _PKG)
 try:
-    from parity_trace import TraceWriter
+    from parity_trace import TraceError, TraceWriter
 except ImportError as e:  # pragma: no cover - reported to the caller
     print(f"error: numpy_engine.py needs the parity_trace package: bindings/python in a parity "
           f"checkout beside scripts/, or `pip install parity-trace` ({e})", file=sys.stderr)
@@ -487,6 +487,9 @@ def main():
     ap.add_argument("--forced", help="decode ids to feed, comma-separated (else greedy)")
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
+    ap.add_argument("--record", help="a recording plan, as parity diff prints it for a zoom "
+                                     "(taps=l_out,result_norm,logits;full=3); default: "
+                                     "PARITY_RECORD, which the parity_trace writer reads")
     ap.add_argument("--rounding", default="none",
                     choices=ROUNDINGS)
     ap.add_argument("--prefill-rounding", choices=ROUNDINGS,
@@ -555,14 +558,18 @@ def main():
         fail("no prompt ids")
     n_steps = len(forced) if forced is not None else a.steps
 
-    w = TraceWriter(a.out, model=a.model, engine="numpy-engine", backend="numpy", version="0.1",
-                    settings={"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
-                              "prefill_rounding": a.prefill_rounding or a.rounding,
-                              "numpy": np.__version__},
-                    layouts={"q_rope": layout} if a.declare and layout != "token-major" else None)
+    try:
+        w = TraceWriter(a.out, model=a.model, engine="numpy-engine", backend="numpy", version="0.1",
+                        settings={"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
+                                  "prefill_rounding": a.prefill_rounding or a.rounding,
+                                  "numpy": np.__version__},
+                        layouts={"q_rope": layout} if a.declare and layout != "token-major" else None,
+                        record=a.record)
+    except TraceError as e:
+        fail(str(e))
 
     def rec(tap, layer, x):
-        if a.taps == "sparse" and tap not in SPARSE:
+        if a.taps == "sparse" and tap not in SPARSE or not w.wants(tap):
             return
         if tap == "q_rope" and layout == "head-major":
             w.tap(layer, tap, np.ascontiguousarray(x.transpose(1, 0, 2)), layout=layout)

@@ -68,6 +68,11 @@ pub struct GoldenArgs {
     /// Overwrite a non-empty output folder.
     #[arg(long)]
     force: bool,
+    /// A recording plan, as `parity diff` prints it for a zoom: `taps=l_out,result_norm,logits`
+    /// keeps those taps at every step (a scan of a long run at a fraction of the size),
+    /// `;full=3,7-8` every tap at those steps (docs/trace-format.md, "Scan and zoom").
+    #[arg(long, value_name = "PLAN")]
+    record: Option<String>,
     /// Refuse a golden whose trace would be larger than this (bytes, or 500M, 4G, 1T), before
     /// llama.cpp runs. The attention probabilities grow with the square of the length.
     #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::arch::size::parse_size)]
@@ -143,13 +148,25 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     // Turn ids are checked by the script; here only counted.
     let turns: Vec<usize> = a.turn.iter().map(|t| t.split(',').count()).collect();
     let run = crate::arch::size::golden_feed(ids.len(), a.chunk, steps, &turns);
-    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
+    let plan = a
+        .record
+        .as_deref()
+        .map(crate::trace::Record::parse)
+        .transpose()
+        .map_err(|e| err(format!("--record: {e}")))?;
+    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
+        plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap))
+    });
     if let Some(msg) = crate::arch::size::over_budget(
         "this golden",
         bytes,
         probs,
         a.max_trace_size,
-        "make it of fewer positions (a shorter prompt, fewer --steps)",
+        if plan.is_some() {
+            "make it of fewer positions (a shorter prompt, fewer --steps), or record fewer steps whole"
+        } else {
+            "make it of fewer positions (a shorter prompt, fewer --steps), or scan it: --record 'taps=l_out,result_norm,logits'"
+        },
     ) {
         return Err(err(msg));
     }
@@ -224,6 +241,9 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     }
     for t in &a.turn {
         cmd.arg("--turn").arg(t);
+    }
+    if let Some(p) = &plan {
+        cmd.arg("--record").arg(p.to_string());
     }
     for (flag, v) in [
         ("--cache-type-k", &a.cache_type_k),

@@ -430,6 +430,12 @@ pub struct DumpArgs {
     /// Keep only taps whose name (e.g. `attn_norm-3`, `logits`) matches this regex.
     #[arg(long)]
     taps: Option<String>,
+    /// A recording plan, as `parity diff` prints it for a zoom: `taps=l_out,result_norm,logits`
+    /// keeps those taps at every step (a scan), `;full=3,7-8` every tap at those steps
+    /// (docs/trace-format.md, "Scan and zoom"). With --taps, a step kept whole keeps every
+    /// tap; elsewhere both must keep it.
+    #[arg(long, value_name = "PLAN")]
+    record: Option<String>,
     #[arg(long, default_value = "reference")]
     backend: String,
     /// Activation rounding of the reference backend: none (plain f32, the default), ggml-cpu
@@ -558,6 +564,13 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         Some(re) => TapFilter::regex(re).map_err(|e| err(format!("--taps: {e}")))?,
         None => TapFilter::all(),
     };
+    let plan = a
+        .record
+        .as_deref()
+        .map(crate::trace::Record::parse)
+        .transpose()
+        .map_err(|e| err(format!("--record: {e}")))?;
+    let filter = filter.with_record(plan);
     let run = match &later {
         Some(l) => {
             crate::arch::size::fed_steps(std::iter::once(ids.len()).chain(l.iter().map(Vec::len)))

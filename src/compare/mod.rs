@@ -121,6 +121,8 @@ pub struct Divergence {
     /// The first token position out of its floor (`own-inputs`: where the finding first
     /// shows, row by row); None where it was not located.
     pub position: Option<position::Position>,
+    /// Judged as a span at a step the trace did not record whole: the zoom that names it.
+    pub zoom: Option<crate::trace::Zoom>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -263,6 +265,7 @@ pub fn compare(
                 matched_before,
                 diagnosis,
                 position: None,
+                zoom: None,
             })
         }
         None => None,
@@ -307,6 +310,7 @@ pub fn judge_drift(c: &mut Comparison, base: &Trace, cand: &Trace) -> Result<(),
             matched_before: matched_before(&c.results, i),
             diagnosis: diagnose::diagnose(base, cand, &c.results, i, c.weight_type)?,
             position: None,
+            zoom: None,
         });
     }
     Ok(())

@@ -731,6 +731,7 @@ fn finding(
     }
     Ok(Finding {
         position: None,
+        zoom: None,
         key: located.map_or(k, |l| l.0),
         flagged: k,
         own_nmse: op.own_nmse,

@@ -21,6 +21,7 @@ pub mod replay;
 pub mod rounding;
 pub mod span;
 pub mod verdict;
+pub mod zoom;
 
 use crate::backend::{BackendError, Emulation};
 use crate::compare::{CompareError, Metrics};
@@ -183,6 +184,8 @@ pub struct Finding {
     pub text: String,
     /// The token position it first shows at (`position::locate`).
     pub position: Option<crate::compare::position::Position>,
+    /// Judged as a span at a step the trace did not record whole: the step to record whole.
+    pub zoom: Option<crate::trace::Zoom>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -529,6 +532,7 @@ fn judge_once(
     let at = position::locate(model, &cand, &j)?;
     if let Some(f) = &mut j.first {
         f.position = at;
+        f.zoom = zoom::plan(&cand, f);
     }
     Ok(j)
 }
@@ -688,6 +692,9 @@ pub fn render(j: &Judgement) -> String {
             let _ = writeln!(s, "{}", f.text);
             if let Some(p) = f.position {
                 let _ = writeln!(s, "  first at {}", p.describe());
+            }
+            if let Some(z) = &f.zoom {
+                let _ = writeln!(s, "  {}", z.describe());
             }
         }
     }

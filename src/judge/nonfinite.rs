@@ -55,6 +55,7 @@ fn base_finding(b: &NonFinite, o: &OpResult, text: &str) -> Finding {
         .collect();
     Finding {
         position: None,
+        zoom: None,
         key: b.key,
         flagged: b.key,
         own_nmse: o.own_nmse,

@@ -196,8 +196,12 @@ pub fn own_comparison(
         Divergence {
             at: results[i].clone(),
             matched_before: crate::compare::matched_before(&results, i),
-            diagnosis: f.text.replace("\n  ", "; "),
+            diagnosis: match &f.zoom {
+                Some(z) => format!("{}; {}", f.text.replace("\n  ", "; "), z.describe()),
+                None => f.text.replace("\n  ", "; "),
+            },
             position: f.position,
+            zoom: f.zoom.clone(),
         }
     });
     Comparison {

@@ -185,6 +185,20 @@ pub struct DivergenceReport {
     /// shows at step 0, and this says at which token. Absent where it was not located.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub position: Option<PositionReport>,
+    /// Judged as a span (the trace has no taps inside it, e.g. a scan): the steps to record
+    /// whole to judge it op by op, and the recording plan that does it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zoom: Option<ZoomReport>,
+}
+
+/// The zoom after a scan (docs/trace-format.md, "Scan and zoom").
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ZoomReport {
+    /// The steps to record whole.
+    pub steps: Vec<usize>,
+    /// The plan for `--record` or `PARITY_RECORD`: the scan's taps kept, those steps whole.
+    pub record: String,
 }
 
 /// A token position: the first row of the step out of its floor.
@@ -341,6 +355,10 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
                 row: p.row,
                 rows: p.rows,
                 token: p.token,
+            }),
+            zoom: d.zoom.as_ref().map(|z| ZoomReport {
+                steps: z.steps.clone(),
+                record: z.record.clone(),
             }),
         }),
         results: c.results.iter().map(tap).collect(),

@@ -1,7 +1,8 @@
 //! The trace folder: `manifest.json` + one `.npy` per (step, tap, layer).
 
 use super::{
-    Manifest, ModelRef, Producer, Sink, StepInfo, TapFilter, TapKey, TensorEntry, TraceError,
+    Manifest, ModelRef, Producer, Record, Sink, StepInfo, TapFilter, TapKey, TensorEntry,
+    TraceError,
 };
 use ndarray::{ArrayD, IxDyn, ShapeBuilder};
 use parity_trace::archive::{Archive, ArchiveWriter};
@@ -587,6 +588,7 @@ impl TraceWriter {
         let entries = std::mem::take(&mut self.entries);
         let mut m = Manifest::new(model, producer, steps, entries);
         m.layouts = std::mem::take(&mut self.layouts);
+        m.record = self.filter.record().map(Record::to_string);
         match self.archive.take() {
             Some(mut a) => {
                 let text = serde_json::to_string_pretty(&m).expect("manifest serializes") + "\n";

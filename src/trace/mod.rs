@@ -7,13 +7,16 @@ pub mod goldens;
 pub mod open;
 pub mod paths;
 pub mod staging;
+mod zoom;
 
 pub use format::{Trace, TraceWriter, is_archive_path};
 /// The format itself (manifest, tap names, `.npy`, archives) is the `parity-trace` crate's,
 /// which engines depend on alone.
 pub use parity_trace::{
-    Error as TraceError, Manifest, ModelRef, Producer, StepInfo, Tap, TapKey, TensorEntry, npy,
+    Error as TraceError, Manifest, ModelRef, Producer, Record, StepInfo, Tap, TapKey, TensorEntry,
+    npy,
 };
+pub use zoom::Zoom;
 
 use ndarray::{ArrayD, IxDyn};
 use regex::Regex;
@@ -134,21 +137,49 @@ impl Sink for NullSink {
     fn record(&mut self, _: TapKey, _: &[usize], _: &[f32]) {}
 }
 
-/// Which taps to keep: all, or those whose name (`attn_norm-3`, `logits`) matches a regex.
+/// Which taps to keep: all, those whose name (`attn_norm-3`, `logits`) matches a regex, and
+/// a recording plan (`parity_trace::Record`: a scan's taps at every step, whole steps).
 #[derive(Clone, Debug, Default)]
-pub struct TapFilter(Option<Regex>);
+pub struct TapFilter {
+    re: Option<Regex>,
+    record: Option<Record>,
+}
 
 impl TapFilter {
     pub fn all() -> Self {
-        TapFilter(None)
+        TapFilter::default()
     }
 
     pub fn regex(re: &str) -> Result<Self, regex::Error> {
-        Ok(TapFilter(Some(Regex::new(re)?)))
+        Ok(TapFilter {
+            re: Some(Regex::new(re)?),
+            record: None,
+        })
+    }
+
+    /// Also keep to `plan`: a step it records whole keeps every tap, whatever the regex says.
+    pub fn with_record(self, plan: Option<Record>) -> Self {
+        TapFilter {
+            record: plan,
+            ..self
+        }
+    }
+
+    /// The plan, for the manifest.
+    pub fn record(&self) -> Option<&Record> {
+        self.record.as_ref()
     }
 
     pub fn matches(&self, key: &TapKey) -> bool {
-        match &self.0 {
+        if let Some(r) = &self.record {
+            if r.full_step(key.step) {
+                return true;
+            }
+            if !r.wants(key.step, key.tap) {
+                return false;
+            }
+        }
+        match &self.re {
             None => true,
             Some(re) => re.is_match(&key.name()),
         }

@@ -38,8 +38,8 @@ import zipfile
 
 import numpy as np
 
-__all__ = ["TAPS", "GRAPH_WIDE", "LAYOUTS", "TraceError", "TraceWriter", "golden_ids",
-           "sha256_file", "to_numpy"]
+__all__ = ["TAPS", "GRAPH_WIDE", "LAYOUTS", "RECORD_ENV", "Record", "TraceError", "TraceWriter",
+           "golden_ids", "sha256_file", "to_numpy"]
 
 # docs/trace-format.md's taps, in graph order within a layer (src/trace/taps.rs).
 TAPS = ["embd", "embd_scaled", "attn_norm", "q", "k", "v", "q_normed", "k_normed", "q_rope",
@@ -83,15 +83,96 @@ def to_numpy(x):
         return np.asarray(x.astype(mx.float32))
     return np.asarray(x)
 
+# The recording plan a scan's zoom asks for (docs/trace-format.md, "Scan and zoom").
+RECORD_ENV = "PARITY_RECORD"
+
+
+class Record:
+    """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8`: the taps kept at every step
+    (a scan; left out: all) and the steps kept whole. The same grammar as parity's (the Rust
+    crate's `parity_trace::Record`); a bad plan raises TraceError, one line naming its part."""
+
+    def __init__(self, line):
+        self.taps, self.full = None, []
+        seen = set()
+        for part in (p.strip() for p in line.split(";")):
+            if not part:
+                continue
+            if "=" not in part:
+                raise TraceError(f"'{part[:60]}' is not key=value (taps=l_out,logits;full=3)")
+            key, value = (x.strip() for x in part.split("=", 1))
+            if key not in ("taps", "full"):
+                raise TraceError(f"unknown part '{key[:60]}' (taps=...;full=...)")
+            if key in seen:
+                raise TraceError(f"'{key}' is given twice")
+            seen.add(key)
+            if key == "taps":
+                names = [n.strip() for n in value.split(",")]
+                if "all" in names:
+                    self.taps = None
+                    continue
+                for n in names:
+                    if n not in TAPS:
+                        raise TraceError(f"taps: unknown tap '{n[:60]}' (docs/trace-format.md "
+                                         "lists them)")
+                self.taps = set(names)
+            else:
+                for item in (i.strip() for i in value.split(",")):
+                    if not item:
+                        continue
+                    ends = item.split("-", 1)
+                    if not all(e.strip().isdigit() for e in ends):
+                        raise TraceError(f"full: '{item[:60]}' is not a step number or a range a-b")
+                    a, b = int(ends[0]), int(ends[-1])
+                    if a > b:
+                        raise TraceError(f"full: the range {a}-{b} runs backwards")
+                    self.full.append((a, b))
+        self.full.sort()
+
+    @classmethod
+    def from_env(cls):
+        """The plan in PARITY_RECORD, or None when it is not set."""
+        line = os.environ.get(RECORD_ENV)
+        if line is None:
+            return None
+        try:
+            return cls(line)
+        except TraceError as e:
+            raise TraceError(f"{RECORD_ENV}: {e}") from None
+
+    def full_step(self, step):
+        return any(a <= step <= b for a, b in self.full)
+
+    def wants(self, step, tap):
+        """Whether `tap` is kept at `step`."""
+        return self.full_step(step) or self.taps is None or tap in self.taps
+
+    def __str__(self):
+        taps = "all" if self.taps is None else ",".join(t for t in TAPS if t in self.taps)
+        merged = []
+        for a, b in self.full:
+            if merged and a <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        full = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in merged)
+        return f"taps={taps}" + (f";full={full}" if full else "")
+
 
 class TraceWriter:
     def __init__(self, out, model=None, sha256=None, engine="my-engine", backend="cpu",
-                 version="", settings=None, layouts=None):
+                 version="", settings=None, layouts=None, record=None):
         """out: the trace folder (created; a previous trace there is replaced, other files kept).
         model: the GGUF file the engine ran (its sha256 and size are recorded so parity refuses a
         golden of another file); or pass sha256= directly, or neither to skip that check.
         layouts: {tap: layout} declared in the manifest for taps stored in another order
-        (docs/diagnosis.md, "Layouts"), e.g. {"q_rope": "head-major"}."""
+        (docs/diagnosis.md, "Layouts"), e.g. {"q_rope": "head-major"}.
+        record: a recording plan (a Record or its line; default: PARITY_RECORD, if set): taps
+        it leaves out are accepted by tap() and not stored, so an engine honours the zoom
+        `parity diff` asks for without a change; wants(name) lets it skip computing them."""
+        if isinstance(record, str):
+            record = Record(record)
+        self.record = record if record is not None else Record.from_env()
         self.out = out
         self._zip = None
         if os.fspath(out).lower().endswith(".npz"):
@@ -121,6 +202,12 @@ class TraceWriter:
             self._layout_axis(tap, layout)
             self.layouts[tap] = layout
         self.steps, self.tensors, self.seen = [], [], set()
+
+    def wants(self, name):
+        """Whether the current step keeps tap `name` under the recording plan."""
+        if self.record is None or not self.steps:
+            return True
+        return self.record.wants(self.steps[-1]["step"], name)
 
     @staticmethod
     def _layout_axis(name, layout):
@@ -158,6 +245,8 @@ class TraceWriter:
             raise TraceError(f"tap '{name}' " + ("cannot have" if name in GRAPH_WIDE else "needs")
                              + " a layer")
         layer = None if layer is None else int(layer)
+        if not self.wants(name):
+            return
         a = np.asarray(to_numpy(data), dtype=np.float32)
         if shape is not None:
             shape = [int(d) for d in shape]
@@ -197,6 +286,8 @@ class TraceWriter:
                     "producer": self.producer, "steps": self.steps, "tensors": self.tensors}
         if self.layouts:
             manifest["layouts"] = dict(self.layouts)
+        if self.record is not None:
+            manifest["record"] = str(self.record)
         if self._zip is not None:
             self._zip.writestr("manifest.json", json.dumps(manifest, indent=1) + "\n")
             self._zip.close()

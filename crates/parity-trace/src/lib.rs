@@ -29,6 +29,7 @@
 pub mod archive;
 pub mod manifest;
 pub mod npy;
+mod record;
 pub mod sha256;
 mod taps;
 mod writer;
@@ -37,6 +38,7 @@ pub use manifest::{
     FORMAT, GoldenStep, MAX_POSITION, MAX_TAP_ELEMENTS, Manifest, ModelRef, Producer, StepInfo,
     TensorEntry, VERSION, golden_ids, golden_steps,
 };
+pub use record::{RECORD_ENV, Record};
 pub use taps::{Tap, TapKey};
 pub use writer::TraceWriter;
 
@@ -54,6 +56,8 @@ pub enum Error {
     BadTensor { path: String, what: String },
     /// An output folder that holds something other than a trace.
     NotEmpty(String),
+    /// A recording plan (`PARITY_RECORD`) that does not parse.
+    BadRecord(String),
 }
 
 impl std::fmt::Display for Error {
@@ -64,6 +68,7 @@ impl std::fmt::Display for Error {
                 write!(f, "{path}: not a parity trace manifest: {what}")
             }
             Error::BadTensor { path, what } => write!(f, "{path}: {what}"),
+            Error::BadRecord(what) => write!(f, "{what}"),
             Error::NotEmpty(p) => write!(
                 f,
                 "{p}: output folder is not empty (pass --force to overwrite)"

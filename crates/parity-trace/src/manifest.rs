@@ -90,6 +90,10 @@ pub struct Manifest {
     /// `{"q_rope": "head-major"}`; aligned on load by parity's judge.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub layouts: BTreeMap<String, String>,
+    /// The recording plan the producer honoured (`taps=l_out,logits;full=3`, see
+    /// `parity_trace::Record`): which taps it left out where. Absent: every tap it could.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<String>,
 }
 
 /// A checked manifest's index: each known tap's entry, and the entries parity does not know.
@@ -135,6 +139,7 @@ impl Manifest {
             steps,
             tensors,
             layouts: BTreeMap::new(),
+            record: None,
         }
     }
 

@@ -4,7 +4,7 @@
 
 use crate::archive::ArchiveWriter;
 use crate::manifest::{Manifest, ModelRef, Producer, StepInfo, TensorEntry};
-use crate::{Error, Tap, TapKey, io_err, npy};
+use crate::{Error, Record, Tap, TapKey, io_err, npy};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
@@ -25,6 +25,8 @@ pub struct TraceWriter {
     steps: Vec<StepInfo>,
     entries: Vec<TensorEntry>,
     seen: HashSet<TapKey>,
+    /// The plan this trace records to: taps it leaves out are accepted and not stored.
+    record: Option<Record>,
 }
 
 fn bad(shown: &str, what: String) -> Error {
@@ -112,15 +114,18 @@ impl TraceWriter {
         engine: &str,
         backend: &str,
     ) -> Result<TraceWriter, Error> {
+        let record = Record::from_env().map_err(Error::BadRecord)?;
         let dir = dir.as_ref().to_path_buf();
         prepare_dir(&dir)?;
-        Ok(Self::new(
+        let mut w = Self::new(
             Out::Dir(dir.clone()),
             dir.display().to_string(),
             model,
             engine,
             backend,
-        ))
+        );
+        w.record = record;
+        Ok(w)
     }
 
     /// A trace kept in memory and handed back as one `.npz` archive by
@@ -149,6 +154,24 @@ impl TraceWriter {
             steps: Vec::new(),
             entries: Vec::new(),
             seen: HashSet::new(),
+            record: None,
+        }
+    }
+
+    /// Record to `plan` (`parity diff` prints the one a zoom needs): taps it leaves out are
+    /// accepted by [`TraceWriter::tap`] and not stored. A folder writer starts with the plan in
+    /// `PARITY_RECORD`, if set; an in-memory one with none.
+    pub fn set_record(&mut self, plan: Option<Record>) {
+        self.record = plan;
+    }
+
+    /// Whether the current step keeps tap `name` (of `layer`): an engine may skip computing
+    /// or copying a tap the plan leaves out. Before the first step, or for a name the format
+    /// does not know, `true` (`tap` then says what is wrong).
+    pub fn wants(&self, name: &str) -> bool {
+        match (&self.record, self.steps.last(), Tap::parse(name)) {
+            (Some(r), Some(s), Some(t)) => r.wants(s.step, t),
+            _ => true,
         }
     }
 
@@ -220,6 +243,9 @@ impl TraceWriter {
             ));
         }
         let key = TapKey::new(s.step, layer, tap);
+        if self.record.as_ref().is_some_and(|r| !r.wants(s.step, tap)) {
+            return Ok(());
+        }
         let n: Option<usize> = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if n != Some(data.len()) {
             return Err(bad(
@@ -266,12 +292,14 @@ impl TraceWriter {
     }
 
     fn manifest(&mut self) -> Manifest {
-        Manifest::new(
+        let mut m = Manifest::new(
             self.model.clone(),
             self.producer.clone(),
             std::mem::take(&mut self.steps),
             std::mem::take(&mut self.entries),
-        )
+        );
+        m.record = self.record.as_ref().map(Record::to_string);
+        m
     }
 
     /// Write `manifest.json` (a folder trace) and return the manifest. For an in-memory trace,

@@ -1,0 +1,38 @@
+//! The zoom after a scan. A finding judged as a span (the trace has no taps inside it, as in a
+//! scan that keeps `l_out`, `result_norm` and `logits`) is named op by op once its step is
+//! recorded whole: this says which step, and the recording plan (`parity_trace::Record`) that
+//! keeps the scan and adds that step, for `--record` or an engine's `PARITY_RECORD`.
+
+use super::Finding;
+use super::replay::Candidate;
+use crate::trace::{Record, Zoom};
+
+/// The zoom `f` needs, if it was judged as a span at a step the trace did not record whole.
+pub fn plan(cand: &Candidate, f: &Finding) -> Option<Zoom> {
+    if f.span_ops <= 1 {
+        return None;
+    }
+    let step = f.key.step;
+    let recorded = cand.trace.manifest.record.as_deref().map(Record::parse);
+    let mut plan = match recorded {
+        // The producer already kept every tap it has at that step: asking again adds nothing.
+        Some(Ok(r)) if r.full_step(step) || r.keeps_all() => return None,
+        Some(Ok(r)) => r,
+        // No plan (or one parity cannot read): the scan is the taps the step has.
+        _ => Record {
+            taps: Some(
+                cand.trace
+                    .keys()
+                    .filter(|k| k.step == step)
+                    .map(|k| k.tap)
+                    .collect(),
+            ),
+            full: Vec::new(),
+        },
+    };
+    plan.add_full(step..=step);
+    Some(Zoom {
+        steps: vec![step],
+        record: plan.to_string(),
+    })
+}
