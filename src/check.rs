@@ -214,6 +214,15 @@ pub fn golden_is_ggml_cpu(g: &Trace) -> bool {
     golden_device(g) == GoldenDevice::Cpu && golden_is_tight(g)
 }
 
+/// A golden recorded to a plan that leaves taps out (a scan, `golden --record`): it cannot feed
+/// every op its inputs, so its own ops are judged as spans on its own inputs instead.
+pub fn golden_is_scan(g: &Trace) -> bool {
+    g.manifest
+        .record
+        .as_deref()
+        .is_some_and(|r| crate::trace::Record::parse(r).is_ok_and(|r| !r.keeps_all()))
+}
+
 /// How two traces made or read by this check round activations. Only what the check knows
 /// counts: a golden made by llama.cpp's CPU with the tight settings, and parity's own
 /// backends by their registry row; never a name an external trace gives itself.
@@ -309,7 +318,9 @@ pub fn run(
     model.file.release_range(0, usize::MAX);
     let mut comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
     if opt.op_by_op
-        && let Some(g) = golden.as_ref().filter(|(_, g)| !golden_is_ggml_cpu(g))
+        && let Some(g) = golden
+            .as_ref()
+            .filter(|(_, g)| !golden_is_ggml_cpu(g) || golden_is_scan(g))
     {
         comparisons.insert(0, judge_golden(model, g)?);
     }
@@ -739,6 +750,21 @@ fn op_entries<'e>(
              rounding, and its own ops are judged on its own inputs under its measured rounding, \
              as `parity diff` judges an engine"
         ));
+    }
+    if let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_scan(g)) {
+        notes.push(format!(
+            "op by op: the golden is a scan (recorded to '{}'): it has not every op's inputs, so \
+             parity's backends are compared with it end to end and its own ops are judged as \
+             spans on its own inputs; record the steps whole (golden --record) to compare op by op",
+            // The plan as parity writes it, never the file's own text.
+            g.manifest
+                .record
+                .as_deref()
+                .and_then(|r| crate::trace::Record::parse(r).ok())
+                .map(|r| r.to_string())
+                .unwrap_or_default()
+        ));
+        return Ok(Vec::new());
     }
     if golden.is_none_or(|(_, g)| !opt.op_by_op || !golden_is_ggml_cpu(g)) {
         return Ok(Vec::new());

@@ -397,3 +397,263 @@ fn a_run_over_the_trace_budget_is_refused_before_it_starts() {
     }
     assert!(!out.exists());
 }
+
+/// The trace's manifest (a folder's, or an `.npz` archive's).
+fn manifest(trace: &Path) -> serde_json::Value {
+    if trace.extension().is_some_and(|e| e == "npz") {
+        let bytes = std::fs::read(trace).unwrap();
+        let a = parity_trace::archive::Archive::parse(&bytes).unwrap();
+        return serde_json::from_slice(a.get(&bytes, "manifest.json").unwrap()).unwrap();
+    }
+    serde_json::from_slice(&std::fs::read(trace.join("manifest.json")).unwrap()).unwrap()
+}
+
+/// The own-error finding of `parity diff golden trace --json`: (exit code, first divergence).
+fn judged(golden: &Path, trace: &Path) -> (Option<i32>, serde_json::Value) {
+    let o = parity(&[
+        "diff",
+        golden.to_str().unwrap(),
+        trace.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+    (
+        o.status.code(),
+        own_inputs(&report)["first_divergence"].clone(),
+    )
+}
+
+const SCAN: &str = "taps=l_out,result_norm,logits";
+
+/// Scan, then zoom (issue 29, item 1), for bugs that act from a position in a decode step and
+/// inside the prompt: a scan records `l_out`, `result_norm` and `logits` at every step; `diff`
+/// on it finds the first step out of its floor and prints the plan that records that step
+/// whole; the same run recorded to that plan is judged op by op at that step, and the bug is
+/// found at the op where it acts and named. The step and the op are the catalog's; the plan
+/// is checked, not copied: only the scan's taps outside the zoomed step.
+#[test]
+fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
+    let golden = root().join("golden/tiny-llama-q8_0");
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let model = model.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // The golden: 20 prompt ids at positions 0..20, then decode steps at 20, 21, 22, 23.
+    for (bug, step, op) in [
+        ("kv-ring-wrap=22", 3, "kq_soft_max"),
+        ("rope-pos-wrap=21", 2, "q_rope"),
+        ("mask-tail-block=8", 0, "kq_soft_max"),
+        ("kv-slot-late", 0, "kq_soft_max"),
+    ] {
+        let name = bug.split('=').next().unwrap();
+        let scan = tmp.path().join(format!("{name}-scan.npz"));
+        let dump = |out: &Path, plan: &str| {
+            let o = parity(&[
+                "dump",
+                model,
+                "--golden",
+                golden.to_str().unwrap(),
+                "--mutate",
+                bug,
+                "--record",
+                plan,
+                "--out",
+                out.to_str().unwrap(),
+            ]);
+            assert!(o.status.success(), "{bug}: {}", show(&o));
+        };
+        dump(&scan, SCAN);
+        let m = manifest(&scan);
+        assert_eq!(m["record"], SCAN, "{bug}");
+        for t in m["tensors"].as_array().unwrap() {
+            let tap = t["tap"].as_str().unwrap();
+            assert!(
+                ["l_out", "result_norm", "logits"].contains(&tap),
+                "{bug}: {t}"
+            );
+        }
+        let (code, first) = judged(&golden, &scan);
+        assert_eq!(code, Some(1), "{bug}: {first:#}");
+        assert_eq!(first["at"]["key"]["step"], step, "{bug}: {first:#}");
+        let zoom = &first["zoom"];
+        assert_eq!(zoom["steps"], serde_json::json!([step]), "{bug}: {first:#}");
+        let plan = zoom["record"].as_str().unwrap();
+        assert_eq!(plan, format!("{SCAN};full={step}"), "{bug}");
+        assert!(
+            first["diagnosis"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("record step {step} whole: --record '{plan}'")),
+            "{bug}: {first:#}"
+        );
+
+        let zoomed = tmp.path().join(format!("{name}-zoom.npz"));
+        dump(&zoomed, plan);
+        let m = manifest(&zoomed);
+        let kept_whole = m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| !["l_out", "result_norm", "logits"].contains(&t["tap"].as_str().unwrap()))
+            .all(|t| t["step"] == step);
+        assert!(kept_whole, "{bug}: only step {step} has more than the scan");
+        let (code, first) = judged(&golden, &zoomed);
+        assert_eq!(code, Some(1), "{bug}: {first:#}");
+        assert_eq!(first["at"]["key"]["step"], step, "{bug}: {first:#}");
+        assert_eq!(first["at"]["key"]["tap"], op, "{bug}: {first:#}");
+        assert!(first.get("zoom").is_none(), "{bug}: asked again: {first:#}");
+        let named = first["diagnosis"].as_str().unwrap();
+        assert!(
+            named.contains(&format!("confirmed by experiment: {name}")),
+            "{bug}: {named}"
+        );
+    }
+}
+
+/// An engine writing through the Python kit honours the plan from `PARITY_RECORD` without a
+/// change to its code (the numpy engine never reads it itself), and a scan golden from the real
+/// llama.cpp (`golden --record`) keeps only the plan's taps, passes `check`, and judges a
+/// clean scan as parity. The Python kit and the Rust crate read plans the same way.
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture(tmp.path());
+    let golden = tmp.path().join("golden-scan");
+    let o = parity(&[
+        "golden",
+        &model,
+        "--tokens",
+        &ids(30, 37, 3),
+        "--steps",
+        "6",
+        "--record",
+        &format!("{SCAN};full=4"),
+        "--out",
+        golden.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let m = manifest(&golden);
+    assert_eq!(m["record"], format!("{SCAN};full=4"));
+    let tensors = m["tensors"].as_array().unwrap();
+    assert!(
+        tensors
+            .iter()
+            .any(|t| t["step"] == 4 && t["tap"] == "kq_soft_max")
+    );
+    assert!(
+        tensors
+            .iter()
+            .filter(|t| t["step"] != 4)
+            .all(|t| ["l_out", "result_norm", "logits"].contains(&t["tap"].as_str().unwrap())),
+        "{m:#}"
+    );
+    // Op by op needs every op's inputs: a scan golden is compared end to end, and its own
+    // ops are judged as spans on its own inputs (no false alarm from a span held to one op's
+    // floor), saying so.
+    let o = parity(&["check", &model, "--golden", golden.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        stdout(&o).contains(&format!(
+            "the golden is a scan (recorded to '{SCAN};full=4')"
+        )),
+        "{}",
+        show(&o)
+    );
+
+    // The numpy engine, fed the golden's steps, with the plan only in its environment.
+    let run = |out: &Path, bug: Option<&str>, plan: &str| {
+        let mut c = std::process::Command::new(&py);
+        c.arg(root().join("scripts/numpy_engine.py"))
+            .arg(&model)
+            .args(["--golden", golden.to_str().unwrap(), "--rounding", "ggml"])
+            .args(["--out", out.to_str().unwrap()])
+            .env("PARITY_RECORD", plan);
+        if let Some(b) = bug {
+            c.args(["--mutate", b]);
+        }
+        c.output().unwrap()
+    };
+    let clean = tmp.path().join("clean.npz");
+    let o = run(&clean, None, SCAN);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(manifest(&clean)["record"], SCAN);
+    let (code, first) = judged(&golden, &clean);
+    assert_eq!(code, Some(0), "{first:#}");
+    // A ring of 33 slots wraps at position 33: decode step 4 (positions 30, 31, ...).
+    let bug = tmp.path().join("bug.npz");
+    let o = run(&bug, Some("kv-ring-wrap=33"), SCAN);
+    assert!(o.status.success(), "{}", show(&o));
+    let (code, first) = judged(&golden, &bug);
+    assert_eq!(code, Some(1), "{first:#}");
+    let plan = first["zoom"]["record"].as_str().unwrap().to_string();
+    assert_eq!(plan, format!("{SCAN};full=4"), "{first:#}");
+    let o = run(&bug, Some("kv-ring-wrap=33"), &plan);
+    assert!(o.status.success(), "{}", show(&o));
+    let (code, first) = judged(&golden, &bug);
+    assert_eq!(code, Some(1), "{first:#}");
+    assert_eq!(first["at"]["key"]["tap"], "kq_soft_max", "{first:#}");
+    assert!(
+        first["diagnosis"]
+            .as_str()
+            .unwrap()
+            .contains("confirmed by experiment: kv-ring-wrap")
+    );
+
+    // A bad plan: one line, exit 2, from the engine's kit and from parity, before any work.
+    let o = run(&tmp.path().join("x.npz"), None, "taps=l_out;full=5-2");
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("PARITY_RECORD: full: the range 5-2 runs backwards"),
+        "{err}"
+    );
+    for cmd in ["golden", "dump"] {
+        let o = parity(&[
+            cmd,
+            &model,
+            "--tokens",
+            "1,2,3",
+            "--record",
+            "taps=l_out,\u{1b}[2Jnope",
+            "--out",
+            tmp.path().join(format!("bad-{cmd}")).to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{cmd}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{cmd}: {err}");
+        assert!(err.contains("--record: taps: unknown tap"), "{cmd}: {err}");
+        assert!(
+            !err.contains('\u{1b}'),
+            "{cmd}: a control character shown raw: {err}"
+        );
+        assert!(!tmp.path().join(format!("bad-{cmd}")).exists(), "{cmd}");
+    }
+
+    // The two readers of a plan agree, and print it the same way.
+    for line in [
+        " taps = logits, l_out ; full=8,3, 4-5 ",
+        "full=2",
+        "taps=all;full=0-1,1-3",
+        "taps=kq_soft_max,embd",
+    ] {
+        let o = std::process::Command::new(&py)
+            .arg("-c")
+            .arg("import sys; sys.path.insert(0, sys.argv[1]); import parity_trace as p; print(p.Record(sys.argv[2]))")
+            .arg(root().join("bindings/python"))
+            .arg(line)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let rust = parity_trace::Record::parse(line).unwrap().to_string();
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), rust, "{line}");
+    }
+}

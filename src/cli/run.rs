@@ -478,6 +478,12 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     }
     crate::trace::paths::check_paths(&inputs, &[(&a.out, "--out")]).map_err(err)?;
     TraceWriter::check_target(&a.out, a.force)?;
+    let plan = a
+        .record
+        .as_deref()
+        .map(crate::trace::Record::parse)
+        .transpose()
+        .map_err(|e| err(format!("--record: {e}")))?;
     let model = Model::open(&a.model)?;
     // A golden fed in chunks or with further turns is replayed step by step, as it was fed.
     let mut later: Option<Vec<Vec<u32>>> = None;
@@ -564,12 +570,6 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         Some(re) => TapFilter::regex(re).map_err(|e| err(format!("--taps: {e}")))?,
         None => TapFilter::all(),
     };
-    let plan = a
-        .record
-        .as_deref()
-        .map(crate::trace::Record::parse)
-        .transpose()
-        .map_err(|e| err(format!("--record: {e}")))?;
     let filter = filter.with_record(plan);
     let run = match &later {
         Some(l) => {
