@@ -487,11 +487,21 @@ fn cli_diff_measures_rounding_not_the_producer_name() {
     }
 }
 
-fn tempdir(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("parity-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&p);
-    std::fs::create_dir_all(&p).unwrap();
-    p
+/// A fresh folder under the temporary one, removed when the test ends (it was left behind).
+struct Tmp(tempfile::TempDir);
+
+impl std::ops::Deref for Tmp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+fn tempdir(name: &str) -> Tmp {
+    Tmp(tempfile::Builder::new()
+        .prefix(&format!("parity-{name}-"))
+        .tempdir()
+        .unwrap())
 }
 
 /// An own error under its floor that a known bug removes is that bug. A plain-f32 engine with

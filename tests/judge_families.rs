@@ -17,11 +17,21 @@ use std::path::{Path, PathBuf};
 /// engine is held to it, not to the 1e-3 a rounding parity does not know would get.
 const TIGHT: f64 = 1e-10;
 
-fn tempdir(name: &str) -> PathBuf {
-    let p = std::env::temp_dir().join(format!("parity-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&p);
-    std::fs::create_dir_all(&p).unwrap();
-    p
+/// A fresh folder under the temporary one, removed when the test ends (it was left behind).
+struct Tmp(tempfile::TempDir);
+
+impl std::ops::Deref for Tmp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+fn tempdir(name: &str) -> Tmp {
+    Tmp(tempfile::Builder::new()
+        .prefix(&format!("parity-{name}-"))
+        .tempdir()
+        .unwrap())
 }
 
 fn numpy_trace(

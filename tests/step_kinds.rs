@@ -214,6 +214,11 @@ fn an_engine_fed_in_chunks_is_judged_per_step_and_caught_at_the_second_chunk() {
                         text.contains(&format!("confirmed by experiment: {b}")),
                         "{b} {taps}:\n{text}"
                     );
+                    // End to end, step 1 is the prompt's second chunk, not a decode step.
+                    assert!(
+                        !text.contains("only decode steps use"),
+                        "{b} {taps}:\n{text}"
+                    );
                 }
             }
         }

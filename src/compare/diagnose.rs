@@ -72,10 +72,22 @@ pub(super) fn diagnose(
         return Ok(t);
     }
     if prefill_ok {
-        why.push(format!(
-            "the prefill (step 0) matched everywhere and step {} diverges: look at what only decode steps use — the KV cache write/read position, the causal mask for the new row, the position passed to RoPE",
-            k.step
-        ));
+        // A later step of several tokens is a chunk of the prompt or a further turn, not a
+        // one-token decode step: what it alone uses is the cache and positions it continues.
+        let shape = crate::trace::step_shapes(base)
+            .into_iter()
+            .find(|&(s, _, _)| s == k.step);
+        why.push(match shape {
+            Some((_, pos0, n)) if n > 1 => format!(
+                "the first step matched everywhere and step {} (a later chunk or turn: {n} tokens at positions {pos0}..{}) diverges: look at what only steps after the first use — the KV cache the earlier steps wrote (kept, not cleared; read at the right slots), the causal mask across steps, the positions passed to RoPE (continuing, not restarting at 0)",
+                k.step,
+                pos0 + n - 1
+            ),
+            _ => format!(
+                "the prefill (step 0) matched everywhere and step {} diverges: look at what only decode steps use — the KV cache write/read position, the causal mask for the new row, the position passed to RoPE",
+                k.step
+            ),
+        });
     }
     let grown: Vec<&TapResult> = results[..i]
         .iter()

@@ -610,4 +610,67 @@ mod tests {
         );
         assert!(c.first_divergence.is_none());
     }
+
+    /// A later step of several tokens (a chunk of the prompt, a further turn) that diverges
+    /// after a clean first step is named as one, not as a one-token decode step.
+    #[test]
+    fn a_diverging_later_chunk_is_not_called_a_decode_step() {
+        let arr = |n: usize, err: f32| {
+            let v: Vec<f32> = (0..n * 64)
+                .map(|i| ((i * 7) % 17) as f32 - 8.0 + if i % 2 == 0 { err } else { -err })
+                .collect();
+            ndarray::ArrayD::from_shape_vec(vec![n, 64], v).unwrap()
+        };
+        let two_steps = |err: f32, n1: usize| {
+            let mut t = BTreeMap::new();
+            t.insert(TapKey::new(0, Some(0), Tap::LOut), arr(2, 0.0));
+            t.insert(TapKey::new(1, Some(0), Tap::LOut), arr(n1, err));
+            let steps = vec![
+                StepInfo {
+                    step: 0,
+                    tokens: vec![1, 2],
+                    positions: vec![0, 1],
+                    forced: None,
+                },
+                StepInfo {
+                    step: 1,
+                    tokens: vec![3; n1],
+                    positions: (2..2 + n1).collect(),
+                    forced: Some(true),
+                },
+            ];
+            let mref = ModelRef {
+                path: String::new(),
+                sha256: String::new(),
+                size: None,
+            };
+            let prod = Producer {
+                name: "test".into(),
+                backend: "t".into(),
+                version: String::new(),
+                settings: serde_json::Value::Null,
+            };
+            Trace::from_memory(mref, prod, steps, t)
+        };
+        for (n1, says) in [
+            (
+                3,
+                "step 1 (a later chunk or turn: 3 tokens at positions 2..4) diverges",
+            ),
+            (
+                1,
+                "the prefill (step 0) matched everywhere and step 1 diverges: look at what only decode steps use",
+            ),
+        ] {
+            let c = compare(
+                &two_steps(0.0, n1),
+                &two_steps(3.0, n1),
+                &opt(PairKind::SameRounding),
+            )
+            .unwrap();
+            let d = c.first_divergence.expect("step 1 diverges");
+            assert_eq!(d.at.key.step, 1);
+            assert!(d.diagnosis.contains(says), "{n1}: {}", d.diagnosis);
+        }
+    }
 }
