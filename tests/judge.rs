@@ -491,8 +491,8 @@ fn cli_diff_measures_rounding_not_the_producer_name() {
 struct Tmp(tempfile::TempDir);
 
 impl std::ops::Deref for Tmp {
-    type Target = Path;
-    fn deref(&self) -> &Path {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
         self.0.path()
     }
 }
