@@ -498,6 +498,9 @@ struct Plan<'m> {
     threads: usize,
     /// A golden exists: its decode ids are forced into every backend.
     has_golden: bool,
+    /// A scan golden's recording plan (`golden --record`): every pass keeps only what it
+    /// keeps, so a long check holds a scan's memory, not every tap of every step.
+    record: Option<crate::trace::Record>,
 }
 
 /// Stage 3: the steps and the context, refused when the golden cannot cover them or the
@@ -544,13 +547,20 @@ fn plan<'m>(
         ),
         None => crate::arch::size::golden_feed(prompt.len(), 0, steps, &[]),
     };
-    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|_| true);
+    let record = golden
+        .as_ref()
+        .filter(|(_, g)| golden_is_scan(g))
+        .and_then(|(_, g)| g.manifest.record.as_deref())
+        .and_then(|r| crate::trace::Record::parse(r).ok());
+    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
+        record.as_ref().is_none_or(|r| r.wants(k.step, k.tap))
+    });
     if let Some(msg) = crate::arch::size::over_budget(
         "each trace this check holds in memory",
         bytes,
         probs,
         opt.max_trace_size,
-        "check fewer positions (a shorter prompt, fewer --steps)",
+        "check fewer positions (a shorter prompt, fewer --steps), or against a scan golden (golden --record 'taps=l_out,result_norm,logits'): the check then keeps only its taps",
     ) {
         return Err(CheckError::OverBudget(msg));
     }
@@ -586,6 +596,7 @@ fn plan<'m>(
         n_ctx,
         threads: opt.threads,
         has_golden: golden.is_some(),
+        record,
     })
 }
 
@@ -689,7 +700,7 @@ fn end_to_end(
             traces.push(t);
             continue;
         }
-        let sink = MemorySink::new(TapFilter::all());
+        let sink = MemorySink::new(TapFilter::all().with_record(plan.record.clone()));
         let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
         if forced.is_none() {
             forced = Some(decode_ids(&ran.info));
@@ -754,8 +765,9 @@ fn op_entries<'e>(
     if let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_scan(g)) {
         notes.push(format!(
             "op by op: the golden is a scan (recorded to '{}'): it has not every op's inputs, so \
-             parity's backends are compared with it end to end and its own ops are judged as \
-             spans on its own inputs; record the steps whole (golden --record) to compare op by op",
+             parity's backends keep only its taps and are compared with it end to end, and its \
+             own ops are judged as spans on its own inputs; record the steps whole (golden \
+             --record) to compare op by op",
             // The plan as parity writes it, never the file's own text.
             g.manifest
                 .record
@@ -867,7 +879,7 @@ fn walk(
         .then(|| golden_forced[..plan.steps.min(golden_forced.len())].to_vec());
     let mut mem: Vec<MemorySink> = e2e
         .iter()
-        .map(|_| MemorySink::new(TapFilter::all()))
+        .map(|_| MemorySink::new(TapFilter::all().with_record(plan.record.clone())))
         .collect();
     let mut replay: Vec<ReplaySink> = match golden {
         Some((_, g)) => op.iter().map(|_| ReplaySink::new(g)).collect(),
@@ -1136,6 +1148,7 @@ mod tests {
                 n_ctx: 4,
                 threads: 1,
                 has_golden: false,
+                record: None,
             };
             let mut notes = Vec::new();
             let kept = with_devices(&plan, vec![plain, &gpu], &opt, &mut notes).unwrap();

@@ -220,6 +220,100 @@ fn c_engine_position_bugs_are_found_at_their_first_position() {
     }
 }
 
+/// The header honours a recording plan from `PARITY_RECORD` (the toy engine has no code for
+/// it): a scan of the engine with a ring of 13 K/V slots is placed to layer 0's `l_out` at step
+/// 0 and `diff` prints the plan that records step 0 whole; run again to that plan, the engine
+/// is found at `kq_soft_max` and named. A bad plan stops the engine at pt_create, one line.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_follows_a_recording_plan_from_the_environment() {
+    const SCAN: &str = "taps=l_out,result_norm,logits";
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let engine = |out: &Path, plan: &str| {
+        Command::new(&toy)
+            .arg(root().join("fixtures/tiny-llama-f32.gguf"))
+            .arg(root().join("golden/tiny-llama-f32"))
+            .arg(out)
+            .args(["--bug", "kv-ring-13"])
+            .env("PARITY_RECORD", plan)
+            .output()
+            .unwrap()
+    };
+    let judged = |out: &Path| {
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-f32",
+            out.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        own_inputs(&j)["first_divergence"].clone()
+    };
+    let manifest = |out: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap()
+    };
+
+    let scan = tmp.path().join("scan");
+    let o = engine(&scan, SCAN);
+    assert!(o.status.success(), "{}", show(&o));
+    let m = manifest(&scan);
+    assert_eq!(m["record"], SCAN);
+    for t in m["tensors"].as_array().unwrap() {
+        assert!(
+            ["l_out", "result_norm", "logits"].contains(&t["tap"].as_str().unwrap()),
+            "{t}"
+        );
+    }
+    let d = judged(&scan);
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "l_out"}),
+        "{d:#}"
+    );
+    let plan = d["zoom"]["record"].as_str().unwrap().to_string();
+    assert_eq!(plan, format!("{SCAN};full=0"), "{d:#}");
+
+    let zoom = tmp.path().join("zoom");
+    let o = engine(&zoom, &plan);
+    assert!(o.status.success(), "{}", show(&o));
+    let d = judged(&zoom);
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "kq_soft_max"}),
+        "{d:#}"
+    );
+    assert_eq!(d["position"]["position"], 13, "{d:#}");
+    assert!(d.get("zoom").is_none(), "{d:#}");
+    let why = d["diagnosis"].as_str().unwrap();
+    assert!(
+        why.contains("confirmed by experiment: kv-ring-wrap"),
+        "{why}"
+    );
+
+    for (bad, says) in [
+        (
+            "taps=l_out;full=3-1",
+            "PARITY_RECORD: full: the range 3-1 runs backwards",
+        ),
+        ("taps=nope", "PARITY_RECORD: taps: unknown tap 'nope'"),
+        ("full=1;full=2", "PARITY_RECORD: 'full' is given twice"),
+    ] {
+        let out = tmp.path().join("bad");
+        let o = engine(&out, bad);
+        assert!(!o.status.success(), "{bad}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains(says), "{bad}: {err}");
+        assert!(!out.join("manifest.json").exists(), "{bad}");
+    }
+}
+
 /// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
 /// 20000, scores divided by head_dim or not scaled): parity fits each and names it with its
 /// value, at its op in a full dump and at layer 0's l_out span in a sparse one.

@@ -484,7 +484,15 @@ fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
         let zoom = &first["zoom"];
         assert_eq!(zoom["steps"], serde_json::json!([step]), "{bug}: {first:#}");
         let plan = zoom["record"].as_str().unwrap();
-        assert_eq!(plan, format!("{SCAN};full={step}"), "{bug}");
+        // A step after the first also keeps the K/V every step writes (its attention reads
+        // them): taps in graph order, v before k_rope.
+        let cache: &[&str] = if step > 0 { &["v", "k_rope"] } else { &[] };
+        let want = if step > 0 {
+            format!("taps=v,k_rope,l_out,result_norm,logits;full={step}")
+        } else {
+            format!("{SCAN};full={step}")
+        };
+        assert_eq!(plan, want, "{bug}");
         assert!(
             first["diagnosis"]
                 .as_str()
@@ -500,7 +508,10 @@ fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
             .as_array()
             .unwrap()
             .iter()
-            .filter(|t| !["l_out", "result_norm", "logits"].contains(&t["tap"].as_str().unwrap()))
+            .filter(|t| {
+                let tap = t["tap"].as_str().unwrap();
+                !["l_out", "result_norm", "logits"].contains(&tap) && !cache.contains(&tap)
+            })
             .all(|t| t["step"] == step);
         assert!(kept_whole, "{bug}: only step {step} has more than the scan");
         let (code, first) = judged(&golden, &zoomed);
@@ -509,6 +520,8 @@ fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
         assert_eq!(first["at"]["key"]["tap"], op, "{bug}: {first:#}");
         assert!(first.get("zoom").is_none(), "{bug}: asked again: {first:#}");
         let named = first["diagnosis"].as_str().unwrap();
+        // Op by op: the op itself, not a span of ops around it.
+        assert!(!named.contains("judged as a span"), "{bug}: {named}");
         assert!(
             named.contains(&format!("confirmed by experiment: {name}")),
             "{bug}: {named}"
@@ -572,6 +585,32 @@ fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
         "{}",
         show(&o)
     );
+    // The check's own passes keep only what the golden's plan keeps: a long check holds a
+    // scan, not every tap of every step.
+    let o = parity(&[
+        "check",
+        &model,
+        "--golden",
+        golden.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut kept = 0;
+    for c in r["comparisons"].as_array().unwrap() {
+        for t in c["results"].as_array().unwrap() {
+            let k = &t["key"];
+            kept += 1;
+            assert!(
+                k["step"] == 4
+                    || ["l_out", "result_norm", "logits"].contains(&k["tap"].as_str().unwrap()),
+                "{}: {k}",
+                c["candidate"]
+            );
+        }
+    }
+    assert!(kept > 0, "{r:#}");
 
     // The numpy engine, fed the golden's steps, with the plan only in its environment.
     let run = |out: &Path, bug: Option<&str>, plan: &str| {
@@ -599,7 +638,10 @@ fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
     let (code, first) = judged(&golden, &bug);
     assert_eq!(code, Some(1), "{first:#}");
     let plan = first["zoom"]["record"].as_str().unwrap().to_string();
-    assert_eq!(plan, format!("{SCAN};full=4"), "{first:#}");
+    assert_eq!(
+        plan, "taps=v,k_rope,l_out,result_norm,logits;full=4",
+        "{first:#}"
+    );
     let o = run(&bug, Some("kv-ring-wrap=33"), &plan);
     assert!(o.status.success(), "{}", show(&o));
     let (code, first) = judged(&golden, &bug);

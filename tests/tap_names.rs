@@ -3,6 +3,8 @@
 //! tests read the script and hold the two to each other, so that a tap added or renamed on one
 //! side and not the other fails here rather than as a missing tap in a golden.
 
+mod common;
+
 use parity::trace::Tap;
 use regex::Regex;
 
@@ -94,5 +96,77 @@ fn script_maps_a_node_to_every_tap() {
             || src.contains(&format!("(\"{}\", {quoted}", node_base(t)))
             || src.contains(&format!(", {quoted}, n_head"));
         assert!(mapped, "{t}: llama_golden.py's map_step never fills it");
+    }
+}
+
+/// What the script does with llama.cpp's graph, not only what its source says: a fresh golden
+/// from the real llama.cpp of each architecture's fixture holds exactly the (step, layer, tap)
+/// keys parity's reference records for the same model and ids, and together they hold every
+/// tap parity knows.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn a_fresh_golden_of_every_architecture_holds_each_tap_parity_records() {
+    use common::{llama_cpp_or_skip, parity, root, show};
+    use std::collections::BTreeSet;
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let keys = |dir: &std::path::Path| -> BTreeSet<(u64, Option<u64>, String)> {
+        let m: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+        m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                (
+                    t["step"].as_u64().unwrap(),
+                    t["layer"].as_u64(),
+                    t["tap"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut seen = BTreeSet::new();
+    for arch in [
+        "llama", "llama3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3",
+    ] {
+        let model = root().join(format!("fixtures/tiny-{arch}-q8_0.gguf"));
+        let golden = tmp.path().join(format!("golden-{arch}"));
+        let dump = tmp.path().join(format!("dump-{arch}"));
+        let o = parity(&[
+            "golden",
+            model.to_str().unwrap(),
+            "--tokens",
+            "1,300,301,302,303",
+            "--steps",
+            "2",
+            "--out",
+            golden.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{arch}: {}", show(&o));
+        let o = parity(&[
+            "dump",
+            model.to_str().unwrap(),
+            "--golden",
+            golden.to_str().unwrap(),
+            "--out",
+            dump.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{arch}: {}", show(&o));
+        let (g, d) = (keys(&golden), keys(&dump));
+        assert_eq!(
+            g.symmetric_difference(&d).collect::<Vec<_>>(),
+            Vec::<&(u64, Option<u64>, String)>::new(),
+            "{arch}: keys only one of llama.cpp's golden and parity's dump has"
+        );
+        seen.extend(g.into_iter().map(|k| k.2));
+    }
+    for t in Tap::ALL {
+        assert!(seen.contains(t.name()), "{t}: no golden holds it");
     }
 }

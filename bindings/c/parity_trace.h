@@ -90,6 +90,18 @@ int pt_step(pt_writer *w, const uint32_t *tokens, const size_t *positions, size_
 int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int ndim,
            const float *data);
 
+/* Record to a plan (docs/trace-format.md, "Scan and zoom"), as `parity diff` prints it for a
+ * zoom: "taps=l_out,result_norm,logits;full=3" keeps those taps at every step and every tap at
+ * step 3; a tap the plan leaves out is accepted by pt_tap and not written. pt_create starts
+ * with the plan in the environment variable PARITY_RECORD, if set (a bad one fails pt_create).
+ * NULL or "" records every tap. Returns -1 (pt_error says why) on a bad plan. */
+int pt_set_record(pt_writer *w, const char *plan);
+
+/* Whether the current step keeps tap `name` under the plan: an engine may skip computing or
+ * copying one it leaves out. 1 before the first step and for a name the format does not know
+ * (pt_tap then says what is wrong). */
+int pt_wants(const pt_writer *w, const char *name);
+
 /* The message of the last call that failed (NULL if none has); "out of memory" for NULL. */
 const char *pt_error(const pt_writer *w);
 
@@ -434,6 +446,12 @@ struct pt_writer {
     int broken; /* a file-system error: the trace is lost */
     int failed; /* some call failed: err holds its message */
     char err[512];
+    /* The recording plan: rec_line NULL records every tap; else rec_tap[t] keeps tap t at
+     * every step, and the steps in rec_full (inclusive pairs) keep every tap. */
+    char *rec_line;
+    unsigned char rec_tap[64];
+    size_t (*rec_full)[2];
+    size_t rec_nfull;
 };
 
 static const char pt__oom[] = "out of memory";
@@ -452,6 +470,125 @@ static int pt__fatal(pt_writer *w, const char *what, const char *path, int e) {
     pt__fail(w, "%s %s: %s", what, path, strerror(e));
     w->broken = 1;
     return -1;
+}
+
+/* `s` without leading and trailing spaces, into out (cut to size). */
+static void pt__trim(char *out, size_t size, const char *s, size_t n) {
+    while (n && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r')) s++, n--;
+    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r')) n--;
+    if (n >= size) n = size - 1;
+    memcpy(out, s, n);
+    out[n] = 0;
+}
+
+/* A step number: digits only, at most 18 of them. */
+static int pt__step_num(const char *s, size_t *out) {
+    size_t n = 0, v = 0;
+    if (!*s) return -1;
+    for (; *s; s++, n++) {
+        if (*s < '0' || *s > '9' || n >= 18) return -1;
+        v = v * 10 + (size_t)(*s - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+int pt_set_record(pt_writer *w, const char *plan) {
+    unsigned char taps[64];
+    size_t (*full)[2] = NULL, nfull = 0;
+    int seen_taps = 0, seen_full = 0, d, all = 1;
+    const char *p = plan, *end;
+    char part[256], key[16], item[128];
+    if (!w) return -1;
+    memset(taps, 0, sizeof taps);
+    while (p && *p) {
+        const char *eq;
+        end = strchr(p, ';');
+        if (!end) end = p + strlen(p);
+        pt__trim(part, sizeof part, p, (size_t)(end - p));
+        p = *end ? end + 1 : end;
+        if (!*part) continue;
+        if (!(eq = strchr(part, '='))) {
+            free(full);
+            return pt__fail(w, "'%.60s' is not key=value (taps=l_out,logits;full=3)", part);
+        }
+        pt__trim(key, sizeof key, part, (size_t)(eq - part));
+        if (strcmp(key, "taps") && strcmp(key, "full")) {
+            free(full);
+            return pt__fail(w, "unknown part '%.60s' (taps=...;full=...)", key);
+        }
+        if (!strcmp(key, "taps") ? seen_taps++ : seen_full++) {
+            free(full);
+            return pt__fail(w, "'%s' is given twice", key);
+        }
+        for (eq++; ; ) {
+            const char *comma = strchr(eq, ',');
+            size_t n = comma ? (size_t)(comma - eq) : strlen(eq);
+            pt__trim(item, sizeof item, eq, n);
+            if (!strcmp(key, "taps")) {
+                int tap = -1;
+                for (d = 0; d < PT__NTAPS; d++)
+                    if (!strcmp(item, pt__taps[d].name)) tap = d;
+                if (!strcmp(item, "all")) all = 2;
+                else if (tap < 0) {
+                    free(full);
+                    return pt__fail(w, "taps: unknown tap '%.60s' (docs/trace-format.md lists them)",
+                                    item);
+                } else {
+                    taps[tap] = 1;
+                    if (all == 1) all = 0;
+                }
+            } else if (*item) {
+                char *dash = strchr(item, '-');
+                size_t a, b;
+                void *grown;
+                if (dash) *dash = 0;
+                if (pt__step_num(item, &a) || pt__step_num(dash ? dash + 1 : item, &b)) {
+                    free(full);
+                    return pt__fail(w, "full: '%.60s' is not a step number or a range a-b", item);
+                }
+                if (a > b) {
+                    free(full);
+                    return pt__fail(w, "full: the range %zu-%zu runs backwards", a, b);
+                }
+                if (!(grown = realloc(full, (nfull + 1) * sizeof *full))) {
+                    free(full);
+                    return pt__fail(w, "%s", pt__oom);
+                }
+                full = (size_t(*)[2])grown;
+                full[nfull][0] = a;
+                full[nfull][1] = b;
+                nfull++;
+            }
+            if (!comma) break;
+            eq = comma + 1;
+        }
+    }
+    free(w->rec_line);
+    free(w->rec_full);
+    w->rec_line = NULL;
+    w->rec_full = full;
+    w->rec_nfull = nfull;
+    memcpy(w->rec_tap, taps, sizeof taps);
+    if (all) memset(w->rec_tap, 1, sizeof w->rec_tap);
+    if (plan && *plan && !(w->rec_line = pt__strdup(plan))) return pt__fail(w, "%s", pt__oom);
+    return 0;
+}
+
+static int pt__wants_tap(const pt_writer *w, size_t step, int tap) {
+    size_t i;
+    if (!w->rec_line || w->rec_tap[tap]) return 1;
+    for (i = 0; i < w->rec_nfull; i++)
+        if (w->rec_full[i][0] <= step && step <= w->rec_full[i][1]) return 1;
+    return 0;
+}
+
+int pt_wants(const pt_writer *w, const char *name) {
+    int d;
+    if (!w || !name || w->nsteps == 0) return 1;
+    for (d = 0; d < PT__NTAPS; d++)
+        if (!strcmp(name, pt__taps[d].name)) return pt__wants_tap(w, w->nsteps - 1, d);
+    return 1;
 }
 
 const char *pt_error(const pt_writer *w) {
@@ -631,6 +768,13 @@ pt_writer *pt_create(const char *dir, const char *model_path, const char *sha256
     if (!dir || !*dir) {
         w->broken = 1;
         pt__fail(w, "pt_create: no output folder given");
+        return w;
+    }
+    if (getenv("PARITY_RECORD") && pt_set_record(w, getenv("PARITY_RECORD")) != 0) {
+        char why[512];
+        memcpy(why, w->err, sizeof why);
+        w->broken = 1;
+        pt__fail(w, "PARITY_RECORD: %s", why);
         return w;
     }
     if (sha256_hex) {
@@ -1047,6 +1191,7 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
                            "graph-wide tap)", name, layer, PT__MAX_POSITION);
     step = w->nsteps - 1;
     st = &w->steps[step];
+    if (!pt__wants_tap(w, step, tap)) return 0; /* left out by the recording plan */
     pt__key(key, sizeof key, step, layer, tap);
     if (ndim < 1 || ndim > PT_MAX_NDIM)
         return pt__fail(w, "%s: %d axes (a tap has 1 to %d)", key, ndim, PT_MAX_NDIM);
@@ -1145,7 +1290,13 @@ static void pt__manifest(pt_writer *w, pt__buf *b) {
     pt__json_str(b, w->version);
     pt__puts(b, ", \"settings\": ");
     pt__puts(b, w->settings ? w->settings : "{}");
-    pt__puts(b, "},\n \"steps\": [");
+    pt__puts(b, "},\n");
+    if (w->rec_line) {
+        pt__puts(b, " \"record\": ");
+        pt__json_str(b, w->rec_line);
+        pt__puts(b, ",\n");
+    }
+    pt__puts(b, " \"steps\": [");
     for (i = 0; i < w->nsteps; i++) {
         pt__putf(b, "%s\n  {\"step\": %zu, \"tokens\": [", i ? "," : "", i);
         for (k = 0; k < w->steps[i].n; k++)
@@ -1274,6 +1425,8 @@ static void pt__free(pt_writer *w, int remove_tmp) {
     free(w->backend);
     free(w->version);
     free(w->settings);
+    free(w->rec_line);
+    free(w->rec_full);
     free(w);
 }
 
