@@ -43,7 +43,7 @@ pub enum CheckError {
         golden_ids: Vec<u32>,
         ids: Vec<u32>,
     },
-    #[error("golden {0}: no such folder")]
+    #[error("golden {0}: no such folder or .npz trace")]
     GoldenMissing(String),
     #[error("nothing to compare: one backend and no golden")]
     NothingToCompare,
@@ -412,11 +412,13 @@ fn select_golden(
     let short = |s: &str| s.chars().take(12).collect::<String>();
     let mut goldens = match &opt.golden {
         Some(dir) => {
-            if !dir.is_dir() {
+            let one = dir.join("manifest.json").exists()
+                || (dir.is_file() && crate::trace::is_archive_path(dir));
+            if !dir.is_dir() && !one {
                 return Err(CheckError::GoldenMissing(dir.display().to_string()));
             }
             let found = goldens::find(dir, &sha)?;
-            if dir.join("manifest.json").exists() {
+            if one {
                 let g = &found[0].1;
                 if g.manifest.model.sha256 != sha {
                     return Err(CheckError::GoldenOtherModel {

@@ -501,6 +501,16 @@ fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
             "{bug}: {first:#}"
         );
 
+        // `check` against the scan as its golden (a golden with the bug planted) judges the
+        // golden's own spans and says the same.
+        let o = parity(&["check", model, "--golden", scan.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{bug}: {}", show(&o));
+        assert!(
+            stdout(&o).contains(&format!("record step {step} whole: --record '{plan}'")),
+            "{bug}: {}",
+            show(&o)
+        );
+
         let zoomed = tmp.path().join(format!("{name}-zoom.npz"));
         dump(&zoomed, plan);
         let m = manifest(&zoomed);

@@ -39,7 +39,8 @@ pub fn default_out(stem: &str, sha: &str) -> Option<PathBuf> {
 /// trace folders and `.npz` archives directly inside it, sorted by path. A folder that does not
 /// exist holds none; an entry that is not a readable trace is not this model's golden.
 pub fn find(dir: &Path, sha: &str) -> Result<Vec<(PathBuf, Trace)>, TraceError> {
-    if dir.join("manifest.json").exists() {
+    // One trace: a folder with its manifest, or an `.npz` archive (as `diff` reads them).
+    if dir.join("manifest.json").exists() || (dir.is_file() && is_archive_path(dir)) {
         return Ok(vec![(dir.to_path_buf(), Trace::open(dir)?)]);
     }
     let Ok(rd) = std::fs::read_dir(dir) else {
