@@ -487,23 +487,6 @@ fn cli_diff_measures_rounding_not_the_producer_name() {
     }
 }
 
-/// A fresh folder under the temporary one, removed when the test ends (it was left behind).
-struct Tmp(tempfile::TempDir);
-
-impl std::ops::Deref for Tmp {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        self.0.path()
-    }
-}
-
-fn tempdir(name: &str) -> Tmp {
-    Tmp(tempfile::Builder::new()
-        .prefix(&format!("parity-{name}-"))
-        .tempdir()
-        .unwrap())
-}
-
 /// An own error under its floor that a known bug removes is that bug. A plain-f32 engine with
 /// rms eps ×10, dumping only embd, l_out, result_norm and logits of TinyStories-656K-Q8_0,
 /// moves layer 0's output by ~6e-11: far under a whole-layer span's floor (1e-5, which admits

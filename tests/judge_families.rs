@@ -17,23 +17,6 @@ use std::path::{Path, PathBuf};
 /// engine is held to it, not to the 1e-3 a rounding parity does not know would get.
 const TIGHT: f64 = 1e-10;
 
-/// A fresh folder under the temporary one, removed when the test ends (it was left behind).
-struct Tmp(tempfile::TempDir);
-
-impl std::ops::Deref for Tmp {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        self.0.path()
-    }
-}
-
-fn tempdir(name: &str) -> Tmp {
-    Tmp(tempfile::Builder::new()
-        .prefix(&format!("parity-{name}-"))
-        .tempdir()
-        .unwrap())
-}
-
 fn numpy_trace(
     py: &Path,
     model: &Path,

@@ -148,12 +148,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     // Turn ids are checked by the script; here only counted.
     let turns: Vec<usize> = a.turn.iter().map(|t| t.split(',').count()).collect();
     let run = crate::arch::size::golden_feed(ids.len(), a.chunk, steps, &turns);
-    let plan = a
-        .record
-        .as_deref()
-        .map(crate::trace::Record::parse)
-        .transpose()
-        .map_err(|e| err(format!("--record: {e}")))?;
+    let plan = super::run::record_plan(a.record.as_deref())?;
     let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
         plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap))
     });

@@ -471,6 +471,13 @@ pub struct DumpArgs {
     mutate_from_layer: usize,
 }
 
+/// `--record PLAN` (dump, golden), parsed before any work: one line naming the part at fault.
+pub fn record_plan(plan: Option<&str>) -> Result<Option<crate::trace::Record>> {
+    plan.map(crate::trace::Record::parse)
+        .transpose()
+        .map_err(|e| err(format!("--record: {e}")))
+}
+
 pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     let mut inputs: Vec<(&Path, &str)> = vec![(&a.model, "the model")];
     if let Some(g) = &a.golden {
@@ -478,12 +485,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     }
     crate::trace::paths::check_paths(&inputs, &[(&a.out, "--out")]).map_err(err)?;
     TraceWriter::check_target(&a.out, a.force)?;
-    let plan = a
-        .record
-        .as_deref()
-        .map(crate::trace::Record::parse)
-        .transpose()
-        .map_err(|e| err(format!("--record: {e}")))?;
+    let plan = record_plan(a.record.as_deref())?;
     let model = Model::open(&a.model)?;
     // A golden fed in chunks or with further turns is replayed step by step, as it was fed.
     let mut later: Option<Vec<Vec<u32>>> = None;

@@ -506,6 +506,11 @@ mod tests {
             positions: vec![0],
             forced: None,
         };
+        in_memory(vec![step], t)
+    }
+
+    /// A trace of `steps` holding `t`, made by no model and no producer in particular.
+    fn in_memory(steps: Vec<StepInfo>, t: BTreeMap<TapKey, ndarray::ArrayD<f32>>) -> Trace {
         let mref = ModelRef {
             path: String::new(),
             sha256: String::new(),
@@ -517,7 +522,7 @@ mod tests {
             version: String::new(),
             settings: serde_json::Value::Null,
         };
-        Trace::from_memory(mref, prod, vec![step], t)
+        Trace::from_memory(mref, prod, steps, t)
     }
 
     fn opt(pair: PairKind) -> CompareOptions {
@@ -639,18 +644,7 @@ mod tests {
                     forced: Some(true),
                 },
             ];
-            let mref = ModelRef {
-                path: String::new(),
-                sha256: String::new(),
-                size: None,
-            };
-            let prod = Producer {
-                name: "test".into(),
-                backend: "t".into(),
-                version: String::new(),
-                settings: serde_json::Value::Null,
-            };
-            Trace::from_memory(mref, prod, steps, t)
+            in_memory(steps, t)
         };
         for (n1, says) in [
             (

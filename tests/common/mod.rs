@@ -328,3 +328,20 @@ pub fn dev_profile_as_test() -> Vec<(String, String)> {
     }
     env
 }
+
+/// A fresh folder under the temporary one, named `parity-NAME-…`, removed when dropped.
+pub struct Tmp(tempfile::TempDir);
+
+impl std::ops::Deref for Tmp {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+pub fn tempdir(name: &str) -> Tmp {
+    Tmp(tempfile::Builder::new()
+        .prefix(&format!("parity-{name}-"))
+        .tempdir()
+        .unwrap())
+}
