@@ -303,6 +303,11 @@ fn c_engine_follows_a_recording_plan_from_the_environment() {
         ),
         ("taps=nope", "PARITY_RECORD: taps: unknown tap 'nope'"),
         ("full=1;full=2", "PARITY_RECORD: 'full' is given twice"),
+        // A control character is shown escaped, never sent to the terminal.
+        (
+            "taps=l_out\n\u{1b}[2J",
+            "PARITY_RECORD: taps: unknown tap 'l_out\\x0a\\x1b[2J'",
+        ),
     ] {
         let out = tmp.path().join("bad");
         let o = engine(&out, bad);

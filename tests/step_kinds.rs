@@ -673,6 +673,11 @@ fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
         err.contains("PARITY_RECORD: full: the range 5-2 runs backwards"),
         "{err}"
     );
+    let o = run(&tmp.path().join("x.npz"), None, "taps=l_out\n\u{1b}[2J");
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains(r"unknown tap 'l_out\n\x1b[2J'"), "{err}");
     for cmd in ["golden", "dump"] {
         let o = parity(&[
             cmd,

@@ -481,6 +481,18 @@ static void pt__trim(char *out, size_t size, const char *s, size_t n) {
     out[n] = 0;
 }
 
+/* `s` as an error message quotes it: at most 60 bytes, control bytes as \xNN. */
+static const char *pt__shown(char out[256], const char *s) {
+    size_t o = 0, i;
+    for (i = 0; s[i] && i < 60 && o + 5 < 256; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(out + o, 256 - o, "\\x%02x", c);
+        else out[o++] = (char)c;
+    }
+    out[o] = 0;
+    return out;
+}
+
 /* A step number: digits only, at most 18 of them. */
 static int pt__step_num(const char *s, size_t *out) {
     size_t n = 0, v = 0;
@@ -498,7 +510,7 @@ int pt_set_record(pt_writer *w, const char *plan) {
     size_t (*full)[2] = NULL, nfull = 0;
     int seen_taps = 0, seen_full = 0, d, all = 1;
     const char *p = plan, *end;
-    char part[256], key[16], item[128];
+    char part[256], key[16], item[128], shown[256];
     if (!w) return -1;
     memset(taps, 0, sizeof taps);
     while (p && *p) {
@@ -510,12 +522,12 @@ int pt_set_record(pt_writer *w, const char *plan) {
         if (!*part) continue;
         if (!(eq = strchr(part, '='))) {
             free(full);
-            return pt__fail(w, "'%.60s' is not key=value (taps=l_out,logits;full=3)", part);
+            return pt__fail(w, "'%s' is not key=value (taps=l_out,logits;full=3)", pt__shown(shown, part));
         }
         pt__trim(key, sizeof key, part, (size_t)(eq - part));
         if (strcmp(key, "taps") && strcmp(key, "full")) {
             free(full);
-            return pt__fail(w, "unknown part '%.60s' (taps=...;full=...)", key);
+            return pt__fail(w, "unknown part '%s' (taps=...;full=...)", pt__shown(shown, key));
         }
         if (!strcmp(key, "taps") ? seen_taps++ : seen_full++) {
             free(full);
@@ -532,8 +544,8 @@ int pt_set_record(pt_writer *w, const char *plan) {
                 if (!strcmp(item, "all")) all = 2;
                 else if (tap < 0) {
                     free(full);
-                    return pt__fail(w, "taps: unknown tap '%.60s' (docs/trace-format.md lists them)",
-                                    item);
+                    return pt__fail(w, "taps: unknown tap '%s' (docs/trace-format.md lists them)",
+                                    pt__shown(shown, item));
                 } else {
                     taps[tap] = 1;
                     if (all == 1) all = 0;
@@ -545,7 +557,8 @@ int pt_set_record(pt_writer *w, const char *plan) {
                 if (dash) *dash = 0;
                 if (pt__step_num(item, &a) || pt__step_num(dash ? dash + 1 : item, &b)) {
                     free(full);
-                    return pt__fail(w, "full: '%.60s' is not a step number or a range a-b", item);
+                    return pt__fail(w, "full: '%s' is not a step number or a range a-b",
+                                    pt__shown(shown, item));
                 }
                 if (a > b) {
                     free(full);

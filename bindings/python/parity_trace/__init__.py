@@ -87,6 +87,11 @@ def to_numpy(x):
 RECORD_ENV = "PARITY_RECORD"
 
 
+def _shown(text):
+    """A piece of a plan as an error line quotes it: cut, control characters escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:60])
+
+
 class Record:
     """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8`: the taps kept at every step
     (a scan; left out: all) and the steps kept whole. The same grammar as parity's (the Rust
@@ -99,10 +104,10 @@ class Record:
             if not part:
                 continue
             if "=" not in part:
-                raise TraceError(f"'{part[:60]}' is not key=value (taps=l_out,logits;full=3)")
+                raise TraceError(f"'{_shown(part)}' is not key=value (taps=l_out,logits;full=3)")
             key, value = (x.strip() for x in part.split("=", 1))
             if key not in ("taps", "full"):
-                raise TraceError(f"unknown part '{key[:60]}' (taps=...;full=...)")
+                raise TraceError(f"unknown part '{_shown(key)}' (taps=...;full=...)")
             if key in seen:
                 raise TraceError(f"'{key}' is given twice")
             seen.add(key)
@@ -113,7 +118,7 @@ class Record:
                     continue
                 for n in names:
                     if n not in TAPS:
-                        raise TraceError(f"taps: unknown tap '{n[:60]}' (docs/trace-format.md "
+                        raise TraceError(f"taps: unknown tap '{_shown(n)}' (docs/trace-format.md "
                                          "lists them)")
                 self.taps = set(names)
             else:
@@ -122,7 +127,7 @@ class Record:
                         continue
                     ends = item.split("-", 1)
                     if not all(e.strip().isdigit() for e in ends):
-                        raise TraceError(f"full: '{item[:60]}' is not a step number or a range a-b")
+                        raise TraceError(f"full: '{_shown(item)}' is not a step number or a range a-b")
                     a, b = int(ends[0]), int(ends[-1])
                     if a > b:
                         raise TraceError(f"full: the range {a}-{b} runs backwards")
