@@ -78,11 +78,26 @@ def fail(msg):
     sys.exit(2)
 
 
+# With --serve, one model's reader and decoded weights outlive a run: the next run on the same
+# file (same size and mtime) reuses them. Decoded arrays are read-only, so a run cannot leave a
+# change for the next one.
+_OPEN = {"key": None, "reader": None, "weights": {}}
+
+
+def _opened(path):
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if _OPEN["key"] != key:
+        _OPEN.update(key=None, reader=None, weights={})
+        _OPEN.update(key=key, reader=gguf.GGUFReader(path))
+    return _OPEN["reader"], _OPEN["weights"]
+
+
 class Model:
     def __init__(self, path, mutation, from_layer=0):
         self.path = path
         self.from_layer = from_layer
-        r = gguf.GGUFReader(path)
+        r, self.decoded = _opened(path)
         self.fields = r.fields
         self.tensors = {t.name: t for t in r.tensors}
         self.mutation = mutation
@@ -134,9 +149,13 @@ class Model:
         """The tensor as float32, numpy shape (ggml ne reversed): matrices are [n_out, n_in]."""
         if name not in self.cache:
             t = self.tensors[name]
+            nibbled = (self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES
+                       and self.bug_in(name))
+            if (name, nibbled) in self.decoded:
+                self.cache[name] = self.decoded[(name, nibbled)]
+                return self.cache[name]
             data = np.asarray(t.data)
-            if (self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES
-                    and self.bug_in(name)):
+            if nibbled:
                 off, n, block = NIBBLES[t.tensor_type]
                 raw = data.reshape(-1, block).copy()
                 q = raw[:, off:off + n]
@@ -144,7 +163,9 @@ class Model:
                 data = raw.reshape(data.shape)
             w = gguf.quants.dequantize(data, t.tensor_type).astype(F32)
             shape = tuple(int(d) for d in reversed(t.shape))
-            self.cache[name] = w.reshape(shape)
+            w = w.reshape(shape)
+            w.flags.writeable = False
+            self.cache[name] = self.decoded[(name, nibbled)] = w
         return self.cache[name]
 
 
@@ -289,6 +310,8 @@ def cache_store(kind, rows):
 class Engine:
     def __init__(self, m, rounding, mutation, n_ctx, kv="f32"):
         self.m, self.rounding, self.mut = m, rounding, mutation
+        # The output projection's own rounding, where it differs (None: `rounding`).
+        self.output_rounding = None
         # "f16": the K/V cache stores f16 values, as llama.cpp's default cache type does (the
         # k_rope and v taps stay the f32 values computed before the store).
         self.kv = kv
@@ -300,18 +323,19 @@ class Engine:
         # chunk): where kv-reset-per-turn empties the cache, pos-restart-per-turn counts from
         self.turn_start = 0
 
-    def matmul(self, name, x, transposed=False):
+    def matmul(self, name, x, transposed=False, lm_head=False):
+        rounding = self.output_rounding if lm_head and self.output_rounding else self.rounding
         w = self.m.weight(name)
         if transposed:
             # out[r] = sum_i W_flat[i * n_out + r] x[i]: the flat data read as [n_in, n_out].
             n_out, n_in = w.shape
             w = w.reshape(n_in, n_out).T
-        if self.rounding in ("f16-acc", "f16-acc-unfused"):
-            return f16_acc_matmul(x, w, self.m.ty(name), fused=self.rounding == "f16-acc")
-        if self.rounding == "tf32":
+        if rounding in ("f16-acc", "f16-acc-unfused"):
+            return f16_acc_matmul(x, w, self.m.ty(name), fused=rounding == "f16-acc")
+        if rounding == "tf32":
             return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
-        if self.rounding != "none":
-            x = round_input(self.m.ty(name), x, self.rounding)
+        if rounding != "none":
+            x = round_input(self.m.ty(name), x, rounding)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
 
     def norm(self, x, name, mut):
@@ -465,7 +489,7 @@ class Engine:
         out = "output.weight" if m.has("output.weight") else "token_embd.weight"
         if mut == "tied-output":
             out = "token_embd.weight"
-        logits = self.matmul(out, xn, mut == "transposed-lm-head")
+        logits = self.matmul(out, xn, mut == "transposed-lm-head", lm_head=True)
         rec("logits", None, logits)
         return logits[-1]
 
@@ -477,7 +501,38 @@ ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-a
              "tf32"]
 
 
-def main():
+def serve():
+    """--serve: run the engine once per line of stdin, a JSON list of its arguments, and answer
+    each with one JSON line on stdout: {"rc": exit code, "stderr": what the run printed}. One
+    process for many runs spares the interpreter's start and numpy's import (most of a small
+    model's run); parity selftest keeps one such worker per job."""
+    import contextlib
+    import io
+    import traceback
+    answer = sys.stdout
+    for line in sys.stdin:
+        err, rc = io.StringIO(), 0
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+            try:
+                try:
+                    args = json.loads(line)
+                except ValueError:
+                    args = None
+                if not isinstance(args, list) or not all(isinstance(x, str) for x in args):
+                    fail("--serve: each line must be a JSON list of strings")
+                main(args)
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # a bug in the engine: reported with its run, the worker goes on
+                traceback.print_exc()
+                rc = 1
+        answer.write(json.dumps({"rc": rc, "stderr": err.getvalue()}) + "\n")
+        answer.flush()
+
+
+def main(argv=None):
+    if argv is None and sys.argv[1:] == ["--serve"]:
+        return serve()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--out", required=True, help="the trace: a folder, or one .npz archive")
@@ -495,6 +550,9 @@ def main():
     ap.add_argument("--prefill-rounding", choices=ROUNDINGS,
                     help="the prompt step's rounding, where it differs from the decode steps' "
                          "--rounding (llama.cpp Vulkan: f16-acc tiled prefill, f32 decode)")
+    ap.add_argument("--output-rounding", choices=ROUNDINGS,
+                    help="the output projection's rounding, where it differs from the layers' "
+                         "(an engine whose lm_head runs another kernel than its layers)")
     ap.add_argument("--kv", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16); q8_0/q4_0 store each "
                          "row in 32-value blocks, read back as f32 (no rotation: a hand-written int8 cache)")
@@ -513,7 +571,7 @@ def main():
     ap.add_argument("--rope-theta", type=float, help="use this RoPE base instead of the model's")
     ap.add_argument("--attn-scale", type=float,
                     help="scale attention scores by this instead of 1/sqrt(head_dim)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     mutation, width = a.mutate, WRAP
     if mutation and "=" in mutation:
@@ -562,6 +620,7 @@ def main():
         w = TraceWriter(a.out, model=a.model, engine="numpy-engine", backend="numpy", version="0.1",
                         settings={"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
                                   "prefill_rounding": a.prefill_rounding or a.rounding,
+                                  "output_rounding": a.output_rounding or a.rounding,
                                   "numpy": np.__version__},
                         layouts={"q_rope": layout} if a.declare and layout != "token-major" else None,
                         record=a.record)
@@ -577,6 +636,7 @@ def main():
             w.tap(layer, tap, x)
 
     eng = Engine(m, a.prefill_rounding or a.rounding, mutation, len(prompt) + n_steps, a.kv)
+    eng.output_rounding = a.output_rounding
     w.step(prompt, range(len(prompt)))
     logits = eng.forward(prompt, 0, rec)
     eng.rounding = a.rounding

@@ -13,6 +13,8 @@ use crate::model::Model;
 use crate::trace::{TapKey, Trace, TraceError};
 use std::path::{Path, PathBuf};
 
+mod worker;
+
 #[derive(Debug, thiserror::Error)]
 pub enum SelftestError {
     #[error("{golden}: the golden is for another model (sha256 {sha}…)")]
@@ -112,11 +114,14 @@ impl EngineRounding {
 }
 
 /// The engine's activation rounding: one for every step, or the prompt step's own beside the
-/// decode steps' (`f16-acc/none`: llama.cpp Vulkan's tiled prefill, f32 decode).
+/// decode steps' (`f16-acc/none`: llama.cpp Vulkan's tiled prefill, f32 decode), and the output
+/// projection's own where it differs (`q8k+lm=ggml`: a Rust engine's Q8_K layers, its lm_head
+/// another kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rounding {
     pub prefill: Option<EngineRounding>,
     pub decode: EngineRounding,
+    pub output: Option<EngineRounding>,
 }
 
 impl Rounding {
@@ -127,25 +132,36 @@ impl Rounding {
         Rounding {
             prefill: None,
             decode: r,
+            output: None,
         }
     }
 
-    /// `ggml`, `q8k`, `f16-acc/none` (PREFILL/DECODE).
+    /// `ggml`, `q8k`, `f16-acc/none` (PREFILL/DECODE), `q8k+lm=ggml` (LAYERS+lm=OUTPUT).
     pub fn name(self) -> String {
-        match self.prefill {
+        let steps = match self.prefill {
             Some(p) => format!("{}/{}", p.name(), self.decode.name()),
             None => self.decode.name().to_string(),
+        };
+        match self.output {
+            Some(o) => format!("{steps}+lm={}", o.name()),
+            None => steps,
         }
     }
 
     pub fn parse(s: &str) -> Option<Rounding> {
-        match s.split_once('/') {
-            Some((p, d)) => Some(Rounding {
+        let (steps, output) = match s.split_once("+lm=") {
+            Some((steps, o)) => (steps, Some(EngineRounding::parse(o)?)),
+            None => (s, None),
+        };
+        let r = match steps.split_once('/') {
+            Some((p, d)) => Rounding {
                 prefill: Some(EngineRounding::parse(p)?),
                 decode: EngineRounding::parse(d)?,
-            }),
-            None => EngineRounding::parse(s).map(Rounding::one),
-        }
+                output: None,
+            },
+            None => Rounding::one(EngineRounding::parse(steps)?),
+        };
+        Some(Rounding { output, ..r })
     }
 
     /// Every name `parse` takes, for error messages.
@@ -153,7 +169,7 @@ impl Rounding {
         let mut v: Vec<&str> = vec!["ggml"];
         v.extend(FAMILIES.iter().map(|f| f.name));
         v.push("tf32");
-        format!("{}, or PREFILL/DECODE", v.join(", "))
+        format!("{}, PREFILL/DECODE, or ROUNDING+lm=OUTPUT", v.join(", "))
     }
 }
 
@@ -295,12 +311,13 @@ pub fn run(
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
+    let pool = worker::Pool::new(&opt.programs.python, &opt.programs.numpy_engine);
     let result = (|| -> Result<(), SelftestError> {
         for &engine in &opt.engines {
             for &rounding in &opt.roundings {
                 let row = |case: Case, clean: Option<&Trace>| {
                     one_row(
-                        engine, rounding, case, clean, model, model_path, &golden, opt, &tmp,
+                        engine, rounding, case, clean, model, model_path, &golden, opt, &tmp, &pool,
                     )
                 };
                 // The clean engine's trace first: in a sparse dump it says where a bug first
@@ -344,6 +361,7 @@ fn one_row(
     golden: &Trace,
     opt: &SelftestOptions,
     tmp: &Path,
+    pool: &worker::Pool,
 ) -> Result<(Row, Trace), SelftestError> {
     // One `.npz` file per trace: a folder of one file per tap costs more in inode creation
     // than the engine and the judge together on small models.
@@ -353,7 +371,7 @@ fn one_row(
         rounding.name().replace('/', "+"),
         case.label().replace([' ', '(', ')'], "")
     ));
-    write_trace(engine, model_path, case, rounding, opt, &dir)?;
+    write_trace(engine, model_path, case, rounding, opt, &dir, pool)?;
     let cand = Trace::open(&dir)?;
     let o = outcome(golden, &cand, model)?;
     // In a sparse trace a small bug can leave the first layers' outputs bit-identical
@@ -519,7 +537,7 @@ fn cases(
         && let Some(r) = opt
             .roundings
             .iter()
-            .find(|r| r.prefill.is_some() || r.decode == EngineRounding::Tf32)
+            .find(|r| r.prefill.is_some() || r.output.is_some() || r.decode == EngineRounding::Tf32)
     {
         return Err(SelftestError::RoundingNeedsNumpy(r.name()));
     }
@@ -546,6 +564,7 @@ fn write_trace(
     rounding: Rounding,
     opt: &SelftestOptions,
     dir: &Path,
+    pool: &worker::Pool,
 ) -> Result<(), SelftestError> {
     let mut cmd = match engine {
         Engine::Parity => {
@@ -577,31 +596,34 @@ fn write_trace(
             c
         }
         Engine::Numpy => {
+            let args = numpy_args(model_path, case, rounding, opt, dir);
+            // Through a kept worker where every argument is text (JSON carries the lines);
+            // a path that is not UTF-8 gets a process of its own.
+            let text: Option<Vec<String>> = args
+                .iter()
+                .map(|a| a.to_str().map(str::to_string))
+                .collect();
+            if let Some(text) = text {
+                let a = pool.run(&text).map_err(|e| SelftestError::Spawn {
+                    program: opt.programs.python.display().to_string(),
+                    case: case.label(),
+                    source: e,
+                })?;
+                if a.rc != 0 {
+                    return Err(SelftestError::EngineFailed {
+                        engine: "numpy",
+                        case: case.label(),
+                        last: a.stderr.lines().last().unwrap_or("").trim().to_string(),
+                    });
+                }
+                return Ok(());
+            }
             let mut c = std::process::Command::new(&opt.programs.python);
             // Isolated (`-I`): no working folder or script folder on sys.path, no PYTHON*
             // variables, no user site, so a `numpy.py` where selftest runs is not imported.
             c.arg("-I").arg(&opt.programs.numpy_engine);
             crate::trace::staging::isolate_python(&mut c);
-            c.arg(model_path).arg("--golden").arg(&opt.golden);
-            c.args(["--rounding", rounding.decode.numpy_name()]);
-            if let Some(p) = rounding.prefill {
-                c.args(["--prefill-rounding", p.numpy_name()]);
-            }
-            c.args(["--taps", if opt.sparse { "sparse" } else { "all" }]);
-            c.args(["--kv", &opt.kv]);
-            match case {
-                Case::Clean => {}
-                Case::Bug(m) => {
-                    c.args(["--mutate", m.name()]);
-                    if opt.from_layer > 0 {
-                        c.arg("--mutate-from-layer").arg(opt.from_layer.to_string());
-                    }
-                }
-                Case::Declared(m) => {
-                    c.args(["--mutate", m.name(), "--declare"]);
-                }
-            }
-            c.arg("--out").arg(dir);
+            c.args(args);
             c
         }
     };
@@ -622,6 +644,42 @@ fn write_trace(
         });
     }
     Ok(())
+}
+
+/// The numpy engine's command line for a case (after the script's path).
+fn numpy_args(
+    model_path: &Path,
+    case: Case,
+    rounding: Rounding,
+    opt: &SelftestOptions,
+    dir: &Path,
+) -> Vec<std::ffi::OsString> {
+    let mut c: Vec<std::ffi::OsString> = vec![model_path.into(), "--golden".into()];
+    c.push(opt.golden.clone().into());
+    let mut push = |xs: &[&str]| c.extend(xs.iter().map(|&x| x.into()));
+    push(&["--rounding", rounding.decode.numpy_name()]);
+    if let Some(p) = rounding.prefill {
+        push(&["--prefill-rounding", p.numpy_name()]);
+    }
+    if let Some(o) = rounding.output {
+        push(&["--output-rounding", o.numpy_name()]);
+    }
+    push(&["--taps", if opt.sparse { "sparse" } else { "all" }]);
+    push(&["--kv", &opt.kv]);
+    let from = opt.from_layer.to_string();
+    match case {
+        Case::Clean => {}
+        Case::Bug(m) => {
+            push(&["--mutate", m.name()]);
+            if opt.from_layer > 0 {
+                push(&["--mutate-from-layer", &from]);
+            }
+        }
+        Case::Declared(m) => push(&["--mutate", m.name(), "--declare"]),
+    }
+    c.push("--out".into());
+    c.push(dir.into());
+    c
 }
 
 /// The first key (graph order) where two traces of the same ids differ in any bit.

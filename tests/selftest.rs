@@ -474,3 +474,217 @@ fn selftest_finds_the_golden_where_every_command_looks() {
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(stdout(&o).contains("m-golden"), "{}", show(&o));
 }
+
+/// The numpy engine kept running between cases (`numpy_engine.py --serve`, which selftest
+/// keeps one of per job): one JSON line of arguments in, one JSON line out per run, a bad line
+/// or a failing run answered (exit code and its message) without ending the worker, and the
+/// trace of a run after them the same, byte for byte, as the one-shot engine's.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn the_numpy_engines_worker_answers_each_line_and_outlives_a_failure() {
+    use std::io::Write;
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let (m, g) = fixture("tiny-llama-q4_0");
+    let args = |out: &Path, bug: &str| {
+        serde_json::json!([
+            m.to_str().unwrap(),
+            "--golden",
+            g.to_str().unwrap(),
+            "--rounding",
+            "ggml",
+            "--mutate",
+            bug,
+            "--out",
+            out.to_str().unwrap()
+        ])
+        .to_string()
+    };
+    let (served, oneshot) = (tmp.path().join("served"), tmp.path().join("oneshot"));
+    let lines = [
+        args(&tmp.path().join("a"), "decoder-nibble-order"),
+        "not json".to_string(),
+        r#"{"model": "m.gguf"}"#.to_string(),
+        args(&tmp.path().join("b"), "no-such-bug"),
+        args(&served, "rms-eps-10x"),
+    ];
+    let mut child = std::process::Command::new(&py)
+        .arg("-I")
+        .arg(root().join("scripts/numpy_engine.py"))
+        .arg("--serve")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all((lines.join("\n") + "\n").as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let answers: Vec<serde_json::Value> = stdout(&o)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(answers.len(), lines.len(), "{}", show(&o));
+    let rc: Vec<i64> = answers.iter().map(|a| a["rc"].as_i64().unwrap()).collect();
+    assert_eq!(rc, [0, 2, 2, 2, 0], "{answers:#?}");
+    for (a, says) in answers[1..4].iter().zip([
+        "each line must be a JSON list of strings",
+        "each line must be a JSON list of strings",
+        "--mutate no-such-bug: unknown",
+    ]) {
+        assert!(a["stderr"].as_str().unwrap().contains(says), "{a}");
+    }
+    // The same run as its own process: the same trace, though the worker had decoded the
+    // weights with the nibbles swapped and kept its decodes in between.
+    let run = std::process::Command::new(&py)
+        .arg("-I")
+        .arg(root().join("scripts/numpy_engine.py"))
+        .args(serde_json::from_str::<Vec<String>>(&args(&oneshot, "rms-eps-10x")).unwrap())
+        .output()
+        .unwrap();
+    assert_eq!(run.status.code(), Some(0), "{}", show(&run));
+    fn files(d: &Path, under: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                files(&p, under, out);
+            } else if p.file_name().unwrap() != "manifest.json" {
+                out.push(p.strip_prefix(under).unwrap().to_path_buf());
+            }
+        }
+    }
+    let mut names = Vec::new();
+    files(&oneshot, &oneshot, &mut names);
+    assert!(names.len() > 100, "{names:?}");
+    for n in names {
+        assert_eq!(
+            std::fs::read(served.join(&n)).unwrap(),
+            std::fs::read(oneshot.join(&n)).unwrap(),
+            "{n:?}"
+        );
+    }
+}
+
+/// A Python that cannot run the numpy engine (it prints why and ends before answering): one
+/// line naming the case and the engine's last line, exit 2.
+#[test]
+fn selftest_says_why_the_numpy_engine_ended() {
+    let tmp = tempfile::tempdir().unwrap();
+    let py = tmp.path().join("python");
+    std::fs::write(
+        &py,
+        "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\necho 'ModuleNotFoundError: No module named numpy' >&2\nexit 1\n",
+    )
+    .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&py, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let (m, g) = fixture("tiny-llama-q8_0");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_parity"))
+        .arg("selftest")
+        .arg(&m)
+        .arg("--golden")
+        .arg(&g)
+        .args(["--engine", "numpy", "--only", "rope-neox"])
+        .env("PARITY_PYTHON", &py)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("numpy engine failed on clean: ModuleNotFoundError: No module named numpy"),
+        "{err}"
+    );
+}
+
+/// An engine whose output projection rounds otherwise than its layers (a Rust engine's layers
+/// on Q8_K inputs, its lm_head another kernel: once called diverged at `step 0 logits`, own
+/// NMSE 6.5e-5 over 1e-10). The clean runs pass at the tight floor and say both roundings;
+/// every catalog bug is found at its place and named, from full and sparse dumps, where the
+/// first measurement of the rounding rested on data the bug moved too.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    // Each mix full, and the one whose layers differ most from its output sparse too (the
+    // sparse rows of a mix cost 3-6x a full one's: their rounding is measured twice).
+    for (name, mixes, sparse) in [
+        ("tiny-llama-q8_0", "q8k+lm=ggml,q8k+lm=none", false),
+        ("tiny-llama-q8_0", "q8k+lm=none", true),
+        ("tiny-llama-q4_k", "ggml+lm=f16", false),
+        ("tiny-llama-q4_k", "f16+lm=none", true),
+    ] {
+        let (m, g) = fixture(name);
+        {
+            let extra = [
+                &["--engine", "numpy", "--rounding", mixes][..],
+                &["--sparse"],
+            ];
+            let rows = selftest_json(&m, &g, &extra[..if sparse { 2 } else { 1 }].concat());
+            assert!(rows.len() > 25, "{name} {sparse}: {rows:#?}");
+            for r in &rows {
+                assert_eq!(r["ok"], true, "{name}: {r}");
+                let rounding = r["rounding"].as_str().unwrap();
+                let (layers, lm) = rounding.split_once("+lm=").unwrap();
+                let short = |n: &str| {
+                    match n {
+                        "ggml" => "ggml-cpu",
+                        "none" => "plain-f32",
+                        n => n,
+                    }
+                    .to_string()
+                };
+                if r["case"] == "clean" {
+                    // Q8_K and ggml-cpu put Q4_K's inputs on one grid (no other rounding).
+                    let want = format!("{}; output projection: {}", short(layers), short(lm));
+                    assert_eq!(r["measured"].as_str(), Some(want.as_str()), "{r}");
+                    assert_eq!(r["matmul_floor"].as_f64(), Some(1e-10), "{r}");
+                } else {
+                    assert_eq!(r["found"], r["expected"], "{name}: {r}");
+                    assert_eq!(r["named"], r["expected_name"], "{name}: {r}");
+                }
+            }
+        }
+    }
+    // diff's JSON names the output projection's rounding beside the layers'.
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("mixed.npz");
+    let (m, g) = fixture("tiny-llama-q8_0");
+    common::numpy_engine_trace(
+        &py,
+        m.to_str().unwrap(),
+        &g,
+        &t,
+        None,
+        &["--rounding", "q8k", "--output-rounding", "none"],
+    );
+    let o = parity(&["diff", g.to_str().unwrap(), t.to_str().unwrap(), "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let own = j["comparisons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["pair"] == "own-inputs")
+        .unwrap();
+    assert_eq!(own["rounding_family"], "q8k", "{own}");
+    assert_eq!(own["output_rounding"], "none", "{own}");
+}

@@ -60,6 +60,9 @@ pub struct Reference<'m> {
     ropes_since_tap: usize,
     /// The K/V cache emulated (f32 by default: the exact reference).
     kv: KvCache,
+    /// The output projection's rounding where it differs from `emulation` (an engine whose
+    /// lm_head runs another kernel than its layers).
+    output_emulation: Option<Emulation>,
     /// With flash attention: the latest `attn_probs`' scores, `(position, score)` per
     /// (head, token) row, which `attn_values` accumulates online as the engine does.
     flash_scores: Vec<Vec<(usize, f32)>>,
@@ -91,6 +94,7 @@ impl<'m> Reference<'m> {
             tap_now: None,
             ropes_since_tap: 0,
             kv: KvCache::F32,
+            output_emulation: None,
             flash_scores: Vec::new(),
             turn_start: 0,
         }
@@ -99,6 +103,12 @@ impl<'m> Reference<'m> {
     /// Keep the K/V cache as `kv` says (its storage, rotation and arithmetic).
     pub fn with_kv(mut self, kv: KvCache) -> Self {
         self.kv = kv;
+        self
+    }
+
+    /// Round the output projection's inputs as `e` says (None: as every other matmul).
+    pub fn with_output_emulation(mut self, e: Option<Emulation>) -> Self {
+        self.output_emulation = e;
         self
     }
 
@@ -879,11 +889,17 @@ impl Ops for Reference<'_> {
                 && self.mutated(Mutation::TransposedWo, layer));
         let nibbles =
             self.mutated(Mutation::DecoderNibbleOrder, layer) && mutation::swaps_nibbles(w.ty);
-        if transposed || nibbles {
+        let own = self.emulation;
+        if lm_head && let Some(e) = self.output_emulation {
+            self.emulation = e;
+        }
+        let y = if transposed || nibbles {
             self.project_mutated(w, layer, x, t, transposed)
         } else {
             self.matmul_plain(w, x, t)
-        }
+        };
+        self.emulation = own;
+        y
     }
 
     fn add_bias(&mut self, mut x: Vec<f32>, b: &TensorInfo) -> Vec<f32> {

@@ -103,8 +103,9 @@ pub struct SelftestArgs {
     /// Activation rounding of the engine, comma-separated: none (plain f32), ggml (as ggml's
     /// CPU), both (none,ggml), any family `parity diff --rounding` knows (ggml-scalar, q8k,
     /// q8_1-gpu, f16, bf16, f16-acc, f16-acc-unfused), and for the numpy engine also tf32 (a
-    /// rounding parity does not model) and PREFILL/DECODE (the prompt step rounding otherwise,
-    /// e.g. f16-acc/none as llama.cpp Vulkan).
+    /// rounding parity does not model), PREFILL/DECODE (the prompt step rounding otherwise,
+    /// e.g. f16-acc/none as llama.cpp Vulkan) and ROUNDING+lm=OUTPUT (the output projection
+    /// rounding otherwise, e.g. q8k+lm=ggml).
     #[arg(long, default_value = "both", value_delimiter = ',')]
     rounding: Vec<String>,
     /// Dump only embd, l_out per layer, result_norm and logits (what engine authors dump

@@ -141,6 +141,8 @@ pub struct Comparison {
     pub only_in_candidate: usize,
     /// The activation rounding family the own-error judgement measured (`own-inputs` only).
     pub rounding_family: Option<&'static str>,
+    /// The output projection's rounding family where it differs (`own-inputs` only).
+    pub output_rounding: Option<&'static str>,
     /// The K/V cache the own-error judgement held the candidate to (`own-inputs` only).
     pub kv_cache: Option<String>,
     /// What the comparison cannot see, said with its verdict (`own-inputs`: a widened matmul
@@ -285,6 +287,7 @@ pub fn compare(
         only_in_baseline: base.keys().filter(|k| !cand.contains(k)).count() + base.extra.len(),
         only_in_candidate: cand.keys().filter(|k| !base.contains(k)).count() + cand.extra.len(),
         rounding_family: None,
+        output_rounding: None,
         kv_cache: None,
         limits: Vec::new(),
     })

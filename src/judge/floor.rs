@@ -115,10 +115,13 @@ pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
 }
 
 /// The floor policy for one judgement: the chosen rounding and the trace's matmul noise.
+#[derive(Clone)]
 pub struct Floors {
     pub rounding: Emulation,
     /// The decode steps' rounding where it differs (`Setup::decode`).
     pub decode: Option<Emulation>,
+    /// The output projection's rounding where it differs (`Setup::output`).
+    pub output: Option<Emulation>,
     /// Median own NMSE of the matmuls judged on their own (None: the trace has none).
     pub mm_median_own: Option<f64>,
     /// Median own NMSE of the spans that contain a matmul.
@@ -128,6 +131,24 @@ pub struct Floors {
 }
 
 impl Floors {
+    /// The output projection rounds as `o` (where it differs from its step's rounding).
+    pub fn with_output(mut self, model: &Model, o: Option<Emulation>) -> Floors {
+        self.output = o;
+        self.flips |= o.is_some_and(|o| rounds_inputs(o, model.output.ty));
+        self
+    }
+
+    /// The same floors with the layers rounded as `rounding` and the output projection as
+    /// `output` (where it differs).
+    pub fn rounded(&self, model: &Model, rounding: Emulation, output: Option<Emulation>) -> Floors {
+        let output = output.filter(|&o| o != rounding);
+        Floors {
+            mm_median_own: self.mm_median_own,
+            mm_median_span: self.mm_median_span,
+            ..Floors::new(model, rounding, self.decode, self.pos_max).with_output(model, output)
+        }
+    }
+
     pub fn new(
         model: &Model,
         rounding: Emulation,
@@ -143,6 +164,7 @@ impl Floors {
         Floors {
             rounding,
             decode,
+            output: None,
             mm_median_own: None,
             mm_median_span: None,
             flips,

@@ -68,6 +68,7 @@ pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup
     Setup {
         rounding: floors.rounding,
         decode: floors.decode,
+        output: floors.output,
         kv,
         mutation: None,
         knob: None,

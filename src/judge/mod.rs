@@ -23,6 +23,7 @@ pub mod span;
 pub mod verdict;
 pub mod zoom;
 
+use crate::backend::mutation::Mutation;
 use crate::backend::{BackendError, Emulation};
 use crate::compare::{CompareError, Metrics};
 use crate::gguf::GgufError;
@@ -196,6 +197,14 @@ pub struct Judgement {
     pub fits: Vec<RoundingFit>,
     /// How each rounding fitted the first decode step, the prefill under `rounding`.
     pub decode_fits: Vec<RoundingFit>,
+    /// The output projection's rounding where it differs from its step's (an engine whose
+    /// lm_head runs another kernel), and how each rounding fitted the first step's logits.
+    pub output_rounding: Option<Emulation>,
+    pub output_fits: Vec<RoundingFit>,
+    /// Whether `rounding` (or the output projection's) was measured again with the bug in
+    /// view, after the first measurement rested on data the bug had moved (the finding says
+    /// how); `fits` are the first measurement's.
+    pub remeasured: bool,
     /// The K/V cache type that reproduces the engine's attention best.
     pub kv: KvCache,
     pub kv_fits: Vec<KvFit>,
@@ -370,179 +379,388 @@ fn judge_once(
     };
     let opt = &guarded;
 
-    let measured = rounding::measure(model, &cand, opt, first_step, &none)?;
-    let rounding::Measured {
-        rounding,
-        decode,
-        decode_fits,
-        fits,
-        best,
-        kv,
-        kv_fits,
-    } = measured;
-
-    // The whole trace under the chosen rounding and cache (unless detection already ran it
-    // whole).
-    let full = Window::full(n_layer, s_max);
-    let mut rep = match best {
-        Some((_, _, rep, true)) if kv == KvCache::F32 => rep,
-        _ => {
-            let setup = Setup {
-                rounding,
-                decode,
-                kv,
-                mutation: None,
-                knob: None,
-                window: full,
-            };
-            replay(model, &cand, &setup, &none)?
-        }
-    };
-
-    // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
-    // twin's error (an element on a tie may take either neighbour: no bug).
-    let (rounding, ties) =
-        rounding::refit_ties(model, &cand, &mut rep, rounding, decode, kv, full)?;
-
-    // Floors.
-    let pos_max = trace
-        .manifest
-        .steps
-        .iter()
-        .flat_map(|s| s.positions.iter().copied())
-        .max()
-        .unwrap_or(0);
-    let mut floors = Floors::new(model, rounding, decode, pos_max);
-    let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
-        rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
-    let own_mm: Vec<f64> = spans
-        .iter()
-        .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
-        .map(|(k, _)| rep.metrics[k].nmse)
-        .collect();
-    let span_mm: Vec<f64> = spans
-        .iter()
-        .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
-        .map(|(k, _)| rep.metrics[k].nmse)
-        .collect();
-    floors.mm_median_own = median(own_mm);
-    floors.mm_median_span = median(span_mm);
-    // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
-    // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
-    // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
-    // span floors are never tighter than without the emulation.
-    if kv == KvCache::F16
-        && let Some(f) = kv_fits.iter().find(|f| f.kv == KvCache::F32)
-    {
-        floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f.median_nmse));
-    }
-
-    let mut ops = Vec::with_capacity(spans.len());
-    for (k, s) in &spans {
-        let m: &Metrics = &rep.metrics[k];
-        let f16 = rep.f16_storage.contains(k);
-        let mut fl = floors.key(k, s);
-        if f16 {
-            fl = fl.max(floor::F16_STORAGE);
-        }
-        let pass = !m.non_finite_failure() && m.nmse <= fl;
-        ops.push(OpResult {
-            key: *k,
-            own_nmse: m.nmse,
-            cosine: m.cosine,
-            metrics: *m,
-            floor: fl,
-            pass,
-            span_ops: s.len(),
-            class: class(k.tap),
-            f16_storage: f16,
-        });
-    }
-    let mut below_floor = Vec::new();
-    // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
-    // model's graph has no op for is not judged, its values neither.)
-    let bad = match bad.and_then(|b| Some((b, ops.iter().find(|o| o.key == b.key)?))) {
-        Some((b, o)) => Some(nonfinite::candidate(
-            model,
-            &cand,
-            &floors,
+    let mut measured = Some(rounding::measure(model, &cand, opt, first_step, &none)?);
+    // A rounding measured again with the bug in view (`under_other_roundings`,
+    // `layers_with_the_bug`) judges the trace once more under it, with this note.
+    let mut remeasured: Option<String> = None;
+    loop {
+        let rounding::Measured {
+            rounding,
+            decode,
+            decode_fits,
+            output,
+            output_fits,
+            unsure,
+            fits,
+            best,
             kv,
-            &b,
-            o,
-            experiments,
-            &opt.roundings,
-        )?),
-        None => None,
-    };
-    let first = match ops.iter().find(|o| !o.pass) {
-        _ if bad.is_some() => bad,
-        Some(o) if o.metrics.non_finite_failure() => {
-            let b = nonfinite::NonFinite {
-                key: o.key,
-                nan: o.metrics.nan_a,
-                inf: o.metrics.inf_a,
-                n: o.metrics.n,
-                whose: "the reference's recomputation from the candidate's finite inputs",
-            };
-            Some(nonfinite::recomputed(&b, o))
-        }
-        Some(o) => Some(hypothesis::diagnose(
-            model,
-            &cand,
-            &floors,
-            kv,
-            o,
-            &ops,
-            opt.hypotheses,
-        )?),
-        None => {
-            let (checks, found) =
-                hypothesis::below_floor(model, &cand, &floors, kv, &ops, opt.hypotheses)?;
-            below_floor = checks;
-            if let Some(f) = &found
-                && let Some(o) = ops.iter_mut().find(|o| o.key == f.flagged)
-            {
-                // Not noise: a known bug reproduces it.
-                o.pass = false;
+            kv_fits,
+        } = measured.take().expect("measured once per pass");
+
+        // The whole trace under the chosen rounding and cache (unless detection already ran it
+        // whole).
+        let full = Window::full(n_layer, s_max);
+        let mut rep = match best {
+            Some((_, _, rep, true)) if kv == KvCache::F32 => rep,
+            _ => {
+                let setup = Setup {
+                    rounding,
+                    decode,
+                    output,
+                    kv,
+                    mutation: None,
+                    knob: None,
+                    window: full,
+                };
+                replay(model, &cand, &setup, &none)?
             }
-            found
+        };
+
+        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
+        // twin's error (an element on a tie may take either neighbour: no bug).
+        let (rounding, ties) =
+            rounding::refit_ties(model, &cand, &mut rep, rounding, decode, output, kv, full)?;
+
+        // Floors.
+        let pos_max = trace
+            .manifest
+            .steps
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .max()
+            .unwrap_or(0);
+        let mut floors = Floors::new(model, rounding, decode, pos_max).with_output(model, output);
+        let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
+            rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
+        let own_mm: Vec<f64> = spans
+            .iter()
+            .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
+            .map(|(k, _)| rep.metrics[k].nmse)
+            .collect();
+        let span_mm: Vec<f64> = spans
+            .iter()
+            .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
+            .map(|(k, _)| rep.metrics[k].nmse)
+            .collect();
+        floors.mm_median_own = median(own_mm);
+        floors.mm_median_span = median(span_mm);
+        // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
+        // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
+        // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
+        // span floors are never tighter than without the emulation.
+        if kv == KvCache::F16
+            && let Some(f) = kv_fits.iter().find(|f| f.kv == KvCache::F32)
+        {
+            floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f.median_nmse));
         }
-    };
-    let aligned = cand
-        .layouts
-        .iter()
-        .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
-        .map(|(t, l)| format!("{t}: {}", l.name(*t)))
-        .collect();
-    let mut j = Judgement {
-        rounding,
-        decode_rounding: decode,
-        fits,
-        decode_fits,
-        kv,
-        kv_fits,
-        matmul_floor: floors.matmul(),
-        ops,
-        first,
-        below_floor,
-        aligned,
-        ties,
-        layouts: Vec::new(),
-    };
-    let at = position::locate(model, &cand, &j)?;
-    if let Some(f) = &mut j.first {
-        f.position = at;
-        f.zoom = zoom::plan(&cand, f);
+
+        let mut ops = Vec::with_capacity(spans.len());
+        for (k, s) in &spans {
+            let m: &Metrics = &rep.metrics[k];
+            let f16 = rep.f16_storage.contains(k);
+            let mut fl = floors.key(k, s);
+            if f16 {
+                fl = fl.max(floor::F16_STORAGE);
+            }
+            let pass = !m.non_finite_failure() && m.nmse <= fl;
+            ops.push(OpResult {
+                key: *k,
+                own_nmse: m.nmse,
+                cosine: m.cosine,
+                metrics: *m,
+                floor: fl,
+                pass,
+                span_ops: s.len(),
+                class: class(k.tap),
+                f16_storage: f16,
+            });
+        }
+        let mut below_floor = Vec::new();
+        // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
+        // model's graph has no op for is not judged, its values neither.)
+        let bad = match bad.and_then(|b| Some((b, ops.iter().find(|o| o.key == b.key)?))) {
+            Some((b, o)) => Some(nonfinite::candidate(
+                model,
+                &cand,
+                &floors,
+                kv,
+                &b,
+                o,
+                experiments,
+                &opt.roundings,
+            )?),
+            None => None,
+        };
+        let first = match ops.iter().find(|o| !o.pass) {
+            _ if bad.is_some() => bad,
+            Some(o) if o.metrics.non_finite_failure() => {
+                let b = nonfinite::NonFinite {
+                    key: o.key,
+                    nan: o.metrics.nan_a,
+                    inf: o.metrics.inf_a,
+                    n: o.metrics.n,
+                    whose: "the reference's recomputation from the candidate's finite inputs",
+                };
+                Some(nonfinite::recomputed(&b, o))
+            }
+            Some(o) => {
+                let f = hypothesis::diagnose(model, &cand, &floors, kv, o, &ops, opt.hypotheses)?;
+                let redo = match &f.confirmed {
+                    _ if remeasured.is_some() => None,
+                    None if opt.hypotheses => {
+                        under_other_roundings(model, &cand, &floors, kv, o, &ops, &f, unsure, opt)?
+                    }
+                    Some(_) if unsure.layers => layers_with_the_bug(
+                        model, &cand, &floors, kv, o, &ops, &f, first_step, opt,
+                    )?,
+                    _ => None,
+                };
+                if let Some((fl, note)) = redo {
+                    measured = Some(rounding::Measured {
+                        rounding: fl.rounding,
+                        decode,
+                        decode_fits,
+                        output: fl.output,
+                        output_fits,
+                        unsure: rounding::Unsure::default(),
+                        fits,
+                        best: None,
+                        kv,
+                        kv_fits,
+                    });
+                    remeasured = Some(note);
+                    continue;
+                }
+                Some(f)
+            }
+            None => {
+                let (checks, found) =
+                    hypothesis::below_floor(model, &cand, &floors, kv, &ops, opt.hypotheses)?;
+                below_floor = checks;
+                if let Some(f) = &found
+                    && let Some(o) = ops.iter_mut().find(|o| o.key == f.flagged)
+                {
+                    // Not noise: a known bug reproduces it.
+                    o.pass = false;
+                }
+                found
+            }
+        };
+        let aligned = cand
+            .layouts
+            .iter()
+            .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
+            .map(|(t, l)| format!("{t}: {}", l.name(*t)))
+            .collect();
+        let mut j = Judgement {
+            rounding,
+            decode_rounding: decode,
+            fits,
+            decode_fits,
+            output_rounding: output,
+            output_fits,
+            remeasured: remeasured.is_some(),
+            kv,
+            kv_fits,
+            matmul_floor: floors.matmul(),
+            ops,
+            first,
+            below_floor,
+            aligned,
+            ties,
+            layouts: Vec::new(),
+        };
+        let at = position::locate(model, &cand, &j)?;
+        if let Some(f) = &mut j.first {
+            f.position = at;
+            f.zoom = zoom::plan(&cand, f);
+            if let Some(note) = &remeasured {
+                f.text.push_str(note);
+            }
+        }
+        return Ok(j);
     }
-    Ok(j)
+}
+
+/// A diagnosis that confirmed nothing, tried again where the measured rounding may rest on data
+/// the bug moved (`rounding::Unsure`): the output projection under each other rounding when the
+/// logits are flagged, the layers under each other rounding when a sparse dump's rounding came
+/// from its output projection alone. The rounding under which a hypothesis is confirmed closest
+/// is the engine's: its floors are returned with the note the finding gets, and the trace is
+/// judged again under it.
+#[allow(clippy::too_many_arguments)]
+fn under_other_roundings(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    kv: KvCache,
+    o: &OpResult,
+    ops: &[OpResult],
+    f: &Finding,
+    unsure: rounding::Unsure,
+    opt: &JudgeOptions,
+) -> Result<Option<(Floors, String)>, JudgeError> {
+    let all = match opt.roundings.is_empty() {
+        true => rounding::ROUNDINGS.to_vec(),
+        false => opt.roundings.clone(),
+    };
+    let out_now = floors.output.unwrap_or(floors.rounding);
+    let (which, tries): (&str, Vec<Floors>) = if unsure.output && o.key.tap == Tap::Logits {
+        let tries = all
+            .iter()
+            .filter(|&&r| r != out_now)
+            .map(|&r| floors.rounded(model, floors.rounding, Some(r)))
+            .collect();
+        ("the output projection", tries)
+    } else if unsure.layers && o.key.layer.is_some() {
+        let tries = all
+            .iter()
+            .filter(|&&r| r != floors.rounding)
+            .map(|&r| floors.rounded(model, r, Some(out_now)))
+            .collect();
+        ("the layers", tries)
+    } else {
+        return Ok(None);
+    };
+    // Screened first: each catalog bug the diagnosis ruled out, replayed at the key alone under
+    // every other rounding; the rounding where one lands within the key's floor, closest, gets
+    // the whole diagnosis (confirmed as any: within the floor, cutting the own error widely,
+    // holding over the trace). A full diagnosis per rounding (its knob fits, its checks over
+    // the trace) costs ten times more on a 2-layer model.
+    let closest: Vec<Mutation> = f
+        .ruled_out
+        .iter()
+        .filter_map(|t| Mutation::parse(&t.hypothesis))
+        .collect();
+    let window = Window::for_key(cand, &o.key);
+    let keep: BTreeSet<TapKey> = BTreeSet::new();
+    let mut best: Option<(Floors, f64)> = None;
+    for fl in tries {
+        for &m in &closest {
+            let setup = Setup {
+                mutation: Some(m),
+                ..hypothesis::clean_setup(&fl, kv, window)
+            };
+            let rep = replay(model, cand, &setup, &keep)?;
+            let Some(n) = rep.metrics.get(&o.key).map(|x| x.nmse) else {
+                continue;
+            };
+            if n <= o.floor && best.as_ref().is_none_or(|b| n < b.1) {
+                best = Some((fl.clone(), n));
+            }
+        }
+    }
+    let Some((fl, _)) = best else {
+        return Ok(None);
+    };
+    let g = hypothesis::diagnose(model, cand, &fl, kv, o, ops, true)?;
+    if g.confirmed.is_none() {
+        return Ok(None);
+    }
+    let r = match which {
+        "the layers" => fl.rounding,
+        _ => fl.output.unwrap_or(fl.rounding),
+    };
+    let note = format!(
+        "\n  confirmed with {which} rounded as {}: the bug moved the data that rounding was measured on (no hypothesis reproduces it under {})",
+        short(r),
+        short(match which {
+            "the layers" => floors.rounding,
+            _ => out_now,
+        })
+    );
+    Ok(Some((fl, note)))
+}
+
+/// A catalog bug confirmed where the layers' rounding was unsure (`rounding::Unsure::layers`):
+/// the layers' rounding measured again with the bug in place. One that then reproduces the
+/// first step's first two layers 4x closer than the measured one (and confirms the same bug)
+/// is the engine's: its
+/// floors are returned with the note, and the trace is judged again under it (a bug under the
+/// layers' floors is then placed where it first acts).
+#[allow(clippy::too_many_arguments)]
+fn layers_with_the_bug(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    kv: KvCache,
+    o: &OpResult,
+    ops: &[OpResult],
+    f: &Finding,
+    first_step: usize,
+    opt: &JudgeOptions,
+) -> Result<Option<(Floors, String)>, JudgeError> {
+    let Some(m) = f.catalog.as_deref().and_then(Mutation::parse) else {
+        return Ok(None);
+    };
+    let all = match opt.roundings.is_empty() {
+        true => rounding::ROUNDINGS.to_vec(),
+        false => opt.roundings.clone(),
+    };
+    let n_layer = model.config.n_layer;
+    let window = Window {
+        s_max: first_step,
+        l0: 0,
+        l_end: n_layer.min(2),
+        end: false,
+    };
+    let out_now = floors.output.unwrap_or(floors.rounding);
+    let layer_keys = |k: &TapKey| k.step == first_step && k.layer.is_some();
+    // Each family's fit with the bug in place; the measured one's first (where it reproduces
+    // the layers with the bug to f32 noise, no other is tried).
+    let mut fits: Vec<(Emulation, f64)> = Vec::new();
+    let order =
+        std::iter::once(floors.rounding).chain(all.into_iter().filter(|&r| r != floors.rounding));
+    for r in order {
+        let setup = Setup {
+            rounding: r,
+            decode: None,
+            output: None,
+            kv,
+            mutation: Some(m),
+            knob: None,
+            window,
+        };
+        let rep = replay(model, cand, &setup, &BTreeSet::new())?;
+        match rounding::fit_where(cand, &rep, layer_keys) {
+            Some(f) if r == floors.rounding && f <= EXACT_FIT => return Ok(None),
+            Some(f) => fits.push((r, f)),
+            None => {}
+        }
+    }
+    // Another family only where it fits clearly better (4x), as every measurement.
+    let Some(&(_, now)) = fits.first().filter(|f| f.0 == floors.rounding) else {
+        return Ok(None);
+    };
+    let Some(&(r, best)) = fits.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+        return Ok(None);
+    };
+    if r == floors.rounding || best * 4.0 >= now {
+        return Ok(None);
+    }
+    let fl = floors.rounded(model, r, Some(out_now));
+    let g = hypothesis::diagnose(model, cand, &fl, kv, o, ops, true)?;
+    if g.confirmed != f.confirmed {
+        return Ok(None);
+    }
+    let note = format!(
+        "\n  the layers round as {}: measured with {} in place (it moved the data the rounding was first measured on)",
+        short(r),
+        m.name()
+    );
+    Ok(Some((fl, note)))
 }
 
 /// The rounding that reproduces the engine, in a baseline's words: one family, or
 /// `prefill: F, decode: G` where the decode steps round otherwise.
 pub fn rounding_label(j: &Judgement) -> String {
-    match j.decode_rounding {
+    let steps = match j.decode_rounding {
         Some(d) => format!("prefill: {}, decode: {}", short(j.rounding), short(d)),
         None => short(j.rounding).to_string(),
+    };
+    match j.output_rounding {
+        Some(o) => format!("{steps}; output projection: {}", short(o)),
+        None => steps,
     }
 }
 
@@ -561,8 +779,13 @@ pub fn render(j: &Judgement) -> String {
             .collect();
         let _ = writeln!(
             s,
-            "rounding that reproduces the engine: {} (median matmul own NMSE: {}{})",
+            "rounding that reproduces the engine: {} ({}median matmul own NMSE: {}{})",
             rounding_name(j.rounding),
+            if j.remeasured {
+                "measured again with the bug in view, see the finding; first measured: "
+            } else {
+                ""
+            },
             fits.join(", "),
             if j.fits.last().is_some_and(|f| f.median_nmse <= EXACT_FIT) {
                 "; an exact fit ends the search"
@@ -570,7 +793,7 @@ pub fn render(j: &Judgement) -> String {
                 ""
             }
         );
-        if !j.fits.iter().any(|f| f.rounding == j.rounding) {
+        if !j.remeasured && !j.fits.iter().any(|f| f.rounding == j.rounding) {
             let _ = writeln!(
                 s,
                 "  named by its twins: on the best fit's matmul grid it reproduces keys the best fit does not (a rounding tie, or the GELU), and none worse"
@@ -592,6 +815,20 @@ pub fn render(j: &Judgement) -> String {
             short(j.rounding),
             fits.join(", "),
             rounding_name(d)
+        );
+    }
+    if let Some(o) = j.output_rounding {
+        let fits: Vec<String> = j
+            .output_fits
+            .iter()
+            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
+            .collect();
+        let _ = writeln!(
+            s,
+            "output projection: {} (the first step's logits own NMSE under each: {}); the layers: {}",
+            rounding_name(o),
+            fits.join(", "),
+            short(j.rounding)
         );
     }
     if j.kv_fits.len() > 1 {

@@ -142,6 +142,9 @@ pub fn candidate(
             decode: (rounding == floors.rounding)
                 .then_some(floors.decode)
                 .flatten(),
+            output: (rounding == floors.rounding)
+                .then_some(floors.output)
+                .flatten(),
             kv,
             ..setup.clone()
         };

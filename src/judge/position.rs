@@ -71,6 +71,7 @@ pub fn locate(
         let setup = Setup {
             rounding,
             decode: j.decode_rounding,
+            output: j.output_rounding,
             kv: j.kv,
             mutation: None,
             knob: None,

@@ -190,6 +190,8 @@ pub struct Setup {
     /// `rounding` (the prefill's): each step's keys depend only on its own rounding, as every
     /// op is fed the candidate's inputs.
     pub decode: Option<Emulation>,
+    /// The output projection's rounding where it differs from its step's (every step).
+    pub output: Option<Emulation>,
     /// The cache emulated: the reference's k_rope and v (or the candidate's, where
     /// substituted) are stored as it stores them, and attention computed around it as the
     /// engine computes it (`backend::kvcache`).
@@ -316,7 +318,8 @@ pub fn replay(
         + 1;
     let mut b = Reference::new(m, setup.rounding, n_ctx)
         .with_mutation(setup.mutation)
-        .with_kv(setup.kv);
+        .with_kv(setup.kv)
+        .with_output_emulation(setup.output);
     let mut sink = JudgeSink {
         cand,
         window: w,

@@ -10,7 +10,7 @@ use crate::backend::Emulation;
 use crate::backend::family::{Accum, Quantizer};
 use crate::gguf::GgmlType;
 use crate::model::Model;
-use crate::trace::TapKey;
+use crate::trace::{Tap, TapKey};
 use serde::Serialize;
 use std::collections::BTreeSet;
 
@@ -54,14 +54,14 @@ pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
     fit_where(cand, r, |_| true)
 }
 
-/// [`fit`] over the keys of the steps `step` accepts.
+/// [`fit`] over the keys `which` accepts.
 pub fn fit_where(
     cand: &Candidate,
     r: &replay::Replay,
-    step: impl Fn(usize) -> bool,
+    which: impl Fn(&TapKey) -> bool,
 ) -> Option<f64> {
     let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in r.metrics.iter().filter(|(k, _)| step(k.step)) {
+    for (k, m) in r.metrics.iter().filter(|(k, _)| which(k)) {
         let s = span(cand, k);
         if s.len() == 1 && class(k.tap) == OpClass::Matmul {
             own.push(m.nmse);
@@ -169,6 +169,7 @@ pub fn refit_ties(
     rep: &mut replay::Replay,
     rounding: Emulation,
     decode: Option<Emulation>,
+    output: Option<Emulation>,
     kv: KvCache,
     full: Window,
 ) -> Result<(Emulation, Vec<(TapKey, Emulation)>), JudgeError> {
@@ -190,6 +191,7 @@ pub fn refit_ties(
         let setup = Setup {
             rounding: t,
             decode,
+            output,
             kv,
             mutation: None,
             knob: None,
@@ -244,6 +246,13 @@ fn signature(r: Emulation, tys: &[(GgmlType, usize)]) -> (Accum, Vec<(GgmlType, 
     (r.accum(), inputs)
 }
 
+/// Which measured roundings rest on data a bug may have moved (`Measured::unsure`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Unsure {
+    pub layers: bool,
+    pub output: bool,
+}
+
 /// What the measurement chose, and how well each candidate rounding and cache type fitted.
 pub struct Measured {
     pub rounding: Emulation,
@@ -251,6 +260,15 @@ pub struct Measured {
     pub decode: Option<Emulation>,
     /// How each rounding fitted the first decode step (empty: not measured).
     pub decode_fits: Vec<RoundingFit>,
+    /// The output projection's rounding where it differs from its step's, and how each
+    /// rounding fitted the first step's logits (empty: not measured).
+    pub output: Option<Emulation>,
+    pub output_fits: Vec<RoundingFit>,
+    /// The roundings a bug may have hidden: the layers' (a sparse dump's rounding measured at
+    /// its output projection, reproduced there to f32 noise, while no rounding reproduced the
+    /// layers so) and the output projection's (the layers reproduced to f32 noise, the
+    /// logits by none). A diagnosis that confirms nothing tries the others there.
+    pub unsure: Unsure,
     pub fits: Vec<RoundingFit>,
     /// The chosen rounding's replay, and whether it covered the whole trace.
     pub best: Option<(Emulation, f64, replay::Replay, bool)>,
@@ -308,6 +326,7 @@ pub fn measure(
             let setup = Setup {
                 rounding: r,
                 decode: None,
+                output: None,
                 kv: KvCache::F32,
                 mutation: None,
                 knob: None,
@@ -339,8 +358,146 @@ pub fn measure(
             }
         }
     }
-    let rounding = best.as_ref().map_or(roundings[0], |b| b.0);
+    let mut rounding = best.as_ref().map_or(roundings[0], |b| b.0);
 
+    // A sparse dump's only matmul on its own is the output projection, where the rounding
+    // above was measured; an engine whose lm_head rounds otherwise than its layers is told by
+    // the first step's first two layers (spans through their matmuls). The output's rounding
+    // first; another only where it reproduces the layers clearly better (4x).
+    let layer_keys = |k: &TapKey| k.step == first_step && k.layer.is_some();
+    let no_layers = detect.l0 >= detect.l_end;
+    let mut unsure = Unsure::default();
+    // The output's rounding and fits, where the layers' replaced them.
+    let mut switched: Option<(Emulation, Vec<RoundingFit>)> = None;
+    let exact = |fits: &[RoundingFit]| fits.iter().any(|f| f.median_nmse <= EXACT_FIT);
+    // Whether some rounding reproduced the layers' matmuls to f32 noise.
+    let mut layers_exact = !no_layers && exact(&fits);
+    // Measured only where the output's rounding leaves the layers within what a rounding can
+    // move a layer (`SPAN_CAP`): beyond it a bug moved them, and no rounding is told there.
+    let window = Window {
+        s_max: first_step,
+        l0: 0,
+        l_end: n_layer.min(2),
+        end: false,
+    };
+    let base_layers = if roundings.len() > 1 && no_layers && cand.trace.keys().any(layer_keys) {
+        let setup = Setup {
+            rounding,
+            decode: None,
+            output: None,
+            kv: KvCache::F32,
+            mutation: None,
+            knob: None,
+            window,
+        };
+        fit_where(cand, &replay(model, cand, &setup, none)?, layer_keys)
+    } else {
+        None
+    };
+    if let Some(b) = base_layers {
+        layers_exact = b <= EXACT_FIT;
+        unsure.layers = exact(&fits) && !layers_exact;
+    }
+    if base_layers.is_some_and(|b| b > EXACT_FIT && b <= super::floor::SPAN_CAP) {
+        let base = base_layers.expect("measured above");
+        let mut layer_fits = vec![RoundingFit {
+            rounding,
+            median_nmse: base,
+        }];
+        let mut best_l: Option<(Emulation, f64)> = Some((rounding, base));
+        for r in roundings.iter().copied().filter(|&r| r != rounding) {
+            let setup = Setup {
+                rounding: r,
+                decode: None,
+                output: None,
+                kv: KvCache::F32,
+                mutation: None,
+                knob: None,
+                window,
+            };
+            let rep = replay(model, cand, &setup, none)?;
+            let Some(f) = fit_where(cand, &rep, layer_keys) else {
+                break; // nothing through a matmul in the layers
+            };
+            layer_fits.push(RoundingFit {
+                rounding: r,
+                median_nmse: f,
+            });
+            match best_l {
+                None => best_l = Some((r, f)),
+                Some((_, b)) if f * 4.0 < b => best_l = Some((r, f)),
+                _ => {}
+            }
+            if f <= EXACT_FIT {
+                break;
+            }
+        }
+        layers_exact = exact(&layer_fits);
+        unsure.layers = exact(&fits) && !layers_exact;
+        if let Some((r, _)) = best_l.filter(|b| b.0 != rounding) {
+            // The layers' rounding is the engine's; the output projection's is the one the
+            // detection measured there.
+            switched = Some((rounding, std::mem::replace(&mut fits, layer_fits)));
+            rounding = r;
+            best = None;
+        }
+    }
+
+    // The output projection's rounding, measured on its own where the trace has it on its
+    // own (result_norm and logits at the first step): an engine may run its lm_head through
+    // another kernel than its layers (a Rust engine's layers on Q8_K inputs, its output
+    // projection not). The step's rounding first; another only where it fits clearly better
+    // (4x), so a bug in the projection is not taken for a rounding.
+    let mut output = None;
+    let mut output_fits = Vec::new();
+    let lm = TapKey::new(first_step, None, Tap::Logits);
+    if no_layers {
+        // The detection measured the output projection alone: its rounding is measured.
+        if let Some((o, f)) = switched {
+            (output, output_fits) = (Some(o), f);
+        }
+        let measured = if output.is_some() {
+            &output_fits
+        } else {
+            &fits
+        };
+        unsure.output = !exact(measured) && layers_exact;
+    } else if roundings.len() > 1 && cand.contains(&lm) && span(cand, &lm).len() == 1 {
+        let mut order = roundings.clone();
+        order.retain(|&r| r != rounding);
+        order.insert(0, rounding);
+        let window = Window::for_key(cand, &lm);
+        let mut best_o: Option<(Emulation, f64)> = None;
+        for r in order {
+            let setup = Setup {
+                rounding,
+                decode: None, // the first step's logits: the prefill's rounding
+                output: Some(r),
+                kv: KvCache::F32,
+                mutation: None,
+                knob: None,
+                window,
+            };
+            let rep = replay(model, cand, &setup, none)?;
+            let Some(f) = rep.metrics.get(&lm).map(|m| m.nmse) else {
+                break;
+            };
+            output_fits.push(RoundingFit {
+                rounding: r,
+                median_nmse: f,
+            });
+            match best_o {
+                None => best_o = Some((r, f)),
+                Some((_, b)) if f * 4.0 < b => best_o = Some((r, f)),
+                _ => {}
+            }
+            if f <= EXACT_FIT {
+                break;
+            }
+        }
+        output = best_o.map(|b| b.0).filter(|&o| o != rounding);
+        unsure.output = !exact(&output_fits) && layers_exact;
+    }
     // The decode steps' rounding, measured on their own (GPU engines may tile the prefill
     // and not the decode): the first decode step in the detection window's layers, the prefill
     // under `rounding`; each step's keys depend only on that step's rounding. The prefill's
@@ -352,22 +509,34 @@ pub fn measure(
         let mut order = roundings.clone();
         order.retain(|&r| r != rounding);
         order.insert(0, rounding);
-        let window = Window {
-            s_max: d1,
-            ..detect
+        // In the layers where the rounding was measured there (a sparse dump's output
+        // projection has its own, measured above).
+        let window = match no_layers && cand.trace.keys().any(|k| k.step == d1 && k.layer.is_some())
+        {
+            true => Window {
+                s_max: d1,
+                l0: 0,
+                l_end: n_layer.min(2),
+                end: false,
+            },
+            false => Window {
+                s_max: d1,
+                ..detect
+            },
         };
         let mut best_d: Option<(Emulation, f64)> = None;
         for r in order {
             let setup = Setup {
                 rounding,
                 decode: Some(r),
+                output,
                 kv: KvCache::F32,
                 mutation: None,
                 knob: None,
                 window,
             };
             let rep = replay(model, cand, &setup, none)?;
-            let Some(f) = fit_where(cand, &rep, |s| s == d1) else {
+            let Some(f) = fit_where(cand, &rep, |k| k.step == d1) else {
                 break; // no matmul of the decode step in the window
             };
             decode_fits.push(RoundingFit {
@@ -385,8 +554,10 @@ pub fn measure(
         }
         decode = best_d.map(|b| b.0).filter(|&d| d != rounding);
     }
-    // The detection replay ran the decode steps under the prefill's rounding.
-    let best = best.map(|(r, f, rep, whole)| (r, f, rep, whole && decode.is_none()));
+    // The detection replay ran the decode steps under the prefill's rounding, and the output
+    // projection under its step's.
+    let best =
+        best.map(|(r, f, rep, whole)| (r, f, rep, whole && decode.is_none() && output.is_none()));
 
     // The K/V cache type: the one whose replay reproduces the candidate's attention best, in
     // the first step's first two layers (every prompt row reads the cache, its own K/V too).
@@ -416,6 +587,7 @@ pub fn measure(
             let setup = Setup {
                 rounding,
                 decode,
+                output,
                 kv: c,
                 mutation: None,
                 knob: None,
@@ -455,6 +627,9 @@ pub fn measure(
         rounding,
         decode,
         decode_fits,
+        output,
+        output_fits,
+        unsure,
         fits,
         best,
         kv,

@@ -217,6 +217,7 @@ pub fn own_comparison(
         only_in_baseline: 0,
         only_in_candidate: 0,
         rounding_family: Some(j.rounding.name()),
+        output_rounding: j.output_rounding.map(|o| o.name()),
         kv_cache: Some(j.kv.name()),
         limits: j.limits(),
     }

@@ -129,6 +129,11 @@ pub struct ComparisonReport {
     /// other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_family: Option<String>,
+    /// For `own-inputs`: the output projection's rounding family where it differs from
+    /// `rounding_family` (an engine whose lm_head runs another kernel than its layers; then
+    /// `baseline` ends `; output projection: O`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_rounding: Option<String>,
     /// For `own-inputs`: the K/V cache the candidate was judged under (declared by its
     /// manifest, else measured): `f32`, `f16`, `q8_0`, `K q8_0 / V f16`, then
     /// `, llama.cpp's arithmetic` and `, flash attention` where they apply; absent for the
@@ -378,6 +383,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
         only_in_baseline: c.only_in_baseline,
         only_in_candidate: c.only_in_candidate,
         rounding_family: c.rounding_family.map(str::to_string),
+        output_rounding: c.output_rounding.map(str::to_string),
         kv_cache: c.kv_cache.clone(),
         limits: c.limits.clone(),
     }
