@@ -286,3 +286,64 @@ fn doc_command_blocks_with_python_run() {
 fn doc_command_blocks_with_jq_run() {
     run_all(runnable(|b| b.needs("jq")), 2);
 }
+
+/// The four tests above split the runnable blocks between them (plain, gpu, python, jq), each
+/// block in exactly one, and together they are every unmarked command fence of docs/*.md,
+/// counted here from the raw text by a scan of its own: a parser or a filter that stopped
+/// finding blocks fails here, where each test alone would still pass on one block.
+#[test]
+fn the_block_tests_cover_every_unmarked_command_fence() {
+    let groups = [
+        runnable(|b| !b.needs("jq") && !b.needs("python") && !b.needs_gpu()),
+        runnable(|b| !b.needs("jq") && !b.needs("python") && b.needs_gpu()),
+        runnable(|b| !b.needs("jq") && b.needs("python")),
+        runnable(|b| b.needs("jq")),
+    ];
+    let mut names: Vec<String> = groups.iter().flatten().map(Block::name).collect();
+    let covered = names.len();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), covered, "a block in two groups: {names:?}");
+
+    let mut raw = Vec::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "md"))
+        .collect();
+    files.sort();
+    for p in files {
+        let text = std::fs::read_to_string(&p).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        let mut open: Option<(usize, String)> = None;
+        let mut prompt = false;
+        for (i, l) in lines.iter().enumerate() {
+            let t = l.trim_start();
+            match (&open, t.starts_with("```")) {
+                (None, true) => {
+                    open = Some((i, t.trim_start_matches('`').trim().to_string()));
+                    prompt = false;
+                }
+                (Some((start, lang)), true) => {
+                    let marked = *start > 0 && lines[start - 1].trim().starts_with("<!-- not run:");
+                    let command = ["sh", "bash", "shell", "console"].contains(&lang.as_str())
+                        || (lang.is_empty() && prompt);
+                    let file = format!("docs/{}", p.file_name().unwrap().to_string_lossy());
+                    let owned = NOT_RUN_ELSEWHERE.iter().any(|(f, first, _)| {
+                        *f == file && lines.get(start + 1).is_some_and(|l| l.starts_with(first))
+                    });
+                    if command && !marked && !owned {
+                        raw.push(format!("{file}:{}", start + 1));
+                    }
+                    open = None;
+                }
+                (Some(_), false) => prompt |= l.starts_with("$ "),
+                (None, false) => {}
+            }
+        }
+    }
+    raw.sort();
+    assert_eq!(names, raw, "the block tests run these, the docs hold those");
+    assert!(raw.len() >= 4, "{} command blocks in docs/", raw.len());
+}

@@ -653,13 +653,19 @@ fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
                     .to_string()
                 };
                 if r["case"] == "clean" {
-                    // Q8_K and ggml-cpu put Q4_K's inputs on one grid (no other rounding).
                     let want = format!("{}; output projection: {}", short(layers), short(lm));
                     assert_eq!(r["measured"].as_str(), Some(want.as_str()), "{r}");
                     assert_eq!(r["matmul_floor"].as_f64(), Some(1e-10), "{r}");
-                } else {
+                } else if !r["case"].as_str().unwrap().ends_with("(declared)") {
+                    // (A declared layout's row is ok when it is aligned and nothing diverges.)
+                    // Named, or named beside an equal the trace cannot tell apart (a sparse
+                    // dump: qk-permute and rope-neox move l_out alike).
                     assert_eq!(r["found"], r["expected"], "{name}: {r}");
-                    assert_eq!(r["named"], r["expected_name"], "{name}: {r}");
+                    let also = r["also"].as_array().unwrap();
+                    assert!(
+                        r["named"] == r["expected_name"] || also.contains(&r["expected_name"]),
+                        "{name}: {r}"
+                    );
                 }
             }
         }
@@ -676,7 +682,13 @@ fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
         None,
         &["--rounding", "q8k", "--output-rounding", "none"],
     );
-    let o = parity(&["diff", g.to_str().unwrap(), t.to_str().unwrap(), "--json"]);
+    let o = parity(&[
+        "diff",
+        g.to_str().unwrap(),
+        t.to_str().unwrap(),
+        "--json",
+        "-",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let own = j["comparisons"]

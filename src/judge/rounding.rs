@@ -453,8 +453,35 @@ pub fn measure(
     let lm = TapKey::new(first_step, None, Tap::Logits);
     if no_layers {
         // The detection measured the output projection alone: its rounding is measured.
-        if let Some((o, f)) = switched {
-            (output, output_fits) = (Some(o), f);
+        if let Some((o, mut f)) = switched {
+            // The layers' rounding at the output projection too, unless the output's fits it
+            // 4x better (ggml-scalar's layers, where a tie lands, and an output where none
+            // does: one arithmetic there).
+            let setup = Setup {
+                rounding,
+                decode: None,
+                output: None,
+                kv: KvCache::F32,
+                mutation: None,
+                knob: None,
+                window: Window::for_key(cand, &lm),
+            };
+            let at_lm = replay(model, cand, &setup, none)?
+                .metrics
+                .get(&lm)
+                .map(|m| m.nmse);
+            let o_fit = f.iter().find(|x| x.rounding == o).map(|x| x.median_nmse);
+            if let (Some(a), Some(b)) = (at_lm, o_fit) {
+                if !f.iter().any(|x| x.rounding == rounding) {
+                    f.push(RoundingFit {
+                        rounding,
+                        median_nmse: a,
+                    });
+                }
+                if b * 4.0 < a {
+                    (output, output_fits) = (Some(o), f);
+                }
+            }
         }
         let measured = if output.is_some() {
             &output_fits

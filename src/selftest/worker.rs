@@ -137,7 +137,8 @@ impl Worker {
         Answer {
             rc: if rc == 0 { 1 } else { rc },
             stderr: if last.is_empty() {
-                "the numpy engine's process ended without answering".into()
+                "the numpy engine's worker gave no answer (it ended, or wrote a line that is not one)"
+                    .into()
             } else {
                 last
             },
