@@ -74,8 +74,8 @@ impl Block {
     }
 }
 
-fn blocks() -> Vec<Block> {
-    let mut out = Vec::new();
+/// docs/*.md, sorted.
+fn doc_files() -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
         .unwrap()
         .flatten()
@@ -83,7 +83,12 @@ fn blocks() -> Vec<Block> {
         .filter(|p| p.extension().is_some_and(|x| x == "md"))
         .collect();
     files.sort();
-    for p in files {
+    files
+}
+
+fn blocks() -> Vec<Block> {
+    let mut out = Vec::new();
+    for p in doc_files() {
         let text = std::fs::read_to_string(&p).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         let file = format!("docs/{}", p.file_name().unwrap().to_string_lossy());
@@ -306,14 +311,7 @@ fn the_block_tests_cover_every_unmarked_command_fence() {
     assert_eq!(names.len(), covered, "a block in two groups: {names:?}");
 
     let mut raw = Vec::new();
-    let mut files: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "md"))
-        .collect();
-    files.sort();
-    for p in files {
+    for p in doc_files() {
         let text = std::fs::read_to_string(&p).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         let mut open: Option<(usize, String)> = None;

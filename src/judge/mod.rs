@@ -600,10 +600,7 @@ fn under_other_roundings(
     unsure: rounding::Unsure,
     opt: &JudgeOptions,
 ) -> Result<Option<(Floors, String)>, JudgeError> {
-    let all = match opt.roundings.is_empty() {
-        true => rounding::ROUNDINGS.to_vec(),
-        false => opt.roundings.clone(),
-    };
+    let all = rounding::tried(opt);
     let out_now = floors.output.unwrap_or(floors.rounding);
     let (which, tries): (&str, Vec<Floors>) = if unsure.output && o.key.tap == Tap::Logits {
         let tries = all
@@ -693,10 +690,7 @@ fn layers_with_the_bug(
     let Some(m) = f.catalog.as_deref().and_then(Mutation::parse) else {
         return Ok(None);
     };
-    let all = match opt.roundings.is_empty() {
-        true => rounding::ROUNDINGS.to_vec(),
-        false => opt.roundings.clone(),
-    };
+    let all = rounding::tried(opt);
     let n_layer = model.config.n_layer;
     let window = Window {
         s_max: first_step,
@@ -764,6 +758,15 @@ pub fn rounding_label(j: &Judgement) -> String {
     }
 }
 
+/// Each fit as `NAME NMSE`, comma-separated.
+fn fits_text(fits: &[RoundingFit]) -> String {
+    let v: Vec<String> = fits
+        .iter()
+        .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
+        .collect();
+    v.join(", ")
+}
+
 /// The judgement for people: the rounding, a per-step summary, the finding.
 pub fn render(j: &Judgement) -> String {
     let mut s = String::new();
@@ -772,11 +775,7 @@ pub fn render(j: &Judgement) -> String {
         "== own error: each op recomputed by the reference from the candidate's own inputs"
     );
     if !j.fits.is_empty() {
-        let fits: Vec<String> = j
-            .fits
-            .iter()
-            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
-            .collect();
+        let fits = fits_text(&j.fits);
         let _ = writeln!(
             s,
             "rounding that reproduces the engine: {} ({}median matmul own NMSE: {}{})",
@@ -786,7 +785,7 @@ pub fn render(j: &Judgement) -> String {
             } else {
                 ""
             },
-            fits.join(", "),
+            fits,
             if j.fits.last().is_some_and(|f| f.median_nmse <= EXACT_FIT) {
                 "; an exact fit ends the search"
             } else {
@@ -803,31 +802,23 @@ pub fn render(j: &Judgement) -> String {
         let _ = writeln!(s, "rounding (given): {}", rounding_name(j.rounding));
     }
     if let Some(d) = j.decode_rounding {
-        let fits: Vec<String> = j
-            .decode_fits
-            .iter()
-            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
-            .collect();
+        let fits = fits_text(&j.decode_fits);
         let _ = writeln!(
             s,
             "per step kind: {} (the first decode step's median matmul own NMSE, the prefill under {}: {}); decode: {}",
             rounding_label(j),
             short(j.rounding),
-            fits.join(", "),
+            fits,
             rounding_name(d)
         );
     }
     if let Some(o) = j.output_rounding {
-        let fits: Vec<String> = j
-            .output_fits
-            .iter()
-            .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
-            .collect();
+        let fits = fits_text(&j.output_fits);
         let _ = writeln!(
             s,
             "output projection: {} (the first step's logits own NMSE under each: {}); the layers: {}",
             rounding_name(o),
-            fits.join(", "),
+            fits,
             short(j.rounding)
         );
     }

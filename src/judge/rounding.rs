@@ -24,6 +24,14 @@ pub const EXACT_FIT: f64 = 1e-11;
 /// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), plain f32.
 pub const ROUNDINGS: [Emulation; 9] = Emulation::ALL;
 
+/// The roundings a judgement tries: those asked for, else every one parity knows.
+pub fn tried(opt: &JudgeOptions) -> Vec<Emulation> {
+    match opt.roundings.is_empty() {
+        true => ROUNDINGS.to_vec(),
+        false => opt.roundings.clone(),
+    }
+}
+
 pub fn rounding_name(r: Emulation) -> &'static str {
     r.family().about
 }
@@ -290,10 +298,7 @@ pub fn measure(
     // The rounding: the one that reproduces the candidate's matmuls best, measured in a small
     // window (`detection_window`). ggml-cpu first (what most engines that match llama.cpp do); skipped when it rounds no
     // weight of this model (F32: the same arithmetic as plain f32, reported as plain).
-    let mut roundings = opt.roundings.clone();
-    if roundings.is_empty() {
-        roundings = ROUNDINGS.to_vec();
-    }
+    let mut roundings = tried(opt);
     if roundings.len() > 1 {
         // ggml-cpu first (what most engines that match llama.cpp do); a rounding that rounds
         // this model's weights exactly as an earlier one does is the same arithmetic and is
