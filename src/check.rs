@@ -338,6 +338,39 @@ pub fn run(
     })
 }
 
+/// The zoom of a check against a scan golden (`golden --record`): the first step at which a
+/// comparison against the golden diverged, and the plan that records that step whole with the
+/// scan kept (and the K/V taps of every step before it). llama.cpp run again to that plan
+/// gives a golden against which every tap of the step is compared and its own ops are judged
+/// one by one (`parity check` does both by itself). None where nothing diverged against the
+/// golden, the golden is not a scan, or it already has every tap of that step.
+pub fn zoom(r: &CheckReport) -> Option<crate::trace::Zoom> {
+    let (_, g) = r.golden.as_ref().filter(|(_, g)| golden_is_scan(g))?;
+    let step = r
+        .comparisons
+        .iter()
+        .filter(|j| j.against_golden && j.comparison.diverged())
+        .filter_map(|j| first_step(&j.comparison))
+        .min()?;
+    crate::judge::zoom::step(g, step)
+}
+
+/// The first step at which `c` diverged: a tap out of its threshold, an id that differs, or
+/// the logits' mean KLD over its bound.
+fn first_step(c: &Comparison) -> Option<usize> {
+    [
+        c.token_mismatch.as_ref().map(|t| t.step),
+        c.first_divergence.as_ref().map(|d| d.at.key.step),
+        c.logits
+            .iter()
+            .find(|l| l.kld_mean > c.kld_threshold)
+            .map(|l| l.step),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+}
+
 /// Stage 3b: in the default set (`device_optional`), a device backend (gpu) runs only on a
 /// hardware adapter: without one, or with only a device that runs on the CPU (lavapipe: the
 /// same check takes minutes and proves nothing about a GPU), it is left out with a note that

@@ -1290,6 +1290,80 @@ fn cases() -> Vec<Case> {
             words: &["exceed the model's context of 256"],
             after: Some(|d| clean(d, &["g"])),
         },
+        // --steps is per turn and --forced holds every turn's decode ids: they must agree.
+        Case {
+            name: "golden --turn with --forced that does not split into the turns",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"--tokens",
+                    &"1,2,3",
+                    &"--turn",
+                    &"4,5",
+                    &"--forced",
+                    &"6,7,8",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--forced: 3 ids do not split into 2 turns' decode steps"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden --turn --steps disagreeing with --forced over the turns",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"--tokens",
+                    &"1,2,3",
+                    &"--turn",
+                    &"4,5",
+                    &"--steps",
+                    &"4",
+                    &"--forced",
+                    &"6,7,8,9",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--steps 4 disagrees with --forced (4 ids over 2 turns)"],
+            after: Some(|d| clean(d, &["g"])),
+        },
+        Case {
+            name: "golden --turn: prompt, turns and steps past the context",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"golden",
+                    &fix(),
+                    &"--tokens",
+                    &"1,2,3",
+                    &"--turn",
+                    &"4,5",
+                    &"--steps",
+                    &"126",
+                    &"--out",
+                    &d.join("g"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &[
+                "3 prompt ids + 2 turn ids + --steps 126 over 2 turns exceed the model's context of 256",
+            ],
+            after: Some(|d| clean(d, &["g"])),
+        },
         Case {
             name: "golden to a non-UTF-8 folder",
             needs: &[],

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{parity_env, parity_env_without, root, shared, show};
+use common::{parity_env, parity_env_without, root, shared, show, stdout};
 use parity::arch::{Attn, Ops, Rope};
 use parity::backend::gpu::Gpu;
 use parity::backend::{Emulation, Reference};
@@ -698,4 +698,164 @@ fn shared_memory_reductions_pass_check() {
             show(&o)
         );
     }
+}
+
+/// `check` against a scan golden zooms by itself (issue 29): a broken kernel that the scan
+/// (l_out, result_norm, logits at every step) shows only as a drift makes `check` run
+/// llama.cpp again, on the same ids fed in the same calls (a chunked prompt and a second turn
+/// here), with the first diverging step recorded whole, and compare every tap of it: the
+/// broken tap is named where the scan had none. The zoom golden repeats the scan's tensors bit
+/// for bit; --no-zoom turns it off; a clean check never zooms; a golden whose steps disagree
+/// with its settings is not zoomed, and the report says how to make the zoom by hand.
+#[test]
+#[cfg_attr(
+    not(all(parity_gpu, parity_llama_cpp)),
+    ignore = "needs a GPU adapter (Debian: mesa-vulkan-drivers) and llama-cpp-python (.venv)"
+)]
+fn check_zooms_into_the_first_diverging_step_of_a_scan_golden() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = "fixtures/tiny-llama-q8_0.gguf";
+    let scan = dir.path().join("scan");
+    let s = scan.to_str().unwrap();
+    let o = run(&[
+        "golden",
+        model,
+        "--tokens",
+        "1,259,300,273,262,264,324",
+        "--chunk",
+        "3",
+        "--turn",
+        "325,329,333,336,340",
+        "--steps",
+        "3",
+        "--record",
+        "taps=l_out,result_norm,logits",
+        "--out",
+        s,
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let check = |extra: &[&str], bug: &str| {
+        let mut args = vec!["check", model, "--golden", s, "--backends", "reference,gpu"];
+        args.extend_from_slice(extra);
+        let mut env = gpu_env();
+        env.push(("PARITY_GPU_TEST_BUG", bug));
+        parity_env(&args, &env)
+    };
+    let o = check(&[], "");
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(!show(&o).contains("zoom:"), "{}", show(&o));
+
+    let kept = dir.path().join("zoom");
+    let o = check(
+        &["--zoom-out", kept.to_str().unwrap(), "--json", "-"],
+        "rope-pairs@1",
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+    let comparisons = r["comparisons"].as_array().unwrap();
+    let zoomed = |c: &&serde_json::Value| c["baseline"].as_str().unwrap().contains("(zoom: step");
+    let (zoom, scan_cs): (Vec<_>, Vec<_>) = comparisons.iter().partition(zoomed);
+    assert!(!zoom.is_empty() && !scan_cs.is_empty(), "{r:#}");
+    // The step zoomed into: the first at which the gpu left the golden in the scan.
+    let first = |c: &serde_json::Value| c["first_divergence"]["at"]["key"]["step"].as_u64();
+    let gpu_vs_golden = scan_cs
+        .iter()
+        .find(|c| c["candidate"] == "parity/gpu" && c["baseline"] == "llama.cpp/llama.cpp-cpu")
+        .unwrap();
+    let step = first(gpu_vs_golden).expect("the scan diverged");
+    let tag = format!("(zoom: step {step} whole)");
+    assert!(
+        zoom.iter()
+            .all(|c| c["baseline"].as_str().unwrap().ends_with(&tag)),
+        "{r:#}"
+    );
+    // In the scan the gpu against the reference is first seen at an l_out; zoomed, at the
+    // broken kernel's own tap of layer 1.
+    let gpu_vs_ref = |cs: &[&serde_json::Value]| {
+        cs.iter()
+            .find(|c| {
+                c["candidate"] == "parity/gpu"
+                    && c["baseline"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("parity/reference")
+            })
+            .map(|c| c["first_divergence"]["at"]["key"].clone())
+            .unwrap()
+    };
+    assert_eq!(gpu_vs_ref(&scan_cs)["tap"], "l_out", "{r:#}");
+    let at = gpu_vs_ref(&zoom);
+    assert_eq!(at["layer"], 1, "{r:#}");
+    assert!(
+        ["q_rope", "k_rope"].contains(&at["tap"].as_str().unwrap()),
+        "{at}"
+    );
+    // The zoom golden: the scan's plan with that step whole, fed as the scan was, every tensor
+    // the scan has repeated bit for bit (no note that the run differs).
+    let m: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(kept.join("manifest.json")).unwrap()).unwrap();
+    let plan = m["record"].as_str().unwrap();
+    assert!(plan.ends_with(&format!("full={step}")), "{plan}");
+    assert!(
+        m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["step"] == step && t["tap"] == "kq_soft_max"),
+        "{plan}"
+    );
+    let sm: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(scan.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["steps"], sm["steps"]);
+    let text = show(&o);
+    assert!(
+        text.contains(&format!("step {step} recorded whole")),
+        "{text}"
+    );
+    assert!(!text.contains("differs from the scan golden"), "{text}");
+    for t in sm["tensors"].as_array().unwrap() {
+        let f = t["file"].as_str().unwrap();
+        assert_eq!(
+            std::fs::read(scan.join(f)).unwrap(),
+            std::fs::read(kept.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+
+    // Turned off; and a kept folder must be new or empty (nothing run).
+    let o = check(&["--no-zoom"], "rope-pairs@1");
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(!show(&o).contains("zoom:"), "{}", show(&o));
+    let o = check(&["--zoom-out", kept.to_str().unwrap()], "rope-pairs@1");
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    assert!(show(&o).contains("not empty"), "{}", show(&o));
+
+    // A golden whose steps its settings cannot explain (one more turn than it has): the scan's
+    // verdict, and how to make the zoom by hand.
+    let odd = dir.path().join("odd");
+    common::copy_dir(&scan, &odd);
+    let mut om = sm.clone();
+    om["producer"]["settings"]["turns"] = serde_json::json!([5, 9]);
+    std::fs::write(odd.join("manifest.json"), om.to_string()).unwrap();
+    let mut env = gpu_env();
+    env.push(("PARITY_GPU_TEST_BUG", "rope-pairs@1"));
+    let o = parity_env(
+        &[
+            "check",
+            model,
+            "--golden",
+            odd.to_str().unwrap(),
+            "--backends",
+            "reference,gpu",
+        ],
+        &env,
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(
+        stdout(&o).contains(
+            "zoom: not made — the golden's steps do not match how its settings say it was fed"
+        ) && stdout(&o).contains("--record 'taps=v,k_rope,l_out,result_norm,logits;full="),
+        "{}",
+        show(&o)
+    );
 }

@@ -4,7 +4,7 @@ use super::output::{ReportArgs, finish_with, run_info, show};
 use super::run::InputArgs;
 use super::{Result, err, python, repo_root};
 use crate::check::{CheckOptions, Event};
-use crate::compare::PairKind;
+use crate::compare::{Comparison, PairKind};
 use crate::model::Model;
 use crate::report::progress::Progress;
 use crate::trace::goldens;
@@ -93,6 +93,21 @@ fn utf8_path<'p>(p: &'p Path, what: &str) -> Result<&'p str> {
 }
 
 pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
+    make_golden(a, Aside::No)
+}
+
+/// Where a golden made inside another command reports.
+#[derive(Clone, Copy, PartialEq)]
+enum Aside {
+    /// `parity golden` itself: the script's report on stdout, llama.cpp's log on stderr.
+    No,
+    /// A zoom inside `check`, whose stdout may be its JSON: all of it on stderr.
+    Stderr,
+    /// A zoom inside `check --quiet`: nothing but an error.
+    Quiet,
+}
+
+fn make_golden(a: GoldenArgs, aside: Aside) -> Result<ExitCode> {
     // Everything parity can check is checked before llama.cpp starts: the paths, the model
     // (the same reader as every other command), the ids, the context, the output folder.
     let model_s = utf8_path(&a.model, "model")?;
@@ -125,21 +140,39 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
             "token id {t} is out of range (the vocabulary has {n_vocab})"
         )));
     }
+    // --steps is per turn; --forced holds every turn's decode ids in order.
+    let rounds = 1 + a.turn.len();
+    let over = if rounds > 1 {
+        format!(" over {rounds} turns")
+    } else {
+        String::new()
+    };
     let steps = match (a.steps, a.forced.len()) {
-        (Some(s), f) if f > 0 && s != f => {
+        (Some(s), f) if f > 0 && s * rounds != f => {
             return Err(err(format!(
-                "--steps {s} disagrees with --forced ({f} ids): give one of them"
+                "--steps {s} disagrees with --forced ({f} ids{over}): give one of them"
             )));
         }
         (Some(s), _) => s,
         (None, 0) => 4,
-        (None, f) => f,
+        (None, f) if f % rounds != 0 => {
+            return Err(err(format!(
+                "--forced: {f} ids do not split into {rounds} turns' decode steps"
+            )));
+        }
+        (None, f) => f / rounds,
     };
     let n_ctx = model.config.n_ctx_train;
-    if ids.len() + steps > n_ctx {
+    let turned: usize = a.turn.iter().map(|t| t.split(',').count()).sum();
+    if ids.len() + turned + steps * rounds > n_ctx {
         return Err(err(format!(
-            "{} prompt ids + --steps {steps} exceed the model's context of {n_ctx} positions",
-            ids.len()
+            "{} prompt ids{} + --steps {steps}{over} exceed the model's context of {n_ctx} positions",
+            ids.len(),
+            if turned > 0 {
+                format!(" + {turned} turn ids")
+            } else {
+                String::new()
+            }
         )));
     }
     if a.threads == 0 {
@@ -213,7 +246,9 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
             )));
         }
     }
-    eprintln!("prompt ids: {} — {policy}", join_ids(&ids));
+    if aside != Aside::Quiet {
+        eprintln!("prompt ids: {} — {policy}", join_ids(&ids));
+    }
     let mut cmd = super::python_command();
     cmd.arg(&script).arg(model_s).arg("--out").arg(out_s);
     cmd.arg("--tokens").arg(join_ids(&ids));
@@ -260,6 +295,15 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         // line buries GGML_ASSERT's): the assertion line alone is the message.
         cmd.env("GGML_NO_BACKTRACE", "1");
     }
+    match aside {
+        Aside::No => {}
+        Aside::Stderr => {
+            cmd.stdout(std::io::stderr());
+        }
+        Aside::Quiet => {
+            cmd.stdout(std::process::Stdio::null());
+        }
+    }
     // The script words its hints for `parity golden`'s flags, not its own.
     cmd.env("PARITY_GOLDEN", "1");
     // llama.cpp stops with parity: killed outright with it (Linux), and on SIGINT/SIGTERM/
@@ -282,7 +326,7 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
         crate::trace::staging::register(t);
     }
     // A spinner while llama.cpp runs (its log is captured unless --verbose shows it).
-    let spin = (!a.verbose).then(|| Progress::spinner("llama.cpp golden", false));
+    let spin = (!a.verbose).then(|| Progress::spinner("llama.cpp golden", aside == Aside::Quiet));
     let out = child.wait_with_output();
     crate::trace::staging::forget_child(pid);
     if let Some(t) = &child_tmp {
@@ -294,7 +338,9 @@ pub fn golden(a: GoldenArgs) -> Result<ExitCode> {
     let log = String::from_utf8_lossy(&out.stderr);
     if out.status.success() {
         // llama.cpp's log quotes the model's metadata: kept as lines, controls escaped.
-        eprint!("{}", crate::report::shown::text(&log));
+        if aside != Aside::Quiet {
+            eprint!("{}", crate::report::shown::text(&log));
+        }
         return Ok(ExitCode::SUCCESS);
     }
     // The script removes its temporary folder on exit; killed by a signal (llama.cpp's
@@ -393,6 +439,14 @@ pub struct CheckArgs {
     /// (bytes, or 500M, 4G, 1T), before any pass starts.
     #[arg(long, value_name = "SIZE", default_value = "4G", value_parser = crate::arch::size::parse_size)]
     max_trace_size: u64,
+    /// Against a scan golden (`golden --record`), do not zoom: by default a check that
+    /// diverges runs llama.cpp again with the first diverging step recorded whole and checks
+    /// that step tap by tap, the golden's own ops judged one by one.
+    #[arg(long)]
+    no_zoom: bool,
+    /// Keep the zoom's golden in this folder (new or empty) instead of a temporary one.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_zoom")]
+    zoom_out: Option<PathBuf>,
 }
 
 /// Where `parity golden` writes when no --out is given: the user's golden folder, one
@@ -423,6 +477,24 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         inputs.push((g, "--golden"));
     }
     a.report.validate(&inputs)?;
+    if let Some(z) = &a.zoom_out {
+        crate::trace::paths::check_paths(&inputs, &[(z, "--zoom-out")]).map_err(err)?;
+        match std::fs::read_dir(z).map(|mut d| d.next().is_some()) {
+            Ok(true) => {
+                return Err(err(format!(
+                    "--zoom-out {}: not empty (the zoom's golden needs a new or empty folder)",
+                    crate::report::shown::line(&z.display().to_string())
+                )));
+            }
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(err(format!(
+                    "--zoom-out {}: {e}",
+                    crate::report::shown::line(&z.display().to_string())
+                )));
+            }
+            _ => {}
+        }
+    }
     let named = a.backends.as_deref().unwrap_or_default();
     for (i, b) in named.iter().enumerate() {
         if named[..i].contains(b) {
@@ -490,7 +562,7 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             }
         }
     };
-    let r = crate::check::run(&model, &model_path, &opt, &mut on_event)?;
+    let mut r = crate::check::run(&model, &model_path, &opt, &mut on_event)?;
     if !quiet {
         if prompt_from_golden(&r) {
             eprintln!("prompt ids: {} — {}", join_ids(&r.prompt), r.ids_from);
@@ -511,6 +583,60 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ),
         }
     }
+    // A scan golden's check that diverged zooms: llama.cpp again for that step whole.
+    let zoom = match crate::check::zoom(&r).filter(|_| !a.no_zoom) {
+        Some(z) => zoom_check(&a, &model, &model_path, &opt, &r, z, &mut on_event)?,
+        None => None,
+    };
+    if let Some(Err(why)) = &zoom {
+        r.notes.push(why.clone());
+    }
+    let info = run_info(
+        r.golden
+            .iter()
+            .map(|(_, g)| g)
+            .chain(&r.traces_op)
+            .chain(&r.traces),
+    );
+    // The golden found by sha256 is an input too (known only now).
+    let golden_path = r.golden.as_ref().map(|(g, _)| g.clone());
+    if let Some(g) = &golden_path {
+        inputs.push((g, "the golden"));
+    }
+    let mut comparisons = render(&a, r, None);
+    if let Some(Ok(z)) = zoom {
+        let line = format!(
+            "zoom: llama.cpp ran again with step {} recorded whole (--record '{}'){}: every tap of that step compared, the golden's own ops judged one by one",
+            z.zoom.steps[0],
+            z.zoom.record,
+            match &z.kept {
+                Some(d) => format!(", kept in {}", d.display()),
+                None => String::new(),
+            }
+        );
+        say(&a, &crate::report::shown::line(&line));
+        comparisons.extend(render(&a, z.report, Some(z.zoom.steps[0])));
+    }
+    finish_with(&comparisons, &info, &a.report, &inputs)
+}
+
+/// A line of the report: on stdout, or on stderr when the JSON goes to stdout.
+fn say(a: &CheckArgs, line: &str) {
+    if a.report.quiet {
+        return;
+    }
+    if a.report.json.as_deref() == Some(Path::new("-")) {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+/// Prints one check's comparisons (the diverged ones, else the one that matters most; all of
+/// them with --verbose), its passes and notes; returns its comparisons, those of a zoom at
+/// `zoomed` labelled with the step.
+fn render(a: &CheckArgs, r: crate::check::CheckReport, zoomed: Option<usize>) -> Vec<Comparison> {
+    let quiet = a.report.quiet;
     // The first screen: every comparison that diverged (its paragraph and table), else the one
     // that matters most — the tightest against the golden (op by op first), else the first
     // pair. The rest, and the drift tables of the end-to-end passes, behind --verbose (and in
@@ -524,7 +650,10 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
     let n = r.comparisons.len();
     let mut comparisons = Vec::with_capacity(n);
     for (i, j) in r.comparisons.into_iter().enumerate() {
-        let c = j.comparison;
+        let mut c = j.comparison;
+        if let Some(s) = zoomed {
+            c.baseline = format!("{} (zoom: step {s} whole)", c.baseline);
+        }
         let header = if j.against_golden {
             format!("== {} vs golden ({})", c.candidate, c.baseline)
         } else {
@@ -543,18 +672,16 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         }
         comparisons.push(c);
     }
-    if !a.verbose && !quiet {
+    if !a.verbose {
         let diverged = comparisons.iter().filter(|c| c.diverged()).count();
         let shown = if diverged > 0 { diverged } else { 1 };
-        let line = format!(
-            "{n} comparisons, {diverged} diverged; {} more within tolerance not shown: --verbose prints each (with the drift tables along the layers), --html FILE makes the page",
-            n - shown
+        say(
+            a,
+            &format!(
+                "{n} comparisons, {diverged} diverged; {} more within tolerance not shown: --verbose prints each (with the drift tables along the layers), --html FILE makes the page",
+                n - shown
+            ),
         );
-        if a.report.json.as_deref() == Some(Path::new("-")) {
-            eprintln!("{line}");
-        } else {
-            println!("{line}");
-        }
     }
     if !quiet {
         let mut line = String::from("backends:");
@@ -570,31 +697,164 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
             ));
         }
         line.pop();
-        let to_stderr = a.report.json.as_deref() == Some(Path::new("-"));
         // Notes quote the golden's manifest (its backend name): one escaped line each.
-        for l in std::iter::once(&line)
-            .chain(&r.notes)
-            .map(|l| crate::report::shown::line(l))
-        {
-            if to_stderr {
-                eprintln!("{l}");
-            } else {
-                println!("{l}");
-            }
+        for l in std::iter::once(&line).chain(&r.notes) {
+            say(a, &crate::report::shown::line(l));
         }
     }
-    let info = run_info(
-        r.golden
-            .iter()
-            .map(|(_, g)| g)
-            .chain(&r.traces_op)
-            .chain(&r.traces),
-    );
-    // The golden found by sha256 is an input too (known only now).
-    if let Some((g, _)) = &r.golden {
-        inputs.push((g, "the golden"));
+    comparisons
+}
+
+/// The first tap both traces hold whose tensors differ in any bit.
+fn first_difference(
+    a: &crate::trace::Trace,
+    b: &crate::trace::Trace,
+) -> Result<Option<crate::trace::TapKey>> {
+    for k in a.keys().filter(|k| b.contains(k)) {
+        let (x, y) = (a.get(k)?, b.get(k)?);
+        let same = match (&x, &y) {
+            (Some(x), Some(y)) => {
+                x.shape() == y.shape()
+                    && x.iter()
+                        .zip(y.iter())
+                        .all(|(p, q)| p.to_bits() == q.to_bits())
+            }
+            _ => x.is_none() && y.is_none(),
+        };
+        if !same {
+            return Ok(Some(*k));
+        }
     }
-    finish_with(&comparisons, &info, &a.report, &inputs)
+    Ok(None)
+}
+
+/// A zoom's result: the check against the zoom golden, and where that golden is kept.
+struct Zoomed {
+    zoom: crate::trace::Zoom,
+    report: crate::check::CheckReport,
+    kept: Option<PathBuf>,
+}
+
+/// Runs llama.cpp again on the scan golden's ids, fed in the same calls with the same
+/// settings, recording `zoom`'s plan (into --zoom-out, else a temporary folder removed at the
+/// end), and checks again against that golden. Err: why no zoom was made, one line for the
+/// report (the scan's verdict stands on its own).
+fn zoom_check(
+    a: &CheckArgs,
+    model: &Model,
+    model_path: &Path,
+    opt: &CheckOptions,
+    r: &crate::check::CheckReport,
+    zoom: crate::trace::Zoom,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Option<std::result::Result<Zoomed, String>>> {
+    let (_, g) = r.golden.as_ref().expect("a zoom has a golden");
+    let step = zoom.steps[0];
+    let by_hand = format!(
+        "make it with `parity golden` and the scan's own ids and settings, adding --record '{}', then check against it",
+        zoom.record
+    );
+    let Some(feed) = goldens::feed(g) else {
+        return Ok(Some(Err(format!(
+            "zoom: not made — the golden's steps do not match how its settings say it was fed; {by_hand}"
+        ))));
+    };
+    let tmp;
+    let out = match &a.zoom_out {
+        Some(d) => d.clone(),
+        None => {
+            tmp = tempfile::Builder::new()
+                .prefix("parity-zoom-")
+                .tempdir()
+                .map_err(|e| err(format!("a temporary folder for the zoom golden: {e}")))?;
+            tmp.path().join("golden")
+        }
+    };
+    let s = &g.manifest.producer.settings;
+    let text = |k: &str| s.get(k).and_then(|v| v.as_str());
+    // Only values `parity golden` accepts are passed on (the manifest is an input).
+    let cache = |k: &str| {
+        text(k)
+            .filter(|t| ["f32", "f16", "q8_0", "q4_0"].contains(t))
+            .map(String::from)
+    };
+    let flash_attn = match s.get("flash_attn") {
+        Some(serde_json::Value::Bool(b)) => Some(if *b { "on" } else { "off" }),
+        Some(serde_json::Value::String(t)) => match t.as_str() {
+            "enabled" | "on" => Some("on"),
+            "disabled" | "off" => Some("off"),
+            "auto" => Some("auto"),
+            _ => None,
+        },
+        _ => None,
+    };
+    let args = GoldenArgs {
+        model: model_path.to_path_buf(),
+        input: InputArgs {
+            prompt: None,
+            tokens: Some(feed.prompt.clone()),
+            no_bos: false,
+            no_eos: false,
+        },
+        steps: Some(feed.steps),
+        forced: feed.forced.clone(),
+        out: Some(out.clone()),
+        llama_defaults: s.get("llama_defaults").and_then(|v| v.as_bool()) == Some(true),
+        chunk: feed.chunk,
+        turn: feed.turns.iter().map(|t| join_ids(t)).collect(),
+        cache_type_k: cache("type_k"),
+        cache_type_v: cache("type_v"),
+        flash_attn: flash_attn.map(String::from),
+        threads: s
+            .get("n_threads")
+            .and_then(|v| v.as_u64())
+            .map_or(1, |t| t.clamp(1, 1024) as usize),
+        gpu_layers: s
+            .get("n_gpu_layers")
+            .and_then(|v| v.as_i64())
+            .map_or(0, |l| l.clamp(-1, i32::MAX as i64) as i32),
+        force: false,
+        record: Some(zoom.record.clone()),
+        max_trace_size: a.max_trace_size,
+        verbose: false,
+    };
+    if !a.report.quiet {
+        eprintln!(
+            "zoom: the check diverged at step {step} of a scan golden: running llama.cpp again with that step recorded whole (--record '{}')",
+            zoom.record
+        );
+    }
+    let aside = if a.report.quiet {
+        Aside::Quiet
+    } else {
+        Aside::Stderr
+    };
+    if let Err(e) = make_golden(args, aside) {
+        return Ok(Some(Err(format!(
+            "zoom: not made — llama.cpp could not run again ({}); {by_hand}",
+            e.to_string().trim()
+        ))));
+    }
+    let zopt = CheckOptions {
+        golden: Some(out.clone()),
+        prompt: None,
+        ..opt.clone()
+    };
+    let mut report = crate::check::run(model, model_path, &zopt, on_event)?;
+    // llama.cpp on the CPU repeats itself bit for bit: a zoom golden that does not (another
+    // build, threads that split sums otherwise, a GPU) is a run other than the scan's.
+    if let Some((_, zg)) = &report.golden
+        && let Some(k) = first_difference(g, zg)?
+    {
+        report.notes.push(format!(
+            "zoom: llama.cpp run again differs from the scan golden at {k}: the zoom shows a run of its own, not the scan's"
+        ));
+    }
+    Ok(Some(Ok(Zoomed {
+        zoom,
+        report,
+        kept: a.zoom_out.clone(),
+    })))
 }
 
 fn prompt_from_golden(r: &crate::check::CheckReport) -> bool {

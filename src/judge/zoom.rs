@@ -7,21 +7,26 @@
 
 use super::Finding;
 use super::replay::Candidate;
-use crate::trace::{Record, Tap, Zoom};
+use crate::trace::{Record, Tap, Trace, Zoom};
 
 /// The zoom `f` needs, if it was judged as a span at a step the trace did not record whole.
 pub fn plan(cand: &Candidate, f: &Finding) -> Option<Zoom> {
     if f.span_ops <= 1 {
         return None;
     }
-    let step = f.key.step;
+    step(cand.trace, f.key.step)
+}
+
+/// The zoom that records `step` of `trace` whole, the scan kept; None where the trace already
+/// has every tap its producer can give there (and the cache before it).
+pub fn step(trace: &Trace, step: usize) -> Option<Zoom> {
     let earlier = step > 0;
     let keeps_cache = |r: &Record| {
         r.taps
             .as_ref()
             .is_none_or(|t| t.contains(&Tap::KRope) && t.contains(&Tap::V))
     };
-    let recorded = cand.trace.manifest.record.as_deref().map(Record::parse);
+    let recorded = trace.manifest.record.as_deref().map(Record::parse);
     let mut plan = match recorded {
         // The producer already kept every tap it has at that step (and the cache before it):
         // asking again adds nothing.
@@ -32,7 +37,7 @@ pub fn plan(cand: &Candidate, f: &Finding) -> Option<Zoom> {
         // No plan (or one parity cannot read): the scan is the taps the step has.
         _ => Record {
             taps: Some(
-                cand.trace
+                trace
                     .keys()
                     .filter(|k| k.step == step)
                     .map(|k| k.tap)

@@ -71,3 +71,146 @@ pub fn find_first(dirs: &[PathBuf], sha: &str) -> Result<Vec<(PathBuf, Trace)>, 
     }
     Ok(Vec::new())
 }
+
+/// How a llama.cpp golden was fed, recovered from its manifest so that llama.cpp can be run
+/// again on the same ids in the same calls (`parity check`'s zoom): the prompt (in chunks of
+/// `chunk`), then `steps` one-token decode steps, then each further turn (chunked alike)
+/// followed by `steps` decode steps again, the decode ids `forced` in that order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Feed {
+    pub prompt: Vec<u32>,
+    pub steps: usize,
+    pub forced: Vec<u32>,
+    pub chunk: usize,
+    pub turns: Vec<Vec<u32>>,
+}
+
+/// The golden's feed: its steps' ids, split as its settings say it was fed (`chunk`, the
+/// turns' lengths). None where no split gives exactly its steps (a trace `parity golden` did
+/// not make, or settings that disagree with the steps).
+pub fn feed(g: &Trace) -> Option<Feed> {
+    let settings = &g.manifest.producer.settings;
+    let chunk = settings.get("chunk").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+    let turn_lens: Vec<usize> = match settings.get("turns") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(v) => v
+            .as_array()?
+            .iter()
+            .map(|t| t.as_u64().map(|n| n as usize))
+            .collect::<Option<_>>()?,
+    };
+    let steps: Vec<&[u32]> = g
+        .manifest
+        .steps
+        .iter()
+        .map(|s| s.tokens.as_slice())
+        .collect();
+    feed_of(&steps, chunk, &turn_lens)
+}
+
+/// [`feed`] over the steps' ids alone.
+fn feed_of(steps: &[&[u32]], chunk: usize, turn_lens: &[usize]) -> Option<Feed> {
+    let total: usize = steps.iter().map(|s| s.len()).sum();
+    let turned: usize = turn_lens.iter().sum();
+    let rounds = 1 + turn_lens.len();
+    let split = |n: usize| -> Vec<usize> {
+        let c = if chunk == 0 { n.max(1) } else { chunk };
+        (0..n.div_ceil(c)).map(|i| c.min(n - i * c)).collect()
+    };
+    // Each count of decode steps per round leaves one prompt length: the first whose calls
+    // have the steps' lengths is the feed (two that both match feed the same calls).
+    for n in 0..=steps.len() {
+        let Some(p) = total.checked_sub(turned + rounds * n).filter(|&p| p > 0) else {
+            break;
+        };
+        let mut lens = split(p);
+        lens.extend(std::iter::repeat_n(1, n));
+        for &t in turn_lens {
+            lens.extend(split(t));
+            lens.extend(std::iter::repeat_n(1, n));
+        }
+        if lens.len() != steps.len() || lens.iter().zip(steps).any(|(&l, s)| l != s.len()) {
+            continue;
+        }
+        // Walk the steps as the calls: the prompt's chunks, n decode ids, each turn, n more.
+        let mut at = steps.iter();
+        let mut take = |len: usize| -> Vec<u32> {
+            let mut ids = Vec::new();
+            for _ in split(len) {
+                ids.extend_from_slice(at.next().expect("lengths checked"));
+            }
+            ids
+        };
+        let prompt = take(p);
+        let mut forced = Vec::new();
+        let mut turns = Vec::new();
+        for r in 0..rounds {
+            if r > 0 {
+                turns.push(take(turn_lens[r - 1]));
+            }
+            for _ in 0..n {
+                forced.extend(take(1));
+            }
+        }
+        return Some(Feed {
+            prompt,
+            steps: n,
+            forced,
+            chunk,
+            turns,
+        });
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn feed(steps: &[&[u32]], chunk: usize, turns: &[usize]) -> Option<Feed> {
+        feed_of(steps, chunk, turns)
+    }
+
+    #[test]
+    fn a_prompt_and_decode_steps() {
+        let f = feed(&[&[1, 2, 3], &[4], &[5]], 0, &[]).unwrap();
+        assert_eq!(
+            (f.prompt, f.steps, f.forced, f.turns.len()),
+            (vec![1, 2, 3], 2, vec![4, 5], 0)
+        );
+    }
+
+    #[test]
+    fn chunks_and_turns_are_split_as_fed() {
+        // Prompt 1..=5 in chunks of 2, 1 decode step, a turn of 3 ids (chunks 2+1), 1 decode.
+        let s: [&[u32]; 7] = [&[1, 2], &[3, 4], &[5], &[6], &[7, 8], &[9], &[10]];
+        let f = feed(&s, 2, &[3]).unwrap();
+        assert_eq!(f.prompt, vec![1, 2, 3, 4, 5]);
+        assert_eq!(f.steps, 1);
+        assert_eq!(f.forced, vec![6, 10]);
+        assert_eq!(f.turns, vec![vec![7, 8, 9]]);
+        // One token at a time: prompt and decode steps are the same calls; the split found
+        // feeds exactly those calls again.
+        let s: [&[u32]; 4] = [&[1], &[2], &[3], &[4]];
+        let f = feed(&s, 1, &[]).unwrap();
+        let mut ids = f.prompt.clone();
+        ids.extend(&f.forced);
+        assert_eq!(ids, vec![1, 2, 3, 4]);
+        // Unchunked turns: the turn is one call.
+        let s: [&[u32]; 6] = [&[1, 2], &[3], &[4], &[5, 6, 7], &[8], &[9]];
+        let f = feed(&s, 0, &[3]).unwrap();
+        assert_eq!(
+            (f.steps, f.forced, f.turns),
+            (2, vec![3, 4, 8, 9], vec![vec![5, 6, 7]])
+        );
+    }
+
+    #[test]
+    fn steps_no_feed_explains_give_none() {
+        // A two-token step where only one-token decode steps can be.
+        assert_eq!(feed(&[&[1, 2], &[3, 4], &[5]], 0, &[]), None);
+        // A turn longer than every step.
+        assert_eq!(feed(&[&[1, 2], &[3]], 0, &[4]), None);
+        assert_eq!(feed(&[], 0, &[]), None);
+    }
+}
