@@ -801,8 +801,9 @@ fn op_entries<'e>(
         notes.push(format!(
             "op by op: the golden is a scan (recorded to '{}'): it has not every op's inputs, so \
              parity's backends keep only its taps and are compared with it end to end, and its \
-             own ops are judged as spans on its own inputs; record the steps whole (golden \
-             --record) to compare op by op",
+             own ops are judged on its own inputs (as spans where it has no taps inside); \
+             parity's backends are compared op by op only against a golden with every step \
+             whole (made without --record)",
             // The plan as parity writes it, never the file's own text.
             g.manifest
                 .record

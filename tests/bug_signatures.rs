@@ -13,11 +13,21 @@ fn root() -> PathBuf {
 
 /// Run the emulating reference on `model` with the golden's ids and compare against the golden.
 fn run_against_golden(model: &Model, golden: &str, pair: PairKind) -> Comparison {
+    run_against_golden_keeping(model, golden, pair, TapFilter::all())
+}
+
+/// The same, the reference's trace keeping only the taps `keep` keeps.
+fn run_against_golden_keeping(
+    model: &Model,
+    golden: &str,
+    pair: PairKind,
+    keep: TapFilter,
+) -> Comparison {
     let g = Trace::open(root().join("golden").join(golden)).unwrap();
     let prompt = g.manifest.steps[0].tokens.clone();
     let forced = g.manifest.decode_tokens();
     let mut b = Reference::new(model, Emulation::GgmlCpu, prompt.len() + forced.len());
-    let mut sink = MemorySink::new(TapFilter::all());
+    let mut sink = MemorySink::new(keep);
     let steps = backend::run(&mut b, &prompt, forced.len(), Some(&forced), &mut sink).unwrap();
     let t = Trace::from_memory(
         ModelRef {
@@ -142,4 +152,61 @@ fn plain_f32_activations_on_a_quantized_model_pass_only_with_different_rounding_
     let c = compare(&g, &t, &strict).unwrap();
     // The first matmul after the (exact) norm is where activation rounding first shows.
     assert_eq!(first(&c).0, TapKey::new(0, Some(0), Tap::Q));
+}
+
+/// A hint says an input "matched" only where the trace shows that input: a sparse trace (the
+/// taps a scan keeps) has none inside a layer, so a bug there is described as the span of ops
+/// between the last tap that matched and the first that differs, never as "a residual sum
+/// differs while its operands matched" or "its input matched". Each tap a sparse or partial
+/// trace may end a span at is tried, with a bug placed inside the span.
+#[test]
+fn a_hint_claims_only_inputs_the_trace_shows() {
+    let spans: [(&str, Tap, &str); 4] = [
+        ("^(l_out-.*|result_norm|logits)$", Tap::LOut, "ffn_inp"),
+        (
+            "^(attn_norm-.*|k_rope-.*|q_rope-.*|l_out-.*|result_norm|logits)$",
+            Tap::QRope,
+            "q",
+        ),
+        (
+            "^(embd|ffn_out-.*|l_out-.*|logits)$",
+            Tap::FfnOut,
+            "ffn_act",
+        ),
+        ("^(embd|l_out-.*|result_norm|logits)$", Tap::LOut, "ffn_out"),
+    ];
+    for (keep, tap, input) in spans {
+        let mut m = open("tiny-llama-f32.gguf");
+        match tap {
+            // A wrong rope theta acts inside the q/k projections' span.
+            Tap::QRope => m.config.rope_theta *= 2.0,
+            _ => m.config.rms_eps *= 1000.0,
+        }
+        let c = run_against_golden_keeping(
+            &m,
+            "tiny-llama-f32",
+            PairKind::SameRounding,
+            TapFilter::regex(keep).unwrap(),
+        );
+        let (k, why) = first(&c);
+        assert_eq!((k.step, k.layer, k.tap), (0, Some(0), tap), "{keep}: {why}");
+        for claim in [
+            "operands matched",
+            "input matched",
+            "with matching input",
+            "q/k match",
+        ] {
+            assert!(!why.contains(claim), "{keep}: claims '{claim}': {why}");
+        }
+        assert!(
+            why.contains("the trace has none of its inputs") && why.contains(input),
+            "{keep}: {why}"
+        );
+    }
+    // With its inputs in the trace, the hint reads them as before.
+    let mut m = open("tiny-llama-f32.gguf");
+    m.config.rms_eps *= 10.0;
+    let c = run_against_golden(&m, "tiny-llama-f32", PairKind::SameRounding);
+    let (_, why) = first(&c);
+    assert!(!why.contains("none of its inputs"), "{why}");
 }

@@ -29,6 +29,52 @@ fn row_nmse(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Vec<f64> {
         .collect()
 }
 
+/// The taps an op reads, where a trace can show them (the same step): the previous layer's
+/// `l_out` (or the embedding) for a layer's first norm and for the residual it carries; empty
+/// where the op reads no tap (the embedding lookup).
+fn input_keys(k: TapKey) -> Vec<TapKey> {
+    let (s, l) = (k.step, k.layer);
+    let at = |taps: &[Tap]| -> Vec<TapKey> { taps.iter().map(|&t| TapKey::new(s, l, t)).collect() };
+    // What the layer starts from: the previous layer's output, or the embedding.
+    let layer_input = || -> Vec<TapKey> {
+        match l {
+            Some(0) | None => vec![
+                TapKey::new(s, None, Tap::Embd),
+                TapKey::new(s, None, Tap::EmbdScaled),
+            ],
+            Some(n) => vec![TapKey::new(s, Some(n - 1), Tap::LOut)],
+        }
+    };
+    match k.tap {
+        Tap::Embd => Vec::new(),
+        Tap::EmbdScaled => vec![TapKey::new(s, None, Tap::Embd)],
+        Tap::AttnNorm => layer_input(),
+        Tap::Q | Tap::K | Tap::V => at(&[Tap::AttnNorm]),
+        Tap::QNormed => at(&[Tap::Q]),
+        Tap::KNormed => at(&[Tap::K]),
+        Tap::QRope => at(&[Tap::Q, Tap::QNormed]),
+        Tap::KRope => at(&[Tap::K, Tap::KNormed]),
+        Tap::KqSoftMax => at(&[Tap::QRope, Tap::KRope]),
+        Tap::KqvOut => at(&[Tap::KqSoftMax, Tap::V]),
+        Tap::AttnOut => at(&[Tap::KqvOut]),
+        Tap::AttnPostNorm => at(&[Tap::AttnOut]),
+        Tap::FfnInp => {
+            let mut v = at(&[Tap::AttnOut, Tap::AttnPostNorm]);
+            v.extend(layer_input());
+            v
+        }
+        Tap::FfnNorm => at(&[Tap::FfnInp]),
+        Tap::FfnGate | Tap::FfnUp => at(&[Tap::FfnNorm]),
+        Tap::FfnAct => at(&[Tap::FfnGate, Tap::FfnUp]),
+        Tap::FfnOut => at(&[Tap::FfnAct]),
+        Tap::FfnPostNorm => at(&[Tap::FfnOut]),
+        Tap::LOut => at(&[Tap::FfnInp, Tap::FfnOut, Tap::FfnPostNorm]),
+        // The last layer's output (`diagnose` finds which layer that is).
+        Tap::ResultNorm => Vec::new(),
+        Tap::LogitsUncapped | Tap::Logits => vec![TapKey::new(s, None, Tap::ResultNorm)],
+    }
+}
+
 pub(super) fn diagnose(
     base: &Trace,
     cand: &Trace,
@@ -97,6 +143,41 @@ pub(super) fn diagnose(
         why.push(format!(
             "the error did not start here: it was already within 100x of the threshold at {} (NMSE {:.1e}) and grew along the graph — compounding noise or an earlier small error; compare op by op (each op fed the baseline's inputs) to tell which op is wrong",
             g.key, g.metrics.nmse
+        ));
+        return Ok(why.join("; "));
+    }
+
+    // Every hint below says what an input did ("its input matched"): said only where the
+    // trace shows one. A sparse trace (l_out, result_norm, logits) has none inside a layer,
+    // and then what it shows is a span of ops between the last tap that matched and this one.
+    let inputs = match k.tap {
+        // The last layer's output: the highest l_out of this step the comparison holds.
+        Tap::ResultNorm => vec![
+            results
+                .iter()
+                .filter(|x| x.key.step == k.step && x.key.tap == Tap::LOut)
+                .map(|x| x.key)
+                .max()
+                .unwrap_or(TapKey::new(k.step, Some(usize::MAX), Tap::LOut)),
+        ],
+        _ => input_keys(k),
+    };
+    let seen = |x: &TapKey| results.iter().any(|r| r.key == *x);
+    if !inputs.is_empty() && !inputs.iter().any(seen) {
+        let mut names: Vec<String> = inputs.iter().map(|x| x.tap.to_string()).collect();
+        names.dedup();
+        let from = results[..i]
+            .iter()
+            .rev()
+            .find(|x| x.key.step == k.step && x.pass)
+            .map_or_else(
+                || format!("the start of step {}", k.step),
+                |x| format!("{} (which matched)", x.key),
+            );
+        why.push(format!(
+            "{} is the first tap that differs and the trace has none of its inputs ({}): the cause is one of the ops between {from} and it — record the taps in between to see which",
+            k.tap,
+            names.join(", ")
         ));
         return Ok(why.join("; "));
     }
