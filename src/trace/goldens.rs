@@ -111,7 +111,14 @@ pub fn feed(g: &Trace) -> Option<Feed> {
 /// [`feed`] over the steps' ids alone.
 fn feed_of(steps: &[&[u32]], chunk: usize, turn_lens: &[usize]) -> Option<Feed> {
     let total: usize = steps.iter().map(|s| s.len()).sum();
-    let turned: usize = turn_lens.iter().sum();
+    // The settings are the manifest's (an input): each turn is at least one step of at most
+    // the whole run, or no split is tried (a crafted length would size the loop below).
+    if turn_lens.len() >= steps.len() || turn_lens.iter().any(|&t| t == 0 || t > total) {
+        return None;
+    }
+    let turned = turn_lens
+        .iter()
+        .try_fold(0usize, |a, &t| a.checked_add(t))?;
     let rounds = 1 + turn_lens.len();
     let split = |n: usize| -> Vec<usize> {
         let c = if chunk == 0 { n.max(1) } else { chunk };
@@ -212,5 +219,12 @@ mod tests {
         // A turn longer than every step.
         assert_eq!(feed(&[&[1, 2], &[3]], 0, &[4]), None);
         assert_eq!(feed(&[], 0, &[]), None);
+        // Crafted settings: a turn longer than the run, of no ids, or more turns than steps
+        // are refused before any split (no loop sized by them).
+        let s: [&[u32]; 3] = [&[1, 2], &[3], &[4]];
+        assert_eq!(feed(&s, 1, &[usize::MAX]), None);
+        assert_eq!(feed(&s, 0, &[0]), None);
+        assert_eq!(feed(&s, 0, &[1; 3]), None);
+        assert_eq!(feed(&s, usize::MAX, &[]).map(|f| f.steps), Some(2));
     }
 }
