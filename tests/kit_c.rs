@@ -390,6 +390,112 @@ fn c_engine_wrong_values_are_fitted_and_named() {
     }
 }
 
+/// Constant factors no catalog lists (the embedding times sqrt(n_embd) as gemma's is, the FFN
+/// output halved, the logits divided by a temperature before the dump): the own-error
+/// judgement fits each as an output scale, confirms it by replaying it over the trace, and
+/// names it with its value at its op; the end-to-end comparison's hint reads the factor too.
+/// A sparse dump shows none of these ops alone: there the span is placed, and no scale is
+/// claimed.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_constant_factors_are_fitted_as_output_scales() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    // (bug, its key in a full dump, the fitted hypothesis, words of its explanation, the
+    // factor the end-to-end hint reads)
+    let cases = [
+        (
+            "embd-scale-sqrt",
+            serde_json::json!({"step": 0, "layer": null, "tap": "embd"}),
+            "scale:embd=11.31",
+            "times 11.31", // then " = sqrt(n_embd)": sqrt(128) in f32
+            Some("times 11.31371"),
+        ),
+        (
+            "ffn-out-half",
+            serde_json::json!({"step": 0, "layer": 0, "tap": "ffn_out"}),
+            "scale:ffn_out=0.5",
+            "ffn_out is the right value times 0.5 wherever it runs",
+            // End to end the halved FFN reads as drift grown to the logits, not as a factor.
+            None,
+        ),
+        (
+            "logits-temp",
+            serde_json::json!({"step": 0, "layer": null, "tap": "logits"}),
+            "scale:logits=1.25",
+            "temperature applied to the logits before they were dumped (T = 0.8)",
+            Some("times 1.25000"),
+        ),
+    ];
+    for (bug, key, name, words, factor) in cases {
+        let out = tmp.path().join(bug);
+        let (code, j) = engine_diff(&toy, &out, Some(bug));
+        assert_eq!(code, Some(1), "{bug}: {j:#}");
+        let own = own_inputs(&j);
+        let d = &own["first_divergence"];
+        assert_eq!(d["at"]["key"], key, "{bug}: {d:#}");
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains(&format!("confirmed by experiment: {name}")),
+            "{bug}: {why}"
+        );
+        assert!(why.contains(words), "{bug}: {why}");
+        if bug == "embd-scale-sqrt" {
+            assert!(why.contains(" = sqrt(n_embd) wherever it runs"), "{bug}: {why}");
+        }
+        assert!(!why.contains("also reproduces"), "{bug}: {why}");
+        let e2e = j["comparisons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["pair"] != "own-inputs")
+            .unwrap();
+        let hint = e2e["first_divergence"]["diagnosis"].as_str().unwrap();
+        match factor {
+            Some(f) => {
+                assert_eq!(e2e["first_divergence"]["at"]["key"], key, "{bug}: {e2e:#}");
+                assert!(
+                    hint.contains(&format!("is the baseline's {f} throughout")),
+                    "{bug}: {hint}"
+                );
+            }
+            None => assert!(!hint.contains("baseline's times"), "{bug}: {hint}"),
+        }
+        // A sparse dump: ffn_out is inside layer 0's span, the embedding and logits are still
+        // taps of their own.
+        let sparse = tmp.path().join(format!("{bug}-sparse"));
+        sparse_copy(&out, &sparse);
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-f32",
+            sparse.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{bug} sparse: {}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let d = &own_inputs(&j)["first_divergence"];
+        let why = d["diagnosis"].as_str().unwrap();
+        if bug == "ffn-out-half" {
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": 0, "layer": 0, "tap": "l_out"}),
+                "{bug} sparse: {d:#}"
+            );
+            assert!(!why.contains("scale:"), "{bug} sparse: {why}");
+        } else {
+            assert_eq!(d["at"]["key"], key, "{bug} sparse: {d:#}");
+            assert!(
+                why.contains(&format!("confirmed by experiment: {name}")),
+                "{bug} sparse: {why}"
+            );
+        }
+    }
+}
+
 #[test]
 #[cfg_attr(
     not(parity_cc),

@@ -197,6 +197,28 @@ pub(super) fn diagnose(
         }
     };
 
+    // One factor for the whole tensor: the op applies a constant the baseline does not. Not
+    // for a norm: another eps moves every row by nearly the same factor when the rows' RMS are
+    // alike, and the norm's own signatures read that per row.
+    let norm = matches!(
+        k.tap,
+        Tap::AttnNorm
+            | Tap::FfnNorm
+            | Tap::ResultNorm
+            | Tap::QNormed
+            | Tap::KNormed
+            | Tap::AttnPostNorm
+            | Tap::FfnPostNorm
+    );
+    if k.tap != Tap::KqSoftMax
+        && !norm
+        && let Some((a, b)) = load(k)?
+        && let Some(note) = scale_signature(k.tap, &a, &b, r.threshold, m.nmse)
+    {
+        why.push(note);
+        return Ok(why.join("; "));
+    }
+
     match k.tap {
         Tap::Embd => {
             if let Some((a, b)) = load(k)? {
@@ -349,6 +371,34 @@ fn norm_ratio_signature(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Option<String> {
     }
     (total > 0 && consistent * 10 >= total * 9).then(|| {
         "the norm output is off by a per-channel factor that is the same for every token: the norm weight applied twice, a missing/doubled +1 offset (Gemma-style), or the wrong weight vector".into()
+    })
+}
+
+/// The candidate is the baseline times one factor: after it, within the threshold, and the
+/// error cut at least 100-fold.
+fn scale_signature(tap: Tap, a: &ArrayD<f32>, b: &ArrayD<f32>, thr: f64, nmse: f64) -> Option<String> {
+    let (mut xy, mut xx) = (0f64, 0f64);
+    for (&x, &y) in a.iter().zip(b.iter()) {
+        xy += x as f64 * y as f64;
+        xx += x as f64 * x as f64;
+    }
+    let c = xy / xx;
+    if !c.is_finite() || (c - 1.0).abs() < 1e-4 {
+        return None;
+    }
+    let scaled = a.mapv(|x| (x as f64 * c) as f32);
+    let rest = metrics(&scaled.view(), &b.view()).nmse;
+    (rest <= thr && rest * 100.0 <= nmse).then(|| {
+        let why = match tap {
+            Tap::Logits | Tap::LogitsUncapped => format!(
+                "a sampling temperature applied before the logits were dumped (T = {:.4}), or the output weight's scale",
+                1.0 / c
+            ),
+            _ => "a weight's or a block's scale read wrong, a residual or output multiplier, or a scale the architecture does not have".into(),
+        };
+        format!(
+            "{tap} is the baseline's times {c:.5} throughout (after that one factor, NMSE {rest:.1e}, within the threshold): a constant factor in the op that writes it — {why}"
+        )
     })
 }
 

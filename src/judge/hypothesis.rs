@@ -99,6 +99,7 @@ fn experiments(
     k: TapKey,
     run: bool,
     only: Option<&BTreeSet<String>>,
+    fit_scales: bool,
 ) -> Result<Experiments, JudgeError> {
     let sp = span(cand, &k);
     let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
@@ -216,7 +217,7 @@ fn experiments(
             if !knob_acts(knob, model, &classes) {
                 continue;
             }
-            if only.is_some_and(|o| !o.iter().any(|n| n.starts_with(knob.name()))) {
+            if only.is_some_and(|o| !o.iter().any(|n| n.starts_with(&knob.name()))) {
                 continue;
             }
             if let Some((v, nmse)) = fit(model, cand, &base, knob, k, own, sp.len() > 1)? {
@@ -236,6 +237,39 @@ fn experiments(
                     None,
                 ));
             }
+        }
+        // A constant factor on this op's output (no catalog bug, no hyperparameter): fitted in
+        // closed form on the op alone (a span's ops would mix it with theirs); replayed over
+        // the trace like a knob, where it must hold at `KNOB_PLACES` places. Not for the
+        // attention probabilities (rows that sum to 1) nor a norm (another eps moves rows of
+        // alike RMS by nearly one factor: the eps fit reads it), and not in the below-floor
+        // check, where a clean engine's rounding is all there is to fit.
+        if fit_scales
+            && sp.len() == 1
+            && k.tap != Tap::KqSoftMax
+            && class(k.tap) != OpClass::Norm
+            && let (Some(ours), Some(theirs)) = (plain.kept.get(&k), cand.get(&k)?)
+            && let Some((c, e)) = fit_scale(ours, &theirs)
+            // Listed only where a factor explains most of the error: a least-squares factor
+            // always removes some, which says nothing.
+            && own.is_some_and(|o| e * CONFIRM_CUT <= o)
+        {
+            let knob = Knob::OutputScale(k.tap);
+            let name = knob_name(knob, c);
+            setups.insert(
+                name.clone(),
+                Setup {
+                    knob: Some((knob, c)),
+                    ..base.clone()
+                },
+            );
+            tried.push((
+                Tried {
+                    hypothesis: name,
+                    nmse: e,
+                },
+                None,
+            ));
         }
         // Layouts: the candidate's own tensor read in another order, no re-run needed.
         if let (Some(r), Some(raw), Some(dims)) = (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
@@ -275,12 +309,58 @@ fn knob_acts(knob: Knob, model: &Model, classes: &BTreeSet<OpClass>) -> bool {
         Knob::RmsEps => classes.contains(&OpClass::Norm),
         Knob::RopeTheta => classes.contains(&OpClass::Rope) && model.config.n_rot >= 2,
         Knob::AttnScale => classes.contains(&OpClass::Attention),
+        // Fitted apart, on a single op (`fit_scale`).
+        Knob::OutputScale(_) => false,
     }
 }
 
-/// The hypothesis name of a fitted value: `rms-eps=1e-3`, `attn-scale=0.015625`.
+/// The hypothesis name of a fitted value: `rms-eps=1e-3`, `attn-scale=3.125e-2`,
+/// `scale:ffn_out=0.5`.
 pub fn knob_name(knob: Knob, v: f32) -> String {
-    format!("{}={}", knob.name(), fmt_num(v))
+    match knob {
+        Knob::OutputScale(_) => format!("{}={}", knob.name(), fmt_factor(v)),
+        _ => format!("{}={}", knob.name(), fmt_num(v)),
+    }
+}
+
+/// A factor as a user writes it: `0.5`, `1.25`, `8`; `1e-5` beyond 1e-3..1e4.
+fn fmt_factor(x: f32) -> String {
+    if (1e-3..1e4).contains(&x.abs()) {
+        format!("{x}")
+    } else {
+        format!("{x:e}")
+    }
+}
+
+/// The constant factor that best maps the reference's output onto the candidate's
+/// (least squares), as an engine would write it: the fewest significant digits whose NMSE is
+/// within 1% of the exact fit's. None when there is no factor to fit (a zero output) or it is 1.
+fn fit_scale(ours: &[f32], theirs: &[f32]) -> Option<(f32, f64)> {
+    let (mut xy, mut xx) = (0f64, 0f64);
+    for (&x, &y) in ours.iter().zip(theirs) {
+        xy += x as f64 * y as f64;
+        xx += x as f64 * x as f64;
+    }
+    let c = xy / xx;
+    if !(c.is_finite() && c != 0.0) {
+        return None;
+    }
+    let err = |f: f32| -> f64 {
+        let scaled: Vec<f32> = ours.iter().map(|x| x * f).collect();
+        nmse(&scaled, theirs)
+    };
+    let exact = c as f32;
+    let best = err(exact);
+    let pick = (1..=6)
+        .map(|d| -> f32 {
+            format!("{c:.*e}", d - 1)
+                .parse()
+                .unwrap_or(exact)
+        })
+        .map(|f| (f, err(f)))
+        .find(|&(_, e)| e <= best * 1.01)
+        .unwrap_or((exact, best));
+    (pick.0 != 1.0).then_some(pick)
 }
 
 /// The step of the search in log10, and the range it may walk.
@@ -291,8 +371,8 @@ fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
         Knob::RmsEps => (1.0, -14.0, 0.0),
         // Half a decade, 10 to 1e9.
         Knob::RopeTheta => (0.5, 1.0, 9.0),
-        // A factor 2, from 1/256 to 256 times the model's.
-        Knob::AttnScale => (
+        // A factor 2, from 1/256 to 256 times the model's (an output scale is not walked).
+        Knob::AttnScale | Knob::OutputScale(_) => (
             std::f64::consts::LOG10_2,
             l0 - 8.0 * std::f64::consts::LOG10_2,
             l0 + 8.0 * std::f64::consts::LOG10_2,
@@ -496,7 +576,7 @@ pub(super) fn below_floor(
     // engine's bug (catalog bugs act in every layer): later places try only the rest.
     let mut still: Option<BTreeSet<String>> = None;
     for (_, o) in places.into_iter().take(BELOW_FLOOR_PLACES) {
-        let ex = experiments(model, cand, floors, kv, o.key, true, still.as_ref())?;
+        let ex = experiments(model, cand, floors, kv, o.key, true, still.as_ref(), false)?;
         still = Some(
             ex.tried
                 .iter()
@@ -538,7 +618,7 @@ pub(super) fn diagnose(
     ops: &[OpResult],
     run: bool,
 ) -> Result<Finding, JudgeError> {
-    let ex = experiments(model, cand, floors, kv, op.key, run, None)?;
+    let ex = experiments(model, cand, floors, kv, op.key, run, None, true)?;
     finding(model, cand, op, ops, ex, op.floor, false)
 }
 
@@ -587,7 +667,14 @@ fn finding(
     }
     // Equal at the flagged key, the one that explains more of the trace comes first (stable:
     // the lowest NMSE, the catalog first, among equals).
-    held.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
+    // those name the cause, the factor only its size.
+    held.sort_by_key(|((t, _), n)| {
+        (
+            matches!(Knob::parse(&t.hypothesis), Some((Knob::OutputScale(_), _))),
+            std::cmp::Reverse(*n),
+        )
+    });
     let held: Vec<_> = held.into_iter().map(|(c, _)| c).collect();
     // Where each reproduces the bug from: the one that explains the earliest key is the bug
     // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
@@ -619,9 +706,15 @@ fn finding(
         }
     }
     let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
+    // A catalog bug that is a constant factor (a missing embedding scale) is what a fitted
+    // output scale reproduces too: its name says more, the factor is not listed beside it.
+    let named = confirmed.as_ref().is_some_and(|(_, m)| m.is_some());
     let also: Vec<String> = ok
         .iter()
         .skip(1)
+        .filter(|(t, _)| {
+            !(named && matches!(Knob::parse(&t.hypothesis), Some((Knob::OutputScale(_), _))))
+        })
         .map(|(t, _)| t.hypothesis.clone())
         .collect();
     let ruled_out: Vec<Tried> = tried
@@ -906,6 +999,34 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                     "the engine scales attention scores by {}{what}; the model says {} ({fitted})",
                     fmt_num(v),
                     fmt_num(c.kq_scale)
+                )
+            }
+            Knob::OutputScale(t) => {
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-4 * b.abs();
+                let (e, hd) = (c.n_embd as f32, c.head_dim as f32);
+                let named = [
+                    (e.sqrt(), "sqrt(n_embd)"),
+                    (1.0 / e.sqrt(), "1/sqrt(n_embd)"),
+                    (hd.sqrt(), "sqrt(head_dim)"),
+                    (1.0 / hd.sqrt(), "1/sqrt(head_dim)"),
+                    (1.0 / hd, "1/head_dim"),
+                ]
+                .into_iter()
+                .find(|&(x, _)| close(v, x))
+                .map_or(String::new(), |(_, n)| format!(" = {n}"));
+                let typical = match t {
+                    Tap::Logits | Tap::LogitsUncapped => format!(
+                        "a sampling temperature applied to the logits before they were dumped (T = {}), or the output weight's scale",
+                        fmt_factor(1.0 / v)
+                    ),
+                    Tap::Embd | Tap::EmbdScaled => {
+                        "an embedding scale the architecture does not have (gemma's sqrt(n_embd)), or the embedding's block scale read wrong".into()
+                    }
+                    _ => "a weight's or a block's scale read wrong, a residual or output multiplier the model does not have".into(),
+                };
+                format!(
+                    "the engine's {t} is the right value times {}{named} wherever it runs: a constant factor the op writing it applies and the model does not — {typical} (fitted in closed form, replayed over the trace)",
+                    fmt_factor(v)
                 )
             }
         };

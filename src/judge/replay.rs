@@ -124,45 +124,40 @@ pub enum Knob {
     RopeTheta,
     /// The attention score scale (1/sqrt(head_dim) unless the architecture says otherwise).
     AttnScale,
+    /// A constant factor on one op's output wherever it runs: no hyperparameter, the shape
+    /// of a bug no catalog lists (a weight or block scale read wrong, a residual multiplier,
+    /// an embedding scale the architecture does not have, a sampling temperature applied
+    /// before the dump). Fitted in closed form; the replay multiplies that tap's output.
+    OutputScale(Tap),
 }
 
 impl Knob {
     pub const ALL: [Knob; 3] = [Knob::RmsEps, Knob::RopeTheta, Knob::AttnScale];
 
-    /// The hypothesis prefix: `rms-eps=1e-3`.
-    pub fn name(self) -> &'static str {
+    /// The hypothesis prefix: `rms-eps=1e-3`, `scale:ffn_out=0.5`.
+    pub fn name(self) -> String {
         match self {
-            Knob::RmsEps => "rms-eps",
-            Knob::RopeTheta => "rope-theta",
-            Knob::AttnScale => "attn-scale",
+            Knob::RmsEps => "rms-eps".into(),
+            Knob::RopeTheta => "rope-theta".into(),
+            Knob::AttnScale => "attn-scale".into(),
+            Knob::OutputScale(t) => format!("scale:{}", t.name()),
         }
     }
 
-    /// What a user reads: "rms eps".
-    pub fn label(self) -> &'static str {
-        match self {
-            Knob::RmsEps => "rms eps",
-            Knob::RopeTheta => "RoPE frequency base",
-            Knob::AttnScale => "attention scale",
-        }
-    }
-
-    /// Where the model sets it.
-    pub fn source(self) -> &'static str {
-        match self {
-            Knob::RmsEps => "attention.layer_norm_rms_epsilon",
-            Knob::RopeTheta => "rope.freq_base",
-            Knob::AttnScale => "1/sqrt(head_dim) for this architecture",
-        }
-    }
-
-    /// The model's own value.
+    /// The model's own value (an output scale's is 1).
     pub fn model_value(self, c: &crate::model::Config) -> f32 {
         match self {
             Knob::RmsEps => c.rms_eps,
             Knob::RopeTheta => c.rope_theta,
             Knob::AttnScale => c.kq_scale,
+            Knob::OutputScale(_) => 1.0,
         }
+    }
+
+    /// Whether replaying it needs a model variant (a hyperparameter changed); an output scale
+    /// is applied by the replay's sink.
+    fn in_model(self) -> bool {
+        !matches!(self, Knob::OutputScale(_))
     }
 
     fn set(self, c: &mut crate::model::Config, v: f32) {
@@ -170,13 +165,18 @@ impl Knob {
             Knob::RmsEps => c.rms_eps = v,
             Knob::RopeTheta => c.rope_theta = v,
             Knob::AttnScale => c.kq_scale = v,
+            Knob::OutputScale(_) => {}
         }
     }
 
-    /// Parse `rms-eps=1e-3` back (a hypothesis name) into the knob and its value.
+    /// Parse `rms-eps=1e-3` or `scale:ffn_out=0.5` back (a hypothesis name) into the knob
+    /// and its value.
     pub fn parse(hypothesis: &str) -> Option<(Knob, f32)> {
         let (k, v) = hypothesis.split_once('=')?;
-        let knob = Knob::ALL.into_iter().find(|x| x.name() == k)?;
+        let knob = match k.strip_prefix("scale:") {
+            Some(t) => Knob::OutputScale(Tap::parse(t)?),
+            None => Knob::ALL.into_iter().find(|x| x.name() == k)?,
+        };
         Some((knob, v.parse().ok()?))
     }
 }
@@ -295,7 +295,9 @@ pub fn replay(
     keep: &BTreeSet<TapKey>,
 ) -> Result<Replay, JudgeError> {
     let w = setup.window;
-    let plain = w.l0 == 0 && w.l_end == model.config.n_layer && setup.knob.is_none();
+    let plain = w.l0 == 0
+        && w.l_end == model.config.n_layer
+        && setup.knob.is_none_or(|(k, _)| !k.in_model());
     let owned;
     let m: &Model = if plain {
         model
@@ -323,6 +325,10 @@ pub fn replay(
     let mut sink = JudgeSink {
         cand,
         window: w,
+        scale: match setup.knob {
+            Some((Knob::OutputScale(t), c)) => Some((t, c)),
+            _ => None,
+        },
         keep,
         out: Replay {
             metrics: BTreeMap::new(),
@@ -350,6 +356,9 @@ pub fn replay(
 struct JudgeSink<'a, 't> {
     cand: &'a Candidate<'t>,
     window: Window,
+    /// An output scale replayed: this tap's output times this factor, as the engine would
+    /// multiply it in f32.
+    scale: Option<(Tap, f32)>,
     keep: &'a BTreeSet<TapKey>,
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
@@ -407,6 +416,14 @@ impl Sink for JudgeSink<'_, '_> {
                 want: c.len(),
             });
         }
+        let scaled: Vec<f32>;
+        let data = match self.scale {
+            Some((t, f)) if t == k.tap => {
+                scaled = data.iter().map(|x| x * f).collect();
+                &scaled[..]
+            }
+            _ => data,
+        };
         let a = ArrayViewD::from_shape(ndarray::IxDyn(&[data.len()]), data).expect("1-d");
         let b = ArrayViewD::from_shape(ndarray::IxDyn(&[c.len()]), &c).expect("1-d");
         self.out.metrics.insert(k, metrics(&a, &b));
