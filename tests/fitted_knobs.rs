@@ -5,7 +5,8 @@
 //! rounding, on the committed Q4_0 fixture and the shared models. Near the model's value a
 //! span of 8-bit activations is not monotone in eps (requantization flips), which is where eps
 //! 1e-3 once went missed (exit 0) in sparse dumps of the TinyStories models. The same engines
-//! without the wrong value pass, nothing confirmed.
+//! without the wrong value pass, nothing confirmed. gemma2's soft-caps are fitted too, from an
+//! engine that reads them from a rewritten copy of the fixture.
 
 mod common;
 use common::*;
@@ -173,6 +174,129 @@ fn a_wrong_rope_base_or_attention_scale_is_fitted() {
                     "{what}: {why}"
                 );
             }
+        }
+    }
+}
+
+/// gemma2's soft-caps, fitted (#28 item 3): an engine that caps the attention scores or the
+/// logits at another value (the two caps swapped, or a cap of its own) is found at the op
+/// (`kq_soft_max`, `logits`) and named with the value it uses; in a sparse dump the attention
+/// cap is placed at layer 0's l_out span and fitted there. The engine: parity's reference run
+/// on a copy of the fixture whose metadata gguf-py rewrote (the engine's hard-coded value),
+/// judged against the fixture's golden and the fixture itself.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs gguf-py to rewrite the model's metadata (.ci/run installs it; then touch build.rs)"
+)]
+fn a_wrong_softcap_is_fitted() {
+    let model = root().join("fixtures/tiny-gemma2-q8_0.gguf");
+    let golden = root().join("golden/tiny-gemma2-q8_0");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden.join("manifest.json")).unwrap())
+            .unwrap();
+    let steps = manifest["steps"].as_array().unwrap();
+    let ids = |s: &serde_json::Value| -> Vec<String> {
+        s["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect()
+    };
+    let prompt = ids(&steps[0]).join(",");
+    let forced = steps[1..]
+        .iter()
+        .flat_map(ids)
+        .collect::<Vec<_>>()
+        .join(",");
+    // The fixture caps attention at 1.5 and the logits at 5.
+    let cases = [
+        (
+            "attn_logit_softcapping",
+            "5",
+            "kq_soft_max",
+            Some(0),
+            "attn-softcap=5",
+            "soft-caps the attention scores at 5 (the other soft-cap's value: the two are swapped); the model says 1.5",
+        ),
+        (
+            "final_logit_softcapping",
+            "1.5",
+            "logits",
+            None,
+            "final-softcap=1.5",
+            "soft-caps the logits at 1.5 (the other soft-cap's value: the two are swapped); the model says 5",
+        ),
+        (
+            "final_logit_softcapping",
+            "8",
+            "logits",
+            None,
+            "final-softcap=8",
+            "soft-caps the logits at 8; the model says 5",
+        ),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    for (key, value, tap, layer, name, words) in cases {
+        let wrong = tmp.path().join(format!("{key}-{value}.gguf"));
+        std::fs::copy(&model, &wrong).unwrap();
+        let o = std::process::Command::new(python())
+            .args([
+                "-c",
+                "import sys; from gguf.scripts.gguf_set_metadata import main; sys.argv[0] = 'gguf-set-metadata'; sys.exit(main())",
+                "--force",
+            ])
+            .arg(&wrong)
+            .args([format!("gemma2.{key}"), value.to_string()])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let full = tmp.path().join(format!("{key}-{value}"));
+        let o = parity(&[
+            "dump",
+            wrong.to_str().unwrap(),
+            "--tokens",
+            &prompt,
+            "--forced",
+            &forced,
+            "--emulate",
+            "ggml-cpu",
+            "--out",
+            full.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let sparse = tmp.path().join(format!("{key}-{value}-sparse"));
+        sparse_copy(&full, &sparse);
+        for (trace, at_tap, at_layer) in [
+            (&full, tap, layer),
+            (&sparse, if layer.is_some() { "l_out" } else { tap }, layer),
+        ] {
+            let what = format!("{key}={value} {}", trace.display());
+            let o = parity(&[
+                "diff",
+                golden.to_str().unwrap(),
+                trace.to_str().unwrap(),
+                "--model",
+                model.to_str().unwrap(),
+                "--allow-model-mismatch",
+                "--json",
+                "-",
+            ]);
+            assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let d = &own_inputs(&j)["first_divergence"];
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": 0, "layer": at_layer, "tap": at_tap}),
+                "{what}: {d:#}"
+            );
+            let why = d["diagnosis"].as_str().unwrap();
+            assert!(
+                why.contains(&format!("confirmed by experiment: {name} reproduces your "))
+                    && why.contains(words),
+                "{what}: {why}"
+            );
         }
     }
 }

@@ -444,7 +444,10 @@ fn c_engine_constant_factors_are_fitted_as_output_scales() {
         );
         assert!(why.contains(words), "{bug}: {why}");
         if bug == "embd-scale-sqrt" {
-            assert!(why.contains(" = sqrt(n_embd) wherever it runs"), "{bug}: {why}");
+            assert!(
+                why.contains(" = sqrt(n_embd) wherever it runs"),
+                "{bug}: {why}"
+            );
         }
         assert!(!why.contains("also reproduces"), "{bug}: {why}");
         let e2e = j["comparisons"]

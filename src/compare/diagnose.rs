@@ -376,7 +376,13 @@ fn norm_ratio_signature(a: &ArrayD<f32>, b: &ArrayD<f32>) -> Option<String> {
 
 /// The candidate is the baseline times one factor: after it, within the threshold, and the
 /// error cut at least 100-fold.
-fn scale_signature(tap: Tap, a: &ArrayD<f32>, b: &ArrayD<f32>, thr: f64, nmse: f64) -> Option<String> {
+fn scale_signature(
+    tap: Tap,
+    a: &ArrayD<f32>,
+    b: &ArrayD<f32>,
+    thr: f64,
+    nmse: f64,
+) -> Option<String> {
     let (mut xy, mut xx) = (0f64, 0f64);
     for (&x, &y) in a.iter().zip(b.iter()) {
         xy += x as f64 * y as f64;

@@ -90,7 +90,8 @@ struct Experiments {
 }
 
 /// Re-run `k`'s op (or span) under each hypothesis that can change it (`only`: those of
-/// these names).
+/// these names; `fit_scales`: an output scale fitted too).
+#[allow(clippy::too_many_arguments)]
 fn experiments(
     model: &Model,
     cand: &Candidate,
@@ -214,7 +215,7 @@ fn experiments(
         }
         // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
         for knob in Knob::ALL {
-            if !knob_acts(knob, model, &classes) {
+            if !knob_acts(knob, model, &classes, &sp) {
                 continue;
             }
             if only.is_some_and(|o| !o.iter().any(|n| n.starts_with(&knob.name()))) {
@@ -304,8 +305,16 @@ fn experiments(
 }
 
 /// Whether `knob` can change what ops of these classes compute.
-fn knob_acts(knob: Knob, model: &Model, classes: &BTreeSet<OpClass>) -> bool {
+fn knob_acts(
+    knob: Knob,
+    model: &Model,
+    classes: &BTreeSet<OpClass>,
+    span: &BTreeSet<TapKey>,
+) -> bool {
     match knob {
+        // Only where the model caps (`model_value` is NaN otherwise and nothing is fitted).
+        Knob::AttnSoftcap => classes.contains(&OpClass::Attention),
+        Knob::FinalSoftcap => span.iter().any(|x| x.tap == Tap::Logits),
         Knob::RmsEps => classes.contains(&OpClass::Norm),
         Knob::RopeTheta => classes.contains(&OpClass::Rope) && model.config.n_rot >= 2,
         Knob::AttnScale => classes.contains(&OpClass::Attention),
@@ -318,7 +327,9 @@ fn knob_acts(knob: Knob, model: &Model, classes: &BTreeSet<OpClass>) -> bool {
 /// `scale:ffn_out=0.5`.
 pub fn knob_name(knob: Knob, v: f32) -> String {
     match knob {
-        Knob::OutputScale(_) => format!("{}={}", knob.name(), fmt_factor(v)),
+        Knob::OutputScale(_) | Knob::AttnSoftcap | Knob::FinalSoftcap => {
+            format!("{}={}", knob.name(), fmt_factor(v))
+        }
         _ => format!("{}={}", knob.name(), fmt_num(v)),
     }
 }
@@ -352,11 +363,7 @@ fn fit_scale(ours: &[f32], theirs: &[f32]) -> Option<(f32, f64)> {
     let exact = c as f32;
     let best = err(exact);
     let pick = (1..=6)
-        .map(|d| -> f32 {
-            format!("{c:.*e}", d - 1)
-                .parse()
-                .unwrap_or(exact)
-        })
+        .map(|d| -> f32 { format!("{c:.*e}", d - 1).parse().unwrap_or(exact) })
         .map(|f| (f, err(f)))
         .find(|&(_, e)| e <= best * 1.01)
         .unwrap_or((exact, best));
@@ -372,7 +379,7 @@ fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
         // Half a decade, 10 to 1e9.
         Knob::RopeTheta => (0.5, 1.0, 9.0),
         // A factor 2, from 1/256 to 256 times the model's (an output scale is not walked).
-        Knob::AttnScale | Knob::OutputScale(_) => (
+        Knob::AttnScale | Knob::AttnSoftcap | Knob::FinalSoftcap | Knob::OutputScale(_) => (
             std::f64::consts::LOG10_2,
             l0 - 8.0 * std::f64::consts::LOG10_2,
             l0 + 8.0 * std::f64::consts::LOG10_2,
@@ -391,6 +398,23 @@ fn round_values(knob: Knob, model: &Model, v: f64, span: f64) -> Vec<f32> {
         // Parsed from decimal: the f32 an engine's `1e-3f` is.
         .map(|x| format!("{x:.6e}").parse().unwrap_or(f32::NAN))
         .collect();
+    if matches!(knob, Knob::AttnSoftcap | Knob::FinalSoftcap) {
+        // Caps are written as whole numbers of a decade (gemma2: 50 and 30), and an engine may
+        // use the other cap of the two (swapped).
+        out.extend(
+            (e - 1..=e + 1)
+                .flat_map(|p| (1..=9).map(move |m| m as f64 * 10f64.powi(p)))
+                .filter(|&x| near(x))
+                .map(|x| format!("{x:.6e}").parse().unwrap_or(f32::NAN)),
+        );
+        let c = &model.config;
+        out.extend(
+            [c.attn_softcap, c.final_softcap]
+                .into_iter()
+                .flatten()
+                .filter(|&x| near(x as f64)),
+        );
+    }
     if knob == Knob::AttnScale {
         // As an engine computes them in f32.
         let hd = model.config.head_dim as f32;
@@ -999,6 +1023,34 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                     "the engine scales attention scores by {}{what}; the model says {} ({fitted})",
                     fmt_num(v),
                     fmt_num(c.kq_scale)
+                )
+            }
+            Knob::AttnSoftcap | Knob::FinalSoftcap => {
+                let (what, key, own, other) = if knob == Knob::AttnSoftcap {
+                    (
+                        "attention scores",
+                        "attn_logit_softcapping",
+                        c.attn_softcap,
+                        c.final_softcap,
+                    )
+                } else {
+                    (
+                        "logits",
+                        "final_logit_softcapping",
+                        c.final_softcap,
+                        c.attn_softcap,
+                    )
+                };
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
+                let swapped = if other.is_some_and(|o| close(v, o)) {
+                    " (the other soft-cap's value: the two are swapped)"
+                } else {
+                    ""
+                };
+                format!(
+                    "the engine soft-caps the {what} at {}{swapped}; the model says {} ({key}; {fitted})",
+                    fmt_factor(v),
+                    own.map_or("none".into(), fmt_factor)
                 )
             }
             Knob::OutputScale(t) => {

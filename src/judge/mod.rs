@@ -619,23 +619,28 @@ fn under_other_roundings(
     } else {
         return Ok(None);
     };
-    // Screened first: each catalog bug the diagnosis ruled out, replayed at the key alone under
-    // every other rounding; the rounding where one lands within the key's floor, closest, gets
-    // the whole diagnosis (confirmed as any: within the floor, cutting the own error widely,
-    // holding over the trace). A full diagnosis per rounding (its knob fits, its checks over
-    // the trace) costs ten times more on a 2-layer model.
-    let closest: Vec<Mutation> = f
+    // Screened first: each catalog bug and fitted value the diagnosis ruled out, replayed at
+    // the key alone under every other rounding; the rounding where one lands within the key's
+    // floor, closest, gets the whole diagnosis (confirmed as any: within the floor, cutting
+    // the own error widely, holding over the trace). A full diagnosis per rounding (its knob
+    // fits, its checks over the trace) costs ten times more on a 2-layer model.
+    type Screened = (Option<Mutation>, Option<(replay::Knob, f32)>);
+    let closest: Vec<Screened> = f
         .ruled_out
         .iter()
-        .filter_map(|t| Mutation::parse(&t.hypothesis))
+        .filter_map(|t| match Mutation::parse(&t.hypothesis) {
+            Some(m) => Some((Some(m), None)),
+            None => replay::Knob::parse(&t.hypothesis).map(|k| (None, Some(k))),
+        })
         .collect();
     let window = Window::for_key(cand, &o.key);
     let keep: BTreeSet<TapKey> = BTreeSet::new();
     let mut best: Option<(Floors, f64)> = None;
     for fl in tries {
-        for &m in &closest {
+        for &(mutation, knob) in &closest {
             let setup = Setup {
-                mutation: Some(m),
+                mutation,
+                knob,
                 ..hypothesis::clean_setup(&fl, kv, window)
             };
             let rep = replay(model, cand, &setup, &keep)?;

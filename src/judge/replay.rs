@@ -124,6 +124,10 @@ pub enum Knob {
     RopeTheta,
     /// The attention score scale (1/sqrt(head_dim) unless the architecture says otherwise).
     AttnScale,
+    /// The attention scores' soft-cap (gemma2: `attn_logit_softcapping`).
+    AttnSoftcap,
+    /// The logits' soft-cap (gemma2: `final_logit_softcapping`).
+    FinalSoftcap,
     /// A constant factor on one op's output wherever it runs: no hyperparameter, the shape
     /// of a bug no catalog lists (a weight or block scale read wrong, a residual multiplier,
     /// an embedding scale the architecture does not have, a sampling temperature applied
@@ -132,7 +136,14 @@ pub enum Knob {
 }
 
 impl Knob {
-    pub const ALL: [Knob; 3] = [Knob::RmsEps, Knob::RopeTheta, Knob::AttnScale];
+    /// The hyperparameters fitted by search (an output scale is fitted apart, per tap).
+    pub const ALL: [Knob; 5] = [
+        Knob::RmsEps,
+        Knob::RopeTheta,
+        Knob::AttnScale,
+        Knob::AttnSoftcap,
+        Knob::FinalSoftcap,
+    ];
 
     /// The hypothesis prefix: `rms-eps=1e-3`, `scale:ffn_out=0.5`.
     pub fn name(self) -> String {
@@ -140,16 +151,21 @@ impl Knob {
             Knob::RmsEps => "rms-eps".into(),
             Knob::RopeTheta => "rope-theta".into(),
             Knob::AttnScale => "attn-scale".into(),
+            Knob::AttnSoftcap => "attn-softcap".into(),
+            Knob::FinalSoftcap => "final-softcap".into(),
             Knob::OutputScale(t) => format!("scale:{}", t.name()),
         }
     }
 
-    /// The model's own value (an output scale's is 1).
+    /// The model's own value (an output scale's is 1; NaN: a soft-cap the model does not
+    /// have).
     pub fn model_value(self, c: &crate::model::Config) -> f32 {
         match self {
             Knob::RmsEps => c.rms_eps,
             Knob::RopeTheta => c.rope_theta,
             Knob::AttnScale => c.kq_scale,
+            Knob::AttnSoftcap => c.attn_softcap.unwrap_or(f32::NAN),
+            Knob::FinalSoftcap => c.final_softcap.unwrap_or(f32::NAN),
             Knob::OutputScale(_) => 1.0,
         }
     }
@@ -165,6 +181,8 @@ impl Knob {
             Knob::RmsEps => c.rms_eps = v,
             Knob::RopeTheta => c.rope_theta = v,
             Knob::AttnScale => c.kq_scale = v,
+            Knob::AttnSoftcap => c.attn_softcap = Some(v),
+            Knob::FinalSoftcap => c.final_softcap = Some(v),
             Knob::OutputScale(_) => {}
         }
     }

@@ -371,7 +371,21 @@ pub fn measure(
     // first; another only where it reproduces the layers clearly better (4x).
     let layer_keys = |k: &TapKey| k.step == first_step && k.layer.is_some();
     let no_layers = detect.l0 >= detect.l_end;
-    let mut unsure = Unsure::default();
+    // Every rounding leaves the window's matmuls further off than a rounding can move a span:
+    // a bug in every layer moved them, the pick among the roundings is a tie, and a diagnosis
+    // that confirms nothing tries the others.
+    let mut unsure = Unsure {
+        layers: !no_layers
+            && !fits.is_empty()
+            && fits.iter().all(|f| f.median_nmse > super::floor::SPAN_CAP),
+        ..Unsure::default()
+    };
+    // Nor does the lowest of such fits say anything: the first tried (ggml-cpu where it rounds
+    // this model's weights) stands until a diagnosis says otherwise.
+    if unsure.layers && rounding != roundings[0] {
+        rounding = roundings[0];
+        best = None;
+    }
     // The output's rounding and fits, where the layers' replaced them.
     let mut switched: Option<(Emulation, Vec<RoundingFit>)> = None;
     let exact = |fits: &[RoundingFit]| fits.iter().any(|f| f.median_nmse <= EXACT_FIT);
