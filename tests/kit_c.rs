@@ -391,9 +391,10 @@ fn c_engine_wrong_values_are_fitted_and_named() {
 }
 
 /// Constant factors no catalog lists (the embedding times sqrt(n_embd) as gemma's is, the FFN
-/// output halved, the logits divided by a temperature before the dump): the own-error
-/// judgement fits each as an output scale, confirms it by replaying it over the trace, and
-/// names it with its value at its op; the end-to-end comparison's hint reads the factor too.
+/// output halved in every layer or in layer 0 alone, the logits divided by a temperature before
+/// the dump): the own-error judgement fits each as an output scale, confirms it by replaying it
+/// over the trace (which tells every layer from one), and names it with its value at its op;
+/// the end-to-end comparison's hint reads the factor too.
 /// A sparse dump shows none of these ops alone: there the span is placed, and no scale is
 /// claimed.
 #[test]
@@ -420,6 +421,13 @@ fn c_engine_constant_factors_are_fitted_as_output_scales() {
             "scale:ffn_out=0.5",
             "ffn_out is the right value times 0.5 wherever it runs",
             // End to end the halved FFN reads as drift grown to the logits, not as a factor.
+            None,
+        ),
+        (
+            "ffn-out-half-l0",
+            serde_json::json!({"step": 0, "layer": 0, "tap": "ffn_out"}),
+            "scale:ffn_out@0=0.5",
+            "ffn_out of layer 0 is the right value times 0.5, in that layer only",
             None,
         ),
         (
@@ -450,6 +458,16 @@ fn c_engine_constant_factors_are_fitted_as_output_scales() {
             );
         }
         assert!(!why.contains("also reproduces"), "{bug}: {why}");
+        // The factor in every layer is told from the factor in layer 0 alone by layer 1.
+        if bug == "ffn-out-half" {
+            assert!(!why.contains("@0"), "{bug}: {why}");
+        }
+        if bug == "ffn-out-half-l0" {
+            assert!(
+                why.contains("not the cause: scale:ffn_out=0.5 (at step 0 layer 1 ffn_out"),
+                "{bug}: {why}"
+            );
+        }
         let e2e = j["comparisons"]
             .as_array()
             .unwrap()
@@ -482,7 +500,7 @@ fn c_engine_constant_factors_are_fitted_as_output_scales() {
         let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let d = &own_inputs(&j)["first_divergence"];
         let why = d["diagnosis"].as_str().unwrap();
-        if bug == "ffn-out-half" {
+        if bug.starts_with("ffn-out-half") {
             assert_eq!(
                 d["at"]["key"],
                 serde_json::json!({"step": 0, "layer": 0, "tap": "l_out"}),

@@ -255,22 +255,33 @@ fn experiments(
             // always removes some, which says nothing.
             && own.is_some_and(|o| e * CONFIRM_CUT <= o)
         {
-            let knob = Knob::OutputScale(k.tap);
-            let name = knob_name(knob, c);
-            setups.insert(
-                name.clone(),
-                Setup {
-                    knob: Some((knob, c)),
-                    ..base.clone()
-                },
-            );
-            tried.push((
-                Tried {
-                    hypothesis: name,
-                    nmse: e,
-                },
-                None,
-            ));
+            // In every layer, and in this layer alone (one tensor's scale read wrong): the same
+            // at this key, told apart by the rest of the trace. Past layer 0 the layers before
+            // matched: the factor is not in every layer.
+            let sites: Vec<Option<usize>> = match k.layer {
+                None => vec![None],
+                Some(0) if model.config.n_layer > 1 => vec![None, Some(0)],
+                Some(0) => vec![None],
+                Some(l) => vec![Some(l)],
+            };
+            for layer in sites {
+                let knob = Knob::OutputScale(k.tap, layer);
+                let name = knob_name(knob, c);
+                setups.insert(
+                    name.clone(),
+                    Setup {
+                        knob: Some((knob, c)),
+                        ..base.clone()
+                    },
+                );
+                tried.push((
+                    Tried {
+                        hypothesis: name,
+                        nmse: e,
+                    },
+                    None,
+                ));
+            }
         }
         // Layouts: the candidate's own tensor read in another order, no re-run needed.
         if let (Some(r), Some(raw), Some(dims)) = (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
@@ -319,7 +330,7 @@ fn knob_acts(
         Knob::RopeTheta => classes.contains(&OpClass::Rope) && model.config.n_rot >= 2,
         Knob::AttnScale => classes.contains(&OpClass::Attention),
         // Fitted apart, on a single op (`fit_scale`).
-        Knob::OutputScale(_) => false,
+        Knob::OutputScale(..) => false,
     }
 }
 
@@ -327,7 +338,7 @@ fn knob_acts(
 /// `scale:ffn_out=0.5`.
 pub fn knob_name(knob: Knob, v: f32) -> String {
     match knob {
-        Knob::OutputScale(_) | Knob::AttnSoftcap | Knob::FinalSoftcap => {
+        Knob::OutputScale(..) | Knob::AttnSoftcap | Knob::FinalSoftcap => {
             format!("{}={}", knob.name(), fmt_factor(v))
         }
         _ => format!("{}={}", knob.name(), fmt_num(v)),
@@ -379,7 +390,7 @@ fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
         // Half a decade, 10 to 1e9.
         Knob::RopeTheta => (0.5, 1.0, 9.0),
         // A factor 2, from 1/256 to 256 times the model's (an output scale is not walked).
-        Knob::AttnScale | Knob::AttnSoftcap | Knob::FinalSoftcap | Knob::OutputScale(_) => (
+        Knob::AttnScale | Knob::AttnSoftcap | Knob::FinalSoftcap | Knob::OutputScale(..) => (
             std::f64::consts::LOG10_2,
             l0 - 8.0 * std::f64::consts::LOG10_2,
             l0 + 8.0 * std::f64::consts::LOG10_2,
@@ -693,12 +704,7 @@ fn finding(
     // the lowest NMSE, the catalog first, among equals).
     // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
     // those name the cause, the factor only its size.
-    held.sort_by_key(|((t, _), n)| {
-        (
-            matches!(Knob::parse(&t.hypothesis), Some((Knob::OutputScale(_), _))),
-            std::cmp::Reverse(*n),
-        )
-    });
+    held.sort_by_key(|((t, _), n)| (is_scale(&t.hypothesis), std::cmp::Reverse(*n)));
     let held: Vec<_> = held.into_iter().map(|(c, _)| c).collect();
     // Where each reproduces the bug from: the one that explains the earliest key is the bug
     // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
@@ -730,15 +736,27 @@ fn finding(
         }
     }
     let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
+    // A scale confirmed in every layer: the same factor in one layer alone is a narrower
+    // reading of it (short of support where the trace is short), not a rival.
+    if let Some((t, _)) = &confirmed
+        && matches!(
+            Knob::parse(&t.hypothesis),
+            Some((Knob::OutputScale(_, None), _))
+        )
+    {
+        contradicted.retain(|(h, _)| !is_scale(h));
+    }
     // A catalog bug that is a constant factor (a missing embedding scale) is what a fitted
     // output scale reproduces too: its name says more, the factor is not listed beside it.
-    let named = confirmed.as_ref().is_some_and(|(_, m)| m.is_some());
+    // Nor is one scale listed beside another: the one confirmed (every layer where the trace
+    // shows it there too, else the flagged layer's) says where it acts.
+    let named = confirmed
+        .as_ref()
+        .is_some_and(|(t, m)| m.is_some() || is_scale(&t.hypothesis));
     let also: Vec<String> = ok
         .iter()
         .skip(1)
-        .filter(|(t, _)| {
-            !(named && matches!(Knob::parse(&t.hypothesis), Some((Knob::OutputScale(_), _))))
-        })
+        .filter(|(t, _)| !(named && is_scale(&t.hypothesis)))
         .map(|(t, _)| t.hypothesis.clone())
         .collect();
     let ruled_out: Vec<Tried> = tried
@@ -881,6 +899,11 @@ pub const KNOB_PLACES: usize = 2;
 /// than the model's own setting (and above f32 noise): it predicts a difference the engine
 /// does not show.
 pub const CONTRADICTS: f64 = 10.0;
+
+/// Whether `name` is a fitted output scale (`scale:TAP=V`, `scale:TAP@L=V`).
+fn is_scale(name: &str) -> bool {
+    matches!(Knob::parse(name), Some((Knob::OutputScale(..), _)))
+}
 
 /// Whether `name` is a continuous knob (a value of a hyperparameter, not a catalog bug).
 pub fn is_knob(name: &str) -> bool {
@@ -1053,7 +1076,7 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                     own.map_or("none".into(), fmt_factor)
                 )
             }
-            Knob::OutputScale(t) => {
+            Knob::OutputScale(t, layer) => {
                 let close = |a: f32, b: f32| (a - b).abs() <= 1e-4 * b.abs();
                 let (e, hd) = (c.n_embd as f32, c.head_dim as f32);
                 let named = [
@@ -1076,10 +1099,15 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                     }
                     _ => "a weight's or a block's scale read wrong, a residual or output multiplier the model does not have".into(),
                 };
-                format!(
-                    "the engine's {t} is the right value times {}{named} wherever it runs: a constant factor the op writing it applies and the model does not — {typical} (fitted in closed form, replayed over the trace)",
-                    fmt_factor(v)
-                )
+                let r = fmt_factor(v);
+                match layer {
+                    None => format!(
+                        "the engine's {t} is the right value times {r}{named} wherever it runs: a constant factor the op writing it applies and the model does not — {typical} (fitted in closed form, replayed over the trace)"
+                    ),
+                    Some(l) => format!(
+                        "the engine's {t} of layer {l} is the right value times {r}{named}, in that layer only (the other layers' match): a constant factor one tensor or kernel of that layer applies — {typical} (fitted in closed form, replayed over the trace)"
+                    ),
+                }
             }
         };
     }

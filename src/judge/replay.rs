@@ -131,8 +131,9 @@ pub enum Knob {
     /// A constant factor on one op's output wherever it runs: no hyperparameter, the shape
     /// of a bug no catalog lists (a weight or block scale read wrong, a residual multiplier,
     /// an embedding scale the architecture does not have, a sampling temperature applied
-    /// before the dump). Fitted in closed form; the replay multiplies that tap's output.
-    OutputScale(Tap),
+    /// before the dump). Fitted in closed form; the replay multiplies that tap's output, in
+    /// every layer or in one (one tensor's scale read wrong).
+    OutputScale(Tap, Option<usize>),
 }
 
 impl Knob {
@@ -153,7 +154,8 @@ impl Knob {
             Knob::AttnScale => "attn-scale".into(),
             Knob::AttnSoftcap => "attn-softcap".into(),
             Knob::FinalSoftcap => "final-softcap".into(),
-            Knob::OutputScale(t) => format!("scale:{}", t.name()),
+            Knob::OutputScale(t, None) => format!("scale:{}", t.name()),
+            Knob::OutputScale(t, Some(l)) => format!("scale:{}@{l}", t.name()),
         }
     }
 
@@ -166,14 +168,14 @@ impl Knob {
             Knob::AttnScale => c.kq_scale,
             Knob::AttnSoftcap => c.attn_softcap.unwrap_or(f32::NAN),
             Knob::FinalSoftcap => c.final_softcap.unwrap_or(f32::NAN),
-            Knob::OutputScale(_) => 1.0,
+            Knob::OutputScale(..) => 1.0,
         }
     }
 
     /// Whether replaying it needs a model variant (a hyperparameter changed); an output scale
     /// is applied by the replay's sink.
     fn in_model(self) -> bool {
-        !matches!(self, Knob::OutputScale(_))
+        !matches!(self, Knob::OutputScale(..))
     }
 
     fn set(self, c: &mut crate::model::Config, v: f32) {
@@ -183,16 +185,19 @@ impl Knob {
             Knob::AttnScale => c.kq_scale = v,
             Knob::AttnSoftcap => c.attn_softcap = Some(v),
             Knob::FinalSoftcap => c.final_softcap = Some(v),
-            Knob::OutputScale(_) => {}
+            Knob::OutputScale(..) => {}
         }
     }
 
-    /// Parse `rms-eps=1e-3` or `scale:ffn_out=0.5` back (a hypothesis name) into the knob
-    /// and its value.
+    /// Parse `rms-eps=1e-3`, `scale:ffn_out=0.5` or `scale:ffn_out@1=0.5` (layer 1 only) back
+    /// (a hypothesis name) into the knob and its value.
     pub fn parse(hypothesis: &str) -> Option<(Knob, f32)> {
         let (k, v) = hypothesis.split_once('=')?;
         let knob = match k.strip_prefix("scale:") {
-            Some(t) => Knob::OutputScale(Tap::parse(t)?),
+            Some(t) => match t.split_once('@') {
+                Some((t, l)) => Knob::OutputScale(Tap::parse(t)?, Some(l.parse().ok()?)),
+                None => Knob::OutputScale(Tap::parse(t)?, None),
+            },
             None => Knob::ALL.into_iter().find(|x| x.name() == k)?,
         };
         Some((knob, v.parse().ok()?))
@@ -344,7 +349,7 @@ pub fn replay(
         cand,
         window: w,
         scale: match setup.knob {
-            Some((Knob::OutputScale(t), c)) => Some((t, c)),
+            Some((Knob::OutputScale(t, l), c)) => Some((t, l, c)),
             _ => None,
         },
         keep,
@@ -374,9 +379,9 @@ pub fn replay(
 struct JudgeSink<'a, 't> {
     cand: &'a Candidate<'t>,
     window: Window,
-    /// An output scale replayed: this tap's output times this factor, as the engine would
-    /// multiply it in f32.
-    scale: Option<(Tap, f32)>,
+    /// An output scale replayed: this tap's output (in this layer, or every layer) times this
+    /// factor, as the engine would multiply it in f32.
+    scale: Option<(Tap, Option<usize>, f32)>,
     keep: &'a BTreeSet<TapKey>,
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
@@ -436,7 +441,7 @@ impl Sink for JudgeSink<'_, '_> {
         }
         let scaled: Vec<f32>;
         let data = match self.scale {
-            Some((t, f)) if t == k.tap => {
+            Some((t, l, f)) if t == k.tap && l.is_none_or(|l| Some(l) == k.layer) => {
                 scaled = data.iter().map(|x| x * f).collect();
                 &scaled[..]
             }

@@ -22,9 +22,10 @@
  *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
  *   attn-scale-inv-d  attention scores are divided by head_dim, not its square root
  *   no-attn-scale     attention scores are not scaled at all
- * and three constant factors no catalog lists, which parity fits as output scales:
+ * and four constant factors no catalog lists, which parity fits as output scales:
  *   embd-scale-sqrt   the embedding rows are multiplied by sqrt(n_embd), as gemma's are
  *   ffn-out-half      the FFN output is halved (a residual multiplier the model lacks)
+ *   ffn-out-half-l0   layer 0's FFN output alone is halved (one tensor's scale read wrong)
  *   logits-temp       the logits are divided by a sampling temperature 0.8 before the dump
  * and two that act only from a position on, at widths the catalog does not use:
  *   kv-ring-13        the K/V cache is a ring of 13 slots (position p at slot p % 13), read
@@ -44,13 +45,13 @@
 enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E3,
        BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE, BUG_KV_SLOT_LATE,
        BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE, BUG_KV_RING_13, BUG_ROPE_POS_MOD_11,
-       BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP };
+       BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP, BUG_FFN_OUT_HALF_L0 };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
                                         "attn-scale-inv-d", "no-attn-scale",
                                         "kv-slot-late",  "no-final-norm",    "attn-out-twice",
                                         "kv-ring-13",    "rope-pos-mod-11",  "embd-scale-sqrt",
-                                        "ffn-out-half",  "logits-temp"};
+                                        "ffn-out-half",  "logits-temp",     "ffn-out-half-l0"};
 
 /* The cache slot of position p: p itself, or p % 13 in the ring-buffer bug. */
 static size_t slot(size_t p, int bug) { return bug == BUG_KV_RING_13 ? p % 13 : p; }
@@ -514,7 +515,7 @@ int main(int argc, char **argv) {
                     act[d] = a / (1.0f + expf(-a)) * o;
                 }
                 matvec(W("ffn_down.weight", nff, e), nff, e, act, fo);
-                if (bug == BUG_FFN_OUT_HALF)
+                if (bug == BUG_FFN_OUT_HALF || (bug == BUG_FFN_OUT_HALF_L0 && l == 0))
                     for (d = 0; d < e; d++) fo[d] *= 0.5f;
 #undef W
                 for (d = 0; d < e; d++) lo[d] = fi[d] + fo[d];
