@@ -456,6 +456,12 @@ fn c_engine_constant_factors_are_fitted_as_output_scales() {
                 why.contains(" = sqrt(n_embd) wherever it runs"),
                 "{bug}: {why}"
             );
+        } else {
+            // The value as written, not an f32 neighbour of it (x / 0.8 is not x * 1.25).
+            assert!(
+                why.contains(&format!("{name} reproduces your")),
+                "{bug}: {why}"
+            );
         }
         assert!(!why.contains("also reproduces"), "{bug}: {why}");
         // The factor in every layer is told from the factor in layer 0 alone by layer 1.

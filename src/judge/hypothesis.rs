@@ -356,7 +356,8 @@ fn fmt_factor(x: f32) -> String {
 
 /// The constant factor that best maps the reference's output onto the candidate's
 /// (least squares), as an engine would write it: the fewest significant digits whose NMSE is
-/// within 1% of the exact fit's. None when there is no factor to fit (a zero output) or it is 1.
+/// within 1% of the exact fit's, or under f32 noise (`VISIBLE`: `x / 0.8` is not the f32 `x *
+/// 1.25`, and is 1.25). None when there is no factor to fit (a zero output) or it is 1.
 fn fit_scale(ours: &[f32], theirs: &[f32]) -> Option<(f32, f64)> {
     let (mut xy, mut xx) = (0f64, 0f64);
     for (&x, &y) in ours.iter().zip(theirs) {
@@ -376,7 +377,7 @@ fn fit_scale(ours: &[f32], theirs: &[f32]) -> Option<(f32, f64)> {
     let pick = (1..=6)
         .map(|d| -> f32 { format!("{c:.*e}", d - 1).parse().unwrap_or(exact) })
         .map(|f| (f, err(f)))
-        .find(|&(_, e)| e <= best * 1.01)
+        .find(|&(_, e)| e <= (best * 1.01).max(VISIBLE))
         .unwrap_or((exact, best));
     (pick.0 != 1.0).then_some(pick)
 }
@@ -1340,4 +1341,67 @@ fn locate(
         }
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_factor_is_fitted_as_an_engine_writes_it() {
+        let ours: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        // Halved exactly: 0.5, at NMSE 0.
+        let half: Vec<f32> = ours.iter().map(|x| x * 0.5).collect();
+        assert_eq!(fit_scale(&ours, &half), Some((0.5, 0.0)));
+        // Divided by a temperature 0.8 (not the same f32 as times 1.25): written 1.25.
+        let temp: Vec<f32> = ours.iter().map(|x| x / 0.8).collect();
+        let (c, e) = fit_scale(&ours, &temp).unwrap();
+        assert_eq!(c, 1.25);
+        assert!(e < 1e-13, "{e}");
+        // The same tensor: no factor to name; a zero one: none to fit.
+        assert_eq!(fit_scale(&ours, &ours), None);
+        assert_eq!(fit_scale(&[0.0; 4], &[1.0; 4]), None);
+        // Not a factor at all: the fit is poor, and the caller's cut rules it out.
+        let other: Vec<f32> = ours.iter().rev().copied().collect();
+        let (_, e) = fit_scale(&ours, &other).unwrap();
+        assert!(e > 1e-2, "{e}");
+    }
+
+    #[test]
+    fn fitted_names_parse_back() {
+        for (knob, v, name) in [
+            (
+                Knob::OutputScale(Tap::FfnOut, None),
+                0.5,
+                "scale:ffn_out=0.5",
+            ),
+            (
+                Knob::OutputScale(Tap::FfnOut, Some(1)),
+                0.5,
+                "scale:ffn_out@1=0.5",
+            ),
+            (
+                Knob::OutputScale(Tap::Logits, None),
+                1.25,
+                "scale:logits=1.25",
+            ),
+            (Knob::AttnSoftcap, 5.0, "attn-softcap=5"),
+            (Knob::FinalSoftcap, 1.5, "final-softcap=1.5"),
+            (Knob::RmsEps, 1e-3, "rms-eps=1e-3"),
+        ] {
+            assert_eq!(knob_name(knob, v), name);
+            assert_eq!(Knob::parse(name), Some((knob, v)), "{name}");
+            assert!(is_knob(name), "{name}");
+        }
+        assert!(is_scale("scale:ffn_out@1=0.5"));
+        assert!(!is_scale("attn-softcap=5"));
+        for bad in [
+            "scale:nope=0.5",
+            "scale:ffn_out@x=0.5",
+            "scale:ffn_out=",
+            "rope-neox",
+        ] {
+            assert_eq!(Knob::parse(bad), None, "{bad}");
+        }
+    }
 }

@@ -12,7 +12,7 @@ pub mod snapshot;
 pub use info::{RunInfo, TraceInfo};
 pub use shown::shown;
 
-use crate::compare::Comparison;
+use crate::compare::{Comparison, PairKind};
 use crate::trace::Tap;
 use anstyle::{AnsiColor, Style};
 use std::collections::BTreeMap;
@@ -202,6 +202,11 @@ pub fn table_styled(c: &Comparison, colour: bool) -> String {
             c.logits.len(),
             c.kld_threshold
         );
+        // A comparison that passed has no verdict paragraph of its own to carry its limits
+        // (the logits' bounds raised to the measured rounding's drift).
+        if !c.diverged() && !c.limits.is_empty() && c.pair == PairKind::DifferentRounding {
+            let _ = writeln!(out, "limits: {}", c.limits.join("; "));
+        }
     }
     out
 }
