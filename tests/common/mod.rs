@@ -46,8 +46,14 @@ pub fn parity(args: &[&str]) -> Output {
 }
 
 pub fn show(o: &Output) -> String {
+    // A process killed by a signal has no exit code: name the signal (a driver's crash).
+    #[cfg(unix)]
+    let signal = std::os::unix::process::ExitStatusExt::signal(&o.status)
+        .map_or(String::new(), |s| format!(" (killed by signal {s})"));
+    #[cfg(not(unix))]
+    let signal = String::new();
     format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        "exit {:?}{signal}\n--- stdout\n{}\n--- stderr\n{}",
         o.status.code(),
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
