@@ -200,18 +200,8 @@ pub(super) fn diagnose(
     // One factor for the whole tensor: the op applies a constant the baseline does not. Not
     // for a norm: another eps moves every row by nearly the same factor when the rows' RMS are
     // alike, and the norm's own signatures read that per row.
-    let norm = matches!(
-        k.tap,
-        Tap::AttnNorm
-            | Tap::FfnNorm
-            | Tap::ResultNorm
-            | Tap::QNormed
-            | Tap::KNormed
-            | Tap::AttnPostNorm
-            | Tap::FfnPostNorm
-    );
     if k.tap != Tap::KqSoftMax
-        && !norm
+        && !k.tap.is_norm()
         && let Some((a, b)) = load(k)?
         && let Some(note) = scale_signature(k.tap, &a, &b, r.threshold, m.nmse)
     {

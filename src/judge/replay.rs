@@ -15,7 +15,7 @@ use crate::backend::{Backend, Emulation, Reference};
 use crate::compare::{Metrics, metrics};
 use crate::gguf::GgufFile;
 use crate::model::{Config, Model};
-use crate::trace::{Sink, Tap, TapKey, Trace};
+use crate::trace::{Sink, StepInfo, Tap, TapKey, Trace};
 use ndarray::ArrayViewD;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -310,6 +310,16 @@ fn variant(model: &Model, s: &Setup) -> Result<Model, JudgeError> {
     Ok(m)
 }
 
+/// The context a run of these steps needs: past its last position, plus one.
+pub(super) fn n_ctx<'a>(steps: impl IntoIterator<Item = &'a StepInfo>) -> usize {
+    steps
+        .into_iter()
+        .map(|s| s.positions.first().copied().unwrap_or(0) + s.tokens.len())
+        .max()
+        .unwrap_or(1)
+        + 1
+}
+
 /// Replay `cand` under `setup`, keeping the reference's tensors at `keep`.
 pub fn replay(
     model: &Model,
@@ -335,13 +345,7 @@ pub fn replay(
         .iter()
         .filter(|s| s.step <= w.s_max)
         .collect();
-    let n_ctx = steps
-        .iter()
-        .map(|s| s.positions.first().copied().unwrap_or(0) + s.tokens.len())
-        .max()
-        .unwrap_or(1)
-        + 1;
-    let mut b = Reference::new(m, setup.rounding, n_ctx)
+    let mut b = Reference::new(m, setup.rounding, n_ctx(steps.iter().copied()))
         .with_mutation(setup.mutation)
         .with_kv(setup.kv)
         .with_output_emulation(setup.output);

@@ -193,13 +193,7 @@ fn follow_the_rounding(
         return Ok(());
     }
     let steps = &cand.manifest.steps;
-    let n_ctx = steps
-        .iter()
-        .map(|s| s.positions.first().copied().unwrap_or(0) + s.tokens.len())
-        .max()
-        .unwrap_or(1)
-        + 1;
-    let mut b = Reference::new(model, j.rounding, n_ctx)
+    let mut b = Reference::new(model, j.rounding, super::replay::n_ctx(steps))
         .with_kv(j.kv)
         .with_output_emulation(j.output_rounding);
     let mut sink = MemorySink::new(TapFilter::regex("^logits$").expect("a fixed pattern"));

@@ -142,6 +142,20 @@ impl Tap {
         )
     }
 
+    /// Whether the op writing this tap is an RMSNorm (its weight applied).
+    pub fn is_norm(self) -> bool {
+        matches!(
+            self,
+            Tap::AttnNorm
+                | Tap::FfnNorm
+                | Tap::ResultNorm
+                | Tap::QNormed
+                | Tap::KNormed
+                | Tap::AttnPostNorm
+                | Tap::FfnPostNorm
+        )
+    }
+
     pub fn parse(s: &str) -> Option<Tap> {
         Self::ALL.iter().copied().find(|t| t.name() == s)
     }
