@@ -7,7 +7,7 @@
 //! panic. The crafted models are also handed to llama.cpp where it is installed, to check that
 //! parity refuses what llama.cpp refuses.
 
-mod common;
+use crate::common;
 
 use common::{copy_dir, root};
 use parity::gguf::{GgmlType, GgufFile, GgufWriter, Value};

@@ -6,7 +6,7 @@
 //! what it reads: the Python it starts (`golden`, `bench`, `selftest --engine numpy`) imports
 //! nothing from the working folder or from PYTHONPATH.
 
-mod common;
+use crate::common;
 
 use common::{copy_dir, root};
 use parity::gguf::{GgufFile, GgufWriter, Value};

@@ -6,7 +6,7 @@
 //! would need memory the size of a hostile file run under `ulimit -v`, so that reading such a
 //! file whole fails the case (an abort) instead of passing by luck on a big machine.
 
-mod common;
+use crate::common;
 
 use common::{copy_dir, root};
 use parity::trace::Trace;

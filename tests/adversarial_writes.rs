@@ -6,7 +6,7 @@
 //! that is an input, holds an input, or is another output (by file identity, however spelled)
 //! is refused before any work, with nothing written. Every row runs the real binary.
 
-mod common;
+use crate::common;
 
 use common::{copy_dir, root};
 use std::ffi::{OsStr, OsString};

@@ -6,7 +6,7 @@
 //! QKV split in the wrong order, ignored RoPE factors) — is found at its place and named by
 //! `parity diff`, from full and from sparse traces, and placed at layer 11 of 16.
 
-mod common;
+use crate::common;
 
 use common::{parity, root, show, stdout};
 use std::path::Path;

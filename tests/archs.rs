@@ -2,7 +2,7 @@
 //! them (its own print_info log is the oracle), fixtures that llama.cpp loads and runs, zero-copy
 //! views of phi3's fused tensors, and one-line refusals.
 
-mod common;
+use crate::common;
 
 use common::{parity, python, root, show};
 use parity::gguf::{GgufFile, GgufWriter, Value, ValueType};

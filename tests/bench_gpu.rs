@@ -2,7 +2,7 @@
 //! backend's, in the table and in the JSON. Timings are not judged (no thresholds): only that
 //! each figure is there, finite and positive, and that the figures agree with each other.
 
-mod common;
+use crate::common;
 use common::*;
 
 /// The numbers on the table row that starts with `label`, one per engine column.

@@ -7,7 +7,7 @@
 //! Rows that need ../shared or llama.cpp (the repository's .venv) are their own tests, shown as
 //! ignored when build.rs did not find them.
 
-mod common;
+use crate::common;
 
 use common::{copy_dir, root, shared};
 use parity::gguf::{GgmlType, GgufFile, GgufWriter, Value};

@@ -2,7 +2,7 @@
 //! committed llama.cpp goldens, divergences planted in a golden, goldens refused for the wrong
 //! model or ids, and the goldens regenerated with the real llama.cpp (when it is installed).
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -4,7 +4,7 @@
 //! Models in `../shared/models` are used when that folder exists; otherwise those parts print
 //! "skipped: …" and only the committed fixtures are checked.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Output;

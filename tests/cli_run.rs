@@ -4,7 +4,7 @@
 //! Parts that need `../shared` (models, vocabularies) print "skipped: …" when it is absent; the
 //! numpy example skips when no Python with numpy is found.
 
-mod common;
+use crate::common;
 use common::*;
 use parity::trace::{Tap, TapKey, Trace};
 use sha2::{Digest, Sha256};

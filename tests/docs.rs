@@ -14,7 +14,7 @@
 //! Blocks that use the gpu backend run where build.rs found a Vulkan driver (cfg
 //! `parity_gpu`), e.g. lavapipe.
 
-mod common;
+use crate::common;
 
 use common::root;
 use std::path::{Path, PathBuf};

@@ -8,7 +8,7 @@
 //! without the wrong value pass, nothing confirmed. gemma2's soft-caps are fitted too, from an
 //! engine that reads them from a rewritten copy of the fixture.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 

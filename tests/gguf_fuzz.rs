@@ -19,51 +19,12 @@
 //! seed; a failing case is printed with its number and written under `CARGO_TARGET_TMPDIR`, and
 //! `PARITY_FUZZ_ONLY=<case>` replays just that case.
 
+use crate::common::alloc::largest_allocation;
 use parity::gguf::{GgmlType, GgufError, GgufFile, GgufWriter, Value, ValueType};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::time::Instant;
-
-// ---------------------------------------------------------------------------------------------
-// Counting allocator: the largest single allocation made by the current thread.
-
-struct Counting;
-
-thread_local! {
-    static LARGEST: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(size: usize) {
-    let _ = LARGEST.try_with(|m| {
-        if size > m.get() {
-            m.set(size)
-        }
-    });
-}
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note(layout.size());
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        note(layout.size());
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(new_size);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
 
 const ALLOC_LIMIT: usize = 64 << 20;
 
@@ -875,9 +836,8 @@ fn fuzz_from_bytes() {
         let (s, input, log) = make_case(master, i, &seeds, n_writer);
         let input_len = input.len();
         let copy = input.clone();
-        LARGEST.with(|m| m.set(0));
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| run_case(input)));
-        let largest = LARGEST.with(|m| m.get());
+        let (result, largest) =
+            largest_allocation(|| std::panic::catch_unwind(AssertUnwindSafe(|| run_case(input))));
         let failure = match &result {
             Err(_) => Some("panicked".to_string()),
             Ok(_) if largest > ALLOC_LIMIT + input_len => Some(format!(

@@ -4,9 +4,9 @@
 //! at their tap. Without an adapter these show as ignored with the reason; the no-adapter
 //! path itself is tested everywhere.
 
-mod common;
+use crate::common;
 
-use common::{parity_env, parity_env_without, root, shared, show, stdout};
+use common::{gpu_env, in_child_with, parity_env, parity_env_without, root, shared, show, stdout};
 use parity::arch::{Attn, Ops, Rope};
 use parity::backend::gpu::Gpu;
 use parity::backend::{Emulation, Reference};
@@ -14,24 +14,6 @@ use parity::model::{Activation, Model};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::path::{Path, PathBuf};
-
-/// Lavapipe when it is installed (a machine with a real GPU keeps its own driver list), with
-/// uninitialised device memory poisoned so that a kernel reading what it never wrote shows.
-fn gpu_env() -> Vec<(&'static str, &'static str)> {
-    let lvp = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json";
-    let mut env = vec![("LVP_POISON_MEMORY", "true"), ("XDG_RUNTIME_DIR", "/tmp")];
-    if Path::new(lvp).exists() && std::env::var_os("VK_DRIVER_FILES").is_none() {
-        env.push(("VK_DRIVER_FILES", lvp));
-    }
-    env
-}
-
-fn set_gpu_env() {
-    for (k, v) in gpu_env() {
-        // SAFETY: set before any device is made; tests in this file only read them.
-        unsafe { std::env::set_var(k, v) };
-    }
-}
 
 fn nmse(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -204,7 +186,13 @@ fn fixtures() -> Vec<PathBuf> {
     ignore = "no GPU adapter: install a Vulkan driver (Debian: mesa-vulkan-drivers)"
 )]
 fn kernels_match_the_reference_ops_on_random_inputs() {
-    set_gpu_env();
+    if !in_child_with(
+        module_path!(),
+        "kernels_match_the_reference_ops_on_random_inputs",
+        &gpu_env(),
+    ) {
+        return;
+    }
     // Widths no workgroup divides: an F32 model (rows of 200 and 300, heads of 50, K not a
     // multiple of 8) and a Q4_0 qwen2 (rows of 288 and 416: whole blocks, no multiple of 256,
     // 18-byte blocks at odd byte offsets; biases; one KV head for four).

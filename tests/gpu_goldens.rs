@@ -7,7 +7,7 @@
 //! every backend. Before the judge modelled Vulkan's summation order, each of them was called
 //! diverged at step 0 layer 0 q.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 

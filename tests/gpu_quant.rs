@@ -347,8 +347,12 @@ fn poisoned_memory() {
         "q5_k_matches_cpu",
         "q6_k_matches_cpu",
     ];
+    // In the suite binary (module_path!() `suite::gpu_quant`) the tests are `gpu_quant::…`.
+    let prefix = module_path!()
+        .split_once("::")
+        .map_or(String::new(), |(_, m)| format!("{m}::"));
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(names)
+        .args(names.iter().map(|n| format!("{prefix}{n}")))
         .args(["--exact", "--test-threads=1", "--include-ignored"])
         .env("LVP_POISON_MEMORY", "true")
         .output()

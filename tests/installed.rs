@@ -3,7 +3,7 @@
 //! (src/cli/assets.rs). `PARITY_NO_CHECKOUT=1` makes the binary behave as if the checkout were
 //! gone.
 
-mod common;
+use crate::common;
 use common::*;
 use std::process::Command;
 

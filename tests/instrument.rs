@@ -4,13 +4,13 @@
 //! (scripts/hf_trace.py) runs under a Python with torch and transformers (.venv-hf, made by
 //! .ci/run, or $PARITY_HF_PYTHON).
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::PathBuf;
 use std::process::Command;
 
 /// The example binary beside this test (target/<profile>/examples/): `cargo test` builds it;
-/// a `cargo test --test instrument` alone does not, so then it is built here.
+/// a `cargo test --test suite instrument::` alone does not, so then it is built here.
 fn example() -> PathBuf {
     static BUILD: std::sync::Once = std::sync::Once::new();
     let exe = std::env::current_exe().unwrap();

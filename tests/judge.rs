@@ -4,7 +4,7 @@
 //! named by experiment — with and without ggml's activation rounding, through dense and sparse
 //! traces; a declared head-major layout passes, an undeclared one is named.
 
-mod common;
+use crate::common;
 use common::*;
 use parity::backend::mutation::{Mutation, MutationKind};
 use parity::backend::{self, Emulation, Reference};

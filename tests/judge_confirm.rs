@@ -5,7 +5,7 @@
 //! hypothesis that reproduces one key but predicts differences the engine does not show
 //! elsewhere is not confirmed; a knob with evidence in every layer still is.
 
-mod common;
+use crate::common;
 use common::*;
 use parity::backend::mutation::Mutation;
 use parity::backend::{self, Emulation, Reference};

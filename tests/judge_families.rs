@@ -5,7 +5,7 @@
 //! The engines: scripts/numpy_engine.py `--rounding FAMILY` (an engine that shares no code with
 //! parity) and the reference under `--emulate FAMILY` (in process).
 
-mod common;
+use crate::common;
 use common::*;
 use parity::backend::mutation::Mutation;
 use parity::judge::{self, JudgeOptions};

@@ -9,7 +9,7 @@
 //! reader refuses malformed manifests (truncated, nested too deep, huge numbers) with a
 //! message, never a crash. Everything is built in a temporary folder.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -11,7 +11,7 @@
 //! folder with the test profile's settings, so it reuses what `cargo test` compiled (see
 //! `wheel_build`).
 
-mod common;
+use crate::common;
 use common::*;
 
 #[allow(dead_code)]

@@ -4,7 +4,7 @@
 //! natively (a folder, or an `.npz` archive) and built for wasm32-unknown-unknown and run under
 //! Node (run.mjs); and each bug planted in it is found at its place and named.
 
-mod common;
+use crate::common;
 use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -3,7 +3,7 @@
 //! (and a bug planted into one is found); an out-of-process engine with a quantized cache is
 //! measured to keep it, passes clean and is still caught with a bug.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::Path;
 

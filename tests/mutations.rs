@@ -3,7 +3,7 @@
 //! --mutate` writes what an engine with the bug would; the numpy engine (an out-of-process
 //! engine of our own) passes `diff` when clean and is caught when mutated.
 
-mod common;
+use crate::common;
 
 use common::{numpy_engine_python, parity, root, shared, show};
 use parity::backend::mutation::{Mutation, MutationKind};

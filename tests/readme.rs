@@ -3,7 +3,7 @@
 //! (model.gguf, DIR/GOLDEN = the golden `parity golden` made, t/ and YOUR_TRACE = the dump).
 //! Then the same walkthrough with an engine that doubles BOS ends in a named finding.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::Path;
 use std::process::Command;

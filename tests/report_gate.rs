@@ -3,9 +3,9 @@
 //! snapshots, and a perturbed kernel or tensor fails the gate, naming what moved.
 //!
 //! After an intended change of the numerics or of the comparisons `check` makes, refresh the
-//! snapshots with `PARITY_UPDATE_GATE=1 cargo test --test report_gate` and review the diff.
+//! snapshots with `PARITY_UPDATE_GATE=1 cargo test --test suite report_gate::` and review the diff.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 
@@ -61,7 +61,7 @@ fn every_fixture_and_backend_pair_passes_its_committed_gate() {
         assert_eq!(
             o.status.code(),
             Some(0),
-            "{what} {}: a clean run must pass its snapshot (after an intended change: PARITY_UPDATE_GATE=1 cargo test --test report_gate)\n{}",
+            "{what} {}: a clean run must pass its snapshot (after an intended change: PARITY_UPDATE_GATE=1 cargo test --test suite report_gate::)\n{}",
             snap.display(),
             show(&o)
         );

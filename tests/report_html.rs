@@ -3,7 +3,7 @@
 //! the settings; rendered to PNG by headless Chromium (the tests show as ignored when build.rs
 //! found none; .ci/run installs it). `PARITY_UPDATE_DOCS=1` also copies the PNGs to docs/.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -1,10 +1,10 @@
 //! The JSON report's schema: the committed docs/report.schema.json is the one the types generate,
 //! and real reports (`check --json -`, `diff --json FILE` of a divergence) validate against it.
 //!
-//! After changing the report types: `PARITY_UPDATE_SCHEMA=1 cargo test --test report_json`, then
+//! After changing the report types: `PARITY_UPDATE_SCHEMA=1 cargo test --test suite report_json::`, then
 //! update docs/report-json.md (and bump the schema version if a field changed meaning).
 
-mod common;
+use crate::common;
 use common::*;
 
 fn committed_schema() -> serde_json::Value {
@@ -22,7 +22,7 @@ fn committed_schema_is_the_generated_one() {
     let committed = std::fs::read_to_string(&p).unwrap_or_default();
     assert!(
         committed == generated,
-        "docs/report.schema.json is not what the report types generate: run PARITY_UPDATE_SCHEMA=1 cargo test --test report_json and document the change in docs/report-json.md"
+        "docs/report.schema.json is not what the report types generate: run PARITY_UPDATE_SCHEMA=1 cargo test --test suite report_json:: and document the change in docs/report-json.md"
     );
 }
 

@@ -1,7 +1,7 @@
 //! The terminal report: colour by closeness to threshold only on a colour terminal (forced here
 //! with CLICOLOR_FORCE, off with NO_COLOR and on pipes), and `--quiet` printing the verdict only.
 
-mod common;
+use crate::common;
 use common::*;
 
 const ESC: &str = "\x1b[";

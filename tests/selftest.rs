@@ -4,7 +4,7 @@
 //! engine), must be found by `diff` at its place and named — on the deep model also with each
 //! bug placed at layer 11 of 16. Exit 0 means every row was ok.
 
-mod common;
+use crate::common;
 
 use common::{llama_cpp_or_skip, numpy_engine_python, parity, root, shared, show, stdout};
 use std::path::{Path, PathBuf};

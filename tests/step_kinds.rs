@@ -4,7 +4,7 @@
 //! it was fed them); the out-of-process numpy engine, following the golden's steps, passes
 //! clean and is caught, at the right step, with a bug that acts from the second step on.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::Path;
 

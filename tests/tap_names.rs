@@ -3,7 +3,7 @@
 //! tests read the script and hold the two to each other, so that a tap added or renamed on one
 //! side and not the other fails here rather than as a missing tap in a golden.
 
-mod common;
+use crate::common;
 
 use parity::trace::Tap;
 use regex::Regex;

@@ -5,7 +5,7 @@
 //! run (or the reverse), and this test says how to refresh the probe. It runs the very probes
 //! build.rs ran (`include!`d), so the two cannot drift apart.
 
-mod common;
+use crate::common;
 use common::*;
 
 #[allow(dead_code)]

@@ -2,7 +2,7 @@
 //! compared without a golden see one sequence, and clean runs of deep generated models pass
 //! against fresh llama.cpp goldens.
 
-mod common;
+use crate::common;
 use common::*;
 use std::path::Path;
 

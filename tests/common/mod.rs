@@ -2,6 +2,8 @@
 //! ../shared, read and write .npy files, list and copy trace folders.
 #![allow(dead_code)]
 
+pub mod alloc;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -350,4 +352,46 @@ pub fn tempdir(name: &str) -> Tmp {
         .prefix(&format!("parity-{name}-"))
         .tempdir()
         .unwrap())
+}
+
+/// Lavapipe when it is installed (a machine with a real GPU keeps its own driver list), with
+/// uninitialised device memory poisoned so that a kernel reading what it never wrote shows.
+pub fn gpu_env() -> Vec<(&'static str, &'static str)> {
+    let lvp = "/usr/share/vulkan/icd.d/lvp_icd.x86_64.json";
+    let mut env = vec![("LVP_POISON_MEMORY", "true"), ("XDG_RUNTIME_DIR", "/tmp")];
+    if Path::new(lvp).exists() && std::env::var_os("VK_DRIVER_FILES").is_none() {
+        env.push(("VK_DRIVER_FILES", lvp));
+    }
+    env
+}
+
+/// Whether this is the child `in_child_with` started. A test that must run with variables
+/// the Vulkan loader and driver read through C's getenv (which a set_var in the shared test
+/// process would race, and leak into every other test's children) calls
+/// `if !in_child_with(module_path!(), "its_name", &env) { return; }`: the parent runs the test
+/// binary again for that one test with `env` set, asserts it passed, and returns.
+pub fn in_child_with(module: &str, test: &str, env: &[(&str, &str)]) -> bool {
+    const MARK: &str = "PARITY_TEST_CHILD";
+    if std::env::var_os(MARK).is_some() {
+        return true;
+    }
+    // module_path!() is `suite::file`; libtest names the test `file::test`.
+    let name = match module.split_once("::") {
+        Some((_, rest)) => format!("{rest}::{test}"),
+        None => test.to_string(),
+    };
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name.as_str(), "--exact", "--include-ignored", "--nocapture"])
+        .envs(env.iter().copied())
+        .env(MARK, "1")
+        .output()
+        .expect("run the test binary");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{name} with {env:?}:\n{text}");
+    assert!(text.contains("1 passed"), "{name} did not run:\n{text}");
+    false
 }
