@@ -23,7 +23,9 @@ matmul, an f16 fma each) and f16-acc-unfused (the same with each product rounded
 its add, as that matmul runs on Mesa's lavapipe). tf32 (inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) is a
 rounding parity does not model: an engine for its unknown-rounding path. --mutate switches on one of parity's
 catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
---kv f16 stores the K/V cache in f16, as llama.cpp does by default.
+--kv f16 stores the K/V cache in f16, as llama.cpp does by default; --kv-decode reads it as another
+type in the steps after the first (the cache keeps the f32 values; each step kind rounds what it
+reads): an engine whose prompt and decode kernels read the cache unlike each other.
 """
 import argparse
 import json
@@ -315,6 +317,10 @@ class Engine:
         # "f16": the K/V cache stores f16 values, as llama.cpp's default cache type does (the
         # k_rope and v taps stay the f32 values computed before the store).
         self.kv = kv
+        # The cache type the steps after the first read, where it differs (None: `kv`). The
+        # cache then keeps the f32 values and each step kind rounds what it reads.
+        self.kv_decode = None
+        self.steps_run = 0
         self.n_ctx = n_ctx
         kv = m.n_head_kv * m.head_dim
         self.k_cache = [np.zeros((n_ctx + 1, kv), F32) for _ in range(m.n_layer)]
@@ -422,13 +428,19 @@ class Engine:
             rec("q_rope", l, q)
             rec("k_rope", l, k)
             slot = pos0 + 1 if ((mut == "kv-off-by-one" and pos0 > 0) or mut == "kv-slot-late") else pos0
+            read = self.kv_decode if self.kv_decode and self.steps_run > 0 else self.kv
             if slot + T <= self.n_ctx:
                 kst, vst = k.reshape(T, -1), v.reshape(T, -1)
-                kst, vst = cache_store(self.kv, kst), cache_store(self.kv, vst)
+                if not self.kv_decode:
+                    kst, vst = cache_store(self.kv, kst), cache_store(self.kv, vst)
                 self.k_cache[l][slot:slot + T] = kst
                 self.v_cache[l][slot:slot + T] = vst
-            kc = self.k_cache[l][:n_kv].reshape(n_kv, nkv, hd)
-            vc = self.v_cache[l][:n_kv].reshape(n_kv, nkv, hd)
+            kc = self.k_cache[l][:n_kv]
+            vc = self.v_cache[l][:n_kv]
+            if self.kv_decode:
+                kc, vc = cache_store(read, kc), cache_store(read, vc)
+            kc = kc.reshape(n_kv, nkv, hd)
+            vc = vc.reshape(n_kv, nkv, hd)
             group = nh // nkv
             kq_scale = F32(1.0 / np.sqrt(F32(hd))) if m.attn_scale is None else m.attn_scale
             probs = np.zeros((nh, T, n_kv), F32)
@@ -491,6 +503,7 @@ class Engine:
             out = "token_embd.weight"
         logits = self.matmul(out, xn, mut == "transposed-lm-head", lm_head=True)
         rec("logits", None, logits)
+        self.steps_run += 1
         return logits[-1]
 
 
@@ -556,6 +569,9 @@ def main(argv=None):
     ap.add_argument("--kv", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16); q8_0/q4_0 store each "
                          "row in 32-value blocks, read back as f32 (no rotation: a hand-written int8 cache)")
+    ap.add_argument("--kv-decode", choices=["f32", "f16", "q8_0", "q4_0"],
+                    help="the cache type the steps after the first read, where it differs from --kv "
+                         "(the prompt's): the cache keeps f32 values, each step kind rounds what it reads")
     ap.add_argument("--mutate", metavar="NAME[=WIDTH]",
                     help="a catalog bug: " + ", ".join(COMPUTE_MUTATIONS + ["no-bos", "double-bos", "head-major-q-rope"])
                     + f" (a position bug may give its width: kv-ring-wrap=128; default {WRAP})")
@@ -619,6 +635,7 @@ def main(argv=None):
     try:
         w = TraceWriter(a.out, model=a.model, engine="numpy-engine", backend="numpy", version="0.1",
                         settings={"rounding": a.rounding, "taps": a.taps, "kv": a.kv,
+                                  "kv_decode": a.kv_decode or a.kv,
                                   "prefill_rounding": a.prefill_rounding or a.rounding,
                                   "output_rounding": a.output_rounding or a.rounding,
                                   "numpy": np.__version__},
@@ -637,6 +654,7 @@ def main(argv=None):
 
     eng = Engine(m, a.prefill_rounding or a.rounding, mutation, len(prompt) + n_steps, a.kv)
     eng.output_rounding = a.output_rounding
+    eng.kv_decode = a.kv_decode if a.kv_decode and a.kv_decode != a.kv else None
     w.step(prompt, range(len(prompt)))
     logits = eng.forward(prompt, 0, rec)
     eng.rounding = a.rounding

@@ -300,3 +300,150 @@ fn a_wrong_softcap_is_fitted() {
         }
     }
 }
+
+/// The prompt and the forced decode ids of `golden` (`--tokens`, `--forced`).
+fn golden_ids(golden: &Path) -> (String, String) {
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden.join("manifest.json")).unwrap())
+            .unwrap();
+    let steps = manifest["steps"].as_array().unwrap();
+    let ids = |s: &serde_json::Value| -> Vec<String> {
+        s["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect()
+    };
+    let forced: Vec<String> = steps[1..].iter().flat_map(ids).collect();
+    (ids(&steps[0]).join(","), forced.join(","))
+}
+
+/// RoPE's linear scaling, fitted (#28 item 3): an engine that ignores the model's
+/// `rope.scaling.factor`, divides where it should multiply, or scales a model that has no
+/// scaling is found at layer 0's `q_rope` (its `l_out` span in a sparse dump) and named with
+/// the scale it uses. The engines: parity's reference on a fixture of the same weights whose
+/// metadata says another factor; the goldens: the real llama.cpp, which applies the factor
+/// (a clean engine on the scaled model passes against it).
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs llama-cpp-python for the goldens (.ci/run installs it; then touch build.rs)"
+)]
+fn a_wrong_rope_scaling_is_fitted() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = |scale: Option<&str>| -> PathBuf {
+        let out = tmp
+            .path()
+            .join(format!("scale-{}.gguf", scale.unwrap_or("none")));
+        let mut args = vec!["fixture", "--out", out.to_str().unwrap()];
+        if let Some(s) = scale {
+            args.extend(["--rope-scale", s]);
+        }
+        let o = parity(&args);
+        assert!(o.status.success(), "{}", show(&o));
+        out
+    };
+    let (none, four, quarter) = (model(None), model(Some("4")), model(Some("0.25")));
+    let golden = |m: &Path| -> PathBuf {
+        let g = m.with_extension("golden");
+        let o = parity(&[
+            "golden",
+            m.to_str().unwrap(),
+            "-p",
+            "Once upon a time there was a little girl",
+            "--steps",
+            "2",
+            "--out",
+            g.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        g
+    };
+    let (g_none, g_four) = (golden(&none), golden(&four));
+    // (the model, its golden, the engine's model, the fitted name, the words)
+    let cases = [
+        (&four, &g_four, &four, None, ""),
+        (
+            &four,
+            &g_four,
+            &none,
+            Some("rope-freq-scale=1"),
+            "the engine's RoPE scales positions by 1 (no scaling: the engine ignores rope.scaling); the model scales them by 0.25 (linear scaling, rope.scaling.factor 4)",
+        ),
+        (
+            &four,
+            &g_four,
+            &quarter,
+            Some("rope-freq-scale=4"),
+            "scales positions by 4 (the factor itself, where its inverse is meant)",
+        ),
+        (
+            &none,
+            &g_none,
+            &four,
+            Some("rope-freq-scale=0.25"),
+            "scales positions by 0.25; the model has no RoPE scaling",
+        ),
+    ];
+    for (i, (m, g, engine, name, words)) in cases.into_iter().enumerate() {
+        let (prompt, forced) = golden_ids(g);
+        let full = tmp.path().join(format!("engine-{i}"));
+        let o = parity(&[
+            "dump",
+            engine.to_str().unwrap(),
+            "--tokens",
+            &prompt,
+            "--forced",
+            &forced,
+            "--emulate",
+            "ggml-cpu",
+            "--out",
+            full.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let sparse = tmp.path().join(format!("engine-{i}-sparse"));
+        sparse_copy(&full, &sparse);
+        for (trace, at_tap) in [(&full, "q_rope"), (&sparse, "l_out")] {
+            let what = format!(
+                "{} as {}: {}",
+                engine.display(),
+                m.display(),
+                trace.display()
+            );
+            let o = parity(&[
+                "diff",
+                g.to_str().unwrap(),
+                trace.to_str().unwrap(),
+                "--model",
+                m.to_str().unwrap(),
+                "--allow-model-mismatch",
+                "--json",
+                "-",
+            ]);
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout)
+                .unwrap_or_else(|e| panic!("{what}: {e}: {}", show(&o)));
+            let d = &own_inputs(&j)["first_divergence"];
+            let Some(name) = name else {
+                assert_eq!(o.status.code(), Some(0), "{what}: {}", show(&o));
+                assert!(d.is_null(), "{what}: {d:#}");
+                continue;
+            };
+            assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": 0, "layer": 0, "tap": at_tap}),
+                "{what}: {d:#}"
+            );
+            let why = d["diagnosis"].as_str().unwrap();
+            assert!(
+                why.contains(&format!("confirmed by experiment: {name} reproduces your "))
+                    && why.contains(words),
+                "{what}: {why}"
+            );
+        }
+    }
+}

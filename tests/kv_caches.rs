@@ -287,3 +287,89 @@ fn a_long_decode_split_over_threads_is_judged_as_llama_cpp_splits_it() {
         assert!(att < 1e-7, "{threads} threads: kqv_out own NMSE {att:e}");
     }
 }
+
+/// The K/V cache per step kind (#28 item 1): an engine whose prompt attends over its fresh f32
+/// (or f16) rows and whose decode steps read a quantized cache (the numpy engine's
+/// `--kv-decode`) is measured so — the prompt's cache, then the decode steps' — and passes
+/// clean under plain f32 and ggml's rounding, from full and sparse dumps; a decode-only bug
+/// in it is still found at its place and named; an engine whose steps read one cache gets no
+/// decode cache of its own. Before, the f16/Q8_0 engine was flagged at step 1's kq_soft_max.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn an_engine_whose_decode_steps_read_another_cache_is_measured_per_step_kind() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let m = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let m = m.to_str().unwrap();
+    let g = root().join("golden/tiny-llama-q8_0");
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, Option<&str>); 4] = [
+        ("f16", "q8_0", Some("q8_0")),
+        ("f32", "q8_0", Some("q8_0")),
+        ("f32", "q4_0", Some("q4_0")),
+        ("f16", "f16", None),
+    ];
+    for (kv, kv_decode, measured) in cases {
+        for rounding in ["none", "ggml"] {
+            for taps in ["all", "sparse"] {
+                let what = format!("--kv {kv} --kv-decode {kv_decode} {rounding} {taps}");
+                let out = tmp
+                    .path()
+                    .join(format!("{kv}-{kv_decode}-{rounding}-{taps}.npz"));
+                let args = [
+                    "--kv",
+                    kv,
+                    "--kv-decode",
+                    kv_decode,
+                    "--rounding",
+                    rounding,
+                    "--taps",
+                    taps,
+                ];
+                numpy_engine_trace(&py, m, &g, &out, None, &args);
+                let (code, r, text) = diff_json(m, &g, &out);
+                assert_eq!(code, 0, "{what}:\n{text}");
+                let own = own_inputs(&r);
+                assert_eq!(own["kv_cache"], kv, "{what}:\n{text}");
+                match measured {
+                    Some(d) => {
+                        assert_eq!(own["kv_cache_decode"], d, "{what}:\n{text}");
+                        assert!(
+                            text.contains(&format!(
+                                "K/V cache per step kind: the decode steps read it as {d} "
+                            )),
+                            "{what}:\n{text}"
+                        );
+                    }
+                    None => assert!(own["kv_cache_decode"].is_null(), "{what}:\n{text}"),
+                }
+                if measured.is_none() || rounding == "none" {
+                    continue;
+                }
+                // Decode-only bugs in the same engine: placed at step 1 and named.
+                for bug in ["kv-off-by-one", "rope-pos-off-by-one"] {
+                    let out = tmp
+                        .path()
+                        .join(format!("{kv}-{kv_decode}-{taps}-{bug}.npz"));
+                    numpy_engine_trace(&py, m, &g, &out, Some(bug), &args);
+                    let (code, r, text) = diff_json(m, &g, &out);
+                    assert_eq!(code, 1, "{what} {bug}:\n{text}");
+                    let d = &own_inputs(&r)["first_divergence"];
+                    assert_eq!(d["at"]["key"]["step"], 1, "{what} {bug}: {d:#}");
+                    assert_eq!(d["at"]["key"]["layer"], 0, "{what} {bug}: {d:#}");
+                    assert!(
+                        d["diagnosis"]
+                            .as_str()
+                            .unwrap()
+                            .contains(&format!("confirmed by experiment: {bug} reproduces")),
+                        "{what} {bug}: {d:#}"
+                    );
+                }
+            }
+        }
+    }
+}

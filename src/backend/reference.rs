@@ -39,6 +39,21 @@ fn q8_1_gpu(src: &[f32], dst: &mut [f32]) {
     }
 }
 
+/// Rows of K (`k`) or V as the cache `kv` stores them: rotated where llama.cpp rotates a
+/// quantized cache, then rounded to its type.
+fn store_rows(kv: &KvCache, head_dim: usize, ekv: usize, k: bool, rows: &mut [f32]) {
+    let (rotation, ty) = match k {
+        true => (kv.k_rotation(head_dim), kv.k),
+        false => (kv.v_rotation(head_dim), kv.v),
+    };
+    if let Some(n) = rotation {
+        kvcache::rotate(&kvcache::hadamard(n), n, rows);
+    }
+    for row in rows.chunks_exact_mut(ekv) {
+        ty.store(row);
+    }
+}
+
 pub struct Reference<'m> {
     model: &'m Model,
     emulation: Emulation,
@@ -46,6 +61,9 @@ pub struct Reference<'m> {
     /// Per layer: post-RoPE keys and values, `[n_ctx, n_embd_kv]` row-major.
     k_cache: Vec<Vec<f32>>,
     v_cache: Vec<Vec<f32>>,
+    /// The rows as computed, before the cache type rounded them: kept (`keeping_raw_kv`)
+    /// where a later step kind reads the cache as another type (`set_kv`).
+    kv_raw: Option<(Vec<Vec<f32>>, Vec<Vec<f32>>)>,
     /// The last row's logits of the latest forward.
     last_logits: Vec<f32>,
     /// A known engine bug to reproduce (`parity dump --mutate`), or none.
@@ -87,6 +105,7 @@ impl<'m> Reference<'m> {
             n_ctx,
             k_cache: vec![Vec::new(); c.n_layer],
             v_cache: vec![Vec::new(); c.n_layer],
+            kv_raw: None,
             last_logits: Vec::new(),
             mutation: None,
             mutation_from: 0,
@@ -104,6 +123,38 @@ impl<'m> Reference<'m> {
     pub fn with_kv(mut self, kv: KvCache) -> Self {
         self.kv = kv;
         self
+    }
+
+    /// Keep each K/V row as computed besides the cache's rounded copy, so that `set_kv` can
+    /// read the cache as another type from then on.
+    pub fn keeping_raw_kv(mut self) -> Self {
+        let n = self.model.config.n_layer;
+        self.kv_raw = Some((vec![Vec::new(); n], vec![Vec::new(); n]));
+        self
+    }
+
+    /// The cache as `kv` from now on (an engine whose decode steps read its cache otherwise
+    /// than its prompt step): with the rows kept (`keeping_raw_kv`), every row stored so far
+    /// is stored again as `kv` stores it; without them only the arithmetic changes.
+    pub fn set_kv(&mut self, kv: KvCache) {
+        let hd = self.model.config.head_dim;
+        let stored = |c: &KvCache| (c.k, c.v, c.k_rotation(hd), c.v_rotation(hd));
+        let restore = stored(&kv) != stored(&self.kv);
+        self.kv = kv;
+        if !restore {
+            return;
+        }
+        let Some((kr, vr)) = &self.kv_raw else { return };
+        let ekv = self.model.config.n_embd_kv();
+        for (caches, raws, k) in [
+            (&mut self.k_cache, kr, true),
+            (&mut self.v_cache, vr, false),
+        ] {
+            for (c, r) in caches.iter_mut().zip(raws) {
+                c.clone_from(r);
+                store_rows(&kv, hd, ekv, k, c);
+            }
+        }
     }
 
     /// Round the output projection's inputs as `e` says (None: as every other matmul).
@@ -777,6 +828,9 @@ impl Backend for Reference<'_> {
         for c in self.k_cache.iter_mut().chain(self.v_cache.iter_mut()) {
             c.clear();
         }
+        if let Some((k, v)) = &mut self.kv_raw {
+            k.iter_mut().chain(v.iter_mut()).for_each(Vec::clear);
+        }
         self.turn_start = 0;
     }
 
@@ -988,6 +1042,16 @@ impl Ops for Reference<'_> {
                 c.resize(held, 0.0);
             }
         }
+        if let Some((kr, vr)) = &mut self.kv_raw {
+            for (c, x) in [(&mut kr[layer], k), (&mut vr[layer], v)] {
+                if c.len() < held {
+                    c.resize(held, 0.0);
+                }
+                if slot + t <= self.n_ctx {
+                    c[slot * ekv..(slot + t) * ekv].copy_from_slice(x);
+                }
+            }
+        }
         if slot + t <= self.n_ctx {
             let hd = self.model.config.head_dim;
             let (kc, vc) = (
@@ -996,18 +1060,8 @@ impl Ops for Reference<'_> {
             );
             kc.copy_from_slice(k);
             vc.copy_from_slice(v);
-            if let Some(n) = self.kv.k_rotation(hd) {
-                kvcache::rotate(&kvcache::hadamard(n), n, kc);
-            }
-            if let Some(n) = self.kv.v_rotation(hd) {
-                kvcache::rotate(&kvcache::hadamard(n), n, vc);
-            }
-            for row in kc.chunks_exact_mut(ekv) {
-                self.kv.k.store(row);
-            }
-            for row in vc.chunks_exact_mut(ekv) {
-                self.kv.v.store(row);
-            }
+            store_rows(&self.kv, hd, ekv, true, kc);
+            store_rows(&self.kv, hd, ekv, false, vc);
         }
     }
 

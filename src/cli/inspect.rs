@@ -367,6 +367,11 @@ pub struct FixtureArgs {
     /// Sliding-window length of gemma2 and gemma3 (shorter than the prompt, so it slides).
     #[arg(long, default_value_t = 4)]
     n_swa: usize,
+    /// Linear RoPE scaling: positions divided by this factor (rope.scaling.factor; gemma3's
+    /// global layers have 8 of their own). Not for phi3, which scales through its factor
+    /// tensors.
+    #[arg(long)]
+    rope_scale: Option<f32>,
     /// Overwrite OUT if it exists.
     #[arg(long)]
     force: bool,
@@ -465,6 +470,19 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.n_vocab = a.n_vocab;
     spec.tied = a.tied;
     spec.n_swa = a.n_swa;
+    if let Some(f) = a.rope_scale {
+        if !(f.is_finite() && f > 0.0) {
+            return Err(err(format!(
+                "--rope-scale {f}: a RoPE scaling factor is a positive number"
+            )));
+        }
+        if a.arch == "phi3" {
+            return Err(err(
+                "--rope-scale: phi3 scales RoPE through its factor tensors (LongRoPE), not a linear factor".to_string(),
+            ));
+        }
+        spec.rope_scale = Some(f);
+    }
     let w = build(&spec).map_err(err)?;
     // Read it back as a model before writing: a fixture parity cannot open is refused here.
     let file = GgufFile::from_bytes(w.to_bytes())

@@ -145,6 +145,8 @@ pub struct Comparison {
     pub output_rounding: Option<&'static str>,
     /// The K/V cache the own-error judgement held the candidate to (`own-inputs` only).
     pub kv_cache: Option<String>,
+    /// The cache the decode steps read where it differs from `kv_cache` (`own-inputs` only).
+    pub kv_cache_decode: Option<String>,
     /// What the comparison cannot see, said with its verdict (`own-inputs`: a widened matmul
     /// floor, keys judged as spans).
     pub limits: Vec<String>,
@@ -279,6 +281,7 @@ pub fn compare(
         rounding_family: None,
         output_rounding: None,
         kv_cache: None,
+        kv_cache_decode: None,
         limits: Vec::new(),
     })
 }

@@ -16,6 +16,7 @@
 //! rounded matmul carry a flip floor.
 
 use crate::backend::Emulation;
+use crate::backend::kvcache::KvCache;
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
@@ -122,6 +123,8 @@ pub struct Floors {
     pub decode: Option<Emulation>,
     /// The output projection's rounding where it differs (`Setup::output`).
     pub output: Option<Emulation>,
+    /// The cache the decode steps read where it differs from the prompt's (`Setup::kv_decode`).
+    pub kv_decode: Option<KvCache>,
     /// Median own NMSE of the matmuls judged on their own (None: the trace has none).
     pub mm_median_own: Option<f64>,
     /// Median own NMSE of the spans that contain a matmul.
@@ -145,6 +148,7 @@ impl Floors {
         Floors {
             mm_median_own: self.mm_median_own,
             mm_median_span: self.mm_median_span,
+            kv_decode: self.kv_decode,
             ..Floors::new(model, rounding, self.decode, self.pos_max).with_output(model, output)
         }
     }
@@ -165,6 +169,7 @@ impl Floors {
             rounding,
             decode,
             output: None,
+            kv_decode: None,
             mm_median_own: None,
             mm_median_span: None,
             flips,

@@ -70,6 +70,7 @@ pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup
         decode: floors.decode,
         output: floors.output,
         kv,
+        kv_decode: floors.kv_decode,
         mutation: None,
         knob: None,
         window,
@@ -106,6 +107,7 @@ fn experiments(
     let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
     let window = Window::for_key(cand, &k);
     let base = clean_setup(floors, kv, window);
+    let first_step = cand.steps().into_iter().min().unwrap_or(0);
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
     // (step, layer): layouts are tested on them, the fallback heuristics read them.
     let keep: BTreeSet<TapKey> = cand
@@ -196,7 +198,7 @@ fn experiments(
             // a quantized one) is replayed under each other cache parity emulates, the closest
             // kept. (A wrong hypothesis stays far off under any cache.)
             if best > VISIBLE && own.is_some_and(|o| best * CACHE_RETRY < o) {
-                for other in other_caches(&setup, model) {
+                for other in other_caches(&setup, model, k.step > first_step) {
                     let r = replay(model, cand, &other, &BTreeSet::new())?;
                     if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < best) {
                         best = m.nmse;
@@ -327,7 +329,9 @@ fn knob_acts(
         Knob::AttnSoftcap => classes.contains(&OpClass::Attention),
         Knob::FinalSoftcap => span.iter().any(|x| x.tap == Tap::Logits),
         Knob::RmsEps => classes.contains(&OpClass::Norm),
-        Knob::RopeTheta => classes.contains(&OpClass::Rope) && model.config.n_rot >= 2,
+        Knob::RopeTheta | Knob::RopeFreqScale => {
+            classes.contains(&OpClass::Rope) && model.config.n_rot >= 2
+        }
         Knob::AttnScale => classes.contains(&OpClass::Attention),
         // Fitted apart, on a single op (`fit_scale`).
         Knob::OutputScale(..) => false,
@@ -338,7 +342,7 @@ fn knob_acts(
 /// `scale:ffn_out=0.5`.
 pub fn knob_name(knob: Knob, v: f32) -> String {
     match knob {
-        Knob::OutputScale(..) | Knob::AttnSoftcap | Knob::FinalSoftcap => {
+        Knob::OutputScale(..) | Knob::AttnSoftcap | Knob::FinalSoftcap | Knob::RopeFreqScale => {
             format!("{}={}", knob.name(), fmt_factor(v))
         }
         _ => format!("{}={}", knob.name(), fmt_num(v)),
@@ -391,7 +395,11 @@ fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
         // Half a decade, 10 to 1e9.
         Knob::RopeTheta => (0.5, 1.0, 9.0),
         // A factor 2, from 1/256 to 256 times the model's (an output scale is not walked).
-        Knob::AttnScale | Knob::AttnSoftcap | Knob::FinalSoftcap | Knob::OutputScale(..) => (
+        Knob::AttnScale
+        | Knob::RopeFreqScale
+        | Knob::AttnSoftcap
+        | Knob::FinalSoftcap
+        | Knob::OutputScale(..) => (
             std::f64::consts::LOG10_2,
             l0 - 8.0 * std::f64::consts::LOG10_2,
             l0 + 8.0 * std::f64::consts::LOG10_2,
@@ -426,6 +434,11 @@ fn round_values(knob: Knob, model: &Model, v: f64, span: f64) -> Vec<f32> {
                 .flatten()
                 .filter(|&x| near(x as f64)),
         );
+    }
+    if knob == Knob::RopeFreqScale {
+        // No scaling, and the factor where its inverse is meant.
+        let fs = model.config.rope_freq_scale;
+        out.extend([1.0, 1.0 / fs].into_iter().filter(|&x| near(x as f64)));
     }
     if knob == Knob::AttnScale {
         // As an engine computes them in f32.
@@ -480,7 +493,9 @@ fn fit(
     // round values; 10^-3, not its neighbour), for the scale the model's times a power of 2.
     let at = |l: f64| -> f32 {
         match knob {
-            Knob::AttnScale => (v0 as f64 * 2f64.powf(((l - l0) / step).round())) as f32,
+            Knob::AttnScale | Knob::RopeFreqScale => {
+                (v0 as f64 * 2f64.powf(((l - l0) / step).round())) as f32
+            }
             _ => format!("{:.2e}", 10f64.powf(l)).parse().unwrap_or(f32::NAN),
         }
     };
@@ -1028,6 +1043,30 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                 fmt_num(v),
                 c.rope_theta
             ),
+            Knob::RopeFreqScale => {
+                let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
+                let fs = c.rope_freq_scale;
+                let model_says = if close(fs, 1.0) {
+                    "the model has no RoPE scaling".to_string()
+                } else {
+                    format!(
+                        "the model scales them by {} (linear scaling, rope.scaling.factor {})",
+                        fmt_factor(fs),
+                        fmt_factor(1.0 / fs)
+                    )
+                };
+                let what = if close(v, 1.0) {
+                    " (no scaling: the engine ignores rope.scaling)".to_string()
+                } else if close(v, 1.0 / fs) {
+                    " (the factor itself, where its inverse is meant)".to_string()
+                } else {
+                    String::new()
+                };
+                format!(
+                    "the engine's RoPE scales positions by {}{what}; {model_says} ({fitted})",
+                    fmt_factor(v)
+                )
+            }
             Knob::AttnScale => {
                 let hd = c.head_dim as f32;
                 let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
@@ -1194,17 +1233,28 @@ fn heuristic(
     )
 }
 
-/// `setup` under each other K/V cache parity emulates for this model's heads.
-fn other_caches(setup: &Setup, model: &Model) -> Vec<Setup> {
-    setup
-        .kv
-        .alternatives(model.config.head_dim)
-        .into_iter()
-        .map(|kv| Setup {
-            kv,
+/// `setup` under each other K/V cache parity emulates for this model's heads, for every step;
+/// for a key of a decode step (`decode`) also with the prompt's cache kept and each other one
+/// read by the decode steps alone (a decode-only bug hides which cache they read: the
+/// measurement keeps the prompt's).
+fn other_caches(setup: &Setup, model: &Model, decode: bool) -> Vec<Setup> {
+    let hd = model.config.head_dim;
+    // The decode steps' cache alone first: it changes the least (the prompt's steps stay as
+    // measured), and a tie keeps the first.
+    let mut v: Vec<Setup> = Vec::new();
+    if decode {
+        let now = setup.kv_decode.unwrap_or(setup.kv);
+        v.extend(now.alternatives(hd).into_iter().map(|c| Setup {
+            kv_decode: (c != setup.kv).then_some(c),
             ..setup.clone()
-        })
-        .collect()
+        }));
+    }
+    v.extend(setup.kv.alternatives(hd).into_iter().map(|kv| Setup {
+        kv,
+        kv_decode: None,
+        ..setup.clone()
+    }));
+    v
 }
 
 /// The earliest key a hypothesis reproduces (`locate`), under every K/V cache parity emulates:
@@ -1218,7 +1268,8 @@ fn place(
     k: &TapKey,
 ) -> Result<Option<(TapKey, f64, f64)>, JudgeError> {
     let mut best = locate(model, cand, setup, ops, k)?;
-    for other in other_caches(setup, model) {
+    let first_step = ops.iter().map(|o| o.key.step).min().unwrap_or(0);
+    for other in other_caches(setup, model, k.step > first_step) {
         if let Some(y) = locate(model, cand, &other, ops, k)?
             && best.as_ref().is_none_or(|x| y.0 < x.0)
         {

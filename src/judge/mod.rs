@@ -208,6 +208,10 @@ pub struct Judgement {
     /// The K/V cache type that reproduces the engine's attention best.
     pub kv: KvCache,
     pub kv_fits: Vec<KvFit>,
+    /// The cache the decode steps read where it differs from the prompt's (`kv`), and how
+    /// each cache fitted the first decode step's attention (empty: not measured).
+    pub kv_decode: Option<KvCache>,
+    pub kv_decode_fits: Vec<KvFit>,
     /// Matmul floor in use (follows the trace's median matmul own error).
     pub matmul_floor: f64,
     pub ops: Vec<OpResult>,
@@ -395,19 +399,22 @@ fn judge_once(
             best,
             kv,
             kv_fits,
+            kv_decode,
+            kv_decode_fits,
         } = measured.take().expect("measured once per pass");
 
         // The whole trace under the chosen rounding and cache (unless detection already ran it
         // whole).
         let full = Window::full(n_layer, s_max);
         let mut rep = match best {
-            Some((_, _, rep, true)) if kv == KvCache::F32 => rep,
+            Some((_, _, rep, true)) if kv == KvCache::F32 && kv_decode.is_none() => rep,
             _ => {
                 let setup = Setup {
                     rounding,
                     decode,
                     output,
                     kv,
+                    kv_decode,
                     mutation: None,
                     knob: None,
                     window: full,
@@ -418,8 +425,50 @@ fn judge_once(
 
         // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
         // twin's error (an element on a tie may take either neighbour: no bug).
-        let (rounding, ties) =
-            rounding::refit_ties(model, &cand, &mut rep, rounding, decode, output, kv, full)?;
+        // The decode steps' cache, measured where the prompt's leaves their attention above
+        // f32 noise (`rounding::decode_cache`).
+        let (mut kv_decode, mut kv_decode_fits) = (kv_decode, kv_decode_fits);
+        let d1 = steps.iter().copied().filter(|&s| s > first_step).min();
+        if let Some(d1) = d1
+            && kv_decode_fits.is_empty()
+            && opt.kv_caches.len() > 1
+            && let Some(under_kv) = rounding::decode_attention_fit(model, &cand, &rep, d1)
+            && under_kv > rounding::KV_DECODE_NOISE
+        {
+            let (c, fits) = rounding::decode_cache(
+                model,
+                &cand,
+                opt,
+                (rounding, decode, output),
+                (kv, under_kv),
+                d1,
+            )?;
+            kv_decode_fits = fits;
+            if let Some(c) = c {
+                kv_decode = Some(c);
+                let setup = Setup {
+                    rounding,
+                    decode,
+                    output,
+                    kv,
+                    kv_decode,
+                    mutation: None,
+                    knob: None,
+                    window: full,
+                };
+                rep = replay(model, &cand, &setup, &none)?;
+            }
+        }
+        let (rounding, ties) = rounding::refit_ties(
+            model,
+            &cand,
+            &mut rep,
+            rounding,
+            decode,
+            output,
+            (kv, kv_decode),
+            full,
+        )?;
 
         // Floors.
         let pos_max = trace
@@ -430,6 +479,7 @@ fn judge_once(
             .max()
             .unwrap_or(0);
         let mut floors = Floors::new(model, rounding, decode, pos_max).with_output(model, output);
+        floors.kv_decode = kv_decode;
         let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
             rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
         let own_mm: Vec<f64> = spans
@@ -527,6 +577,8 @@ fn judge_once(
                         best: None,
                         kv,
                         kv_fits,
+                        kv_decode,
+                        kv_decode_fits,
                     });
                     remeasured = Some(note);
                     continue;
@@ -562,6 +614,8 @@ fn judge_once(
             remeasured: remeasured.is_some(),
             kv,
             kv_fits,
+            kv_decode,
+            kv_decode_fits,
             matmul_floor: floors.matmul(),
             ops,
             first,
@@ -716,6 +770,7 @@ fn layers_with_the_bug(
             decode: None,
             output: None,
             kv,
+            kv_decode: None,
             mutation: Some(m),
             knob: None,
             window,
@@ -841,6 +896,22 @@ pub fn render(j: &Judgement) -> String {
         );
     } else if j.kv != KvCache::F32 {
         let _ = writeln!(s, "K/V cache (given): {}", j.kv.name());
+    }
+    if j.kv_decode_fits.len() > 1 {
+        let d = j.kv_decode.unwrap_or(j.kv);
+        let fits: Vec<String> = j
+            .kv_decode_fits
+            .iter()
+            .map(|f| format!("{}: {:.1e}", f.kv.name(), f.median_nmse))
+            .collect();
+        let _ = writeln!(
+            s,
+            "K/V cache per step kind: the decode steps read it as {}{} (the first decode step's median own NMSE through attention, the prompt under {}: {})",
+            d.name(),
+            if j.kv_decode.is_none() { " too" } else { "" },
+            j.kv.name(),
+            fits.join("; ")
+        );
     }
     if !j.aligned.is_empty() {
         let _ = writeln!(s, "declared layouts aligned: {}", j.aligned.join(", "));

@@ -73,6 +73,7 @@ pub fn locate(
             decode: j.decode_rounding,
             output: j.output_rounding,
             kv: j.kv,
+            kv_decode: j.kv_decode,
             mutation: None,
             knob: None,
             window: Window::for_key(cand, &key),

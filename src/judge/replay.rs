@@ -122,6 +122,9 @@ pub enum Knob {
     RmsEps,
     /// RoPE's frequency base (`rope.freq_base`).
     RopeTheta,
+    /// RoPE's linear position scale (1 / `rope.scaling.factor`): an engine that ignores the
+    /// model's scaling, or multiplies by the factor where it should divide.
+    RopeFreqScale,
     /// The attention score scale (1/sqrt(head_dim) unless the architecture says otherwise).
     AttnScale,
     /// The attention scores' soft-cap (gemma2: `attn_logit_softcapping`).
@@ -138,9 +141,10 @@ pub enum Knob {
 
 impl Knob {
     /// The hyperparameters fitted by search (an output scale is fitted apart, per tap).
-    pub const ALL: [Knob; 5] = [
+    pub const ALL: [Knob; 6] = [
         Knob::RmsEps,
         Knob::RopeTheta,
+        Knob::RopeFreqScale,
         Knob::AttnScale,
         Knob::AttnSoftcap,
         Knob::FinalSoftcap,
@@ -151,6 +155,7 @@ impl Knob {
         match self {
             Knob::RmsEps => "rms-eps".into(),
             Knob::RopeTheta => "rope-theta".into(),
+            Knob::RopeFreqScale => "rope-freq-scale".into(),
             Knob::AttnScale => "attn-scale".into(),
             Knob::AttnSoftcap => "attn-softcap".into(),
             Knob::FinalSoftcap => "final-softcap".into(),
@@ -165,6 +170,7 @@ impl Knob {
         match self {
             Knob::RmsEps => c.rms_eps,
             Knob::RopeTheta => c.rope_theta,
+            Knob::RopeFreqScale => c.rope_freq_scale,
             Knob::AttnScale => c.kq_scale,
             Knob::AttnSoftcap => c.attn_softcap.unwrap_or(f32::NAN),
             Knob::FinalSoftcap => c.final_softcap.unwrap_or(f32::NAN),
@@ -182,6 +188,14 @@ impl Knob {
         match self {
             Knob::RmsEps => c.rms_eps = v,
             Knob::RopeTheta => c.rope_theta = v,
+            Knob::RopeFreqScale => {
+                // Sliding layers that share the global scaling (gemma2) take the value too;
+                // those with their own (gemma3's local layers: 1) keep theirs.
+                if c.rope_freq_scale_swa == c.rope_freq_scale {
+                    c.rope_freq_scale_swa = v;
+                }
+                c.rope_freq_scale = v;
+            }
             Knob::AttnScale => c.kq_scale = v,
             Knob::AttnSoftcap => c.attn_softcap = Some(v),
             Knob::FinalSoftcap => c.final_softcap = Some(v),
@@ -219,6 +233,10 @@ pub struct Setup {
     /// substituted) are stored as it stores them, and attention computed around it as the
     /// engine computes it (`backend::kvcache`).
     pub kv: KvCache,
+    /// The cache as the steps after the first read it, where it differs from `kv` (an engine
+    /// whose prompt attends over its fresh f32 rows and whose decode steps read a quantized
+    /// cache, or whose two kernels round the cache unlike each other).
+    pub kv_decode: Option<KvCache>,
     pub mutation: Option<Mutation>,
     pub knob: Option<(Knob, f32)>,
     pub window: Window,
@@ -349,6 +367,9 @@ pub fn replay(
         .with_mutation(setup.mutation)
         .with_kv(setup.kv)
         .with_output_emulation(setup.output);
+    if setup.kv_decode.is_some() {
+        b = b.keeping_raw_kv();
+    }
     let mut sink = JudgeSink {
         cand,
         window: w,
@@ -366,10 +387,13 @@ pub fn replay(
         error: None,
     };
     for (i, s) in steps.into_iter().enumerate() {
-        if i == 1
-            && let Some(d) = setup.decode
-        {
-            b.set_emulation(d);
+        if i == 1 {
+            if let Some(d) = setup.decode {
+                b.set_emulation(d);
+            }
+            if let Some(c) = setup.kv_decode {
+                b.set_kv(c);
+            }
         }
         let pos0 = s.positions.first().copied().unwrap_or(0);
         b.forward(&s.tokens, pos0, s.step, &mut sink)?;

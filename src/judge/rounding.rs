@@ -178,7 +178,7 @@ pub fn refit_ties(
     rounding: Emulation,
     decode: Option<Emulation>,
     output: Option<Emulation>,
-    kv: KvCache,
+    (kv, kv_decode): (KvCache, Option<KvCache>),
     full: Window,
 ) -> Result<(Emulation, Vec<(TapKey, Emulation)>), JudgeError> {
     let mut ties: Vec<(TapKey, Emulation)> = Vec::new();
@@ -201,6 +201,7 @@ pub fn refit_ties(
             decode,
             output,
             kv,
+            kv_decode,
             mutation: None,
             knob: None,
             window: full,
@@ -282,6 +283,10 @@ pub struct Measured {
     pub best: Option<(Emulation, f64, replay::Replay, bool)>,
     pub kv: KvCache,
     pub kv_fits: Vec<KvFit>,
+    /// The cache the decode steps read where it differs from the prompt's, and how each
+    /// cache fitted the first decode step's attention (empty: not measured).
+    pub kv_decode: Option<KvCache>,
+    pub kv_decode_fits: Vec<KvFit>,
 }
 
 /// Measure the rounding (in `detection_window`) and then the K/V cache type (in the first
@@ -333,6 +338,7 @@ pub fn measure(
                 decode: None,
                 output: None,
                 kv: KvCache::F32,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window: detect,
@@ -405,6 +411,7 @@ pub fn measure(
             decode: None,
             output: None,
             kv: KvCache::F32,
+            kv_decode: None,
             mutation: None,
             knob: None,
             window,
@@ -430,6 +437,7 @@ pub fn measure(
                 decode: None,
                 output: None,
                 kv: KvCache::F32,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window,
@@ -481,6 +489,7 @@ pub fn measure(
                 decode: None,
                 output: None,
                 kv: KvCache::F32,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window: Window::for_key(cand, &lm),
@@ -520,6 +529,7 @@ pub fn measure(
                 decode: None, // the first step's logits: the prefill's rounding
                 output: Some(r),
                 kv: KvCache::F32,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window,
@@ -577,6 +587,7 @@ pub fn measure(
                 decode: Some(r),
                 output,
                 kv: KvCache::F32,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window,
@@ -635,6 +646,7 @@ pub fn measure(
                 decode,
                 output,
                 kv: c,
+                kv_decode: None,
                 mutation: None,
                 knob: None,
                 window,
@@ -680,7 +692,99 @@ pub fn measure(
         best,
         kv,
         kv_fits,
+        kv_decode: None,
+        kv_decode_fits: Vec::new(),
     })
+}
+
+/// A decode step's attention that the prompt's cache reproduces this closely is reproduced:
+/// no other cache is tried for the decode steps.
+pub const KV_DECODE_NOISE: f64 = 1e-12;
+/// Another cache for the decode steps must reproduce their attention at least this closely,
+/// and `KV_DECODE_CUT` times closer than the prompt's: a decode-only bug, which no cache
+/// reproduces (1e-4 and up), leaves the prompt's cache in place. Not f32 noise: in a sparse
+/// dump the reference computes K itself from the layer's input, and an f32 ulp there can
+/// send a quantized cache's value to the other neighbour (measured: Q8_0 read at decode after
+/// an f16 prompt, plain f32, 1.4e-8 against the f16 cache's 1.6e-5).
+const KV_DECODE_CAP: f64 = 1e-6;
+const KV_DECODE_CUT: f64 = 10.0;
+
+/// The median own NMSE through attention of step `d1`'s keys in the first two layers of
+/// `rep` (None: none there).
+pub fn decode_attention_fit(
+    model: &Model,
+    cand: &Candidate,
+    rep: &replay::Replay,
+    d1: usize,
+) -> Option<f64> {
+    let l_end = model.config.n_layer.min(2);
+    let v: Vec<f64> = rep
+        .metrics
+        .iter()
+        .filter(|(k, _)| {
+            k.step == d1
+                && k.layer.is_none_or(|l| l < l_end)
+                && span(cand, k)
+                    .iter()
+                    .any(|x| class(x.tap) == OpClass::Attention)
+        })
+        .map(|(_, m)| m.nmse)
+        .collect();
+    median(v)
+}
+
+/// The cache as the decode steps read it, where it differs from the prompt's `kv`: an engine
+/// may attend over its prompt's fresh f32 rows and read a quantized cache when it decodes, or
+/// round the cache in one kernel and not in the other. Called where `kv` leaves the first
+/// decode step `d1`'s attention above f32 noise (`KV_DECODE_NOISE`; its fit there `under_kv`):
+/// each other cache tried for the decode steps in the first two layers (the prompt replayed
+/// under `kv`); the closest is kept where it reproduces that attention `KV_DECODE_CUT` times
+/// closer than `kv`, and to `KV_DECODE_CAP`.
+pub fn decode_cache(
+    model: &Model,
+    cand: &Candidate,
+    opt: &JudgeOptions,
+    (rounding, decode, output): (Emulation, Option<Emulation>, Option<Emulation>),
+    (kv, under_kv): (KvCache, f64),
+    d1: usize,
+) -> Result<(Option<KvCache>, Vec<KvFit>), JudgeError> {
+    let n_layer = model.config.n_layer;
+    let window = Window {
+        s_max: d1,
+        l0: 0,
+        l_end: n_layer.min(2),
+        end: n_layer <= 2,
+    };
+    let mut fits = vec![KvFit {
+        kv,
+        median_nmse: under_kv,
+    }];
+    for c in opt.kv_caches.iter().copied().filter(|&c| c != kv) {
+        let setup = Setup {
+            rounding,
+            decode,
+            output,
+            kv,
+            kv_decode: Some(c),
+            mutation: None,
+            knob: None,
+            window,
+        };
+        let rep = replay(model, cand, &setup, &BTreeSet::new())?;
+        let Some(m) = decode_attention_fit(model, cand, &rep, d1) else {
+            break;
+        };
+        fits.push(KvFit {
+            kv: c,
+            median_nmse: m,
+        });
+    }
+    let best = fits[1..]
+        .iter()
+        .filter(|f| f.median_nmse * KV_DECODE_CUT < under_kv && f.median_nmse <= KV_DECODE_CAP)
+        .min_by(|a, b| a.median_nmse.total_cmp(&b.median_nmse))
+        .map(|f| f.kv);
+    Ok((best, fits))
 }
 
 pub fn short(r: Emulation) -> &'static str {

@@ -298,6 +298,7 @@ pub fn own_comparison(
         rounding_family: Some(j.rounding.name()),
         output_rounding: j.output_rounding.map(|o| o.name()),
         kv_cache: Some(j.kv.name()),
+        kv_cache_decode: j.kv_decode.map(|c| c.name()),
         limits: j.limits(),
     }
 }

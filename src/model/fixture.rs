@@ -29,6 +29,9 @@ pub struct FixtureSpec {
     pub q4_k_m: bool,
     /// Sliding-window length of gemma2/gemma3 (and phi3's, which llama.cpp ignores).
     pub n_swa: usize,
+    /// Linear RoPE scaling (`rope.scaling.factor`: positions divided by it), where the
+    /// architecture's own preset has none or another (gemma3's global layers: 8).
+    pub rope_scale: Option<f32>,
 }
 
 /// `parity fixture --arch` names: the architectures, plus `llama3`.
@@ -69,6 +72,7 @@ impl FixtureSpec {
             tied: false,
             q4_k_m: false,
             n_swa: 4,
+            rope_scale: None,
         }
     }
 }
@@ -288,6 +292,10 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
             w.set(&k("rope.scaling.attn_factor"), Value::F32(f as f32));
         }
         _ => {}
+    }
+    if let Some(f) = spec.rope_scale {
+        w.set(&k("rope.scaling.type"), Value::String("linear".into()));
+        w.set(&k("rope.scaling.factor"), Value::F32(f));
     }
     w.set(&k("vocab_size"), Value::U32(n_vocab as u32));
     w.set("tokenizer.ggml.model", Value::String("llama".into()));

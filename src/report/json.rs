@@ -140,6 +140,11 @@ pub struct ComparisonReport {
     /// other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_cache: Option<String>,
+    /// For `own-inputs`: the cache the decode steps read where it differs from `kv_cache`
+    /// (an engine whose prompt attends over its fresh f32 rows and whose decode steps read a
+    /// quantized cache, measured per step kind); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_decode: Option<String>,
     /// What the comparison cannot see, in the verdict's words (`own-inputs`: a matmul floor
     /// widened because no known rounding reproduces the engine; keys judged as spans of ops
     /// the trace has no taps inside); absent when there is nothing to say.
@@ -385,6 +390,7 @@ pub fn comparison(c: &Comparison) -> ComparisonReport {
         rounding_family: c.rounding_family.map(str::to_string),
         output_rounding: c.output_rounding.map(str::to_string),
         kv_cache: c.kv_cache.clone(),
+        kv_cache_decode: c.kv_cache_decode.clone(),
         limits: c.limits.clone(),
     }
 }
