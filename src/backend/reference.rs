@@ -54,6 +54,9 @@ fn store_rows(kv: &KvCache, head_dim: usize, ekv: usize, k: bool, rows: &mut [f3
     }
 }
 
+/// Per layer, rows of `n_embd_kv` values.
+type LayerRows = Vec<Vec<f32>>;
+
 pub struct Reference<'m> {
     model: &'m Model,
     emulation: Emulation,
@@ -63,7 +66,7 @@ pub struct Reference<'m> {
     v_cache: Vec<Vec<f32>>,
     /// The rows as computed, before the cache type rounded them: kept (`keeping_raw_kv`)
     /// where a later step kind reads the cache as another type (`set_kv`).
-    kv_raw: Option<(Vec<Vec<f32>>, Vec<Vec<f32>>)>,
+    kv_raw: Option<(LayerRows, LayerRows)>,
     /// The last row's logits of the latest forward.
     last_logits: Vec<f32>,
     /// A known engine bug to reproduce (`parity dump --mutate`), or none.
