@@ -681,6 +681,54 @@ fn cases() -> Vec<Case> {
             after: Some(|d| clean(d, &["z.gguf"])),
         },
         Case {
+            name: "fixture --rope-scale 0",
+            needs: &[],
+            args: |d| os(&[&"fixture", &"--rope-scale", &"0", &"-o", &d.join("z.gguf")]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--rope-scale 0", "positive"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
+            name: "fixture --rope-scale NaN",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"fixture",
+                    &"--rope-scale",
+                    &"NaN",
+                    &"-o",
+                    &d.join("z.gguf"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--rope-scale NaN", "positive"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
+            name: "fixture --arch phi3 --rope-scale 4",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"fixture",
+                    &"--arch",
+                    &"phi3",
+                    &"--rope-scale",
+                    &"4",
+                    &"-o",
+                    &d.join("z.gguf"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--rope-scale", "phi3", "LongRoPE"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
             name: "fixture with an odd head size",
             needs: &[],
             args: |d| {

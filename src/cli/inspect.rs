@@ -443,6 +443,18 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
             .ok_or_else(|| err(format!("unknown weight type '{}'", a.weight_type)))?
     };
     check_fixture_sizes(&a, ty)?;
+    if let Some(f) = a.rope_scale {
+        if !(f.is_finite() && f > 0.0) {
+            return Err(err(format!(
+                "--rope-scale {f}: a RoPE scaling factor is a positive number"
+            )));
+        }
+        if a.arch == "phi3" {
+            return Err(err(
+                "--rope-scale: phi3 scales RoPE through its factor tensors (LongRoPE), not a linear factor".to_string(),
+            ));
+        }
+    }
     // Only an absent path or (with --force) a regular file is written: a FIFO, a device or a
     // folder is refused, never replaced.
     crate::trace::staging::check_output_file(&a.out, "--out").map_err(err)?;
@@ -470,19 +482,7 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.n_vocab = a.n_vocab;
     spec.tied = a.tied;
     spec.n_swa = a.n_swa;
-    if let Some(f) = a.rope_scale {
-        if !(f.is_finite() && f > 0.0) {
-            return Err(err(format!(
-                "--rope-scale {f}: a RoPE scaling factor is a positive number"
-            )));
-        }
-        if a.arch == "phi3" {
-            return Err(err(
-                "--rope-scale: phi3 scales RoPE through its factor tensors (LongRoPE), not a linear factor".to_string(),
-            ));
-        }
-        spec.rope_scale = Some(f);
-    }
+    spec.rope_scale = a.rope_scale;
     let w = build(&spec).map_err(err)?;
     // Read it back as a model before writing: a fixture parity cannot open is refused here.
     let file = GgufFile::from_bytes(w.to_bytes())

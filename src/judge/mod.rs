@@ -423,11 +423,10 @@ fn judge_once(
             }
         };
 
-        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
-        // twin's error (an element on a tie may take either neighbour: no bug).
         // The decode steps' cache, measured where the prompt's leaves their attention above
-        // f32 noise (`rounding::decode_cache`).
-        let (mut kv_decode, mut kv_decode_fits) = (kv_decode, kv_decode_fits);
+        // noise (`rounding::decode_cache`).
+        let (mut kv, mut kv_decode, mut kv_decode_fits) = (kv, kv_decode, kv_decode_fits);
+        let mut kv_from_decode = false;
         let d1 = steps.iter().copied().filter(|&s| s > first_step).min();
         if let Some(d1) = d1
             && kv_decode_fits.is_empty()
@@ -445,7 +444,20 @@ fn judge_once(
             )?;
             kv_decode_fits = fits;
             if let Some(c) = c {
-                kv_decode = Some(c);
+                // Where no cache reproduced the prompt's attention (a bug there outweighs every
+                // cache's rounding, and the first tried was kept), the decode steps, which
+                // measure it cleanly, say which cache the engine keeps: one cache for both
+                // step kinds, as most engines keep.
+                let prompt_unmeasured = kv_fits.len() > 1
+                    && kv_fits
+                        .iter()
+                        .all(|f| f.median_nmse > rounding::KV_DECODE_CAP);
+                if prompt_unmeasured {
+                    kv = c;
+                    kv_from_decode = true;
+                } else {
+                    kv_decode = Some(c);
+                }
                 let setup = Setup {
                     rounding,
                     decode,
@@ -459,6 +471,8 @@ fn judge_once(
                 rep = replay(model, &cand, &setup, &none)?;
             }
         }
+        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
+        // twin's error (an element on a tie may take either neighbour: no bug).
         let (rounding, ties) = rounding::refit_ties(
             model,
             &cand,
@@ -498,8 +512,15 @@ fn judge_once(
         // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
         // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
         // span floors are never tighter than without the emulation.
+        // (Where the cache was taken from the decode steps, their f32 fit: the prompt's is the
+        // bug's.)
+        let fits_of_kv = if kv_from_decode {
+            &kv_decode_fits
+        } else {
+            &kv_fits
+        };
         if kv == KvCache::F16
-            && let Some(f) = kv_fits.iter().find(|f| f.kv == KvCache::F32)
+            && let Some(f) = fits_of_kv.iter().find(|f| f.kv == KvCache::F32)
         {
             floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f.median_nmse));
         }
@@ -904,14 +925,27 @@ pub fn render(j: &Judgement) -> String {
             .iter()
             .map(|f| format!("{}: {:.1e}", f.kv.name(), f.median_nmse))
             .collect();
-        let _ = writeln!(
-            s,
-            "K/V cache per step kind: the decode steps read it as {}{} (the first decode step's median own NMSE through attention, the prompt under {}: {})",
-            d.name(),
-            if j.kv_decode.is_none() { " too" } else { "" },
-            j.kv.name(),
-            fits.join("; ")
-        );
+        // The first fit is the prompt's cache as first measured; another kept now was taken
+        // from the decode steps (no cache reproduced the prompt's attention).
+        let prompt = j.kv_decode_fits[0].kv;
+        let _ = if prompt != j.kv {
+            writeln!(
+                s,
+                "K/V cache per step kind: no cache reproduced the prompt's attention; the first decode step's says {} for both step kinds (its median own NMSE through attention, the prompt under {}: {})",
+                j.kv.name(),
+                prompt.name(),
+                fits.join("; ")
+            )
+        } else {
+            writeln!(
+                s,
+                "K/V cache per step kind: the decode steps read it as {}{} (the first decode step's median own NMSE through attention, the prompt under {}: {})",
+                d.name(),
+                if j.kv_decode.is_none() { " too" } else { "" },
+                j.kv.name(),
+                fits.join("; ")
+            )
+        };
     }
     if !j.aligned.is_empty() {
         let _ = writeln!(s, "declared layouts aligned: {}", j.aligned.join(", "));

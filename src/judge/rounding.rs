@@ -697,16 +697,18 @@ pub fn measure(
     })
 }
 
-/// A decode step's attention that the prompt's cache reproduces this closely is reproduced:
-/// no other cache is tried for the decode steps.
-pub const KV_DECODE_NOISE: f64 = 1e-12;
+/// A decode step's attention that the prompt's cache reproduces this closely leaves no cache
+/// to tell apart (f16 against f32 moves it by ~1e-8..1e-7, a quantized cache by 1e-5 and up;
+/// a sparse dump's spans carry 1e-11..1e-9 of f32 noise): no other cache is tried for the
+/// decode steps.
+pub const KV_DECODE_NOISE: f64 = 1e-9;
 /// Another cache for the decode steps must reproduce their attention at least this closely,
 /// and `KV_DECODE_CUT` times closer than the prompt's: a decode-only bug, which no cache
 /// reproduces (1e-4 and up), leaves the prompt's cache in place. Not f32 noise: in a sparse
 /// dump the reference computes K itself from the layer's input, and an f32 ulp there can
 /// send a quantized cache's value to the other neighbour (measured: Q8_0 read at decode after
 /// an f16 prompt, plain f32, 1.4e-8 against the f16 cache's 1.6e-5).
-const KV_DECODE_CAP: f64 = 1e-6;
+pub const KV_DECODE_CAP: f64 = 1e-6;
 const KV_DECODE_CUT: f64 = 10.0;
 
 /// The median own NMSE through attention of step `d1`'s keys in the first two layers of
@@ -736,7 +738,7 @@ pub fn decode_attention_fit(
 /// The cache as the decode steps read it, where it differs from the prompt's `kv`: an engine
 /// may attend over its prompt's fresh f32 rows and read a quantized cache when it decodes, or
 /// round the cache in one kernel and not in the other. Called where `kv` leaves the first
-/// decode step `d1`'s attention above f32 noise (`KV_DECODE_NOISE`; its fit there `under_kv`):
+/// decode step `d1`'s attention above noise (`KV_DECODE_NOISE`; its fit there `under_kv`):
 /// each other cache tried for the decode steps in the first two layers (the prompt replayed
 /// under `kv`); the closest is kept where it reproduces that attention `KV_DECODE_CUT` times
 /// closer than `kv`, and to `KV_DECODE_CAP`.
