@@ -448,10 +448,13 @@ fn judge_once(
                 // cache's rounding, and the first tried was kept), the decode steps, which
                 // measure it cleanly, say which cache the engine keeps: one cache for both
                 // step kinds, as most engines keep.
-                let prompt_unmeasured = kv_fits.len() > 1
-                    && kv_fits
-                        .iter()
-                        .all(|f| f.median_nmse > rounding::KV_DECODE_CAP);
+                let mut prompt: Vec<f64> = kv_fits.iter().map(|f| f.median_nmse).collect();
+                prompt.sort_by(f64::total_cmp);
+                // None under the cap, and none standing out (the best within 4x of the next):
+                // an f16 cache 30x ahead of the rest under 8-bit flips is a measurement.
+                let prompt_unmeasured = prompt.len() > 1
+                    && prompt[0] > rounding::KV_DECODE_CAP
+                    && prompt[1] < 4.0 * prompt[0];
                 if prompt_unmeasured {
                     kv = c;
                     kv_from_decode = true;
