@@ -192,24 +192,7 @@ fn a_wrong_rope_base_or_attention_scale_is_fitted() {
 fn a_wrong_softcap_is_fitted() {
     let model = root().join("fixtures/tiny-gemma2-q8_0.gguf");
     let golden = root().join("golden/tiny-gemma2-q8_0");
-    let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden.join("manifest.json")).unwrap())
-            .unwrap();
-    let steps = manifest["steps"].as_array().unwrap();
-    let ids = |s: &serde_json::Value| -> Vec<String> {
-        s["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.to_string())
-            .collect()
-    };
-    let prompt = ids(&steps[0]).join(",");
-    let forced = steps[1..]
-        .iter()
-        .flat_map(ids)
-        .collect::<Vec<_>>()
-        .join(",");
+    let (prompt, forced) = golden_ids(&golden);
     // The fixture caps attention at 1.5 and the logits at 5.
     let cases = [
         (

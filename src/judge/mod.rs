@@ -406,21 +406,19 @@ fn judge_once(
         // The whole trace under the chosen rounding and cache (unless detection already ran it
         // whole).
         let full = Window::full(n_layer, s_max);
+        let whole = |kv: KvCache, kv_decode: Option<KvCache>| Setup {
+            rounding,
+            decode,
+            output,
+            kv,
+            kv_decode,
+            mutation: None,
+            knob: None,
+            window: full,
+        };
         let mut rep = match best {
             Some((_, _, rep, true)) if kv == KvCache::F32 && kv_decode.is_none() => rep,
-            _ => {
-                let setup = Setup {
-                    rounding,
-                    decode,
-                    output,
-                    kv,
-                    kv_decode,
-                    mutation: None,
-                    knob: None,
-                    window: full,
-                };
-                replay(model, &cand, &setup, &none)?
-            }
+            _ => replay(model, &cand, &whole(kv, kv_decode), &none)?,
         };
 
         // The decode steps' cache, measured where the prompt's leaves their attention above
@@ -461,17 +459,7 @@ fn judge_once(
                 } else {
                     kv_decode = Some(c);
                 }
-                let setup = Setup {
-                    rounding,
-                    decode,
-                    output,
-                    kv,
-                    kv_decode,
-                    mutation: None,
-                    knob: None,
-                    window: full,
-                };
-                rep = replay(model, &cand, &setup, &none)?;
+                rep = replay(model, &cand, &whole(kv, kv_decode), &none)?;
             }
         }
         // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
