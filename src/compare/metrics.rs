@@ -78,7 +78,58 @@ struct Sums {
     inf_b: usize,
 }
 
+/// Lanes of the finite fast path: independent running sums the CPU overlaps (one chain of f64
+/// additions waits on each add's latency); four fit SSE2's registers, six sums each.
+const LANES: usize = 4;
+
 impl Sums {
+    /// Finite tensors (nearly every comparison) summed in [`LANES`] interleaved partial sums,
+    /// added up at the end; where any value is NaN or Inf the general element-by-element path
+    /// runs instead. The order differs from [`Sums::of`] only in f64 rounding (relative 1e-16),
+    /// not in any zero: `see` is 0 exactly when every difference is.
+    fn of_slices(x: &[f32], y: &[f32]) -> Sums {
+        let (mut saa, mut sbb, mut sab) = ([0f64; LANES], [0f64; LANES], [0f64; LANES]);
+        let (mut see, mut sabs, mut max) = ([0f64; LANES], [0f64; LANES], [0f64; LANES]);
+        // Exponent bits all set: NaN or Inf (checked once at the end, branch-free here).
+        let mut non_finite = 0u32;
+        let mut add = |l: usize, a: f32, b: f32| {
+            non_finite |= (a.to_bits() & 0x7f80_0000 == 0x7f80_0000) as u32
+                | (b.to_bits() & 0x7f80_0000 == 0x7f80_0000) as u32;
+            let (a, b) = (a as f64, b as f64);
+            let d = a - b;
+            saa[l] += a * a;
+            sbb[l] += b * b;
+            sab[l] += a * b;
+            see[l] += d * d;
+            sabs[l] += d.abs();
+            max[l] = max[l].max(d.abs());
+        };
+        let (xc, yc) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+        let (xr, yr) = (xc.remainder(), yc.remainder());
+        for (xs, ys) in xc.zip(yc) {
+            for l in 0..LANES {
+                add(l, xs[l], ys[l]);
+            }
+        }
+        for (l, (&a, &b)) in xr.iter().zip(yr).enumerate() {
+            add(l, a, b);
+        }
+        if non_finite != 0 {
+            return Sums::of(x.iter().zip(y));
+        }
+        let total = |v: [f64; LANES]| v.iter().sum::<f64>();
+        Sums {
+            saa: total(saa),
+            sbb: total(sbb),
+            sab: total(sab),
+            see: total(see),
+            max_abs: max.iter().copied().fold(0.0, f64::max),
+            sum_abs: total(sabs),
+            n_finite: x.len(),
+            ..Sums::default()
+        }
+    }
+
     fn of<'a>(pairs: impl Iterator<Item = (&'a f32, &'a f32)>) -> Sums {
         let mut s = Sums::default();
         for (&x, &y) in pairs {
@@ -116,7 +167,7 @@ pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
     // Contiguous tensors (every trace's) are read as slices: ndarray's general iterator costs
     // several times the arithmetic. The sums are the same, in the same order.
     let s = match (a.as_slice(), b.as_slice()) {
-        (Some(x), Some(y)) => Sums::of(x.iter().zip(y)),
+        (Some(x), Some(y)) => Sums::of_slices(x, y),
         _ => Sums::of(a.iter().zip(b.iter())),
     };
     let Sums {
@@ -247,6 +298,28 @@ mod tests {
         let nan = metrics(&a.view(), &arr(&[f32::NAN, f32::INFINITY]).view());
         assert_eq!(nan.nan_b, 1);
         assert!(nan.non_finite_failure());
+    }
+
+    proptest::proptest! {
+        /// The lanes of the finite fast path give the element-by-element sums up to f64
+        /// rounding, every count the same, and no error exactly where the tensors are equal.
+        #[test]
+        fn the_fast_path_sums_as_the_general_one(
+            x in proptest::collection::vec(-1e4f32..1e4, 0..70),
+            noise in proptest::collection::vec(-1f32..1.0, 70),
+            scale in 0f32..1e-2,
+        ) {
+            let y: Vec<f32> = x.iter().zip(&noise).map(|(a, n)| a + n * scale * a.abs()).collect();
+            let (f, g) = (Sums::of_slices(&x, &y), Sums::of(x.iter().zip(&y)));
+            let close = |p: f64, q: f64| (p - q).abs() <= 1e-12 * p.abs().max(q.abs());
+            for (p, q) in [(f.saa, g.saa), (f.sbb, g.sbb), (f.sab, g.sab), (f.see, g.see), (f.sum_abs, g.sum_abs)] {
+                proptest::prop_assert!(close(p, q), "{p} vs {q}");
+            }
+            proptest::prop_assert_eq!(f.max_abs, g.max_abs);
+            proptest::prop_assert_eq!(f.n_finite, g.n_finite);
+            proptest::prop_assert_eq!(f.see == 0.0, x == y);
+            proptest::prop_assert_eq!(Sums::of_slices(&x, &x).see, 0.0);
+        }
     }
 
     #[test]

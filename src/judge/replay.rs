@@ -83,7 +83,12 @@ impl<'t> Candidate<'t> {
                 want,
             });
         }
-        Ok(Some(a.iter().copied().collect()))
+        // A trace's arrays are row-major: copied as one slice (ndarray's general iterator
+        // cost more than the judge's arithmetic on them).
+        Ok(Some(match a.as_slice() {
+            Some(s) => s.to_vec(),
+            None => a.iter().copied().collect(),
+        }))
     }
 
     /// The tensor in canonical order (a declared layout undone).

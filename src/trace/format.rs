@@ -42,6 +42,29 @@ pub struct Trace {
     /// Manifest entries whose tap is not one of the known names: kept (an engine may record
     /// more than parity compares) and reported as not compared.
     pub extra: Vec<TensorEntry>,
+    /// Tensors already decoded from disk: the judge reads each key once per replay, and a
+    /// `diff` runs dozens of replays (decoding and CRC-checking them again was a sixth of it).
+    read: std::sync::Mutex<ReadCache>,
+}
+
+/// At most this many bytes of decoded tensors are kept per trace opened from disk; past it
+/// a tensor is read again each time (a long trace is never held whole).
+const READ_CACHE_BYTES: usize = 256 << 20;
+
+struct ReadCache {
+    tensors: std::collections::HashMap<usize, ArrayD<f32>>,
+    bytes: usize,
+    budget: usize,
+}
+
+impl Default for ReadCache {
+    fn default() -> Self {
+        ReadCache {
+            tensors: Default::default(),
+            bytes: 0,
+            budget: READ_CACHE_BYTES,
+        }
+    }
 }
 
 impl Trace {
@@ -62,6 +85,7 @@ impl Trace {
             keys,
             source: Source::Memory(tensors),
             extra: Vec::new(),
+            read: Default::default(),
         }
     }
 
@@ -88,6 +112,7 @@ impl Trace {
                 root,
             },
             extra: index.extra,
+            read: Default::default(),
         })
     }
 
@@ -121,6 +146,7 @@ impl Trace {
                 index,
             },
             extra: ix.extra,
+            read: Default::default(),
         })
     }
 
@@ -149,9 +175,15 @@ impl Trace {
         let Some(&i) = self.keys.get(key) else {
             return Ok(None);
         };
-        match &self.source {
-            Source::Memory(m) => Ok(m.get(key).cloned()),
-            Source::Dir { dir, root } => read_tap(dir, root, &self.manifest.tensors[i]).map(Some),
+        if let Source::Memory(m) = &self.source {
+            return Ok(m.get(key).cloned());
+        }
+        if let Some(a) = self.cached().tensors.get(&i) {
+            return Ok(Some(a.clone()));
+        }
+        let a = match &self.source {
+            Source::Memory(_) => unreachable!("returned above"),
+            Source::Dir { dir, root } => read_tap(dir, root, &self.manifest.tensors[i])?,
             Source::Archive { path, map, index } => {
                 let e = &self.manifest.tensors[i];
                 let bad = |what: String| TraceError::BadTensor {
@@ -160,11 +192,21 @@ impl Trace {
                 };
                 let bytes = index.get(map, &e.file).map_err(&bad)?;
                 let data = npy::decode_file(bytes, &e.shape).map_err(&bad)?;
-                ArrayD::from_shape_vec(IxDyn(&e.shape), data)
-                    .map(Some)
-                    .map_err(|x| bad(x.to_string()))
+                ArrayD::from_shape_vec(IxDyn(&e.shape), data).map_err(|x| bad(x.to_string()))?
             }
+        };
+        let mut c = self.cached();
+        let size = a.len() * 4;
+        if c.bytes + size <= c.budget && !c.tensors.contains_key(&i) {
+            c.bytes += size;
+            c.tensors.insert(i, a.clone());
         }
+        Ok(Some(a))
+    }
+
+    /// The read cache (a poisoned lock only means a reader panicked: the map is still whole).
+    fn cached(&self) -> std::sync::MutexGuard<'_, ReadCache> {
+        self.read.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -648,5 +690,53 @@ impl Sink for TraceWriter {
             Ok(()) => self.entries.push(TensorEntry::f32(&key, shape)),
             Err(e) => self.error = Some(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tensor read again comes from the read cache with the same values, from a folder
+    /// and from an `.npz` archive alike, and the cache holds no more than its budget.
+    #[test]
+    fn a_tensor_read_twice_is_the_same_and_the_cache_is_bounded() {
+        let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/tiny-llama-q8_0");
+        let dir = Trace::open(&golden).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let npz = tmp.path().join("t.npz");
+        let mut w = TraceWriter::create(&npz, TapFilter::all(), false).unwrap();
+        let keys: Vec<TapKey> = dir.keys().copied().collect();
+        for k in &keys {
+            let a = dir.get(k).unwrap().unwrap();
+            w.record(*k, a.shape(), a.as_slice().unwrap());
+        }
+        w.finish(
+            dir.manifest.model.clone(),
+            dir.manifest.producer.clone(),
+            dir.manifest.steps.clone(),
+        )
+        .unwrap();
+        let arc = Trace::open(&npz).unwrap();
+        for t in [&dir, &arc] {
+            for k in &keys {
+                let first = t.get(k).unwrap().unwrap();
+                let again = t.get(k).unwrap().unwrap();
+                assert_eq!(first, again, "{k}");
+                assert_eq!(first, dir.get(k).unwrap().unwrap(), "{k}");
+            }
+            let c = t.cached();
+            assert_eq!(c.tensors.len(), keys.len());
+            assert!(c.bytes > 0 && c.bytes <= READ_CACHE_BYTES);
+        }
+        // Past its budget a tensor is decoded again at each read, the same.
+        let small = Trace::open(&npz).unwrap();
+        let first = small.get(&keys[0]).unwrap().unwrap().len() * 4;
+        small.cached().budget = first;
+        for k in &keys {
+            assert_eq!(small.get(k).unwrap(), dir.get(k).unwrap(), "{k}");
+        }
+        let c = small.cached();
+        assert_eq!((c.tensors.len(), c.bytes), (1, first));
     }
 }

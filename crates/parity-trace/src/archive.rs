@@ -5,58 +5,10 @@
 //! Only stored (uncompressed) members are read, and only what the central directory lists,
 //! each bounded by the file: a member's bytes are a slice of the archive, never copied.
 
-/// The CRC-32 (IEEE) zip requires of each member.
+/// The CRC-32 (IEEE) zip requires of each member (crc32fast: carry-less multiply where the
+/// CPU has it, checked at every read of a member, so it is on every `diff`'s path).
 pub fn crc32(bytes: &[u8]) -> u32 {
-    !crc32_update(!0, bytes)
-}
-
-/// The slicing-by-8 tables (eight bytes per step: the CRC of a 7B model's taps would
-/// otherwise cost more than writing them).
-fn tables() -> &'static [[u32; 256]; 8] {
-    static TABLES: std::sync::OnceLock<[[u32; 256]; 8]> = std::sync::OnceLock::new();
-    TABLES.get_or_init(|| {
-        let mut t = [[0u32; 256]; 8];
-        for (i, e) in t[0].iter_mut().enumerate() {
-            let mut c = i as u32;
-            for _ in 0..8 {
-                c = if c & 1 != 0 {
-                    0xEDB8_8320 ^ (c >> 1)
-                } else {
-                    c >> 1
-                };
-            }
-            *e = c;
-        }
-        for i in 0..256 {
-            for k in 1..8 {
-                let prev = t[k - 1][i];
-                t[k][i] = t[0][(prev & 0xff) as usize] ^ (prev >> 8);
-            }
-        }
-        t
-    })
-}
-
-/// The running (inverted) CRC `c` advanced over `bytes`.
-fn crc32_update(mut c: u32, bytes: &[u8]) -> u32 {
-    let t = tables();
-    let mut chunks = bytes.chunks_exact(8);
-    for b in &mut chunks {
-        let lo = c ^ u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        let hi = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        c = t[7][(lo & 0xff) as usize]
-            ^ t[6][((lo >> 8) & 0xff) as usize]
-            ^ t[5][((lo >> 16) & 0xff) as usize]
-            ^ t[4][(lo >> 24) as usize]
-            ^ t[3][(hi & 0xff) as usize]
-            ^ t[2][((hi >> 8) & 0xff) as usize]
-            ^ t[1][((hi >> 16) & 0xff) as usize]
-            ^ t[0][(hi >> 24) as usize];
-    }
-    for &b in chunks.remainder() {
-        c = t[0][((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
-    }
-    c
+    crc32fast::hash(bytes)
 }
 
 /// Writes an archive member by member, in memory (`ArchiveWriter::new()`) or streamed to any
@@ -116,7 +68,9 @@ impl<W: std::io::Write> ArchiveWriter<W> {
                 "{name}: a trace archive holds at most 65535 members and 4 GiB (write a folder instead)"
             ));
         }
-        let crc = !parts.iter().fold(!0u32, |c, p| crc32_update(c, p));
+        let mut h = crc32fast::Hasher::new();
+        parts.iter().for_each(|p| h.update(p));
+        let crc = h.finalize();
         let size = len as u32;
         let n = name.len() as u16;
         // Local file header: version 2.0, no flags, stored, no time, crc, sizes, name.
@@ -325,13 +279,21 @@ mod tests {
         assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
     }
 
-    /// The slicing-by-8 CRC is the bytewise one at every length and alignment, and a member
-    /// given in parts has the CRC of its bytes together.
+    /// The CRC is zip's bytewise one (the polynomial, bit by bit) at every length and
+    /// alignment, and a member given in parts has the CRC of its bytes together.
     #[test]
-    fn crc_by_eight_is_crc_by_one() {
+    fn crc_is_the_bitwise_crc_and_parts_add_up() {
         let bytewise = |b: &[u8]| {
-            !b.iter().fold(!0u32, |c, &x| {
-                tables()[0][((c ^ x as u32) & 0xff) as usize] ^ (c >> 8)
+            !b.iter().fold(!0u32, |mut c, &x| {
+                c ^= x as u32;
+                for _ in 0..8 {
+                    c = if c & 1 != 0 {
+                        0xEDB8_8320 ^ (c >> 1)
+                    } else {
+                        c >> 1
+                    };
+                }
+                c
             })
         };
         let data: Vec<u8> = (0..300u32).map(|i| (i * 7919 % 251) as u8).collect();
