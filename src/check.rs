@@ -217,10 +217,43 @@ pub fn golden_is_ggml_cpu(g: &Trace) -> bool {
 /// A golden recorded to a plan that leaves taps out (a scan, `golden --record`): it cannot feed
 /// every op its inputs, so its own ops are judged as spans on its own inputs instead.
 pub fn golden_is_scan(g: &Trace) -> bool {
+    scan_plan(g).is_some_and(|r| !r.keeps_all())
+}
+
+/// The recording plan a golden was made to (None: every tap, or a plan parity cannot read).
+fn scan_plan(g: &Trace) -> Option<crate::trace::Record> {
     g.manifest
         .record
         .as_deref()
-        .is_some_and(|r| crate::trace::Record::parse(r).is_ok_and(|r| !r.keeps_all()))
+        .and_then(|r| crate::trace::Record::parse(r).ok())
+}
+
+/// The steps a scan golden keeps whole (a zoom's): there every op has its inputs.
+fn whole_steps(g: &Trace) -> Vec<usize> {
+    let Some(r) = scan_plan(g).filter(|r| !r.keeps_all()) else {
+        return Vec::new();
+    };
+    g.manifest
+        .steps
+        .iter()
+        .map(|s| s.step)
+        .filter(|&s| r.full_step(s))
+        .collect()
+}
+
+/// An op-by-op trace against a scan golden keeps only the steps the golden has whole: at the
+/// others its taps are spans of ops computed from the golden's, not ops.
+fn op_by_op_steps(
+    plan: &Plan,
+    tensors: std::collections::BTreeMap<TapKey, ndarray::ArrayD<f32>>,
+) -> std::collections::BTreeMap<TapKey, ndarray::ArrayD<f32>> {
+    match &plan.record {
+        Some(r) => tensors
+            .into_iter()
+            .filter(|(k, _)| r.full_step(k.step))
+            .collect(),
+        None => tensors,
+    }
 }
 
 /// How two traces made or read by this check round activations. Only what the check knows
@@ -798,21 +831,28 @@ fn op_entries<'e>(
         ));
     }
     if let Some((_, g)) = golden.filter(|(_, g)| opt.op_by_op && golden_is_scan(g)) {
+        // The plan as parity writes it, never the file's own text.
+        let plan = scan_plan(g).map(|r| r.to_string()).unwrap_or_default();
+        let whole = whole_steps(g);
+        if whole.is_empty() || !golden_is_ggml_cpu(g) {
+            notes.push(format!(
+                "op by op: the golden is a scan (recorded to '{plan}'): it has not every op's \
+                 inputs, so parity's backends keep only its taps and are compared with it end to \
+                 end, and its own ops are judged on its own inputs (as spans where it has no taps \
+                 inside); parity's backends are compared op by op only at a step the golden keeps \
+                 whole (--record '…;full=S', as check's zoom records it)"
+            ));
+            return Ok(Vec::new());
+        }
+        // A zoom golden: its whole steps feed every op its inputs (the K/V of the steps before
+        // them too: the plan keeps k_rope and v at every step).
+        let steps: Vec<String> = whole.iter().map(usize::to_string).collect();
         notes.push(format!(
-            "op by op: the golden is a scan (recorded to '{}'): it has not every op's inputs, so \
-             parity's backends keep only its taps and are compared with it end to end, and its \
-             own ops are judged on its own inputs (as spans where it has no taps inside); \
-             parity's backends are compared op by op only against a golden with every step \
-             whole (made without --record)",
-            // The plan as parity writes it, never the file's own text.
-            g.manifest
-                .record
-                .as_deref()
-                .and_then(|r| crate::trace::Record::parse(r).ok())
-                .map(|r| r.to_string())
-                .unwrap_or_default()
+            "op by op: the golden is a scan (recorded to '{plan}') with step {} whole: \
+             parity's backends are compared with it op by op there, fed its tensors, and end to \
+             end at every step",
+            steps.join(", ")
         ));
-        return Ok(Vec::new());
     }
     if golden.is_none_or(|(_, g)| !opt.op_by_op || !golden_is_ggml_cpu(g)) {
         return Ok(Vec::new());
@@ -965,9 +1005,8 @@ fn walk(
         if let Some(err) = s.error {
             return Err(err.into());
         }
-        walked
-            .traces
-            .push((m.0.name, true, trace(*m, s.inner.tensors)));
+        let tensors = op_by_op_steps(plan, s.inner.tensors);
+        walked.traces.push((m.0.name, true, trace(*m, tensors)));
     }
     Ok(walked)
 }
@@ -1008,7 +1047,7 @@ fn op_by_op(
             plan.model_ref.clone(),
             ran.producer,
             ran.info,
-            ran.sink.inner.tensors,
+            op_by_op_steps(plan, ran.sink.inner.tensors),
         ));
     }
     Ok(out)

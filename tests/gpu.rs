@@ -778,6 +778,37 @@ fn check_zooms_into_the_first_diverging_step_of_a_scan_golden() {
         ["q_rope", "k_rope"].contains(&at["tap"].as_str().unwrap()),
         "{at}"
     );
+    // Op by op at the zoomed step (issue 29): the scan cannot feed every op its inputs, so
+    // none runs against it; the zoom golden has the step whole, and there the gpu and the
+    // reference, both fed its tensors, are compared op by op at that step alone: the broken
+    // kernel is placed at its own op of layer 1.
+    let op_by_op = |c: &&&serde_json::Value| c["candidate"] == "parity/gpu/op-by-op";
+    assert!(!scan_cs.iter().any(|c| op_by_op(&c)), "{r:#}");
+    let op = zoom.iter().find(op_by_op).expect("op by op in the zoom");
+    assert!(
+        op["baseline"]
+            .as_str()
+            .unwrap()
+            .starts_with("parity/reference/op-by-op"),
+        "{op:#}"
+    );
+    let at = &op["first_divergence"]["at"]["key"];
+    assert_eq!(
+        (at["step"].as_u64(), at["layer"].as_u64()),
+        (Some(step), Some(1)),
+        "{op:#}"
+    );
+    assert!(
+        ["q_rope", "k_rope"].contains(&at["tap"].as_str().unwrap()),
+        "{op:#}"
+    );
+    let steps: std::collections::BTreeSet<u64> = op["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|t| t["key"]["step"].as_u64())
+        .collect();
+    assert_eq!(steps, [step].into(), "{op:#}");
     // The zoom golden: the scan's plan with that step whole, fed as the scan was, every tensor
     // the scan has repeated bit for bit (no note that the run differs).
     let m: serde_json::Value =

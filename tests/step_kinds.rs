@@ -539,6 +539,95 @@ fn a_scan_says_which_step_to_record_whole_and_the_zoom_names_the_bug_there() {
     }
 }
 
+/// A golden recorded to a zoom's plan (one step whole, the scan's taps elsewhere) feeds
+/// parity's backends op by op at that step (issue 29): `check` compares every replayable
+/// ggml-cpu backend with it op by op there alone (each op fed the golden's inputs, the K/V of
+/// the steps before from the golden's own), end to end at every step, and a clean check passes.
+/// Against the scan (no step whole) nothing runs op by op, and the report says where it would.
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn a_zoom_golden_feeds_parity_s_backends_op_by_op_at_its_whole_step() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let model = model.to_str().unwrap();
+    let step = 2u64;
+    let zoom_plan = format!("taps=v,k_rope,l_out,result_norm,logits;full={step}");
+    for (name, plan) in [("scan", SCAN.to_string()), ("zoom", zoom_plan.clone())] {
+        let golden = tmp.path().join(name);
+        let o = parity(&[
+            "golden",
+            model,
+            "--tokens",
+            "1,259,300,273,262,264,324,325,329",
+            "--steps",
+            "3",
+            "--record",
+            &plan,
+            "--out",
+            golden.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", show(&o));
+        let o = parity(&[
+            "check",
+            model,
+            "--golden",
+            golden.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{name}: {}", show(&o));
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON on stdout");
+        let op: Vec<&serde_json::Value> = r["comparisons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["pair"] == "op-by-op")
+            .collect();
+        let text = String::from_utf8_lossy(&o.stderr).to_string();
+        if name == "scan" {
+            assert!(op.is_empty(), "{r:#}");
+            assert!(
+                text.contains("compared op by op only at a step the golden keeps whole"),
+                "{text}"
+            );
+            continue;
+        }
+        assert!(
+            text.contains(&format!(
+                "recorded to '{zoom_plan}') with step {step} whole: parity's backends are compared with it op by op there"
+            )),
+            "{text}"
+        );
+        let names: Vec<&str> = op
+            .iter()
+            .map(|c| c["candidate"].as_str().unwrap())
+            .collect();
+        for b in ["parity/reference:ggml-cpu/op-by-op", "parity/fast/op-by-op"] {
+            assert!(names.contains(&b), "{b} not in {names:?}");
+        }
+        for c in &op {
+            assert_eq!(c["verdict"], "parity", "{c:#}");
+            let keys: Vec<&serde_json::Value> = c["results"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| &t["key"])
+                .collect();
+            // The step whole, every op of it (the attention of every layer among them)...
+            assert!(
+                keys.iter()
+                    .any(|k| k["tap"] == "kq_soft_max" && k["layer"] == 1),
+                "{c:#}"
+            );
+            // ... and nothing of the steps the golden has only spans of.
+            assert!(keys.iter().all(|k| k["step"] == step), "{c:#}");
+        }
+    }
+}
+
 /// An engine writing through the Python kit honours the plan from `PARITY_RECORD` without a
 /// change to its code (the numpy engine never reads it itself), and a scan golden from the real
 /// llama.cpp (`golden --record`) keeps only the plan's taps, passes `check`, and judges a
