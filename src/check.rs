@@ -834,13 +834,20 @@ fn op_entries<'e>(
         // The plan as parity writes it, never the file's own text.
         let plan = scan_plan(g).map(|r| r.to_string()).unwrap_or_default();
         let whole = whole_steps(g);
-        if whole.is_empty() || !golden_is_ggml_cpu(g) {
+        let cpu = golden_is_ggml_cpu(g);
+        if whole.is_empty() || !cpu {
+            // Op by op needs a tight CPU golden: for any other, whole steps would not help.
+            let at_whole = if cpu {
+                "; parity's backends are compared op by op only at a step the golden keeps \
+                 whole (--record '…;full=S', as check's zoom records it)"
+            } else {
+                ""
+            };
             notes.push(format!(
                 "op by op: the golden is a scan (recorded to '{plan}'): it has not every op's \
                  inputs, so parity's backends keep only its taps and are compared with it end to \
                  end, and its own ops are judged on its own inputs (as spans where it has no taps \
-                 inside); parity's backends are compared op by op only at a step the golden keeps \
-                 whole (--record '…;full=S', as check's zoom records it)"
+                 inside){at_whole}"
             ));
             return Ok(Vec::new());
         }
@@ -848,9 +855,10 @@ fn op_entries<'e>(
         // them too: the plan keeps k_rope and v at every step).
         let steps: Vec<String> = whole.iter().map(usize::to_string).collect();
         notes.push(format!(
-            "op by op: the golden is a scan (recorded to '{plan}') with step {} whole: \
+            "op by op: the golden is a scan (recorded to '{plan}') with step{} {} whole: \
              parity's backends are compared with it op by op there, fed its tensors, and end to \
              end at every step",
+            if whole.len() > 1 { "s" } else { "" },
             steps.join(", ")
         ));
     }
