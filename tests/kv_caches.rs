@@ -373,3 +373,83 @@ fn an_engine_whose_decode_steps_read_another_cache_is_measured_per_step_kind() {
         }
     }
 }
+
+#[test]
+#[cfg_attr(
+    not(all(parity_llama_cpp, parity_gguf_py, parity_shared)),
+    ignore = "needs llama-cpp-python, numpy and gguf-py (.venv) and ../shared/models"
+)]
+fn a_long_prompt_through_an_f16_cache_does_not_hide_a_sparse_dump_s_layers_rounding() {
+    // A mixed-rounding engine (its layers' matmuls on 8-bit inputs, its output projection in
+    // plain f32) with an f16 cache, dumping only embd, l_out, result_norm and logits, against
+    // the real llama.cpp on a 154-token prompt. The output projection measures plain f32; the
+    // layers, which a sparse dump shows only through attention, are told from it only under
+    // the f16 cache (under an f32 one the cache's rounding moves them as much as the roundings
+    // differ): measured under f32 alone, the clean engine was a false alarm at step 0 layer 0
+    // l_out and the bugs went unnamed.
+    let (Some(py), true) = (numpy_engine_python(), llama_cpp_or_skip()) else {
+        return;
+    };
+    let Some(m) = shared("models/TinyStories-656K-Q8_0.gguf") else {
+        return;
+    };
+    let m = m.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let g = tmp.path().join("golden");
+    let prompt = "Once upon a time there was a little girl named Lily who liked to play in the park with her dog. ".repeat(9);
+    let o = parity(&[
+        "golden",
+        m,
+        "-p",
+        prompt.trim_end(),
+        "--steps",
+        "2",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let engine = [
+        "--rounding",
+        "q8k",
+        "--output-rounding",
+        "none",
+        "--kv",
+        "f16",
+        "--taps",
+        "sparse",
+    ];
+    let clean = tmp.path().join("clean.npz");
+    numpy_engine_trace(&py, m, &g, &clean, None, &engine);
+    let (code, r, text) = diff_json(m, &g, &clean);
+    assert_eq!(code, 0, "{text}");
+    let own = own_inputs(&r);
+    // Q8_K inputs on rows of 128 are quantized as Q8_0's: ggml-cpu's arithmetic here.
+    assert_eq!(own["rounding_family"], "ggml-cpu", "{text}");
+    assert_eq!(own["output_rounding"], "none", "{text}");
+    assert_eq!(own["kv_cache"], "f16", "{text}");
+    // Bugs in the same engine: placed at the first layer and named, a knob with its value
+    // (fitted again under the rounding and cache that reproduce the engine).
+    for (bug, named) in [
+        (["--rms-eps", "1e-3"], "rms-eps=1e-3 reproduces"),
+        (["--mutate", "kv-slot-late"], "kv-slot-late reproduces"),
+    ] {
+        let out = tmp.path().join(format!("{}.npz", bug[1]));
+        let args = [&engine[..], &bug[..]].concat();
+        numpy_engine_trace(&py, m, &g, &out, None, &args);
+        let (code, r, text) = diff_json(m, &g, &out);
+        assert_eq!(code, 1, "{bug:?}:\n{text}");
+        let d = &own_inputs(&r)["first_divergence"];
+        assert_eq!(d["at"]["key"]["step"], 0, "{bug:?}: {d:#}");
+        assert_eq!(d["at"]["key"]["layer"], 0, "{bug:?}: {d:#}");
+        assert_eq!(d["at"]["key"]["tap"], "l_out", "{bug:?}: {d:#}");
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains(&format!("confirmed by experiment: {named}")),
+            "{bug:?}: {why}"
+        );
+        assert!(
+            why.contains("rounded as ggml-cpu and an f16 K/V cache"),
+            "{bug:?}: {why}"
+        );
+    }
+}
