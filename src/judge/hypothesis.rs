@@ -66,14 +66,11 @@ pub(super) fn relevant(
 /// at a key varies one thing of.
 pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup {
     Setup {
-        rounding: floors.rounding,
         decode: floors.decode,
         output: floors.output,
         kv,
         kv_decode: floors.kv_decode,
-        mutation: None,
-        knob: None,
-        window,
+        ..Setup::clean(floors.rounding, window)
     }
 }
 

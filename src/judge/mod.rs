@@ -407,14 +407,11 @@ fn judge_once(
         // whole).
         let full = Window::full(n_layer, s_max);
         let whole = |kv: KvCache, kv_decode: Option<KvCache>| Setup {
-            rounding,
             decode,
             output,
             kv,
             kv_decode,
-            mutation: None,
-            knob: None,
-            window: full,
+            ..Setup::clean(rounding, full)
         };
         let mut rep = match best {
             Some((_, _, rep, true)) if kv == KvCache::F32 && kv_decode.is_none() => rep,
@@ -838,14 +835,9 @@ fn layers_with_the_bug(
         std::iter::once(floors.rounding).chain(all.into_iter().filter(|&r| r != floors.rounding));
     for r in order {
         let setup = Setup {
-            rounding: r,
-            decode: None,
-            output: None,
             kv,
-            kv_decode: None,
             mutation: Some(m),
-            knob: None,
-            window,
+            ..Setup::clean(r, window)
         };
         let rep = replay(model, cand, &setup, &BTreeSet::new())?;
         match rounding::fit_where(cand, &rep, layer_keys) {

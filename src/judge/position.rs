@@ -69,14 +69,11 @@ pub fn locate(
             .find(|(k, _)| *k == key)
             .map_or(j.rounding, |(_, twin)| *twin);
         let setup = Setup {
-            rounding,
             decode: j.decode_rounding,
             output: j.output_rounding,
             kv: j.kv,
             kv_decode: j.kv_decode,
-            mutation: None,
-            knob: None,
-            window: Window::for_key(cand, &key),
+            ..Setup::clean(rounding, Window::for_key(cand, &key))
         };
         let keep: BTreeSet<TapKey> = [key].into();
         let Some(ours) = replay(model, cand, &setup, &keep)?.kept.remove(&key) else {

@@ -247,6 +247,23 @@ pub struct Setup {
     pub window: Window,
 }
 
+impl Setup {
+    /// A clean replay of `window` under one rounding for every step and the output
+    /// projection, through an f32 cache: what a measurement varies one thing of.
+    pub fn clean(rounding: Emulation, window: Window) -> Setup {
+        Setup {
+            rounding,
+            decode: None,
+            output: None,
+            kv: KvCache::F32,
+            kv_decode: None,
+            mutation: None,
+            knob: None,
+            window,
+        }
+    }
+}
+
 /// Steps `0..=s_max`, layers `l0..=l1` (`l1 = None`: no layer; `end`: through the output).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Window {

@@ -197,14 +197,11 @@ pub fn refit_ties(
     let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
     for t in twins(model, rounding) {
         let setup = Setup {
-            rounding: t,
             decode,
             output,
             kv,
             kv_decode,
-            mutation: None,
-            knob: None,
-            window: full,
+            ..Setup::clean(t, full)
         };
         let twin = replay(model, cand, &setup, &BTreeSet::new())?;
         let (mut wins, mut losses) = (0, 0);
@@ -289,6 +286,41 @@ pub struct Measured {
     pub kv_decode_fits: Vec<KvFit>,
 }
 
+/// The rounding a measurement keeps: `first` (measured already: the one the trace's other
+/// ops measured, or the step's) unless another of `others` fits clearly better (4x), so a bug
+/// is not taken for a rounding; the search ends at a fit to f32 noise, or where `fit` finds
+/// nothing to measure (`None`). Every fit is returned, `first`'s first.
+fn clearly_better(
+    first: (Emulation, f64),
+    others: impl IntoIterator<Item = Emulation>,
+    mut fit: impl FnMut(Emulation) -> Result<Option<f64>, JudgeError>,
+) -> Result<(Vec<RoundingFit>, Emulation), JudgeError> {
+    let mut fits = vec![RoundingFit {
+        rounding: first.0,
+        median_nmse: first.1,
+    }];
+    let mut best = first;
+    if first.1 <= EXACT_FIT {
+        return Ok((fits, best.0));
+    }
+    for r in others {
+        let Some(f) = fit(r)? else {
+            break;
+        };
+        fits.push(RoundingFit {
+            rounding: r,
+            median_nmse: f,
+        });
+        if f * 4.0 < best.1 {
+            best = (r, f);
+        }
+        if f <= EXACT_FIT {
+            break;
+        }
+    }
+    Ok((fits, best.0))
+}
+
 /// Measure the rounding (in `detection_window`) and then the K/V cache type (in the first
 /// step's first two layers) that reproduce the candidate.
 pub fn measure(
@@ -333,16 +365,7 @@ pub fn measure(
     let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
     if roundings.len() > 1 {
         for &r in &roundings {
-            let setup = Setup {
-                rounding: r,
-                decode: None,
-                output: None,
-                kv: KvCache::F32,
-                kv_decode: None,
-                mutation: None,
-                knob: None,
-                window: detect,
-            };
+            let setup = Setup::clean(r, detect);
             let rep = replay(model, cand, &setup, none)?;
             let (f, rep, whole) = match fit(cand, &rep) {
                 Some(f) => (f, rep, detect == Window::full(n_layer, s_max)),
@@ -426,14 +449,8 @@ pub fn measure(
         .take(if run_layers { 2 } else { 0 })
     {
         let setup = |r: Emulation| Setup {
-            rounding: r,
-            decode: None,
-            output: None,
             kv,
-            kv_decode: None,
-            mutation: None,
-            knob: None,
-            window,
+            ..Setup::clean(r, window)
         };
         let Some(base) = fit_where(
             cand,
@@ -450,37 +467,24 @@ pub fn measure(
         if base <= EXACT_FIT || base > super::floor::SPAN_CAP {
             break;
         }
-        let mut layer_fits = vec![RoundingFit {
-            rounding,
-            median_nmse: base,
-        }];
-        let mut best_l: (Emulation, f64) = (rounding, base);
-        for r in roundings.iter().copied().filter(|&r| r != rounding) {
-            let rep = replay(model, cand, &setup(r), none)?;
-            let Some(f) = fit_where(cand, &rep, layer_keys) else {
-                break; // nothing through a matmul in the layers
-            };
-            layer_fits.push(RoundingFit {
-                rounding: r,
-                median_nmse: f,
-            });
-            if f * 4.0 < best_l.1 {
-                best_l = (r, f);
-            }
-            if f <= EXACT_FIT {
-                break;
-            }
-        }
-        let told = exact(&layer_fits) || best_l.0 != rounding;
+        let others = roundings.iter().copied().filter(|&r| r != rounding);
+        let (layer_fits, told_r) = clearly_better((rounding, base), others, |r| {
+            Ok(fit_where(
+                cand,
+                &replay(model, cand, &setup(r), none)?,
+                layer_keys,
+            ))
+        })?;
+        let told = exact(&layer_fits) || told_r != rounding;
         if pass == 0 || told {
             layers_exact = exact(&layer_fits);
             unsure.layers = exact(&fits) && !layers_exact;
         }
-        if best_l.0 != rounding {
+        if told_r != rounding {
             // The layers' rounding is the engine's; the output projection's is the one the
             // detection measured there.
             switched = Some((rounding, std::mem::replace(&mut fits, layer_fits)));
-            rounding = best_l.0;
+            rounding = told_r;
             best = None;
         }
         if told {
@@ -502,16 +506,7 @@ pub fn measure(
             // The layers' rounding at the output projection too, unless the output's fits it
             // 4x better (ggml-scalar's layers, where a tie lands, and an output where none
             // does: one arithmetic there).
-            let setup = Setup {
-                rounding,
-                decode: None,
-                output: None,
-                kv: KvCache::F32,
-                kv_decode: None,
-                mutation: None,
-                knob: None,
-                window: Window::for_key(cand, &lm),
-            };
+            let setup = Setup::clean(rounding, Window::for_key(cand, &lm));
             let at_lm = replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
@@ -536,40 +531,24 @@ pub fn measure(
         };
         unsure.output = !exact(measured) && layers_exact;
     } else if roundings.len() > 1 && cand.contains(&lm) && span(cand, &lm).len() == 1 {
-        let mut order = roundings.clone();
-        order.retain(|&r| r != rounding);
-        order.insert(0, rounding);
         let window = Window::for_key(cand, &lm);
-        let mut best_o: Option<(Emulation, f64)> = None;
-        for r in order {
+        // The first step's logits: the prefill's rounding, the output projection's varied.
+        let at_lm = |r: Emulation| -> Result<Option<f64>, JudgeError> {
             let setup = Setup {
-                rounding,
-                decode: None, // the first step's logits: the prefill's rounding
                 output: Some(r),
-                kv: KvCache::F32,
-                kv_decode: None,
-                mutation: None,
-                knob: None,
-                window,
+                ..Setup::clean(rounding, window)
             };
-            let rep = replay(model, cand, &setup, none)?;
-            let Some(f) = rep.metrics.get(&lm).map(|m| m.nmse) else {
-                break;
-            };
-            output_fits.push(RoundingFit {
-                rounding: r,
-                median_nmse: f,
-            });
-            match best_o {
-                None => best_o = Some((r, f)),
-                Some((_, b)) if f * 4.0 < b => best_o = Some((r, f)),
-                _ => {}
-            }
-            if f <= EXACT_FIT {
-                break;
-            }
+            Ok(replay(model, cand, &setup, none)?
+                .metrics
+                .get(&lm)
+                .map(|m| m.nmse))
+        };
+        if let Some(f) = at_lm(rounding)? {
+            let others = roundings.iter().copied().filter(|&r| r != rounding);
+            let (fits_o, o) = clearly_better((rounding, f), others, at_lm)?;
+            output_fits = fits_o;
+            output = (o != rounding).then_some(o);
         }
-        output = best_o.map(|b| b.0).filter(|&o| o != rounding);
         unsure.output = !exact(&output_fits) && layers_exact;
     }
     // The decode steps' rounding, measured on their own (GPU engines may tile the prefill
@@ -580,9 +559,6 @@ pub fn measure(
     let mut decode_fits = Vec::new();
     let d1 = cand.steps().into_iter().filter(|&s| s > first_step).min();
     if let (Some(d1), true) = (d1, roundings.len() > 1) {
-        let mut order = roundings.clone();
-        order.retain(|&r| r != rounding);
-        order.insert(0, rounding);
         // In the layers where the rounding was measured there (a sparse dump's output
         // projection has its own, measured above).
         let window = match no_layers && cand.trace.keys().any(|k| k.step == d1 && k.layer.is_some())
@@ -598,36 +574,23 @@ pub fn measure(
                 ..detect
             },
         };
-        let mut best_d: Option<(Emulation, f64)> = None;
-        for r in order {
+        // (`None`: no matmul of the decode step in the window.)
+        let at_d1 = |r: Emulation| -> Result<Option<f64>, JudgeError> {
             let setup = Setup {
-                rounding,
                 decode: Some(r),
                 output,
-                kv: KvCache::F32,
-                kv_decode: None,
-                mutation: None,
-                knob: None,
-                window,
+                ..Setup::clean(rounding, window)
             };
-            let rep = replay(model, cand, &setup, none)?;
-            let Some(f) = fit_where(cand, &rep, |k| k.step == d1) else {
-                break; // no matmul of the decode step in the window
-            };
-            decode_fits.push(RoundingFit {
-                rounding: r,
-                median_nmse: f,
-            });
-            match best_d {
-                None => best_d = Some((r, f)),
-                Some((_, b)) if f * 4.0 < b => best_d = Some((r, f)),
-                _ => {}
-            }
-            if f <= EXACT_FIT {
-                break;
-            }
+            Ok(fit_where(cand, &replay(model, cand, &setup, none)?, |k| {
+                k.step == d1
+            }))
+        };
+        if let Some(f) = at_d1(rounding)? {
+            let others = roundings.iter().copied().filter(|&r| r != rounding);
+            let (fits_d, d) = clearly_better((rounding, f), others, at_d1)?;
+            decode_fits = fits_d;
+            decode = (d != rounding).then_some(d);
         }
-        decode = best_d.map(|b| b.0).filter(|&d| d != rounding);
     }
     // The detection replay ran the decode steps under the prefill's rounding, and the output
     // projection under its step's.
@@ -660,14 +623,10 @@ pub fn measure(
                 break;
             }
             let setup = Setup {
-                rounding,
                 decode,
                 output,
                 kv: c,
-                kv_decode: None,
-                mutation: None,
-                knob: None,
-                window,
+                ..Setup::clean(rounding, window)
             };
             let rep = replay(model, cand, &setup, none)?;
             let through_attention: Vec<f64> = rep
@@ -781,14 +740,11 @@ pub fn decode_cache(
     }];
     for c in opt.kv_caches.iter().copied().filter(|&c| c != kv) {
         let setup = Setup {
-            rounding,
             decode,
             output,
             kv,
             kv_decode: Some(c),
-            mutation: None,
-            knob: None,
-            window,
+            ..Setup::clean(rounding, window)
         };
         let rep = replay(model, cand, &setup, &BTreeSet::new())?;
         let Some(m) = decode_attention_fit(model, cand, &rep, d1) else {
