@@ -38,6 +38,14 @@ fn prompt_ids() -> String {
 }
 
 fn golden(model: &str, out: &Path, flags: &[&str]) {
+    golden_with(model, out, "6", flags);
+}
+
+fn golden_steps(model: &str, out: &Path, steps: &str) {
+    golden_with(model, out, steps, &[]);
+}
+
+fn golden_with(model: &str, out: &Path, steps: &str, flags: &[&str]) {
     let ids = prompt_ids();
     let mut args = vec![
         "golden",
@@ -45,7 +53,7 @@ fn golden(model: &str, out: &Path, flags: &[&str]) {
         "--tokens",
         &ids,
         "--steps",
-        "6",
+        steps,
         "--out",
         out.to_str().unwrap(),
     ];
@@ -452,4 +460,57 @@ fn a_long_prompt_through_an_f16_cache_does_not_hide_a_sparse_dump_s_layers_round
             "{bug:?}: {why}"
         );
     }
+}
+
+#[test]
+#[cfg_attr(
+    not(all(parity_llama_cpp, parity_gguf_py)),
+    ignore = "needs llama-cpp-python, numpy and gguf-py (.venv)"
+)]
+fn a_quantized_cache_does_not_hide_a_sparse_dump_s_layers_rounding() {
+    // The same class through a Q8_0 cache, on a 96-token prompt: an engine with ggml's 8-bit
+    // layer matmuls, a plain-f32 output projection and a Q8_0 cache, dumping only embd, l_out,
+    // result_norm and logits. Its layers are told from the output's rounding only under the
+    // Q8_0 cache (under f32 or f16 no rounding fits them 4x better): measured under those
+    // alone, the clean engine was a false alarm at step 0 layer 0 l_out.
+    let (Some(py), true) = (numpy_engine_python(), llama_cpp_or_skip()) else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let m = fixture(tmp.path());
+    let g = tmp.path().join("golden");
+    golden_steps(&m, &g, "2");
+    let engine = [
+        "--rounding",
+        "ggml",
+        "--output-rounding",
+        "none",
+        "--kv",
+        "q8_0",
+        "--taps",
+        "sparse",
+    ];
+    let clean = tmp.path().join("clean.npz");
+    numpy_engine_trace(&py, &m, &g, &clean, None, &engine);
+    let (code, r, text) = diff_json(&m, &g, &clean);
+    assert_eq!(code, 0, "{text}");
+    let own = own_inputs(&r);
+    assert_eq!(own["rounding_family"], "ggml-cpu", "{text}");
+    assert_eq!(own["output_rounding"], "none", "{text}");
+    assert_eq!(own["kv_cache"], "q8_0", "{text}");
+    // A bug in the same engine: placed at the first layer and named under that cache.
+    let out = tmp.path().join("kv-slot-late.npz");
+    numpy_engine_trace(&py, &m, &g, &out, Some("kv-slot-late"), &engine);
+    let (code, r, text) = diff_json(&m, &g, &out);
+    assert_eq!(code, 1, "{text}");
+    let d = &own_inputs(&r)["first_divergence"];
+    assert_eq!(d["at"]["key"]["step"], 0, "{d:#}");
+    assert_eq!(d["at"]["key"]["layer"], 0, "{d:#}");
+    assert_eq!(d["at"]["key"]["tap"], "l_out", "{d:#}");
+    let why = d["diagnosis"].as_str().unwrap();
+    assert!(
+        why.contains("confirmed by experiment: kv-slot-late reproduces"),
+        "{why}"
+    );
+    assert!(why.contains("and a q8_0 K/V cache"), "{why}");
 }

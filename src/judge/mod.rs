@@ -639,7 +639,16 @@ fn judge_once(
             f.position = at;
             f.zoom = zoom::plan(&cand, f);
             if let Some(note) = &remeasured {
-                f.text.push_str(note);
+                // Judged again under what a hypothesis confirmed with, the first op out of its
+                // floor may be another one that nothing reproduces: the note then says only
+                // that the trace was judged again.
+                match f.confirmed {
+                    Some(_) => f.text.push_str(note),
+                    None => {
+                        f.text
+                            .push_str(&note.replacen("confirmed with", "judged again with", 1))
+                    }
+                }
             }
         }
         return Ok(j);
@@ -728,23 +737,22 @@ fn under_other_roundings(
     let mut found = screen(&tries, &closest, kv)?
         .filter(|b| b.1 <= o.floor)
         .map(|(fl, _)| (fl, kv));
-    // A long prompt read through an f16 cache moves a layer as much as the roundings differ:
-    // where no rounding confirms under the measured cache (measured under the wrong rounding,
-    // every cache tied there), the hypotheses that came closest (within 100x of the best, four
-    // at most) are screened once more under the other of f32 and f16, the measured rounding
-    // included. The rounding that brings one within the floor, or closer than any came (a
-    // value fitted under the wrong rounding is fitted again there: rms eps 5e-4 under plain
-    // f32 and an f32 cache, 1e-3 under ggml-cpu and f16), gets the whole diagnosis, whose
-    // confirmation is held to the same bar as any.
-    let other_kv = opt
-        .kv_caches
-        .iter()
-        .copied()
-        .find(|&c| c != kv && (c == KvCache::F32 || c == KvCache::F16));
-    if found.is_none()
-        && which == "the layers"
-        && let Some(kv2) = other_kv
-    {
+    // A long prompt read through a cache moves a layer as much as the roundings differ: where
+    // no rounding confirms under the measured cache (measured under the wrong rounding, every
+    // cache tied there), the hypotheses that came closest (within 100x of the best, four at
+    // most) are screened once more under each other cache parity would try (stored plainly),
+    // the measured rounding included, until one lands within the floor. The rounding and cache
+    // that bring one within the floor, or closest and closer than any came (a value fitted
+    // under the wrong rounding is fitted again there: rms eps 5e-4 under plain f32 and an f32
+    // cache, 1e-3 under ggml-cpu and f16), get the whole diagnosis, whose confirmation is held
+    // to the same bar as any.
+    let mut other_kv: Vec<KvCache> = Vec::new();
+    for c in opt.kv_caches.iter().map(|c| KvCache::plain(c.k)) {
+        if c != kv && !other_kv.contains(&c) {
+            other_kv.push(c);
+        }
+    }
+    if found.is_none() && which == "the layers" && !other_kv.is_empty() {
         let mut near: Vec<(f64, Screened)> = f
             .ruled_out
             .iter()
@@ -760,9 +768,20 @@ fn under_other_roundings(
             .collect();
         let mut tries2 = vec![floors.clone()];
         tries2.extend(tries.iter().cloned());
-        found = screen(&tries2, &near, kv2)?
-            .filter(|b| b.1 <= o.floor || b.1 < lowest)
-            .map(|(fl, _)| (fl, kv2));
+        let mut best: Option<(Floors, KvCache, f64)> = None;
+        for kv2 in other_kv {
+            if let Some((fl, n)) = screen(&tries2, &near, kv2)?
+                && best.as_ref().is_none_or(|b| n < b.2)
+            {
+                best = Some((fl, kv2, n));
+            }
+            if best.as_ref().is_some_and(|b| b.2 <= o.floor) {
+                break;
+            }
+        }
+        found = best
+            .filter(|b| b.2 <= o.floor || b.2 < lowest)
+            .map(|(fl, kv2, _)| (fl, kv2));
     }
     let Some((fl, kv2)) = found else {
         return Ok(None);

@@ -428,17 +428,22 @@ pub fn measure(
         l_end: n_layer.min(2),
         end: false,
     };
-    // The layers' spans run through attention, which reads the cache: a long prompt under an
-    // f16 cache moves them by as much as the roundings differ (a 308-token prompt: q8k layers
-    // 2.3e-5 under an f32 cache, 7.5e-8 under f16; plain f32 7.3e-5 under both). They are
-    // measured under an f32 cache (or the one the trace declares), and where that tells no
-    // rounding (none exact, none 4x ahead), once more under the next cache parity would try.
+    // The layers' spans run through attention, which reads the cache: on a long prompt the
+    // cache's own rounding moves them by as much as the roundings differ (a 308-token prompt:
+    // q8k layers 2.3e-5 under an f32 cache, 7.5e-8 under f16; plain f32 7.3e-5 under both; a
+    // Q8_0 or Q4_0 cache moves them more). They are measured under an f32 cache (or the one the
+    // trace declares), and where that tells no rounding (none exact, none 4x ahead), under each
+    // other cache parity would try, stored plainly (llama.cpp's arithmetic around it moves a
+    // span less than the roundings differ), until one does.
     let layer_caches: Vec<KvCache> = match opt.kv_caches.as_slice() {
         [one] => vec![*one],
-        [] => vec![KvCache::F32],
         many => {
             let mut v = vec![KvCache::F32];
-            v.extend(many.iter().copied().find(|&c| c != KvCache::F32));
+            for c in many.iter().map(|c| KvCache::plain(c.k)) {
+                if !v.contains(&c) {
+                    v.push(c);
+                }
+            }
             v
         }
     };
@@ -446,7 +451,7 @@ pub fn measure(
     for (pass, &kv) in layer_caches
         .iter()
         .enumerate()
-        .take(if run_layers { 2 } else { 0 })
+        .take(if run_layers { usize::MAX } else { 0 })
     {
         let setup = |r: Emulation| Setup {
             kv,
