@@ -746,12 +746,7 @@ fn under_other_roundings(
     // under the wrong rounding is fitted again there: rms eps 5e-4 under plain f32 and an f32
     // cache, 1e-3 under ggml-cpu and f16), get the whole diagnosis, whose confirmation is held
     // to the same bar as any.
-    let mut other_kv: Vec<KvCache> = Vec::new();
-    for c in opt.kv_caches.iter().map(|c| KvCache::plain(c.k)) {
-        if c != kv && !other_kv.contains(&c) {
-            other_kv.push(c);
-        }
-    }
+    let other_kv = rounding::plain_caches(opt, Some(kv));
     if found.is_none() && which == "the layers" && !other_kv.is_empty() {
         let mut near: Vec<(f64, Screened)> = f
             .ruled_out

@@ -321,6 +321,24 @@ fn clearly_better(
     Ok((fits, best.0))
 }
 
+/// The caches a measurement blind to the cache tries in turn: those parity would try (f32 first
+/// by default; f32 where none is given), stored plainly (llama.cpp's arithmetic around a cache
+/// moves a span less than the roundings differ), without `but`.
+pub fn plain_caches(opt: &JudgeOptions, but: Option<KvCache>) -> Vec<KvCache> {
+    let mut v: Vec<KvCache> = Vec::new();
+    let given = opt.kv_caches.iter().map(|c| KvCache::plain(c.k));
+    let all: Vec<KvCache> = match opt.kv_caches.is_empty() {
+        true => vec![KvCache::F32],
+        false => given.collect(),
+    };
+    for c in all {
+        if Some(c) != but && !v.contains(&c) {
+            v.push(c);
+        }
+    }
+    v
+}
+
 /// Measure the rounding (in `detection_window`) and then the K/V cache type (in the first
 /// step's first two layers) that reproduce the candidate.
 pub fn measure(
@@ -437,15 +455,9 @@ pub fn measure(
     // span less than the roundings differ), until one does.
     let layer_caches: Vec<KvCache> = match opt.kv_caches.as_slice() {
         [one] => vec![*one],
-        many => {
-            let mut v = vec![KvCache::F32];
-            for c in many.iter().map(|c| KvCache::plain(c.k)) {
-                if !v.contains(&c) {
-                    v.push(c);
-                }
-            }
-            v
-        }
+        _ => std::iter::once(KvCache::F32)
+            .chain(plain_caches(opt, Some(KvCache::F32)))
+            .collect(),
     };
     let run_layers = roundings.len() > 1 && no_layers && cand.trace.keys().any(layer_keys);
     for (pass, &kv) in layer_caches
