@@ -68,6 +68,22 @@ LAYER_NODE_BASES = {
 GLOBAL_NODES = {"inp_embd", "embd", "inp_scaled", "result_norm", "result_output", "ffn_post_norm"}
 FFN_ACT_NODES = ["ffn_swiglu", "ffn_geglu", "ffn_gate_par"]
 
+# The llama.cpp nodes each tap is read from (map_step): a recording plan that keeps a tap at a
+# step asks the scheduler for these nodes only, so a scan of a long prompt never copies the
+# probabilities or the feed-forward's wide rows out of the graph.
+TAP_NODES = {
+    "embd": {"inp_embd", "embd"}, "embd_scaled": {"inp_scaled"},
+    "attn_norm": {"attn_norm"}, "q": {"Qcur"}, "q_rope": {"Qcur"}, "k": {"Kcur"},
+    "k_rope": {"Kcur"}, "v": {"Vcur"}, "q_normed": {"Qcur_normed"}, "k_normed": {"Kcur_normed"},
+    "kq_soft_max": {"kq_soft_max"}, "kqv_out": {"kqv_out"}, "attn_out": {"attn_out"},
+    "attn_post_norm": {"attn_post_norm"}, "ffn_inp": {"ffn_inp", "sa_out"},
+    "ffn_norm": {"ffn_norm"}, "ffn_gate": {"ffn_gate", "ffn_up", *FFN_ACT_NODES},
+    "ffn_up": {"ffn_up", *FFN_ACT_NODES}, "ffn_act": set(FFN_ACT_NODES),
+    "ffn_out": {"ffn_out"}, "ffn_post_norm": {"ffn_post_norm"}, "l_out": {"l_out"},
+    "result_norm": {"result_norm"}, "logits_uncapped": {"logits_uncapped"},
+    "logits": {"result_output"},
+}
+
 LAYER_NAME_RE = re.compile(r"^([A-Za-z_]+)-(\d+)$")
 UNNAMED_RE = re.compile(r"^(node_\d+)?$")
 
@@ -237,8 +253,9 @@ class Capture:
         self.result_norm_ptr = None
         self.synthetic = {}
         self.synthetic_src = {}
+        self.keep = None  # node bases copied out at this step (None: every wanted node)
 
-    def reset(self):
+    def reset(self, keep=None):
         self.records = []
         self.seen = []
         self.error = None
@@ -250,6 +267,7 @@ class Capture:
         self.result_norm_ptr = None
         self.synthetic = {}      # address of an unnamed node -> the llama.cpp-style name we give it
         self.synthetic_src = {}  # given name -> the node's real name
+        self.keep = keep
 
     @staticmethod
     def wanted(name):
@@ -257,6 +275,14 @@ class Capture:
             return True
         m = LAYER_NAME_RE.match(name)
         return bool(m) and m.group(1) in LAYER_NODE_BASES
+
+    def kept(self, name):
+        """Whether a wanted node is copied out at this step: the others are only followed (the
+        node-mapping below needs their addresses, never their data)."""
+        if self.keep is None:
+            return True
+        m = LAYER_NAME_RE.match(name)
+        return (m.group(1) if m else name) in self.keep
 
     def callback(self, t, ask, _ud):
         try:
@@ -316,13 +342,14 @@ class Capture:
                     self.synthetic[t] = "logits_uncapped"
                     self.synthetic_src["logits_uncapped"] = name
                     want = True
+                want = want and self.kept(self.synthetic.get(t, name))
                 if self.list_nodes:
                     self.seen.append((name, self.ggml.lib.ggml_op_desc(t).decode(),
                                       self.ggml.lib.ggml_type_name(g.type).decode(),
                                       list(g.ne), bool(g.view_src), want))
                 return want
             name = self.synthetic.get(t, name)
-            if not self.wanted(name):
+            if not self.wanted(name) or not self.kept(name):
                 return True
             op = self.ggml.lib.ggml_op_desc(t).decode()
             tname = self.ggml.lib.ggml_type_name(g.type).decode()
@@ -522,6 +549,25 @@ def rope_decode(raw):
             "freq_scale": fl[1], "ext_factor": fl[2], "attn_factor": fl[3]}
 
 
+_LIBM = []   # the C library's math, loaded once (find_library runs a subprocess)
+
+
+def _powf(x, y, np):
+    """powf of the C library (what ggml calls), or numpy's float32 power where none loads."""
+    if not _LIBM:
+        try:
+            import ctypes.util
+            libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+            libm.powf.restype = ctypes.c_float
+            libm.powf.argtypes = [ctypes.c_float, ctypes.c_float]
+            _LIBM.append(libm.powf)
+        except (OSError, AttributeError):
+            _LIBM.append(None)
+    if _LIBM[0] is None:
+        return np.power(np.float32(x), np.float32(y), dtype=np.float32)
+    return _LIBM[0](x, y)
+
+
 def rope_ref(x, pos, rp, np, ff=None):
     """Reference RoPE (no YaRN ramp) of x [T, n_head, head_dim] in float64; pair i turns at
     theta_i / ff[i] with frequency factors `ff` (ggml: theta_extrap = theta / ff)."""
@@ -531,7 +577,9 @@ def rope_ref(x, pos, rp, np, ff=None):
     # angles exactly as ggml's CPU rope cache builds them, in float32:
     # theta_scale = powf(base, -2/n_dims); theta_0 = pos; theta_{i+1} = theta_i * theta_scale
     f32 = np.float32
-    theta_scale = f32(np.power(f32(rp["freq_base"]), f32(-2.0) / f32(n_dims), dtype=np.float32))
+    # theta_scale from the C library's powf, as ggml takes it: numpy's float32 power is an ulp
+    # away for some bases (10000^(-2/64)), which turns the angles ~2 ulp apart by position 2,000
+    theta_scale = f32(_powf(float(rp["freq_base"]), float(f32(-2.0) / f32(n_dims)), np))
     theta = np.empty((len(pos), half), np.float32)
     cur = np.asarray(pos, np.float32)
     for i in range(half):
@@ -566,16 +614,22 @@ class Checker:
     def close(self, what, a, b, rtol, atol=0.0):
         np = self.np
         self.n += 1
-        a = np.asarray(a, np.float64)
-        b = np.asarray(b, np.float64)
+        a, b = np.asarray(a), np.asarray(b)
         if a.shape != b.shape:
             self.failures.append(f"{what}: shape {a.shape} vs {b.shape}")
             return
-        scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30)
-        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        # in float64, a million elements at a time: a long prompt's logits are hundreds of MB
+        a, b = a.reshape(-1), b.reshape(-1)
+        scale, err, finite = 1e-30, 0.0, True
+        for i in range(0, a.size, 1 << 20):
+            x = a[i:i + (1 << 20)].astype(np.float64)
+            y = b[i:i + (1 << 20)].astype(np.float64)
+            scale = max(scale, float(np.max(np.abs(y))))
+            err = max(err, float(np.max(np.abs(x - y))))
+            finite = finite and bool(np.all(np.isfinite(x)))
         kind = what.rsplit(" s", 1)[0]
         self.worst[kind] = max(self.worst.get(kind, 0.0), err / scale)
-        if err > atol + rtol * scale or not np.all(np.isfinite(a)):
+        if err > atol + rtol * scale or not finite:
             self.failures.append(f"{what}: max|diff| {err:.3g} (scale {scale:.3g})")
 
 
@@ -1002,6 +1056,20 @@ def main(argv=None):
     def plan_wants(s, tap):
         return plan_taps is None or tap in plan_taps or any(a <= s <= b for a, b in plan_full)
 
+    def nodes_kept(s):
+        """The node bases llama.cpp copies out at step s: the plan's taps there, and K and V
+        while the self-checks run and a later step is kept whole (it checks its attention
+        against the keys and values of every earlier step; they are the size of the cache;
+        RoPE is checked on the normed keys where an architecture norms them). Each node asked
+        for splits llama.cpp's graph there: a scan asks for few."""
+        if plan_taps is None or any(a <= s <= b for a, b in plan_full):
+            return None
+        later_whole = any(b >= s for _, b in plan_full)
+        keep = {"Kcur", "Kcur_normed", "Vcur"} if checks is not None and later_whole else set()
+        for tap in plan_taps:
+            keep |= TAP_NODES.get(tap, set())
+        return keep
+
     def write_step(s, taps):
         """Each step goes to disk as soon as it is recorded: memory stays one step's taps (and
         the K/V the attention checks need), whatever the number of steps."""
@@ -1030,7 +1098,7 @@ def main(argv=None):
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = 1
-            capture.reset()
+            capture.reset(nodes_kept(step))
             rc = L.llama_decode(ctx, batch)
         finally:
             L.llama_batch_free(batch)

@@ -245,6 +245,10 @@ pub struct Setup {
     pub mutation: Option<Mutation>,
     pub knob: Option<(Knob, f32)>,
     pub window: Window,
+    /// Each of the candidate's tensors fed to the reference nudged by a few f32 ulps (a
+    /// pattern per seed): a replay as clean as the plain one, whose distance from it is what
+    /// two correct engines may differ by at a key (`super::ambiguity`).
+    pub jitter: Option<u64>,
 }
 
 impl Setup {
@@ -260,9 +264,30 @@ impl Setup {
             mutation: None,
             knob: None,
             window,
+            jitter: None,
         }
     }
 }
+
+/// `x` nudged by about `JITTER_ULPS` f32 ulps, up or down by a hash of (seed, index).
+fn jitter(seed: u64, data: &mut [f32]) {
+    const JITTER: f32 = JITTER_ULPS * f32::EPSILON;
+    for (i, x) in data.iter_mut().enumerate() {
+        // splitmix64 of the element's index under the seed
+        let mut z = seed
+            .wrapping_add(i as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let sign = if z & 1 == 0 { 1.0 } else { -1.0 };
+        *x *= 1.0 + sign * JITTER;
+    }
+}
+
+/// How far a jittered replay nudges each input: engines summing in another order differ from
+/// the reference by a few ulps at every op.
+pub const JITTER_ULPS: f32 = 4.0;
 
 /// Steps `0..=s_max`, layers `l0..=l1` (`l1 = None`: no layer; `end`: through the output).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -406,6 +431,7 @@ pub fn replay(
             f16_storage: BTreeSet::new(),
         },
         pending: None,
+        jitter: setup.jitter,
         error: None,
     };
     for (i, s) in steps.into_iter().enumerate() {
@@ -436,6 +462,7 @@ struct JudgeSink<'a, 't> {
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
     pending: Option<(TapKey, Vec<f32>)>,
+    jitter: Option<u64>,
     error: Option<JudgeError>,
 }
 
@@ -549,6 +576,10 @@ impl JudgeSink<'_, '_> {
             return false;
         }
         data.copy_from_slice(&v);
+        if let Some(seed) = self.jitter {
+            let at = ((src.step as u64) << 32) ^ (src.layer.map_or(0, |l| l as u64 + 1) << 48);
+            jitter(seed ^ at, data);
+        }
         true
     }
 }

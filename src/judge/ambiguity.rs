@@ -1,0 +1,89 @@
+//! The floor of a span no clean replay can tell apart from noise.
+//!
+//! A span's floor follows the trace's median span noise, but a span through a quantized K/V
+//! cache (or 8-bit activations) is noisier than the median says where it reads more cells
+//! near a rounding boundary: one K value an ulp away rounds to the neighbouring Q4_0 quantum
+//! and moves that step's attention a thousand times more than an ulp. A decode step's one row
+//! shows it undiluted; the decode steps' spans, most of which cross no boundary, pull the
+//! median down. Where a span stands out of its floor, parity replays its window again with
+//! each input the candidate fed it nudged by a few ulps (as an engine summing in another
+//! order differs): the distance between those clean replays is what two correct engines may
+//! differ by there, and the span is judged against `FACTOR` times it. A bug moves the
+//! candidate, never the clean replays: it is found whenever it stands out of that distance.
+
+use super::hypothesis::clean_setup;
+use super::replay::{Candidate, KvCache, Setup, Window, replay};
+use super::{Floors, JudgeError, OpResult};
+use crate::compare::metrics;
+use crate::model::Model;
+use ndarray::{ArrayViewD, IxDyn};
+use std::collections::BTreeSet;
+
+/// How many times the clean replays' own distance a span may sit at and still be noise (as
+/// every floor sits 10× or more above what a correct engine shows).
+pub const FACTOR: f64 = 10.0;
+/// The jittered replays, each its own pattern of nudges: the distance is the largest.
+const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
+/// Spans re-judged at most per judgement (the first that stays out of its floor ends it).
+const MAX_SPANS: usize = 8;
+
+/// The NMSE between the clean replay under `base` at `key` and replays of it jittered.
+pub(super) fn distance(
+    model: &Model,
+    cand: &Candidate,
+    base: &Setup,
+    key: &super::TapKey,
+) -> Result<f64, JudgeError> {
+    let keep = BTreeSet::from([*key]);
+    let plain = replay(model, cand, base, &keep)?;
+    let Some(a) = plain.kept.get(key) else {
+        return Ok(0.0);
+    };
+    let a = ArrayViewD::from_shape(IxDyn(&[a.len()]), a).expect("1-d");
+    let mut worst = 0.0f64;
+    for seed in SEEDS {
+        let setup = Setup {
+            jitter: Some(seed),
+            ..base.clone()
+        };
+        let r = replay(model, cand, &setup, &keep)?;
+        if let Some(b) = r.kept.get(key) {
+            let b = ArrayViewD::from_shape(IxDyn(&[b.len()]), b).expect("1-d");
+            worst = worst.max(metrics(&b, &a).nmse);
+        }
+    }
+    Ok(worst)
+}
+
+/// Judges again each span out of its floor (in key order, until one stays out) against
+/// `FACTOR` times the distance between its clean replays, raising its floor to that where
+/// higher. Returns how many spans the distance brought within their floor.
+pub(super) fn refloor(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    kv: KvCache,
+    ops: &mut [OpResult],
+) -> Result<usize, JudgeError> {
+    let mut cleared = 0;
+    let mut tried = 0;
+    for o in ops.iter_mut() {
+        if o.pass || o.span_ops <= 1 || o.metrics.non_finite_failure() {
+            continue;
+        }
+        if tried == MAX_SPANS {
+            break;
+        }
+        tried += 1;
+        let base = clean_setup(floors, kv, Window::for_key(cand, &o.key));
+        let d = distance(model, cand, &base, &o.key)?;
+        o.floor = o.floor.max(FACTOR * d);
+        if o.own_nmse > o.floor {
+            break;
+        }
+        o.pass = true;
+        o.ambiguous = true;
+        cleared += 1;
+    }
+    Ok(cleared)
+}
