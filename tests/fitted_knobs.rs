@@ -178,6 +178,52 @@ fn a_wrong_rope_base_or_attention_scale_is_fitted() {
     }
 }
 
+/// A RoPE base between the walk's half-decade points (10000's neighbours there are 3160 and
+/// 31600, and 12000 is no 1-2-5 value) is solved from the trace's own rotation where a full
+/// dump has q or k on both sides of RoPE: the angle pair 1 turns by at positions 1..3 gives
+/// the base, replayed to confirm. Before, 12000 was placed at q_rope and left unnamed ("no
+/// hypothesis reproduces it"), RoPE's error not being monotone in the base.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn a_rope_base_between_round_values_is_solved_from_the_rotation() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let golden = root().join("golden/tiny-llama-q4_0");
+    for theta in ["12000", "7300", "13750"] {
+        for rounding in ["none", "ggml"] {
+            let what = format!("theta {theta} {rounding}");
+            let (_t, bad) = engine(
+                &py,
+                &model,
+                &golden,
+                rounding,
+                "all",
+                &["--rope-theta", theta],
+            );
+            let (code, own) = judged(&model, &golden, &bad);
+            assert_eq!(code, Some(1), "{what}: {own:#}");
+            let d = &own["first_divergence"];
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": 0, "layer": 0, "tap": "q_rope"}),
+                "{what}: {d:#}"
+            );
+            let why = d["diagnosis"].as_str().unwrap();
+            assert!(
+                why.contains(&format!(
+                    "confirmed by experiment: rope-theta={theta} reproduces your "
+                )) && why.contains(&format!("frequency base is {theta}")),
+                "{what}: {why}"
+            );
+        }
+    }
+}
+
 /// gemma2's soft-caps, fitted (#28 item 3): an engine that caps the attention scores or the
 /// logits at another value (the two caps swapped, or a cap of its own) is found at the op
 /// (`kq_soft_max`, `logits`) and named with the value it uses; in a sparse dump the attention

@@ -497,6 +497,18 @@ fn fit(
         }
     };
     let (up, down) = (eval(at(l0 + step))?, eval(at(l0 - step))?);
+    // The base the trace's own rotation says, where it has q or k on both sides of RoPE: a
+    // base between the walk's half-decade points (12000) is reached no other way, RoPE's
+    // error not being monotone in it.
+    let mut solved: Option<(f64, f64)> = None;
+    if knob == Knob::RopeTheta {
+        for v in solve_theta(model, cand, k)? {
+            let e = eval(v)?;
+            if solved.is_none_or(|s| e < s.1) {
+                solved = Some(((v as f64).log10(), e));
+            }
+        }
+    }
     // Under 8-bit activations a span's NMSE is not monotone in the knob: near the model's value
     // requantization flips dominate (eps 1e-5 and 1e-4 both worse than 1e-6 on a span of an
     // engine whose eps is 1e-3, which reproduces it exactly). A span is searched both ways to
@@ -504,8 +516,10 @@ fn fit(
     // step helps, and not at all when neither does (two replays on a clean trace).
     let dirs: Vec<f64> = if span {
         vec![1.0, -1.0]
-    } else if up.min(down) >= own {
+    } else if up.min(down) >= own && solved.is_none_or(|s| s.1 >= own) {
         return Ok(None);
+    } else if up.min(down) >= own {
+        vec![]
     } else if up <= down {
         vec![1.0]
     } else {
@@ -516,6 +530,9 @@ fn fit(
     } else {
         (l0 - step, down)
     };
+    if let Some((l, e)) = solved.filter(|s| s.1 < best) {
+        (best_l, best) = (l, e);
+    }
     for dir in dirs {
         let mut l = l0 + dir * step;
         loop {
@@ -554,6 +571,71 @@ fn fit(
         .filter(|&&(v, e)| !catalog(v) && e <= min * 1.01)
         .min_by(|a, b| dist(a.0).total_cmp(&dist(b.0)))
         .copied())
+}
+
+/// The RoPE base the candidate's own rotation of pair 1 says at `k` (q_rope or k_rope, where
+/// the trace has the same step's q or k before RoPE):
+/// at positions 1..3 that pair turns by p·θ^(-2/n_rot) < π, so the angle between a head's pair
+/// before and after RoPE gives θ with no wrap (the median over rows and heads), returned to 3
+/// and 4 significant digits. Empty where the trace cannot say.
+fn solve_theta(model: &Model, cand: &Candidate, k: TapKey) -> Result<Vec<f32>, JudgeError> {
+    let pre = match k.tap {
+        Tap::QRope => [Tap::QNormed, Tap::Q],
+        Tap::KRope => [Tap::KNormed, Tap::K],
+        _ => return Ok(Vec::new()),
+    };
+    let c = &model.config;
+    let Some(pre) = pre
+        .into_iter()
+        .map(|t| TapKey::new(k.step, k.layer, t))
+        .find(|p| cand.contains(p))
+    else {
+        return Ok(Vec::new());
+    };
+    let (Some(x), Some(y), Some([t, nh, hd])) = (cand.get(&pre)?, cand.get(&k)?, cand.dims(&k))
+    else {
+        return Ok(Vec::new());
+    };
+    let Some(step) = cand.trace.manifest.steps.iter().find(|s| s.step == k.step) else {
+        return Ok(Vec::new());
+    };
+    if c.n_rot < 4 || c.n_rot > hd || x.len() != t * nh * hd || y.len() != x.len() {
+        return Ok(Vec::new());
+    }
+    let (ia, ib) = match c.rope_type {
+        RopeType::Norm => (2, 3),
+        RopeType::Neox => (1, 1 + c.n_rot / 2),
+    };
+    let fs = c.rope_freq_scale as f64;
+    let mut est: Vec<f64> = Vec::new();
+    for (row, &p) in step.positions.iter().enumerate().take(t) {
+        let turn = p as f64 * fs;
+        if !(1.0..=3.0).contains(&turn) {
+            continue;
+        }
+        for h in 0..nh {
+            let at = (row * nh + h) * hd;
+            let (a, b) = (x[at + ia] as f64, x[at + ib] as f64);
+            let (a2, b2) = (y[at + ia] as f64, y[at + ib] as f64);
+            if a * a + b * b < 1e-12 {
+                continue;
+            }
+            let freq = (a * b2 - b * a2).atan2(a * a2 + b * b2) / turn;
+            if freq > 0.0 && freq < 1.0 {
+                est.push(freq.powf(-(c.n_rot as f64) / 2.0));
+            }
+        }
+    }
+    let Some(theta) = super::floor::median(est).filter(|v| v.is_finite()) else {
+        return Ok(Vec::new());
+    };
+    // Engines use round values: the base to 3 and 4 significant digits, never the raw estimate
+    // (an engine's angles an ulp off ggml's, numpy's float32 power, would pick 11999.98).
+    Ok([2, 3]
+        .into_iter()
+        .filter_map(|d| format!("{theta:.d$e}").parse::<f32>().ok())
+        .filter(|v| v.is_finite() && *v > 1.0)
+        .collect())
 }
 
 /// A hypothesis within this factor of the own error is replayed under the tie twins too.
