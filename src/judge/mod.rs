@@ -739,53 +739,6 @@ fn under_other_roundings(
         }
         Ok(best)
     };
-    // The clean engine first, where the layers' rounding was left unsure: under a rounding
-    // (and cache) the measurement could not exclude, the key may be no further off than its
-    // clean replays differ there (a Q4_0 cache read by layers on 8-bit inputs: one activation
-    // an ulp away flips its quantum, and the keys it feeds flip theirs). The closest three
-    // clean replays are weighed against that distance (`ambiguity`); one within it is judged
-    // again whole, the engine clean unless an op stands out there.
-    if which == "the layers" {
-        let mut caches = vec![kv];
-        caches.extend(rounding::plain_caches(opt, Some(kv)));
-        let mut clean: Vec<(f64, Floors, KvCache)> = Vec::new();
-        for &kv2 in &caches {
-            for fl in std::iter::once(floors).chain(&tries) {
-                if kv2 == kv && std::ptr::eq(fl, floors) {
-                    continue;
-                }
-                let rep = replay(
-                    model,
-                    cand,
-                    &hypothesis::clean_setup(fl, kv2, window),
-                    &keep,
-                )?;
-                if let Some(n) = rep.metrics.get(&o.key).map(|x| x.nmse) {
-                    clean.push((n, fl.clone(), kv2));
-                }
-            }
-        }
-        clean.sort_by(|a, b| a.0.total_cmp(&b.0));
-        for (n, fl, kv2) in clean.into_iter().take(3) {
-            let d = ambiguity::distance(
-                model,
-                cand,
-                &hypothesis::clean_setup(&fl, kv2, window),
-                &o.key,
-            )?;
-            if n <= o.floor.max(ambiguity::FACTOR * d) {
-                let cache = match kv2 == kv {
-                    true => String::new(),
-                    false => format!(" and {} {} K/V cache", article(&kv2.name()), kv2.name()),
-                };
-                let note = format!(
-                    "\n  judged again with the layers rounded as {}{cache}: the clean engine under it is as close to this key as its own clean replays are to each other (NMSE {n:.1e}; {d:.1e} between them)",
-                    short(fl.rounding),
-                );
-                return Ok(Some((fl, kv2, note)));
-            }
-        }
-    }
     let mut found = screen(&tries, &closest, kv)?
         .filter(|b| b.1 <= o.floor)
         .map(|(fl, _)| (fl, kv));
@@ -970,10 +923,8 @@ pub fn render(j: &Judgement) -> String {
             s,
             "rounding that reproduces the engine: {} ({}median matmul own NMSE: {}{})",
             rounding_name(j.rounding),
-            if j.remeasured && j.first.is_some() {
+            if j.remeasured {
                 "measured again with the bug in view, see the finding; first measured: "
-            } else if j.remeasured {
-                "measured again where the first measurement left the layers unsure: the engine is within every floor under it; first measured: "
             } else {
                 ""
             },
