@@ -651,3 +651,113 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
     .unwrap();
     assert!(j.passed(), "{}", judge::render(&j));
 }
+
+/// A prompt of `n` ids and two forced decode steps on `model`, dumped whole by the reference
+/// under `rounding` with bug `m`.
+fn long_prompt_trace(model: &Model, n: usize, m: Option<Mutation>, rounding: Emulation) -> Trace {
+    let ids: Vec<u32> = (0..n as u32).map(|i| 1 + i * 7 % 390).collect();
+    let mut b = Reference::new(model, rounding, n + 4).with_mutation(m);
+    let mut sink = MemorySink::new(TapFilter::all());
+    let info = backend::run(&mut b, &ids, 2, Some(&[5, 9]), &mut sink).unwrap();
+    Trace::from_memory(
+        ModelRef {
+            path: String::new(),
+            sha256: String::new(),
+            size: None,
+        },
+        Producer {
+            name: "test-engine".into(),
+            backend: "whatever-it-says".into(),
+            version: String::new(),
+            settings: serde_json::Value::Null,
+        },
+        info,
+        sink.tensors,
+    )
+}
+
+/// A measurement replays only a long prompt's first rows (`Setup::measuring`), so that it costs
+/// the same at any length: cut, the replay of a clean full dump still reproduces every tensor
+/// it compares bit for bit (each tap's rows, the probabilities cut on both axes), on the same
+/// keys as the whole replay; a bug acting from a position past the cut (RoPE wrapping at 80)
+/// leaves the cut replay clean and the whole one not. A window reaching a decode step is never
+/// cut (its attention reads every prompt row).
+#[test]
+fn a_measurement_replays_a_long_prompt_s_first_rows_exactly() {
+    use parity::judge::replay::{Candidate, MEASURE_ROWS, Setup, Window, replay};
+    use std::collections::BTreeSet;
+    let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+    let n = 100;
+    assert!(n > MEASURE_ROWS);
+    let prefill = Window::full(model.config.n_layer, 0);
+    let none = BTreeSet::new();
+    let run = |t: &Trace, s: Setup| {
+        let cand = Candidate::new(t, &model.config).unwrap();
+        replay(&model, &cand, &s, &none).unwrap()
+    };
+    let clean = long_prompt_trace(&model, n, None, Emulation::None);
+    let cut = run(&clean, Setup::clean(Emulation::None, prefill).measuring());
+    let whole = run(&clean, Setup::clean(Emulation::None, prefill));
+    assert!(cut.cut && !whole.cut);
+    assert_eq!(
+        cut.metrics.keys().collect::<Vec<_>>(),
+        whole.metrics.keys().collect::<Vec<_>>()
+    );
+    assert!(cut.metrics.keys().any(|k| k.tap == Tap::KqSoftMax));
+    for (k, m) in &cut.metrics {
+        assert_eq!(m.nmse, 0.0, "{k}: {m:?}");
+    }
+    let wrap = Some(Mutation::RopePosWrap(80));
+    let bug = long_prompt_trace(&model, n, wrap, Emulation::None);
+    let cut = run(&bug, Setup::clean(Emulation::None, prefill).measuring());
+    let whole = run(&bug, Setup::clean(Emulation::None, prefill));
+    let worst =
+        |r: &parity::judge::replay::Replay| r.metrics.values().map(|m| m.nmse).fold(0.0, f64::max);
+    assert_eq!(worst(&cut), 0.0);
+    assert!(worst(&whole) > 1e-6, "{}", worst(&whole));
+    // Through the first decode step: whole, the bug's rows feed its attention.
+    let to_d1 = Window::full(model.config.n_layer, 1);
+    let d = run(&bug, Setup::clean(Emulation::None, to_d1).measuring());
+    assert!(!d.cut && worst(&d) > 1e-6);
+}
+
+/// A decode step's rounding is measured from one replay of the prompt
+/// (`replay_last_step_under`): under each rounding, the decode step's metrics are those of a
+/// replay that runs the prompt again with that rounding for its decode steps.
+#[test]
+fn a_decode_step_measured_under_each_rounding_from_one_prompt_replay() {
+    use parity::judge::replay::{Candidate, Setup, Window, replay, replay_last_step_under};
+    use std::collections::BTreeSet;
+    let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+    // A sparse dump of an engine rounding as ggml's CPU backend.
+    let t = long_prompt_trace(&model, 30, None, Emulation::GgmlCpu);
+    let t = Trace::from_memory(
+        t.manifest.model.clone(),
+        t.manifest.producer.clone(),
+        t.manifest.steps.clone(),
+        t.keys()
+            .filter(|k| k.step <= 1 && sparse(k))
+            .map(|k| (*k, t.get(k).unwrap().unwrap().into_owned()))
+            .collect(),
+    );
+    let cand = Candidate::new(&t, &model.config).unwrap();
+    let window = Window::full(model.config.n_layer, 1);
+    let roundings = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
+    let base = Setup::clean(Emulation::GgmlCpu, window);
+    let under = replay_last_step_under(&model, &cand, &base, &roundings).unwrap();
+    assert_eq!(under.len(), roundings.len());
+    let mut fits = Vec::new();
+    for (r, one) in roundings.iter().zip(&under) {
+        let again = Setup {
+            decode: Some(*r),
+            ..base.clone()
+        };
+        let again = replay(&model, &cand, &again, &BTreeSet::new()).unwrap();
+        let d1: Vec<_> = again.metrics.iter().filter(|(k, _)| k.step == 1).collect();
+        assert!(!d1.is_empty());
+        assert_eq!(one.metrics.iter().collect::<Vec<_>>(), d1, "{r:?}");
+        fits.push(d1.iter().map(|(_, m)| m.nmse).sum::<f64>());
+    }
+    // The ggml rounding reproduces its own decode step; the others do not.
+    assert!(fits[1] < fits[0] && fits[1] < fits[2], "{fits:?}");
+}

@@ -57,6 +57,9 @@ fn store_rows(kv: &KvCache, head_dim: usize, ekv: usize, k: bool, rows: &mut [f3
 /// Per layer, rows of `n_embd_kv` values.
 type LayerRows = Vec<Vec<f32>>;
 
+/// Cloned where a judgement replays one step under several roundings from the state the
+/// steps before it left (`judge::replay::replay_last_step_under`).
+#[derive(Clone)]
 pub struct Reference<'m> {
     model: &'m Model,
     emulation: Emulation,

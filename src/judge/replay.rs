@@ -249,7 +249,17 @@ pub struct Setup {
     /// pattern per seed): a replay as clean as the plain one, whose distance from it is what
     /// two correct engines may differ by at a key (`super::ambiguity`).
     pub jitter: Option<u64>,
+    /// A replay of the first step alone, a prompt from position 0, runs only its first `rows`
+    /// tokens (every tensor cut to them): a causal forward's first rows depend on nothing
+    /// after them, so the cut changes no value, and a measurement costs the same at any
+    /// prompt length (`MEASURE_ROWS`). Ignored where the window reaches a later step, whose
+    /// attention reads every row.
+    pub rows: Option<usize>,
 }
+
+/// The prompt rows a measurement replays (`Setup::rows`): a 64-wide model's rows carry
+/// 64 × 64 values a tap, a 7B's 64 × 4096, enough for a median to settle either way.
+pub const MEASURE_ROWS: usize = 64;
 
 impl Setup {
     /// A clean replay of `window` under one rounding for every step and the output
@@ -265,6 +275,15 @@ impl Setup {
             knob: None,
             window,
             jitter: None,
+            rows: None,
+        }
+    }
+
+    /// This setup replaying only the prompt's first `MEASURE_ROWS` rows where it can.
+    pub fn measuring(self) -> Setup {
+        Setup {
+            rows: Some(MEASURE_ROWS),
+            ..self
         }
     }
 }
@@ -353,6 +372,8 @@ pub struct Replay {
     /// Keys where the candidate's values are all f16-exact and the reference's are not: the
     /// engine stored that tensor in f16.
     pub f16_storage: BTreeSet<TapKey>,
+    /// The prompt was cut to its first rows (`Setup::rows`): the metrics cover those alone.
+    pub cut: bool,
 }
 
 /// A copy of `model` with `Setup`'s hyperparameters and only the window's layers.
@@ -392,6 +413,34 @@ pub fn replay(
     setup: &Setup,
     keep: &BTreeSet<TapKey>,
 ) -> Result<Replay, JudgeError> {
+    Ok(replay_core(model, cand, setup, keep, None)?.remove(0))
+}
+
+/// The window's last step (a decode step) replayed under each of `roundings`, the steps
+/// before it once under `setup` (its `decode` rounding ignored): one replay of a long prompt
+/// serves every rounding a decode step is measured under. Each replay's metrics cover the
+/// last step alone; none where the window holds one step.
+pub fn replay_last_step_under(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    roundings: &[Emulation],
+) -> Result<Vec<Replay>, JudgeError> {
+    let setup = Setup {
+        decode: None,
+        rows: None,
+        ..setup.clone()
+    };
+    replay_core(model, cand, &setup, &BTreeSet::new(), Some(roundings))
+}
+
+fn replay_core(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    keep: &BTreeSet<TapKey>,
+    last_under: Option<&[Emulation]>,
+) -> Result<Vec<Replay>, JudgeError> {
     let w = setup.window;
     let plain = w.l0 == 0
         && w.l_end == model.config.n_layer
@@ -410,14 +459,25 @@ pub fn replay(
         .iter()
         .filter(|s| s.step <= w.s_max)
         .collect();
-    let mut b = Reference::new(m, setup.rounding, n_ctx(steps.iter().copied()))
+    // (step, its full token count, the rows kept) where the prompt is cut.
+    let cut = match (setup.rows, steps.as_slice()) {
+        (Some(r), [s]) if s.positions.first().is_none_or(|&p| p == 0) && s.tokens.len() > r => {
+            Some((s.step, s.tokens.len(), r.max(1)))
+        }
+        _ => None,
+    };
+    let n_ctx = match cut {
+        Some((_, _, r)) => r + 1,
+        None => n_ctx(steps.iter().copied()),
+    };
+    let mut b = Reference::new(m, setup.rounding, n_ctx)
         .with_mutation(setup.mutation)
         .with_kv(setup.kv)
         .with_output_emulation(setup.output);
     if setup.kv_decode.is_some() {
         b = b.keeping_raw_kv();
     }
-    let mut sink = JudgeSink {
+    let new_sink = || JudgeSink {
         cand,
         window: w,
         scale: match setup.knob {
@@ -429,12 +489,29 @@ pub fn replay(
             metrics: BTreeMap::new(),
             kept: BTreeMap::new(),
             f16_storage: BTreeSet::new(),
+            cut: cut.is_some(),
         },
         pending: None,
+        cut,
         jitter: setup.jitter,
         error: None,
     };
-    for (i, s) in steps.into_iter().enumerate() {
+    let mut sink = new_sink();
+    let run = |b: &mut Reference, s: &StepInfo, sink: &mut JudgeSink| {
+        let pos0 = s.positions.first().copied().unwrap_or(0);
+        let tokens = match cut {
+            Some((_, _, r)) => &s.tokens[..r],
+            None => &s.tokens[..],
+        };
+        b.forward(tokens, pos0, s.step, sink)?;
+        sink.error.take().map_or(Ok(()), Err)
+    };
+    // With `last_under`, the last step is run apart (below) from a copy of this state.
+    let n_run = match last_under {
+        Some(_) => steps.len().saturating_sub(1),
+        None => steps.len(),
+    };
+    for (i, s) in steps.iter().take(n_run).enumerate() {
         if i == 1 {
             if let Some(d) = setup.decode {
                 b.set_emulation(d);
@@ -443,13 +520,28 @@ pub fn replay(
                 b.set_kv(c);
             }
         }
-        let pos0 = s.positions.first().copied().unwrap_or(0);
-        b.forward(&s.tokens, pos0, s.step, &mut sink)?;
-        if let Some(e) = sink.error.take() {
-            return Err(e);
-        }
+        run(&mut b, s, &mut sink)?;
     }
-    Ok(sink.out)
+    let Some(roundings) = last_under else {
+        return Ok(vec![sink.out]);
+    };
+    let Some(last) = steps.last().filter(|_| n_run > 0) else {
+        return Ok(Vec::new());
+    };
+    // (The steps after the first read the cache as `kv_decode`: set at the second.)
+    if let Some(c) = setup.kv_decode.filter(|_| n_run == 1) {
+        b.set_kv(c);
+    }
+    roundings
+        .iter()
+        .map(|&r| {
+            let mut b = b.clone();
+            b.set_emulation(r);
+            let mut sink = new_sink();
+            run(&mut b, last, &mut sink)?;
+            Ok(sink.out)
+        })
+        .collect()
 }
 
 struct JudgeSink<'a, 't> {
@@ -462,6 +554,8 @@ struct JudgeSink<'a, 't> {
     out: Replay,
     /// The candidate's tensor read by `record`, reused by the `substitute` that follows.
     pending: Option<(TapKey, Vec<f32>)>,
+    /// (step, its full token count, rows kept): the prompt cut (`Setup::rows`).
+    cut: Option<(usize, usize, usize)>,
     jitter: Option<u64>,
     error: Option<JudgeError>,
 }
@@ -474,6 +568,21 @@ impl JudgeSink<'_, '_> {
             (Tap::Embd | Tap::EmbdScaled, _) => (w.l0 == 0).then_some(*k),
             (_, Some(l)) => Some(TapKey::new(k.step, Some(l + w.l0), k.tap)),
             (_, None) => w.end.then_some(*k),
+        }
+    }
+
+    /// The candidate's tensor at `k` in canonical order, cut to the replayed rows.
+    fn get(&self, k: &TapKey) -> Result<Option<Vec<f32>>, JudgeError> {
+        let v = self.cand.get(k)?;
+        match (self.cut, v) {
+            (Some((step, t, r)), Some(v)) if k.step == step => Ok(Some(first_rows(
+                &v,
+                self.cand.dims(k).ok_or(JudgeError::MissingStep(step))?,
+                k.tap,
+                t,
+                r,
+            ))),
+            (_, v) => Ok(v),
         }
     }
 
@@ -502,7 +611,7 @@ impl Sink for JudgeSink<'_, '_> {
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
         let Some(k) = self.map(&key) else { return };
-        let c = match self.cand.get(&k) {
+        let c = match self.get(&k) {
             Ok(Some(c)) => c,
             Ok(None) => return,
             Err(e) => return self.fail(e),
@@ -558,7 +667,7 @@ impl JudgeSink<'_, '_> {
         };
         let v = match self.pending.take() {
             Some((k, v)) if k == src => v,
-            _ => match self.cand.get(&src) {
+            _ => match self.get(&src) {
                 Ok(Some(v)) => v,
                 Ok(None) => return false,
                 Err(e) => {
@@ -587,6 +696,26 @@ impl JudgeSink<'_, '_> {
 /// `trace` with every declared layout undone, in memory, for the end-to-end comparison (a
 /// declared layout is a way of storing the numbers, never a numeric difference); None when it
 /// declares none.
+/// The first `r` of a prompt's `t` token rows of a canonical tensor (`arch::tap_dims`): rows
+/// lead every tap but the probabilities, `[head, t, t]` from position 0, cut on both axes
+/// (row i < r reads no key past i).
+fn first_rows(v: &[f32], dims: [usize; 3], tap: Tap, t: usize, r: usize) -> Vec<f32> {
+    match tap {
+        Tap::KqSoftMax => {
+            let (n_head, n_kv) = (dims[0], dims[2]);
+            let mut out = Vec::with_capacity(n_head * r * r);
+            for h in 0..n_head {
+                for i in 0..r {
+                    let row = (h * t + i) * n_kv;
+                    out.extend_from_slice(&v[row..row + r]);
+                }
+            }
+            out
+        }
+        _ => v[..v.len() / t * r].to_vec(),
+    }
+}
+
 pub fn aligned_trace(trace: &Trace, config: &Config) -> Result<Option<Trace>, JudgeError> {
     let cand = Candidate::new(trace, config)?;
     if !cand.layouts.values().any(|l| *l != Layout::Canonical) {

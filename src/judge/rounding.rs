@@ -383,10 +383,13 @@ pub fn measure(
     let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
     if roundings.len() > 1 {
         for &r in &roundings {
-            let setup = Setup::clean(r, detect);
+            let setup = Setup::clean(r, detect).measuring();
             let rep = replay(model, cand, &setup, none)?;
             let (f, rep, whole) = match fit(cand, &rep) {
-                Some(f) => (f, rep, detect == Window::full(n_layer, s_max)),
+                Some(f) => {
+                    let whole = detect == Window::full(n_layer, s_max) && !rep.cut;
+                    (f, rep, whole)
+                }
                 None => {
                     // Nothing through a matmul in the window: measure on the whole trace.
                     let full = Setup {
@@ -394,7 +397,8 @@ pub fn measure(
                         ..setup
                     };
                     let rep = replay(model, cand, &full, none)?;
-                    (fit(cand, &rep).unwrap_or(0.0), rep, true)
+                    let whole = !rep.cut;
+                    (fit(cand, &rep).unwrap_or(0.0), rep, whole)
                 }
             };
             fits.push(RoundingFit {
@@ -465,9 +469,12 @@ pub fn measure(
         .enumerate()
         .take(if run_layers { usize::MAX } else { 0 })
     {
-        let setup = |r: Emulation| Setup {
-            kv,
-            ..Setup::clean(r, window)
+        let setup = |r: Emulation| {
+            Setup {
+                kv,
+                ..Setup::clean(r, window)
+            }
+            .measuring()
         };
         let Some(base) = fit_where(
             cand,
@@ -523,7 +530,7 @@ pub fn measure(
             // The layers' rounding at the output projection too, unless the output's fits it
             // 4x better (ggml-scalar's layers, where a tie lands, and an output where none
             // does: one arithmetic there).
-            let setup = Setup::clean(rounding, Window::for_key(cand, &lm));
+            let setup = Setup::clean(rounding, Window::for_key(cand, &lm)).measuring();
             let at_lm = replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
@@ -554,7 +561,8 @@ pub fn measure(
             let setup = Setup {
                 output: Some(r),
                 ..Setup::clean(rounding, window)
-            };
+            }
+            .measuring();
             Ok(replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
@@ -591,16 +599,21 @@ pub fn measure(
                 ..detect
             },
         };
-        // (`None`: no matmul of the decode step in the window.)
+        // The steps before d1 replayed once, d1 under each rounding from the state they left
+        // (a long prompt is not replayed once per rounding). `None`: no matmul of the decode
+        // step in the window.
+        let setup = Setup {
+            output,
+            ..Setup::clean(rounding, window)
+        };
+        let under = replay::replay_last_step_under(model, cand, &setup, &roundings)?;
+        let d1_fits: Vec<(Emulation, Option<f64>)> = roundings
+            .iter()
+            .zip(&under)
+            .map(|(&r, rep)| (r, fit_where(cand, rep, |k| k.step == d1)))
+            .collect();
         let at_d1 = |r: Emulation| -> Result<Option<f64>, JudgeError> {
-            let setup = Setup {
-                decode: Some(r),
-                output,
-                ..Setup::clean(rounding, window)
-            };
-            Ok(fit_where(cand, &replay(model, cand, &setup, none)?, |k| {
-                k.step == d1
-            }))
+            Ok(d1_fits.iter().find(|x| x.0 == r).and_then(|x| x.1))
         };
         if let Some(f) = at_d1(rounding)? {
             let others = roundings.iter().copied().filter(|&r| r != rounding);
@@ -644,7 +657,8 @@ pub fn measure(
                 output,
                 kv: c,
                 ..Setup::clean(rounding, window)
-            };
+            }
+            .measuring();
             let rep = replay(model, cand, &setup, none)?;
             let through_attention: Vec<f64> = rep
                 .metrics
