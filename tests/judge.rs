@@ -761,3 +761,48 @@ fn a_decode_step_measured_under_each_rounding_from_one_prompt_replay() {
     // The ggml rounding reproduces its own decode step; the others do not.
     assert!(fits[1] < fits[0] && fits[1] < fits[2], "{fits:?}");
 }
+
+/// A span's clean replays nudged by a few ulps (`Setup::jitter`) measure how far two correct
+/// engines may sit apart there (`judge::ambiguity`). A span entered from the token embedding
+/// that a sparse dump leaves out had no input to nudge: its distance was exactly 0, and a
+/// clean llama.cpp golden (a 1.1B-shaped Q4_0, 256 ids, 16 steps) was called diverged at a
+/// decode step's layer 0 l_out, one 8-bit activation on the other side of a rounding boundary
+/// (1.14e-5 over 1e-5). The reference's own embedding is nudged now.
+#[test]
+fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
+    use parity::judge::replay::{Candidate, Setup, Window, replay};
+    use std::collections::BTreeSet;
+    let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+    let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu);
+    let t = Trace::from_memory(
+        t.manifest.model.clone(),
+        t.manifest.producer.clone(),
+        t.manifest.steps.clone(),
+        t.keys()
+            .filter(|k| k.tap != Tap::Embd && sparse(k))
+            .map(|k| (*k, t.get(k).unwrap().unwrap().into_owned()))
+            .collect(),
+    );
+    let cand = Candidate::new(&t, &model.config).unwrap();
+    let key = TapKey::new(1, Some(0), Tap::LOut);
+    let window = Window::for_key(&cand, &key);
+    assert_eq!(window.l0, 0);
+    let keep = BTreeSet::from([key]);
+    let base = Setup::clean(Emulation::GgmlCpu, window);
+    let plain = replay(&model, &cand, &base, &keep).unwrap();
+    let nudged = Setup {
+        jitter: Some(7),
+        ..base.clone()
+    };
+    let nudged = replay(&model, &cand, &nudged, &keep).unwrap();
+    let (a, b) = (&plain.kept[&key], &nudged.kept[&key]);
+    assert_ne!(a, b);
+    // Nudged, not moved: an ulp's change, or an 8-bit activation flipped here and there.
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) as f64).powi(2))
+        .sum::<f64>()
+        / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
+    assert!(d > 0.0 && d < 1e-4, "{d}");
+}
