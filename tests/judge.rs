@@ -57,9 +57,21 @@ fn engine_trace(
 ) -> Trace {
     let ids = golden.manifest.steps[0].tokens.clone();
     let forced = golden.manifest.decode_tokens();
+    engine_run(model, &ids, &forced, m, rounding, keep)
+}
+
+/// What an engine with bug `m` dumps for prompt `ids` and forced decode ids `forced`.
+fn engine_run(
+    model: &Model,
+    ids: &[u32],
+    forced: &[u32],
+    m: Option<Mutation>,
+    rounding: Emulation,
+    keep: impl Fn(&TapKey) -> bool,
+) -> Trace {
     let mut b = Reference::new(model, rounding, ids.len() + forced.len() + 2).with_mutation(m);
     let mut sink = MemorySink::new(TapFilter::all());
-    let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
+    let info = backend::run(&mut b, ids, forced.len(), Some(forced), &mut sink).unwrap();
     let tensors = sink.tensors.into_iter().filter(|(k, _)| keep(k)).collect();
     Trace::from_memory(
         ModelRef {
@@ -652,28 +664,17 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
     assert!(j.passed(), "{}", judge::render(&j));
 }
 
-/// A prompt of `n` ids and two forced decode steps on `model`, dumped whole by the reference
-/// under `rounding` with bug `m`.
-fn long_prompt_trace(model: &Model, n: usize, m: Option<Mutation>, rounding: Emulation) -> Trace {
+/// A prompt of `n` ids and two forced decode steps on `model`, dumped by the reference under
+/// `rounding` with bug `m` (the taps `keep` picks).
+fn long_prompt_trace(
+    model: &Model,
+    n: usize,
+    m: Option<Mutation>,
+    rounding: Emulation,
+    keep: impl Fn(&TapKey) -> bool,
+) -> Trace {
     let ids: Vec<u32> = (0..n as u32).map(|i| 1 + i * 7 % 390).collect();
-    let mut b = Reference::new(model, rounding, n + 4).with_mutation(m);
-    let mut sink = MemorySink::new(TapFilter::all());
-    let info = backend::run(&mut b, &ids, 2, Some(&[5, 9]), &mut sink).unwrap();
-    Trace::from_memory(
-        ModelRef {
-            path: String::new(),
-            sha256: String::new(),
-            size: None,
-        },
-        Producer {
-            name: "test-engine".into(),
-            backend: "whatever-it-says".into(),
-            version: String::new(),
-            settings: serde_json::Value::Null,
-        },
-        info,
-        sink.tensors,
-    )
+    engine_run(model, &ids, &[5, 9], m, rounding, keep)
 }
 
 /// A measurement replays only a long prompt's first rows (`Setup::measuring`), so that it costs
@@ -695,7 +696,7 @@ fn a_measurement_replays_a_long_prompt_s_first_rows_exactly() {
         let cand = Candidate::new(t, &model.config).unwrap();
         replay(&model, &cand, &s, &none).unwrap()
     };
-    let clean = long_prompt_trace(&model, n, None, Emulation::None);
+    let clean = long_prompt_trace(&model, n, None, Emulation::None, |_| true);
     let cut = run(&clean, Setup::clean(Emulation::None, prefill).measuring());
     let whole = run(&clean, Setup::clean(Emulation::None, prefill));
     assert!(cut.cut && !whole.cut);
@@ -708,7 +709,7 @@ fn a_measurement_replays_a_long_prompt_s_first_rows_exactly() {
         assert_eq!(m.nmse, 0.0, "{k}: {m:?}");
     }
     let wrap = Some(Mutation::RopePosWrap(80));
-    let bug = long_prompt_trace(&model, n, wrap, Emulation::None);
+    let bug = long_prompt_trace(&model, n, wrap, Emulation::None, |_| true);
     let cut = run(&bug, Setup::clean(Emulation::None, prefill).measuring());
     let whole = run(&bug, Setup::clean(Emulation::None, prefill));
     let worst =
@@ -730,16 +731,7 @@ fn a_decode_step_measured_under_each_rounding_from_one_prompt_replay() {
     use std::collections::BTreeSet;
     let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
     // A sparse dump of an engine rounding as ggml's CPU backend.
-    let t = long_prompt_trace(&model, 30, None, Emulation::GgmlCpu);
-    let t = Trace::from_memory(
-        t.manifest.model.clone(),
-        t.manifest.producer.clone(),
-        t.manifest.steps.clone(),
-        t.keys()
-            .filter(|k| k.step <= 1 && sparse(k))
-            .map(|k| (*k, t.get(k).unwrap().unwrap().into_owned()))
-            .collect(),
-    );
+    let t = long_prompt_trace(&model, 30, None, Emulation::GgmlCpu, sparse);
     let cand = Candidate::new(&t, &model.config).unwrap();
     let window = Window::full(model.config.n_layer, 1);
     let roundings = [Emulation::None, Emulation::GgmlCpu, Emulation::F16];
@@ -773,16 +765,9 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
     use parity::judge::replay::{Candidate, Setup, Window, replay};
     use std::collections::BTreeSet;
     let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
-    let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu);
-    let t = Trace::from_memory(
-        t.manifest.model.clone(),
-        t.manifest.producer.clone(),
-        t.manifest.steps.clone(),
-        t.keys()
-            .filter(|k| k.tap != Tap::Embd && sparse(k))
-            .map(|k| (*k, t.get(k).unwrap().unwrap().into_owned()))
-            .collect(),
-    );
+    let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu, |k| {
+        k.tap != Tap::Embd && sparse(k)
+    });
     let cand = Candidate::new(&t, &model.config).unwrap();
     let key = TapKey::new(1, Some(0), Tap::LOut);
     let window = Window::for_key(&cand, &key);
