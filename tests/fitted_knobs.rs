@@ -224,6 +224,82 @@ fn a_rope_base_between_round_values_is_solved_from_the_rotation() {
     }
 }
 
+/// Values no walk point lands on (#28 item 3): an attention scale within one step of the
+/// model's (0.1 and 0.15 for 0.125: the walk's first steps, 0.0625 and 0.25, are each further
+/// off than the model's own value, and before, the fit stopped there, "no hypothesis
+/// reproduces it"), a RoPE base off the half-decade points in a sparse dump (where no q/k pair
+/// gives it in closed form), an eps off the 1-2-5 values: found by a golden-section search
+/// between the walk's points and named with the value the engine writes, from full and sparse
+/// dumps under plain f32, ggml's and Q8_K activation rounding. Eps 3e-6 only in plain f32: under
+/// 8-bit activations a sparse dump cannot tell it from 5e-6 (both reproduce the span exactly).
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let golden = root().join("golden/tiny-llama-q4_0");
+    // (the engine's setting, its op in a full dump, the fitted name, the words, the roundings)
+    type Case<'a> = (&'a [&'a str], &'a str, &'a str, &'a str, &'a [&'a str]);
+    let cases: [Case; 4] = [
+        (
+            &["--attn-scale", "0.1"],
+            "kq_soft_max",
+            "attn-scale=1e-1",
+            "scales attention scores by 1e-1",
+            &["none", "ggml", "q8k"],
+        ),
+        (
+            &["--attn-scale", "0.15"],
+            "kq_soft_max",
+            "attn-scale=1.5e-1",
+            "scales attention scores by 1.5e-1",
+            &["none", "ggml", "q8k"],
+        ),
+        (
+            &["--rope-theta", "15000"],
+            "q_rope",
+            "rope-theta=15000",
+            "frequency base is 15000",
+            &["none", "ggml", "q8k"],
+        ),
+        (
+            &["--rms-eps", "3e-6"],
+            "attn_norm",
+            "rms-eps=3e-6",
+            "adds eps 3e-6",
+            &["none"],
+        ),
+    ];
+    for (set, tap, name, words, roundings) in cases {
+        for &rounding in roundings {
+            for taps in ["all", "sparse"] {
+                let what = format!("{set:?} {rounding} {taps}");
+                let (_t, bad) = engine(&py, &model, &golden, rounding, taps, set);
+                let (code, own) = judged(&model, &golden, &bad);
+                assert_eq!(code, Some(1), "{what}: {own:#}");
+                let d = &own["first_divergence"];
+                let at = if taps == "all" { tap } else { "l_out" };
+                assert_eq!(
+                    d["at"]["key"],
+                    serde_json::json!({"step": 0, "layer": 0, "tap": at}),
+                    "{what}: {d:#}"
+                );
+                let why = d["diagnosis"].as_str().unwrap();
+                assert!(
+                    why.contains(&format!("confirmed by experiment: {name} reproduces your "))
+                        && why.contains(words),
+                    "{what}: {why}"
+                );
+            }
+        }
+    }
+}
+
 /// gemma2's soft-caps, fitted (#28 item 3): an engine that caps the attention scores or the
 /// logits at another value (the two caps swapped, or a cap of its own) is found at the op
 /// (`kq_soft_max`, `logits`) and named with the value it uses; in a sparse dump the attention

@@ -145,17 +145,20 @@ impl KvCache {
     }
 
     /// The caches the judge tries on an engine that does not say which it keeps: f32, f16
-    /// (plain and as llama.cpp's defaults compute it), and the quantized types where the head
-    /// size is whole blocks (plain, and as llama.cpp with flash attention does).
-    pub fn candidates(head_dim: usize) -> Vec<KvCache> {
+    /// (plain and as llama.cpp's defaults compute it), and the quantized types: plain where a
+    /// position's row (`n_embd_kv`, every KV head) is whole blocks, as llama.cpp with flash
+    /// attention keeps them where each head is (llama.cpp refuses a quantized cache otherwise).
+    pub fn candidates(head_dim: usize, n_embd_kv: usize) -> Vec<KvCache> {
         let mut v = vec![
             KvCache::F32,
             KvCache::F16,
             KvCache::llama_cpp(CacheType::F16, CacheType::F16, true),
         ];
         for t in [CacheType::Q8_0, CacheType::Q4_0] {
-            if t.fits(head_dim) {
+            if t.fits(n_embd_kv) {
                 v.push(KvCache::plain(t));
+            }
+            if t.fits(head_dim) {
                 v.push(KvCache::llama_cpp(t, t, true));
             }
         }
@@ -164,8 +167,8 @@ impl KvCache {
 
     /// The other caches to try where the measured one may be wrong (a bug that moves
     /// attention more than any cache's rounding can mislead the measurement).
-    pub fn alternatives(self, head_dim: usize) -> Vec<KvCache> {
-        KvCache::candidates(head_dim)
+    pub fn alternatives(self, head_dim: usize, n_embd_kv: usize) -> Vec<KvCache> {
+        KvCache::candidates(head_dim, n_embd_kv)
             .into_iter()
             .filter(|&c| c != self)
             .collect()
@@ -434,7 +437,7 @@ mod tests {
 
     #[test]
     fn names_parse_back() {
-        for kv in KvCache::candidates(64) {
+        for kv in KvCache::candidates(64, 128) {
             let spelled = format!(
                 "{}/{}{}{}",
                 kv.k.name(),
@@ -450,8 +453,15 @@ mod tests {
         );
         assert_eq!(KvCache::parse("q8_0+rot"), None);
         assert_eq!(KvCache::parse("q5_1"), None);
-        // A quantized cache needs whole blocks per head.
-        assert_eq!(KvCache::candidates(16).len(), 3);
+        // llama.cpp's quantized cache needs whole blocks per head, a plain one per position.
+        assert_eq!(KvCache::candidates(16, 16).len(), 3);
+        assert_eq!(
+            KvCache::candidates(16, 64)[3..],
+            [
+                KvCache::plain(CacheType::Q8_0),
+                KvCache::plain(CacheType::Q4_0)
+            ]
+        );
     }
 
     #[test]

@@ -96,9 +96,9 @@ impl Default for JudgeOptions {
 /// `type_k`, `type_v` and flash attention as resolved: exactly that one); for another producer
 /// whose settings name `type_k` and `type_v`, the caches of those types (its arithmetic is
 /// measured); else every cache parity emulates for this head size, in order of preference.
-pub fn declared_kv(trace: &Trace, head_dim: usize) -> Vec<KvCache> {
+pub fn declared_kv(trace: &Trace, head_dim: usize, n_embd_kv: usize) -> Vec<KvCache> {
     let p = &trace.manifest.producer;
-    let all = KvCache::candidates(head_dim);
+    let all = KvCache::candidates(head_dim, n_embd_kv);
     if (p.name == "llama.cpp" || p.backend.starts_with("llama.cpp"))
         && let Some(kv) = KvCache::from_llama_settings(&p.settings)
     {
@@ -379,7 +379,7 @@ fn judge_once(
     let guarded = JudgeOptions {
         hypotheses: opt.hypotheses && bad.is_none(),
         kv_caches: match opt.kv_caches.is_empty() {
-            true => declared_kv(trace, model.config.head_dim),
+            true => declared_kv(trace, model.config.head_dim, model.config.n_embd_kv()),
             false => opt.kv_caches.clone(),
         },
         ..opt.clone()

@@ -163,7 +163,7 @@ pub fn candidate(
         // The K/V cache, measured on the same data (where the NaNs outweigh any cache's
         // rounding), is tried every way parity emulates too.
         let mut caches = vec![kv];
-        caches.extend(kv.alternatives(model.config.head_dim));
+        caches.extend(kv.alternatives(model.config.head_dim, model.config.n_embd_kv()));
         for (rounding, kv) in caches
             .iter()
             .flat_map(|&c| roundings.iter().map(move |&r| (r, c)))
