@@ -28,7 +28,7 @@ const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
 const MAX_SPANS: usize = 8;
 
 /// The NMSE between the clean replay under `base` at `key` and replays of it jittered.
-fn distance(
+pub(super) fn distance(
     model: &Model,
     cand: &Candidate,
     base: &Setup,

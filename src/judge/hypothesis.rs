@@ -634,17 +634,19 @@ fn fit(
         return Ok(Vec::new());
     };
     // Where other values fit as well (8-bit activations hide eps 3e-6 from 5e-6), the ends of
-    // what was seen to tie go with it, for the verdict to say the trace cannot tell them apart.
+    // what was seen to tie go with it, for the verdict to say the trace cannot tell them apart
+    // (values an engine writes: the search's own probes are not listed).
+    let written: Vec<&(f32, f64)> = alike.iter().filter(|a| digits(a.0) <= 3).collect();
     let mut out = vec![pick];
     for end in [
-        alike.iter().min_by(|a, b| a.0.total_cmp(&b.0)),
-        alike.iter().max_by(|a, b| a.0.total_cmp(&b.0)),
+        written.iter().min_by(|a, b| a.0.total_cmp(&b.0)),
+        written.iter().max_by(|a, b| a.0.total_cmp(&b.0)),
     ]
     .into_iter()
     .flatten()
     {
         if !out.iter().any(|o| o.0 == end.0) {
-            out.push(*end);
+            out.push(**end);
         }
     }
     Ok(out)

@@ -786,6 +786,18 @@ fn under_other_roundings(
     let Some((fl, kv2)) = found else {
         return Ok(None);
     };
+    // The key's floor as the clean replays under that rounding and cache differ when their
+    // inputs are nudged (a quantized cache is noisier than the measured one).
+    let d = ambiguity::distance(
+        model,
+        cand,
+        &hypothesis::clean_setup(&fl, kv2, Window::for_key(cand, &o.key)),
+        &o.key,
+    )?;
+    let o = &OpResult {
+        floor: o.floor.max(ambiguity::FACTOR * d),
+        ..o.clone()
+    };
     let g = hypothesis::diagnose(model, cand, &fl, kv2, o, ops, true)?;
     if g.confirmed.is_none() {
         return Ok(None);
