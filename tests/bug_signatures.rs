@@ -1,10 +1,11 @@
 //! Known engine bugs, injected into our own reference, must be found at the right (step, layer,
 //! tap) with the right diagnosis when compared with the real llama.cpp golden.
 
+use crate::common::memory_trace;
 use parity::backend::{self, Emulation, Reference};
 use parity::compare::{CompareOptions, Comparison, PairKind, compare};
 use parity::model::{Model, RopeType};
-use parity::trace::{MemorySink, ModelRef, Producer, Tap, TapFilter, TapKey, Trace};
+use parity::trace::{MemorySink, Tap, TapFilter, TapKey, Trace};
 use std::path::PathBuf;
 
 fn root() -> PathBuf {
@@ -29,18 +30,10 @@ fn run_against_golden_keeping(
     let mut b = Reference::new(model, Emulation::GgmlCpu, prompt.len() + forced.len());
     let mut sink = MemorySink::new(keep);
     let steps = backend::run(&mut b, &prompt, forced.len(), Some(&forced), &mut sink).unwrap();
-    let t = Trace::from_memory(
-        ModelRef {
-            path: String::new(),
-            sha256: model.sha256().into(),
-            size: None,
-        },
-        Producer {
-            name: "parity".into(),
-            backend: "reference:ggml-cpu".into(),
-            version: "test".into(),
-            settings: serde_json::Value::Null,
-        },
+    let t = memory_trace(
+        "parity",
+        "reference:ggml-cpu",
+        model.sha256(),
         steps,
         sink.tensors,
     );
@@ -124,21 +117,7 @@ fn plain_f32_activations_on_a_quantized_model_pass_only_with_different_rounding_
     let mut b = Reference::new(&m, Emulation::None, prompt.len());
     let mut sink = MemorySink::new(TapFilter::all());
     let steps = backend::run(&mut b, &prompt, 0, None, &mut sink).unwrap();
-    let t = Trace::from_memory(
-        ModelRef {
-            path: String::new(),
-            sha256: m.sha256().into(),
-            size: None,
-        },
-        Producer {
-            name: "parity".into(),
-            backend: "reference".into(),
-            version: "test".into(),
-            settings: serde_json::Value::Null,
-        },
-        steps,
-        sink.tensors,
-    );
+    let t = memory_trace("parity", "reference", m.sha256(), steps, sink.tensors);
     let loose = CompareOptions {
         pair: PairKind::DifferentRounding,
         weight_type: m.main_weight_type(),

@@ -10,7 +10,7 @@ use parity::backend::mutation::{Mutation, MutationKind};
 use parity::backend::{self, Emulation, Reference};
 use parity::judge::{self, JudgeOptions, Judgement};
 use parity::model::Model;
-use parity::trace::{MemorySink, ModelRef, Producer, Tap, TapFilter, TapKey, Trace};
+use parity::trace::{MemorySink, Tap, TapFilter, TapKey, Trace};
 use std::path::PathBuf;
 
 /// Committed fixtures with their goldens, and the shared models' goldens when ../shared exists.
@@ -73,21 +73,7 @@ fn engine_run(
     let mut sink = MemorySink::new(TapFilter::all());
     let info = backend::run(&mut b, ids, forced.len(), Some(forced), &mut sink).unwrap();
     let tensors = sink.tensors.into_iter().filter(|(k, _)| keep(k)).collect();
-    Trace::from_memory(
-        ModelRef {
-            path: String::new(),
-            sha256: String::new(),
-            size: None,
-        },
-        Producer {
-            name: "test-engine".into(),
-            backend: "whatever-it-says".into(),
-            version: String::new(),
-            settings: serde_json::Value::Null,
-        },
-        info,
-        tensors,
-    )
+    memory_trace("test-engine", "whatever-it-says", "", info, tensors)
 }
 
 fn sparse(k: &TapKey) -> bool {

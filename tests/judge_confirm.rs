@@ -11,7 +11,7 @@ use parity::backend::mutation::Mutation;
 use parity::backend::{self, Emulation, Reference};
 use parity::judge::{self, JudgeOptions, Judgement, hypothesis};
 use parity::model::Model;
-use parity::trace::{MemorySink, ModelRef, Producer, Tap, TapFilter, TapKey, Trace};
+use parity::trace::{MemorySink, Tap, TapFilter, TapKey, Trace};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -60,21 +60,8 @@ fn trace(
     tensors: BTreeMap<TapKey, ndarray::ArrayD<f32>>,
     keep: impl Fn(&TapKey) -> bool,
 ) -> Trace {
-    Trace::from_memory(
-        ModelRef {
-            path: String::new(),
-            sha256: String::new(),
-            size: None,
-        },
-        Producer {
-            name: "test-engine".into(),
-            backend: "whatever-it-says".into(),
-            version: String::new(),
-            settings: serde_json::Value::Null,
-        },
-        steps,
-        tensors.into_iter().filter(|(k, _)| keep(k)).collect(),
-    )
+    let kept = tensors.into_iter().filter(|(k, _)| keep(k)).collect();
+    memory_trace("test-engine", "whatever-it-says", "", steps, kept)
 }
 
 /// Which taps a dump keeps.

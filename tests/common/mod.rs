@@ -395,3 +395,29 @@ pub fn in_child_with(module: &str, test: &str, env: &[(&str, &str)]) -> bool {
     assert!(text.contains("1 passed"), "{name} did not run:\n{text}");
     false
 }
+
+/// A trace held in memory, as an engine named `name` (backend `backend`) would write it for
+/// the model of `sha256` ("" where the test does not check it).
+pub fn memory_trace(
+    name: &str,
+    backend: &str,
+    sha256: &str,
+    steps: Vec<parity::trace::StepInfo>,
+    tensors: std::collections::BTreeMap<parity::trace::TapKey, ndarray::ArrayD<f32>>,
+) -> parity::trace::Trace {
+    parity::trace::Trace::from_memory(
+        parity::trace::ModelRef {
+            path: String::new(),
+            sha256: sha256.into(),
+            size: None,
+        },
+        parity::trace::Producer {
+            name: name.into(),
+            backend: backend.into(),
+            version: String::new(),
+            settings: serde_json::Value::Null,
+        },
+        steps,
+        tensors,
+    )
+}
