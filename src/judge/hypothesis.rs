@@ -569,11 +569,26 @@ fn fit(
     // fewest significant digits that fit as well (below). Under the floor (not `near`) only
     // where a point already cut the own error `CONFIRM_CUT`-fold: a clean trace's replays
     // stay few.
+    // The round values around the best point, before any finer search: an engine writes
+    // those, and the search must do better than they do.
+    if best < own {
+        for v in round_values(knob, model, 10f64.powf(best_l), 10f64.powf(step)) {
+            let e = eval(v)?;
+            if e < best {
+                (best_l, best) = ((v as f64).log10(), e);
+            }
+        }
+    }
+    let mut probes: Vec<f32> = Vec::new();
     if best > VISIBLE && (near || best * CONFIRM_CUT <= own) {
         let (mut a, mut b) = ((best_l - step).max(lo), (best_l + step).min(hi));
         let mut c = b - GOLDEN * (b - a);
         let mut d = a + GOLDEN * (b - a);
-        let pt = |l: f64| 10f64.powf(l) as f32;
+        let mut pt = |l: f64| {
+            let v = 10f64.powf(l) as f32;
+            probes.push(v);
+            v
+        };
         let (mut fc, mut fd) = (eval(pt(c))?, eval(pt(d))?);
         for i in 0..REFINE_PROBES {
             if i == REFINE_GIVE_UP && fc.min(fd) > own * 0.5 {
@@ -590,8 +605,12 @@ fn fit(
             }
         }
         let (l, e) = if fc < fd { (c, fc) } else { (d, fd) };
-        if e < best {
-            (best_l, best) = (l, e);
+        // Kept only where it halves the best error before it: short of that the search fit
+        // the engine's rounding noise (a Vulkan golden's RoPE base, sparse: 501000 at 4.7e-6
+        // beside 500000 at 4.8e-6), and the round value stands.
+        if e * 2.0 <= best {
+            probes.clear();
+            best = e;
             let v = 10f64.powf(l);
             for digits in 1..=4 {
                 if let Ok(x) = format!("{v:.*e}", digits - 1).parse::<f32>() {
@@ -603,9 +622,6 @@ fn fit(
     if best >= own {
         return Ok(Vec::new());
     }
-    for v in round_values(knob, model, 10f64.powf(best_l), 10f64.powf(step)) {
-        eval(v)?;
-    }
     // The catalog's own wrong values are the catalog's to name.
     let catalog = |v: f32| {
         let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
@@ -615,7 +631,7 @@ fn fit(
     };
     let min = seen
         .iter()
-        .filter(|(v, _)| !catalog(*v))
+        .filter(|(v, _)| !catalog(*v) && !probes.contains(v))
         .map(|&(_, e)| e)
         .fold(f64::INFINITY, f64::min);
     // As good as the best: within 1% of it (an exact fit, 0, ties only with 0); of those the
@@ -624,6 +640,7 @@ fn fit(
     let alike: Vec<(f32, f64)> = seen
         .iter()
         .filter(|&&(v, e)| !catalog(v) && e <= min * 1.01)
+        .filter(|(v, _)| !probes.contains(v))
         .copied()
         .collect();
     let Some(&pick) = alike.iter().min_by(|a, b| {
