@@ -231,7 +231,8 @@ fn a_rope_base_between_round_values_is_solved_from_the_rotation() {
 /// gives it in closed form), an eps off the 1-2-5 values: found by a golden-section search
 /// between the walk's points and named with the value the engine writes, from full and sparse
 /// dumps under plain f32, ggml's and Q8_K activation rounding. Eps 3e-6 only in plain f32: under
-/// 8-bit activations a sparse dump cannot tell it from 5e-6 (both reproduce the span exactly).
+/// ggml's 8-bit activations a sparse dump cannot tell it from 5e-6 (both reproduce the span
+/// exactly).
 #[test]
 #[cfg_attr(
     not(parity_gguf_py),

@@ -88,7 +88,9 @@ struct Experiments {
 }
 
 /// Re-run `k`'s op (or span) under each hypothesis that can change it (`only`: those of
-/// these names; `fit_scales`: an output scale fitted too).
+/// these names; `fit_scales`: `k` is a flagged key, not a check under the floor — an output
+/// scale is fitted too, and each knob's fit searches near the model's value and between the
+/// walk's points, `fit`'s `near`).
 #[allow(clippy::too_many_arguments)]
 fn experiments(
     model: &Model,
