@@ -155,26 +155,33 @@ fn a_wrong_rope_base_or_attention_scale_is_fitted() {
     ];
     for (set, tap, name, words) in cases {
         for rounding in ["none", "ggml"] {
-            for taps in ["all", "sparse"] {
-                let what = format!("{set:?} {rounding} {taps}");
-                let (_t, bad) = engine(&py, &model, &golden, rounding, taps, set);
-                let (code, own) = judged(&model, &golden, &bad);
-                assert_eq!(code, Some(1), "{what}: {own:#}");
-                let d = &own["first_divergence"];
-                let at = if taps == "all" { tap } else { "l_out" };
-                assert_eq!(
-                    d["at"]["key"],
-                    serde_json::json!({"step": 0, "layer": 0, "tap": at}),
-                    "{what}: {d:#}"
-                );
-                let why = d["diagnosis"].as_str().unwrap();
-                assert!(
-                    why.contains(&format!("confirmed by experiment: {name} reproduces your "))
-                        && why.contains(words),
-                    "{what}: {why}"
-                );
-            }
+            fitted_at_layer0(&py, &model, &golden, rounding, set, tap, name, words);
         }
+    }
+}
+
+/// The numpy engine with `set` under `rounding`, full and sparse: exit 1, placed at step 0
+/// layer 0 (`tap` in a full dump, l_out's span in a sparse one) and named `name` with `words`.
+#[allow(clippy::too_many_arguments)]
+fn fitted_at_layer0(
+    py: &Path,
+    model: &Path,
+    golden: &Path,
+    rounding: &str,
+    set: &[&str],
+    tap: &str,
+    name: &str,
+    words: &str,
+) {
+    for taps in ["all", "sparse"] {
+        let what = format!("{set:?} {rounding} {taps}");
+        let (_t, bad) = engine(py, model, golden, rounding, taps, set);
+        let (code, own) = judged(model, golden, &bad);
+        assert_eq!(code, Some(1), "{what}: {own:#}");
+        let at = if taps == "all" { tap } else { "l_out" };
+        assert_at_layer0_named(&own, at, &format!("{name} reproduces your "), &what);
+        let why = own["first_divergence"]["diagnosis"].as_str().unwrap();
+        assert!(why.contains(words), "{what}: {why}");
     }
 }
 
@@ -278,25 +285,7 @@ fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
     ];
     for (set, tap, name, words, roundings) in cases {
         for &rounding in roundings {
-            for taps in ["all", "sparse"] {
-                let what = format!("{set:?} {rounding} {taps}");
-                let (_t, bad) = engine(&py, &model, &golden, rounding, taps, set);
-                let (code, own) = judged(&model, &golden, &bad);
-                assert_eq!(code, Some(1), "{what}: {own:#}");
-                let d = &own["first_divergence"];
-                let at = if taps == "all" { tap } else { "l_out" };
-                assert_eq!(
-                    d["at"]["key"],
-                    serde_json::json!({"step": 0, "layer": 0, "tap": at}),
-                    "{what}: {d:#}"
-                );
-                let why = d["diagnosis"].as_str().unwrap();
-                assert!(
-                    why.contains(&format!("confirmed by experiment: {name} reproduces your "))
-                        && why.contains(words),
-                    "{what}: {why}"
-                );
-            }
+            fitted_at_layer0(&py, &model, &golden, rounding, set, tap, name, words);
         }
     }
 }

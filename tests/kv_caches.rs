@@ -45,6 +45,22 @@ fn golden_steps(model: &str, out: &Path, steps: &str) {
     golden_with(model, out, steps, &[]);
 }
 
+/// llama.cpp's golden of a 154-token story prompt (2 decode steps) on a real model.
+fn golden_of_154_tokens(model: &str, out: &Path) {
+    let prompt = "Once upon a time there was a little girl named Lily who liked to play in the park with her dog. ".repeat(9);
+    let o = parity(&[
+        "golden",
+        model,
+        "-p",
+        prompt.trim_end(),
+        "--steps",
+        "2",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+}
+
 fn golden_with(model: &str, out: &Path, steps: &str, flags: &[&str]) {
     let ids = prompt_ids();
     let mut args = vec![
@@ -404,18 +420,7 @@ fn a_long_prompt_through_an_f16_cache_does_not_hide_a_sparse_dump_s_layers_round
     let m = m.to_str().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let g = tmp.path().join("golden");
-    let prompt = "Once upon a time there was a little girl named Lily who liked to play in the park with her dog. ".repeat(9);
-    let o = parity(&[
-        "golden",
-        m,
-        "-p",
-        prompt.trim_end(),
-        "--steps",
-        "2",
-        "--out",
-        g.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    golden_of_154_tokens(m, &g);
     let engine = [
         "--rounding",
         "q8k",
@@ -484,18 +489,7 @@ fn a_quantized_cache_of_whole_rows_on_narrow_heads_is_measured() {
     let m = m.to_str().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let g = tmp.path().join("golden");
-    let prompt = "Once upon a time there was a little girl named Lily who liked to play in the park with her dog. ".repeat(9);
-    let o = parity(&[
-        "golden",
-        m,
-        "-p",
-        prompt.trim_end(),
-        "--steps",
-        "2",
-        "--out",
-        g.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    golden_of_154_tokens(m, &g);
     for (kv, rounding, taps) in [
         ("q8_0", "q8k", "all"),
         ("q8_0", "none", "sparse"),
@@ -513,22 +507,12 @@ fn a_quantized_cache_of_whole_rows_on_narrow_heads_is_measured() {
         numpy_engine_trace(&py, m, &g, &bug, Some("kv-slot-late"), &args);
         let (code, r, text) = diff_json(m, &g, &bug);
         assert_eq!(code, 1, "{what} kv-slot-late:\n{text}");
-        let d = &own_inputs(&r)["first_divergence"];
         let at = if taps == "all" {
             "kq_soft_max"
         } else {
             "l_out"
         };
-        assert_eq!(
-            d["at"]["key"],
-            serde_json::json!({"step": 0, "layer": 0, "tap": at}),
-            "{what}: {d:#}"
-        );
-        let why = d["diagnosis"].as_str().unwrap();
-        assert!(
-            why.contains("confirmed by experiment: kv-slot-late reproduces"),
-            "{what}: {why}"
-        );
+        assert_at_layer0_named(own_inputs(&r), at, "kv-slot-late reproduces", &what);
     }
 }
 

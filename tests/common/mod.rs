@@ -421,3 +421,20 @@ pub fn memory_trace(
         tensors,
     )
 }
+
+/// The own-inputs `first_divergence` of a report is at step 0 layer 0 `tap` and its diagnosis
+/// confirms `named` by experiment (`named`: the text after "confirmed by experiment: ").
+#[allow(dead_code)]
+pub fn assert_at_layer0_named(own: &serde_json::Value, tap: &str, named: &str, what: &str) {
+    let d = &own["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": tap}),
+        "{what}: {d:#}"
+    );
+    let why = d["diagnosis"].as_str().unwrap_or_default();
+    assert!(
+        why.contains(&format!("confirmed by experiment: {named}")),
+        "{what}: {why}"
+    );
+}
