@@ -290,6 +290,69 @@ fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
     }
 }
 
+/// A knob whose effect the engine's own rounding and K/V cache hide from the measurement
+/// (#28): a sparse dump's layers and cache are measured with the bug in the data, and where
+/// the bug moves each span more than the roundings and caches differ, the first tried stands
+/// (ggml-cpu, an f32 cache). Under it the right value leaves the cache's noise: rms eps 1e-3
+/// under Q8_K layers and an f16 cache cut layer 0's own error 2.2×, short of the 100× a
+/// finding under the floors needs (missed, exit 0); attention scale 0.2 under a Q8_0 cache
+/// 28×, short of `KNOB_CUT` (placed, unnamed). The closest hypotheses are screened under each
+/// other rounding and cache, against that setup's own clean replay, and the trace judged
+/// again under the one that explains it. On 52555f2's code none of the ten was named (eight
+/// missed, exit 0; two unnamed, one of them placed at step 3); the clean engines pass.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn a_knob_hidden_by_the_engine_s_cache_is_fitted_under_it() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let Some(dir) = shared("models") else {
+        return;
+    };
+    let model = dir.join("TinyStories-656K-Q8_0.gguf");
+    let golden = root().join("golden/TinyStories-656K-Q8_0");
+    // (the engine's rounding and cache, its wrong value, the fitted name)
+    let cases: [(&str, &str, [&str; 2], &str); 10] = [
+        ("q8k", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("ggml", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("none", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("f16", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("q8_1", "q4_0", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("q8k", "f16", ["--rope-theta", "20000"], "rope-theta=20000"),
+        ("ggml", "f16", ["--rope-theta", "20000"], "rope-theta=20000"),
+        (
+            "bf16",
+            "q8_0",
+            ["--rope-theta", "20000"],
+            "rope-theta=20000",
+        ),
+        ("q8k", "q8_0", ["--rope-theta", "20000"], "rope-theta=20000"),
+        ("q8k", "q8_0", ["--attn-scale", "0.2"], "attn-scale=2e-1"),
+    ];
+    let mut clean_done: Vec<(&str, &str)> = Vec::new();
+    for (rounding, kv, set, name) in cases {
+        if !clean_done.contains(&(rounding, kv)) {
+            clean_done.push((rounding, kv));
+            let (_t, clean) = engine(&py, &model, &golden, rounding, "sparse", &["--kv", kv]);
+            let (code, own) = judged(&model, &golden, &clean);
+            assert_eq!(code, Some(0), "{rounding} {kv} clean: {own:#}");
+            assert!(
+                own["first_divergence"].is_null(),
+                "{rounding} {kv} clean: {own:#}"
+            );
+        }
+        let what = format!("{rounding} {kv} {set:?} sparse");
+        let args = ["--kv", kv, set[0], set[1]];
+        let (_t, bad) = engine(&py, &model, &golden, rounding, "sparse", &args);
+        let (code, own) = judged(&model, &golden, &bad);
+        assert_eq!(code, Some(1), "{what}: {own:#}");
+        assert_at_layer0_named(&own, "l_out", &format!("{name} reproduces your "), &what);
+    }
+}
+
 /// gemma2's soft-caps, fitted (#28 item 3): an engine that caps the attention scores or the
 /// logits at another value (the two caps swapped, or a cap of its own) is found at the op
 /// (`kq_soft_max`, `logits`) and named with the value it uses; in a sparse dump the attention

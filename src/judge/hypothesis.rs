@@ -777,6 +777,10 @@ pub struct BelowFloor {
     pub floor: f64,
     /// The hypothesis with the lowest NMSE (None: none applies to the key).
     pub best: Option<Tried>,
+    /// The hypotheses within 100× of the best, lowest first (four at most): what
+    /// `judge::under_other_setups` screens where the measured rounding may be the bug's.
+    #[serde(skip)]
+    pub near: Vec<Tried>,
 }
 
 impl BelowFloor {
@@ -829,16 +833,17 @@ pub(super) fn below_floor(
                 .map(|(t, _)| t.hypothesis.clone())
                 .collect(),
         );
-        let best = ex
-            .tried
-            .iter()
-            .min_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse))
-            .map(|(t, _)| t.clone());
+        let mut near: Vec<Tried> = ex.tried.iter().map(|(t, _)| t.clone()).collect();
+        near.sort_by(|a, b| a.nmse.total_cmp(&b.nmse));
+        let lowest = near.first().map_or(0.0, |t| t.nmse);
+        near.retain(|t| t.nmse <= 100.0 * lowest);
+        near.truncate(4);
         let check = BelowFloor {
             key: o.key,
             own_nmse: o.own_nmse,
             floor: o.floor,
-            best,
+            best: near.first().cloned(),
+            near,
         };
         let explained = check.cut() >= EXPLAINS;
         checks.push(check);
