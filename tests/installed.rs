@@ -186,9 +186,9 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
         std::fs::write(&toml, text + "\n[workspace]\n").unwrap();
     }
     // Built in this target folder's build directory with the dev profile set as the test
-    // profile (`dev_profile_as_test`), as tests/kit_python.rs builds its wheel: without
-    // dev-dependencies the dependencies' features differ from `cargo test`'s, so whichever of
-    // the two runs first compiles them (minutes) and the other reuses them. The binary itself
+    // profile (`dev_profile_as_test`), as tests/kit_python.rs builds its wheel: the
+    // dependencies are what `cargo test` compiled (Cargo.toml turns on the features the
+    // dev-dependencies would add), and only the unpacked crates compile. The binary itself
     // lands in a folder of its own, never over target/debug/parity, which the other tests run.
     let build_dir = format!("build.build-dir={:?}", target.to_str().unwrap());
     let patch = format!(

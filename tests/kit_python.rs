@@ -93,9 +93,10 @@ fn maturin() -> Command {
 /// the `dev` profile with the `test` profile's settings (`CARGO_PROFILE_DEV_*` taken from
 /// Cargo.toml's `[profile.test]`), so that dependencies compiled alike are the same artifacts.
 /// maturin cannot ask for `--profile test` itself: it builds with `cargo rustc`, where that
-/// means "build the test harness". Dependencies whose features a dev-dependency widens under
-/// `cargo test` (serde_json, hashbrown, bitflags, …) and parity itself are compiled once more,
-/// then kept: on 2 shared cores 12 min the first time, 5 s once they are built.
+/// means "build the test harness". The features the dev-dependencies widen under `cargo test`
+/// are turned on in every build (Cargo.toml), so the dependencies are the same artifacts and
+/// only parity itself is compiled once more (before that, every dependency serde_json or
+/// hashbrown reaches was too: 12 min on 2 shared cores).
 fn wheel_build() -> (PathBuf, &'static str, Vec<(String, String)>) {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_parity"));
     let profile_dir = exe.parent().unwrap();
