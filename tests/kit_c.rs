@@ -374,17 +374,8 @@ fn c_engine_wrong_values_are_fitted_and_named() {
             assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
             let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
             let own = own_inputs(&j);
-            let d = &own["first_divergence"];
-            assert_eq!(
-                d["at"]["key"],
-                serde_json::json!({"step": 0, "layer": 0, "tap": at}),
-                "{what}: {d:#}"
-            );
-            let why = d["diagnosis"].as_str().unwrap();
-            assert!(
-                why.contains(&format!("confirmed by experiment: {name} reproduces your ")),
-                "{what}: {why}"
-            );
+            assert_at_layer0_named(own, at, &format!("{name} reproduces your "), &what);
+            let why = own["first_divergence"]["diagnosis"].as_str().unwrap();
             assert!(why.contains(words), "{what}: {why}");
         }
     }

@@ -794,6 +794,17 @@ impl BelowFloor {
     }
 }
 
+/// The hypotheses within 100× of the lowest NMSE, lowest first, four at most: the ones worth
+/// replaying under another rounding or cache.
+pub(super) fn closest(tried: impl Iterator<Item = Tried>) -> Vec<Tried> {
+    let mut v: Vec<Tried> = tried.collect();
+    v.sort_by(|a, b| a.nmse.total_cmp(&b.nmse));
+    let lowest = v.first().map_or(0.0, |t| t.nmse);
+    v.retain(|t| t.nmse <= 100.0 * lowest);
+    v.truncate(4);
+    v
+}
+
 /// When every op is within its floor: an own error well above f32 noise that a known bug
 /// reproduces is that bug, not noise. A floor has to admit what correct engines do unlike the
 /// reference (an f16 K/V cache moves a whole-layer span by up to ~1e-5), and a small bug in a
@@ -833,11 +844,7 @@ pub(super) fn below_floor(
                 .map(|(t, _)| t.hypothesis.clone())
                 .collect(),
         );
-        let mut near: Vec<Tried> = ex.tried.iter().map(|(t, _)| t.clone()).collect();
-        near.sort_by(|a, b| a.nmse.total_cmp(&b.nmse));
-        let lowest = near.first().map_or(0.0, |t| t.nmse);
-        near.retain(|t| t.nmse <= 100.0 * lowest);
-        near.truncate(4);
+        let near = closest(ex.tried.iter().map(|(t, _)| t.clone()));
         let check = BelowFloor {
             key: o.key,
             own_nmse: o.own_nmse,

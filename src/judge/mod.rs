@@ -735,20 +735,12 @@ fn under_other_roundings(
     // floor, closest, gets the whole diagnosis (confirmed as any: within the floor, cutting
     // the own error widely, holding over the trace). A full diagnosis per rounding (its knob
     // fits, its checks over the trace) costs ten times more on a 2-layer model.
-    type Screened = (Option<Mutation>, Option<(replay::Knob, f32)>);
-    let parse = |h: &str| -> Option<Screened> {
-        match Mutation::parse(h) {
-            Some(m) => Some((Some(m), None)),
-            None => replay::Knob::parse(h).map(|k| (None, Some(k))),
-        }
-    };
     let closest: Vec<Screened> = f
         .ruled_out
         .iter()
-        .filter_map(|t| parse(&t.hypothesis))
+        .filter_map(|t| screened(&t.hypothesis))
         .collect();
     let window = Window::for_key(cand, &o.key);
-    let keep: BTreeSet<TapKey> = BTreeSet::new();
     let screen = |tries: &[Floors],
                   hyps: &[Screened],
                   kv: KvCache|
@@ -761,8 +753,7 @@ fn under_other_roundings(
                     knob,
                     ..hypothesis::clean_setup(fl, kv, window)
                 };
-                let rep = replay(model, cand, &setup, &keep)?;
-                let Some(n) = rep.metrics.get(&o.key).map(|x| x.nmse) else {
+                let Some(n) = nmse_at(model, cand, &setup, &o.key)? else {
                     continue;
                 };
                 if best.as_ref().is_none_or(|b| n < b.1) {
@@ -809,18 +800,16 @@ fn under_other_roundings(
     // to the same bar as any.
     let other_kv = rounding::plain_caches(opt, Some(kv));
     if found.is_none() && which == "the layers" && !other_kv.is_empty() {
-        let mut near: Vec<(f64, Screened)> = f
-            .ruled_out
-            .iter()
-            .filter_map(|t| Some((t.nmse, parse(&t.hypothesis)?)))
-            .collect();
-        near.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let lowest = near.first().map_or(0.0, |n| n.0);
+        let near = hypothesis::closest(
+            f.ruled_out
+                .iter()
+                .filter(|t| screened(&t.hypothesis).is_some())
+                .cloned(),
+        );
+        let lowest = near.first().map_or(0.0, |t| t.nmse);
         let near: Vec<Screened> = near
-            .into_iter()
-            .take_while(|n| n.0 <= 100.0 * lowest)
-            .take(4)
-            .map(|n| n.1)
+            .iter()
+            .filter_map(|t| screened(&t.hypothesis))
             .collect();
         let mut tries2 = vec![floors.clone()];
         tries2.extend(tries.iter().cloned());
@@ -849,10 +838,7 @@ fn under_other_roundings(
         "the layers" => (fl.rounding, floors.rounding),
         _ => (fl.output.unwrap_or(fl.rounding), out_now),
     };
-    let cache = match kv2 == kv {
-        true => String::new(),
-        false => format!(" and {} {} K/V cache", article(&kv2.name()), kv2.name()),
-    };
+    let cache = other_cache(kv2, kv);
     let note = format!(
         "\n  confirmed with {which} rounded as {}{cache}: the bug moved the data that rounding was measured on (no hypothesis reproduces it under {} and {} {} cache)",
         short(r),
@@ -888,21 +874,16 @@ fn under_other_setups(
     let Some(c) = checks.iter().find(|c| c.cut() >= SCREEN_CUT) else {
         return Ok(None);
     };
-    type Screened = (Option<Mutation>, Option<(replay::Knob, f32)>);
     let hyps: Vec<Screened> = c
         .near
         .iter()
-        .filter_map(|t| match Mutation::parse(&t.hypothesis) {
-            Some(m) => Some((Some(m), None)),
-            None => replay::Knob::parse(&t.hypothesis).map(|k| (None, Some(k))),
-        })
+        .filter_map(|t| screened(&t.hypothesis))
         .collect();
     if hyps.is_empty() {
         return Ok(None);
     }
     let out_now = floors.output.unwrap_or(floors.rounding);
     let window = Window::for_key(cand, &c.key);
-    let none = BTreeSet::new();
     let mut caches = vec![kv];
     caches.extend(rounding::plain_caches(opt, Some(kv)));
     let mut best: Option<(Floors, KvCache, f64)> = None;
@@ -913,11 +894,7 @@ fn under_other_setups(
                 continue;
             }
             let clean = hypothesis::clean_setup(&fl, kv2, window);
-            let Some(bar) = replay(model, cand, &clean, &none)?
-                .metrics
-                .get(&c.key)
-                .map(|m| m.nmse)
-            else {
+            let Some(bar) = nmse_at(model, cand, &clean, &c.key)? else {
                 continue;
             };
             for &(mutation, knob) in &hyps {
@@ -926,11 +903,7 @@ fn under_other_setups(
                     knob,
                     ..clean.clone()
                 };
-                let Some(n) = replay(model, cand, &setup, &none)?
-                    .metrics
-                    .get(&c.key)
-                    .map(|m| m.nmse)
-                else {
+                let Some(n) = nmse_at(model, cand, &setup, &c.key)? else {
                     continue;
                 };
                 let cuts =
@@ -944,10 +917,7 @@ fn under_other_setups(
     let Some((fl, kv2, _)) = best else {
         return Ok(None);
     };
-    let cache = match kv2 == kv {
-        true => String::new(),
-        false => format!(" and {} {} K/V cache", article(&kv2.name()), kv2.name()),
-    };
+    let cache = other_cache(kv2, kv);
     let note = format!(
         "\n  confirmed with the layers rounded as {}{cache}: the bug moved the data that rounding was measured on (under {} and {} {} cache no hypothesis explained {} under its floor)",
         short(fl.rounding),
@@ -957,6 +927,37 @@ fn under_other_setups(
         c.key,
     );
     Ok(Some((fl, kv2, note)))
+}
+
+/// A catalog bug or a fitted value, as a setup sets it (None: a layout, or no such name).
+type Screened = (Option<Mutation>, Option<(replay::Knob, f32)>);
+
+fn screened(h: &str) -> Option<Screened> {
+    match Mutation::parse(h) {
+        Some(m) => Some((Some(m), None)),
+        None => replay::Knob::parse(h).map(|k| (None, Some(k))),
+    }
+}
+
+/// The own NMSE at `k` of the candidate replayed under `setup` (None: the replay has no `k`).
+fn nmse_at(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    k: &TapKey,
+) -> Result<Option<f64>, JudgeError> {
+    Ok(replay(model, cand, setup, &BTreeSet::new())?
+        .metrics
+        .get(k)
+        .map(|m| m.nmse))
+}
+
+/// " and an f16 K/V cache" where a finding's cache is not the measured one, else "".
+fn other_cache(kv2: KvCache, kv: KvCache) -> String {
+    match kv2 == kv {
+        true => String::new(),
+        false => format!(" and {} {} K/V cache", article(&kv2.name()), kv2.name()),
+    }
 }
 
 /// "an f16", "a q8_0": the article before a cache's name.
