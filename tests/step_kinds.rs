@@ -809,6 +809,75 @@ fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
     }
 }
 
+/// A scan golden (no step kept whole) checked with the default set (issue 29, item 6): the
+/// plain references, f64 forwards of every position, are not run end to end (the golden's own
+/// ops are judged with their arithmetic on its inputs instead, and that judgement replays the
+/// prompt's first rows only where it screens for a bug under the floors); the fast backend
+/// is. The check says so and how to run them, and runs them when asked by name.
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn a_scan_check_runs_the_fast_backend_and_judges_the_golden_s_own_ops() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture(tmp.path());
+    let golden = tmp.path().join("golden-scan");
+    // 150 prompt ids: more than the 64 rows the below-floor screen replays.
+    let o = parity(&[
+        "golden",
+        &model,
+        "--tokens",
+        &ids(150, 37, 3),
+        "--steps",
+        "4",
+        "--record",
+        SCAN,
+        "--out",
+        golden.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    let candidates = |args: &[&str]| {
+        let mut all = vec!["check", &model, "--golden", golden.to_str().unwrap()];
+        all.extend_from_slice(args);
+        let o = parity(&all);
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        let text = stdout(&o);
+        let o = parity(&[all.as_slice(), &["--json", "-"]].concat());
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let names: Vec<String> = r["comparisons"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| [c["baseline"].clone(), c["candidate"].clone()])
+            .map(|n| n.as_str().unwrap().to_string())
+            .collect();
+        (text, names)
+    };
+    let (text, names) = candidates(&[]);
+    assert!(
+        text.contains("reference, reference:ggml-cpu: not run end to end against a scan golden")
+            && text.contains("`--backends reference,reference:ggml-cpu,fast` runs them too"),
+        "{text}"
+    );
+    assert!(text.contains("backends: fast "), "{text}");
+    assert!(names.iter().any(|n| n.contains("fast")), "{names:?}");
+    assert!(
+        !names.iter().any(|n| n.contains("reference")),
+        "a reference ran: {names:?}"
+    );
+    // The golden's own ops are judged (it is compared with itself, each op on its inputs).
+    assert!(names.iter().any(|n| n.contains("own inputs")), "{names:?}");
+    // Asked for by name, the references run.
+    let (text, names) = candidates(&["--backends", "reference,reference:ggml-cpu,fast"]);
+    assert!(!text.contains("not run end to end"), "{text}");
+    assert!(
+        names.iter().any(|n| n.contains("reference:ggml-cpu")),
+        "{names:?}"
+    );
+}
+
 /// A scan golden of a long prompt (issue 29, items 2 and 6): llama.cpp is asked, at a step the
 /// plan does not keep whole, only for the nodes of the plan's taps (and K and V, which the
 /// self-checks of a whole step read), never for the probabilities or the feed-forward's wide

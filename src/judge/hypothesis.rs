@@ -101,11 +101,15 @@ fn experiments(
     run: bool,
     only: Option<&BTreeSet<String>>,
     fit_scales: bool,
+    rows: Option<usize>,
 ) -> Result<Experiments, JudgeError> {
     let sp = span(cand, &k);
     let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
     let window = Window::for_key(cand, &k);
-    let base = clean_setup(floors, kv, window);
+    let base = Setup {
+        rows,
+        ..clean_setup(floors, kv, window)
+    };
     let first_step = cand.steps().into_iter().min().unwrap_or(0);
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
     // (step, layer): layouts are tested on them, the fallback heuristics read them.
@@ -768,6 +772,8 @@ pub const VISIBLE: f64 = 1e-12;
 pub const EXPLAINS: f64 = 100.0;
 /// How many places (distinct layer and tap) the below-floor check tests.
 pub const BELOW_FLOOR_PLACES: usize = 3;
+/// The prompt rows the below-floor check replays at a prompt's keys (`Setup::rows`).
+pub const BELOW_FLOOR_ROWS: usize = super::replay::MEASURE_ROWS;
 
 /// The below-floor check at one key: its own error, and the hypothesis that came closest.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -781,6 +787,10 @@ pub struct BelowFloor {
     /// `judge::under_other_setups` screens where the measured rounding may be the bug's.
     #[serde(skip)]
     pub near: Vec<Tried>,
+    /// The prompt rows the own error and the hypotheses were measured over (`Setup::rows`;
+    /// None: every row).
+    #[serde(skip)]
+    pub rows: Option<usize>,
 }
 
 impl BelowFloor {
@@ -836,25 +846,71 @@ pub(super) fn below_floor(
     // engine's bug (catalog bugs act in every layer): later places try only the rest.
     let mut still: Option<BTreeSet<String>> = None;
     for (_, o) in places.into_iter().take(BELOW_FLOOR_PLACES) {
-        let ex = experiments(model, cand, floors, kv, o.key, true, still.as_ref(), false)?;
+        // In a long prompt, the prompt's first rows (`BELOW_FLOOR_ROWS`): a catalog bug or a
+        // knob acts on every row, and each experiment costs the same at any length. Where the
+        // own error lies past them (under a tenth there), every row.
+        let only = still.clone();
+        let run = |rows| {
+            experiments(
+                model,
+                cand,
+                floors,
+                kv,
+                o.key,
+                true,
+                only.as_ref(),
+                false,
+                rows,
+            )
+        };
+        let mut rows = Some(BELOW_FLOOR_ROWS);
+        let mut ex = run(rows)?;
+        let mut own = o.own_nmse;
+        if ex.plain.cut {
+            // As the own errors over every row were measured: the closest of the rounding's
+            // tie twins (`rounding::refit_ties`), which the experiments try too.
+            own = ex.plain.metrics.get(&o.key).map_or(0.0, |m| m.nmse);
+            let base = Setup {
+                rows,
+                ..clean_setup(floors, kv, ex.window)
+            };
+            for twin in rounding::twin_setups(&base, model) {
+                let r = replay(model, cand, &twin, &BTreeSet::new())?;
+                if let Some(m) = r.metrics.get(&o.key) {
+                    own = own.min(m.nmse);
+                }
+            }
+            if own * 10.0 < o.own_nmse {
+                rows = None;
+                own = o.own_nmse;
+                ex = run(rows)?;
+            }
+        } else {
+            rows = None;
+        }
         still = Some(
             ex.tried
                 .iter()
-                .filter(|(t, _)| t.nmse <= EXPLAINS * o.own_nmse)
+                .filter(|(t, _)| t.nmse <= EXPLAINS * own)
                 .map(|(t, _)| t.hypothesis.clone())
                 .collect(),
         );
         let near = closest(ex.tried.iter().map(|(t, _)| t.clone()));
         let check = BelowFloor {
             key: o.key,
-            own_nmse: o.own_nmse,
+            own_nmse: own,
             floor: o.floor,
             best: near.first().cloned(),
             near,
+            rows,
         };
         let explained = check.cut() >= EXPLAINS;
         checks.push(check);
         if explained {
+            // Confirmed over every row, as any finding is.
+            if rows.is_some() {
+                ex = run(None)?;
+            }
             let f = finding(model, cand, o, ops, ex, o.own_nmse / EXPLAINS, true)?;
             // Under the floor only a confirmed bug is a finding: one that cuts this key but
             // does not hold over the trace leaves it noise.
@@ -875,7 +931,7 @@ pub(super) fn diagnose(
     ops: &[OpResult],
     run: bool,
 ) -> Result<Finding, JudgeError> {
-    let ex = experiments(model, cand, floors, kv, op.key, run, None, true)?;
+    let ex = experiments(model, cand, floors, kv, op.key, run, None, true, None)?;
     finding(model, cand, op, ops, ex, op.floor, false)
 }
 

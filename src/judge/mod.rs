@@ -893,7 +893,10 @@ fn under_other_setups(
             if r == floors.rounding && kv2 == kv {
                 continue;
             }
-            let clean = hypothesis::clean_setup(&fl, kv2, window);
+            let clean = Setup {
+                rows: c.rows,
+                ..hypothesis::clean_setup(&fl, kv2, window)
+            };
             let Some(bar) = nmse_at(model, cand, &clean, &c.key)? else {
                 continue;
             };
