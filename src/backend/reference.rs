@@ -1128,6 +1128,7 @@ impl Ops for Reference<'_> {
         let mut att = vec![0.0f32; t * nh * hd];
         let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
         let mut pr = vec![0.0f32; n_kv];
+        let mut acc = vec![0.0f64; hd];
         for h in 0..nh {
             for i in 0..t {
                 let seen = self.visible(layer, a, pos0, i, n_kv);
@@ -1148,12 +1149,17 @@ impl Ops for Reference<'_> {
                 }
                 pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);
                 self.kv.round_probs(&mut pr[seen.clone()]);
-                for (d, o) in out.iter_mut().enumerate() {
-                    let s: f64 = seen
-                        .clone()
-                        .map(|j| pr[j] as f64 * vc[src(j) * ekv + base + d] as f64)
-                        .sum();
-                    *o = s as f32;
+                // Each output an f64 sum over the positions in order (from -0.0, as `sum`
+                // folds), the positions outer so that each V row is read once, in a line.
+                acc.fill(-0.0);
+                for j in seen {
+                    let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
+                    for (a, &x) in acc.iter_mut().zip(v) {
+                        *a += pj * x as f64;
+                    }
+                }
+                for (o, &a) in out.iter_mut().zip(&acc) {
+                    *o = a as f32;
                 }
             }
         }
