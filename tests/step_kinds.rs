@@ -432,6 +432,26 @@ fn judged(golden: &Path, trace: &Path) -> (Option<i32>, serde_json::Value) {
 
 const SCAN: &str = "taps=l_out,result_norm,logits";
 
+/// llama.cpp's golden of `ids` and `steps` decode steps on `model`, recorded to `plan`, in
+/// `dir/golden-scan`.
+fn scan_golden(dir: &Path, model: &str, ids: &str, steps: &str, plan: &str) -> std::path::PathBuf {
+    let golden = dir.join("golden-scan");
+    let o = parity(&[
+        "golden",
+        model,
+        "--tokens",
+        ids,
+        "--steps",
+        steps,
+        "--record",
+        plan,
+        "--out",
+        golden.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    golden
+}
+
 /// Scan, then zoom (issue 29, item 1), for bugs that act from a position in a decode step and
 /// inside the prompt: a scan records `l_out`, `result_norm` and `logits` at every step; `diff`
 /// on it finds the first step out of its floor and prints the plan that records that step
@@ -643,20 +663,13 @@ fn an_engine_honours_the_plan_from_the_environment_and_a_scan_golden_checks() {
     };
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture(tmp.path());
-    let golden = tmp.path().join("golden-scan");
-    let o = parity(&[
-        "golden",
+    let golden = scan_golden(
+        tmp.path(),
         &model,
-        "--tokens",
         &ids(30, 37, 3),
-        "--steps",
         "6",
-        "--record",
         &format!("{SCAN};full=4"),
-        "--out",
-        golden.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    );
     let m = manifest(&golden);
     assert_eq!(m["record"], format!("{SCAN};full=4"));
     let tensors = m["tensors"].as_array().unwrap();
@@ -822,21 +835,8 @@ fn a_scan_check_runs_the_fast_backend_and_judges_the_golden_s_own_ops() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let model = fixture(tmp.path());
-    let golden = tmp.path().join("golden-scan");
     // 150 prompt ids: more than the 64 rows the below-floor screen replays.
-    let o = parity(&[
-        "golden",
-        &model,
-        "--tokens",
-        &ids(150, 37, 3),
-        "--steps",
-        "4",
-        "--record",
-        SCAN,
-        "--out",
-        golden.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    let golden = scan_golden(tmp.path(), &model, &ids(150, 37, 3), "4", SCAN);
     let candidates = |args: &[&str]| {
         let mut all = vec!["check", &model, "--golden", golden.to_str().unwrap()];
         all.extend_from_slice(args);
