@@ -127,13 +127,13 @@ impl Ops for Lockstep<'_> {
         }
         let n_in = w.rows().0;
         let t = x[0].len() / n_in;
-        let inputs: Vec<Vec<f32>> = self
+        let inputs: Vec<_> = self
             .members
             .iter()
             .zip(x)
             .map(|(m, x)| m.matmul_input(w.ty, x, n_in))
             .collect();
-        let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        let refs: Vec<_> = inputs.iter().collect();
         matmul_f64(self.model, w, &refs, t)
     }
     fn add_bias(&mut self, x: Self::Buf, b: &TensorInfo) -> Self::Buf {

@@ -23,19 +23,40 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 /// llama.cpp's GPU `quantize_q8_1`, dequantized: per block of 32, `d = max|x|/127`,
-/// `q = roundf(x / d)`, times `d` as the f16 the block stores.
-fn q8_1_gpu(src: &[f32], dst: &mut [f32]) {
-    for (x, y) in src.chunks(32).zip(dst.chunks_mut(32)) {
+/// `q = roundf(x / d)`, times `d` as the f16 the block stores. Also the blocks, laid out as
+/// Q8_0's (the values are Q8_0's: the block sum is not one), where `src` is whole blocks.
+fn q8_1_gpu(src: &[f32], dst: &mut [f32]) -> Option<Vec<u8>> {
+    let whole = src.len().is_multiple_of(32);
+    let mut q8 = vec![0u8; if whole { src.len() / 32 * 34 } else { 0 }];
+    for (b, (x, y)) in src.chunks(32).zip(dst.chunks_mut(32)).enumerate() {
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let dh = half::f16::from_f32(d).to_f32();
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o = if amax == 0.0 {
-                0.0
-            } else {
-                (v / d).round() * dh
-            };
+        let dh = half::f16::from_f32(d);
+        if whole {
+            q8[b * 34..b * 34 + 2].copy_from_slice(&dh.to_le_bytes());
         }
+        for (j, (o, &v)) in y.iter_mut().zip(x).enumerate() {
+            let q = if amax == 0.0 { 0.0 } else { (v / d).round() };
+            *o = q * dh.to_f32();
+            if whole {
+                q8[b * 34 + 2 + j] = q as i8 as u8;
+            }
+        }
+    }
+    whole.then_some(q8)
+}
+
+/// A matmul's input as the emulated engine rounds it: the values, and where they lie on
+/// Q8_0's grid (ggml-cpu's 8-bit activations and their twins'), its blocks, which the exact
+/// integer kernels (`quant::Format::exact`) take in place of the values.
+pub(crate) struct Rounded {
+    pub x: Vec<f32>,
+    pub q8: Option<Vec<u8>>,
+}
+
+impl Rounded {
+    fn plain(x: Vec<f32>) -> Self {
+        Rounded { x, q8: None }
     }
 }
 
@@ -227,7 +248,7 @@ impl<'m> Reference<'m> {
         transposed: bool,
     ) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
-        let x = self.emulate_input(w.ty, x, n_in);
+        let x = self.emulate_input(w.ty, x, n_in).x;
         let mut flat = vec![0.0f32; n_in * n_out];
         for (r, row) in flat.chunks_mut(n_in).enumerate() {
             self.weight_row(w, layer, r, row);
@@ -259,6 +280,7 @@ impl<'m> Reference<'m> {
         if self.emulation.accum() == Accum::F32 {
             return matmul_f64(self.model, w, &[&x], t).remove(0);
         }
+        let x = x.x;
         // Output rows are independent: split them over threads in chunks (rayon), each with
         // its own row buffer; every output is the same sum whatever thread computes it.
         const ROWS: usize = 64;
@@ -290,7 +312,7 @@ impl<'m> Reference<'m> {
     }
 
     /// The input of a matmul with a `ty` weight, rounded as this reference's engine rounds it.
-    pub(crate) fn matmul_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
+    pub(crate) fn matmul_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Rounded {
         self.emulate_input(ty, x, n_in)
     }
 
@@ -330,36 +352,52 @@ impl<'m> Reference<'m> {
     }
 
     /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
-    fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Vec<f32> {
+    fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Rounded {
         let e = self.emulation;
         let act = e.act_type(ty, n_in);
         match act {
-            GgmlType::F32 => return x.to_vec(),
-            GgmlType::F16 => return x.iter().map(|&v| round_f16(v)).collect(),
+            GgmlType::F32 => return Rounded::plain(x.to_vec()),
+            GgmlType::F16 => return Rounded::plain(x.iter().map(|&v| round_f16(v)).collect()),
             GgmlType::BF16 => {
-                return x
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_f32())
-                    .collect();
+                return Rounded::plain(
+                    x.iter()
+                        .map(|&v| half::bf16::from_f32(v).to_f32())
+                        .collect(),
+                );
             }
             _ => {}
         }
         let mut y = vec![0.0f32; x.len()];
         let quantizer = e.family().quantizer;
-        if quantizer == Quantizer::Gpu && act == GgmlType::Q8_1 {
-            q8_1_gpu(x, &mut y);
-            return y;
-        }
-        let mut q = vec![0u8; act.bytes_for(n_in as u64).expect("whole blocks") as usize];
-        for (src, dst) in x.chunks(n_in).zip(y.chunks_mut(n_in)) {
-            if quantizer == Quantizer::Scalar {
-                quant::quantize_row_into(act, src, &mut q).expect("whole blocks");
-            } else {
-                quant::quantize_activation(act, src, &mut q);
+        let mut q8 = if quantizer == Quantizer::Gpu && act == GgmlType::Q8_1 {
+            q8_1_gpu(x, &mut y)
+        } else {
+            let rb = act.bytes_for(n_in as u64).expect("whole blocks") as usize;
+            let mut q = vec![0u8; x.len() / n_in * rb];
+            for ((src, dst), q) in x.chunks(n_in).zip(y.chunks_mut(n_in)).zip(q.chunks_mut(rb)) {
+                if quantizer == Quantizer::Scalar {
+                    quant::quantize_row_into(act, src, q).expect("whole blocks");
+                } else {
+                    quant::quantize_activation(act, src, q);
+                }
+                quant::dequantize_row(act, q, dst).expect("same length");
             }
-            quant::dequantize_row(act, &q, dst).expect("same length");
+            match act {
+                GgmlType::Q8_0 => Some(q),
+                // Q8_1's values are Q8_0's: its scale and quants, without the block sum.
+                GgmlType::Q8_1 => Some(
+                    q.chunks_exact(36)
+                        .flat_map(|b| b[..2].iter().chain(&b[4..]).copied())
+                        .collect(),
+                ),
+                _ => None,
+            }
+        };
+        // An overflowing block's values are not its scale times its quants.
+        if y.iter().any(|v| !v.is_finite()) {
+            q8 = None;
         }
-        y
+        Rounded { x: y, q8 }
     }
 
     /// The query head → kv head map (GQA), as the (possibly mutated) engine does it.
@@ -408,11 +446,78 @@ fn layer_of(name: &str) -> Option<usize> {
 }
 
 /// `out[m][t, r] = Σ_i W[r, i] · x_m[t, i]` for each input `x_m` (T rows each, already rounded
-/// as its engine rounds them), every output summed exactly as `dot` sums it: one walk of the
-/// weight's rows serves every input. Output rows are independent: split over threads in
-/// chunks (rayon); every output is the same f64 sum whatever thread computes it, so the
-/// result is bit-identical whatever the thread count or the number of inputs.
-pub(crate) fn matmul_f64(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> Vec<Vec<f32>> {
+/// as its engine rounds them), summed in f64: an input on Q8_0's grid against a weight with an
+/// exact integer kernel (`quant::Format::exact`: Q4_0, Q8_0) through that kernel (integer per
+/// block, the blocks summed in f64: the same sum to about 1e-16, several times faster), every
+/// other as `dot` sums it, in one walk of the weight's rows for all of them. Each output is
+/// the same sum whatever thread computes it, so the result is bit-identical whatever the
+/// thread count or the other inputs.
+pub(crate) fn matmul_f64(
+    model: &Model,
+    w: &TensorInfo,
+    xs: &[&Rounded],
+    t: usize,
+) -> Vec<Vec<f32>> {
+    let exact = w.ty.format().exact;
+    let mut ints: Vec<Option<Vec<f32>>> = xs
+        .iter()
+        .map(|x| match (exact, &x.q8) {
+            (Some(kernel), Some(q8)) => Some(matmul_exact(model, w, kernel, q8, t)),
+            _ => None,
+        })
+        .collect();
+    let floats: Vec<&[f32]> = xs
+        .iter()
+        .zip(&ints)
+        .filter(|(_, o)| o.is_none())
+        .map(|(x, _)| x.x.as_slice())
+        .collect();
+    let mut floats = if floats.is_empty() {
+        Vec::new()
+    } else {
+        matmul_f64_floats(model, w, &floats, t)
+    }
+    .into_iter();
+    ints.iter_mut()
+        .map(|o| {
+            o.take()
+                .unwrap_or_else(|| floats.next().expect("one per float input"))
+        })
+        .collect()
+}
+
+/// `out[t, r]` for Q8_0 activation rows `q8` through the weight's exact kernel, output rows
+/// split over threads in chunks.
+fn matmul_exact(
+    model: &Model,
+    w: &TensorInfo,
+    kernel: quant::TileKernel,
+    q8: &[u8],
+    t: usize,
+) -> Vec<f32> {
+    const ROWS: usize = 64;
+    let (n_in, n_out) = w.rows();
+    let mut a = quant::TileAct::default();
+    a.load_q8(q8, n_in);
+    let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
+    let data = model.data(w);
+    let mut by_row = vec![0.0f32; n_out * t];
+    by_row
+        .par_chunks_mut(ROWS * t)
+        .enumerate()
+        .for_each(|(c, o)| kernel(&data[c * ROWS * rb..][..o.len() / t * rb], &a, o));
+    let mut out = vec![0.0f32; t * n_out];
+    for (r, o) in by_row.chunks(t).enumerate() {
+        for (i, &v) in o.iter().enumerate() {
+            out[i * n_out + r] = v;
+        }
+    }
+    out
+}
+
+/// [`matmul_f64`] for inputs summed as `dot` sums them: one walk of the weight's rows
+/// (decoded to f32) for all of them.
+fn matmul_f64_floats(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> Vec<Vec<f32>> {
     const ROWS: usize = 64;
     let (n_in, n_out) = w.rows();
     let m = xs.len();
@@ -1079,42 +1184,49 @@ impl Ops for Reference<'_> {
         let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
         let mut probs = vec![0.0f32; nh * t * n_kv];
         let rot = self.kv.k_rotation(hd).map(|n| (n, kvcache::hadamard(n)));
-        let mut qh = vec![0.0f32; hd];
         let flash = self.kv.f16_accumulator(t);
-        let mut flash_scores = Vec::new();
-        for h in 0..nh {
-            for i in 0..t {
-                // q as the engine dots it with its cache: rotated with K, rounded to K's type.
-                qh.copy_from_slice(&q[(i * nh + h) * hd..][..hd]);
-                if let Some((n, hm)) = &rot {
-                    kvcache::rotate(hm, *n, &mut qh);
-                }
-                self.kv.round_query(&mut qh, t);
-                let qv = &qh[..];
-                let p = &mut probs[(h * t + i) * n_kv..][..n_kv];
-                let seen = self.visible(layer, a, pos0, i, n_kv);
-                // A row that sees no position is what an engine's softmax over a row masked
-                // everywhere gives: exp(-inf - (-inf)) = NaN in every entry.
-                if seen.is_empty() {
-                    p.fill(f32::NAN);
-                    continue;
-                }
-                for j in seen.clone() {
-                    let src = self.kv_source(layer, pos0 + i, j);
-                    let mut s = dot(qv, &kc[src * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
-                    if let Some(cap) = a.softcap.filter(|_| !no_cap) {
-                        s = softcap(s, cap);
+        let this = &*self;
+        // The heads are independent: one per thread (rayon), each the same sums.
+        let flash_scores: Vec<Vec<Vec<(usize, f32)>>> = probs
+            .par_chunks_mut(t * n_kv)
+            .enumerate()
+            .map(|(h, probs)| {
+                let mut qh = vec![0.0f32; hd];
+                let mut flash_scores = Vec::new();
+                for i in 0..t {
+                    // q as the engine dots it with its cache: rotated with K, rounded to K's type.
+                    qh.copy_from_slice(&q[(i * nh + h) * hd..][..hd]);
+                    if let Some((n, hm)) = &rot {
+                        kvcache::rotate(hm, *n, &mut qh);
                     }
-                    p[j] = s;
+                    this.kv.round_query(&mut qh, t);
+                    let qv = &qh[..];
+                    let p = &mut probs[i * n_kv..][..n_kv];
+                    let seen = this.visible(layer, a, pos0, i, n_kv);
+                    // A row that sees no position is what an engine's softmax over a row masked
+                    // everywhere gives: exp(-inf - (-inf)) = NaN in every entry.
+                    if seen.is_empty() {
+                        p.fill(f32::NAN);
+                        continue;
+                    }
+                    for j in seen.clone() {
+                        let src = this.kv_source(layer, pos0 + i, j);
+                        let mut s = dot(qv, &kc[src * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
+                        if let Some(cap) = a.softcap.filter(|_| !no_cap) {
+                            s = softcap(s, cap);
+                        }
+                        p[j] = s;
+                    }
+                    if flash {
+                        flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
+                    }
+                    softmax(&mut p[seen]);
                 }
-                if flash {
-                    flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
-                }
-                softmax(&mut p[seen]);
-            }
-        }
+                flash_scores
+            })
+            .collect();
         drop(kv_head);
-        self.flash_scores = flash_scores;
+        self.flash_scores = flash_scores.into_iter().flatten().collect();
         probs
     }
 
@@ -1125,42 +1237,56 @@ impl Ops for Reference<'_> {
         let flash = std::mem::take(&mut self.flash_scores);
         let vc = &self.v_cache[layer];
         let kv_head = self.kv_head(layer, a);
-        let mut att = vec![0.0f32; t * nh * hd];
         let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
-        let mut pr = vec![0.0f32; n_kv];
-        let mut acc = vec![0.0f64; hd];
-        for h in 0..nh {
-            for i in 0..t {
-                let seen = self.visible(layer, a, pos0, i, n_kv);
-                let out = &mut att[(i * nh + h) * hd..][..hd];
-                // A fully masked row's NaN probabilities reach every value (p · V).
-                if seen.is_empty() {
-                    out.fill(f32::NAN);
-                    continue;
-                }
-                let base = kv_head(h) * hd;
-                let src = |j: usize| self.kv_source(layer, pos0 + i, j);
-                if let Some(f) = &flash {
-                    let row =
-                        |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[src(j) * ekv + base..][..hd]);
-                    let chunk = self.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
-                    kvcache::flash_f16(&f[h * t + i], chunk, row, out);
-                    continue;
-                }
-                pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);
-                self.kv.round_probs(&mut pr[seen.clone()]);
-                // Each output an f64 sum over the positions in order (from -0.0, as `sum`
-                // folds), the positions outer so that each V row is read once, in a line.
-                acc.fill(-0.0);
-                for j in seen {
-                    let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
-                    for (a, &x) in acc.iter_mut().zip(v) {
-                        *a += pj * x as f64;
+        let this = &*self;
+        // The heads are independent: one per thread (rayon), each the same sums; head h's
+        // rows are then laid out token by token.
+        let heads: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|h| {
+                let mut att = vec![0.0f32; t * hd];
+                let mut pr = vec![0.0f32; n_kv];
+                let mut acc = vec![0.0f64; hd];
+                for i in 0..t {
+                    let seen = this.visible(layer, a, pos0, i, n_kv);
+                    let out = &mut att[i * hd..][..hd];
+                    // A fully masked row's NaN probabilities reach every value (p · V).
+                    if seen.is_empty() {
+                        out.fill(f32::NAN);
+                        continue;
+                    }
+                    let base = kv_head(h) * hd;
+                    let src = |j: usize| this.kv_source(layer, pos0 + i, j);
+                    if let Some(f) = &flash {
+                        let row = |j: usize, g: &mut dyn FnMut(&[f32])| {
+                            g(&vc[src(j) * ekv + base..][..hd])
+                        };
+                        let chunk = this.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
+                        kvcache::flash_f16(&f[h * t + i], chunk, row, out);
+                        continue;
+                    }
+                    pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);
+                    this.kv.round_probs(&mut pr[seen.clone()]);
+                    // Each output an f64 sum over the positions in order (from -0.0, as `sum`
+                    // folds), the positions outer so that each V row is read once, in a line.
+                    acc.fill(-0.0);
+                    for j in seen {
+                        let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
+                        for (a, &x) in acc.iter_mut().zip(v) {
+                            *a += pj * x as f64;
+                        }
+                    }
+                    for (o, &a) in out.iter_mut().zip(&acc) {
+                        *o = a as f32;
                     }
                 }
-                for (o, &a) in out.iter_mut().zip(&acc) {
-                    *o = a as f32;
-                }
+                att
+            })
+            .collect();
+        let mut att = vec![0.0f32; t * nh * hd];
+        for (h, rows) in heads.iter().enumerate() {
+            for (i, row) in rows.chunks(hd).enumerate() {
+                att[(i * nh + h) * hd..][..hd].copy_from_slice(row);
             }
         }
         // A rotated V gives a rotated output: the engine rotates it back.
@@ -1259,6 +1385,109 @@ pub(crate) fn softmax(x: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fixture(name: &str) -> Model {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        Model::open(root.join("fixtures").join(name)).unwrap()
+    }
+
+    /// Pseudo-random inputs of a few magnitudes.
+    fn inputs(n: usize) -> Vec<f32> {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((seed % 6) as i32)
+            })
+            .collect()
+    }
+
+    /// On an 8-bit grid (ggml-cpu and its two tie twins) a Q4_0 or Q8_0 weight's matmul goes
+    /// through the exact integer kernel: each output within an f32 ulp (plus what two f64
+    /// sums may differ by) of the f64 sum of the decoded weights times the rounded inputs, and
+    /// the same bits on one thread as on every core.
+    #[test]
+    fn exact_matmuls_are_the_f64_sums_on_an_8_bit_grid() {
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        for file in ["tiny-llama-q4_0.gguf", "tiny-llama-q8_0.gguf"] {
+            let model = fixture(file);
+            let l = &model.layers[1];
+            for e in [
+                Emulation::GgmlCpu,
+                Emulation::GgmlScalar,
+                Emulation::Q8_1Gpu,
+            ] {
+                let r = Reference::new(&model, e, 8);
+                for w in [&l.wq, &l.wk, &l.w_down, &model.output] {
+                    assert!(w.ty.format().exact.is_some(), "{file}: {}", w.name);
+                    let (n_in, _) = w.rows();
+                    let t = 5;
+                    let rounded = r.matmul_input(w.ty, &inputs(t * n_in), n_in);
+                    assert!(rounded.q8.is_some(), "{file} {e:?}: on Q8_0's grid");
+                    let exact = matmul_f64(&model, w, &[&rounded], t).remove(0);
+                    let plain = Rounded::plain(rounded.x.clone());
+                    let want = matmul_f64(&model, w, &[&plain], t).remove(0);
+                    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (i, (a, b)) in exact.iter().zip(&want).enumerate() {
+                        let tol = f32::EPSILON * a.abs().max(b.abs()) + 1e-12 * scale;
+                        assert!(
+                            (a - b).abs() <= tol,
+                            "{file} {e:?} {} output {i}: {a} vs {b}",
+                            w.name
+                        );
+                    }
+                    // Through the format's kernel, not the f32 rows.
+                    let mut a = quant::TileAct::default();
+                    a.load_q8(rounded.q8.as_ref().unwrap(), n_in);
+                    let mut by_row = vec![0f32; exact.len()];
+                    (w.ty.format().exact.unwrap())(model.data(w), &a, &mut by_row);
+                    let n_out = exact.len() / t;
+                    for (i, v) in exact.iter().enumerate() {
+                        assert_eq!(v.to_bits(), by_row[i % n_out * t + i / n_out].to_bits());
+                    }
+                    let alone = one.install(|| matmul_f64(&model, w, &[&rounded], t).remove(0));
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&alone), bits(&exact), "{file} {e:?} {}", w.name);
+                }
+            }
+        }
+    }
+
+    /// Attention runs one head per thread: every tap of a prefill and decode steps is the
+    /// same bits on one thread as on every core (plain and ggml-cpu, f32 and f16 caches).
+    #[test]
+    fn attention_is_the_same_on_one_thread() {
+        use crate::trace::{MemorySink, TapFilter};
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let model = fixture("tiny-llama-q8_0.gguf");
+        let prompt: Vec<u32> = (1..40).map(|i| (i * 7 % 200) as u32).collect();
+        for (e, kv) in [
+            (Emulation::None, KvCache::F32),
+            (Emulation::GgmlCpu, KvCache::F16),
+        ] {
+            let run = || {
+                let mut b = Reference::new(&model, e, 48).with_kv(kv);
+                let mut s = MemorySink::new(TapFilter::all());
+                super::super::run(&mut b, &prompt, 3, None, &mut s).unwrap();
+                s.tensors
+            };
+            let (many, alone) = (run(), one.install(run));
+            assert!(many.len() > 50);
+            for (k, x) in &many {
+                let bits =
+                    |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(x), bits(&alone[k]), "{e:?} {kv:?} {k}");
+            }
+        }
+    }
 
     /// `dots_f64` + `dot_finish` (AVX2 where the CPU has it) return `dot`'s bits: any length,
     /// spans and tails, odd and even token counts, values across many magnitudes (where the

@@ -18,6 +18,7 @@ use crate::compare::{CompareOptions, PairKind, compare, metrics};
 use crate::model::{Model, RopeType};
 use crate::trace::{ModelRef, Producer, StepInfo, Tap, TapKey, Trace};
 use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One experiment to run.
@@ -171,13 +172,15 @@ fn experiments(
             .collect();
         hyps.retain(|h| only.is_none_or(|o| o.contains(&h.name)));
         let own = plain.metrics.get(&k).map(|m| m.nmse);
-        for h in hyps {
+        // Each hypothesis on its own thread (rayon): a one-layer replay of a few rows keeps
+        // two cores only half busy, and the hypotheses are independent.
+        let each = |h: Hypothesis| -> Result<(Hypothesis, Setup, Option<f64>), JudgeError> {
             let r = replay(model, cand, &h.setup, &BTreeSet::new())?;
             let Some(mut best) = r.metrics.get(&k).map(|m| m.nmse) else {
-                setups.insert(h.name.clone(), h.setup);
-                continue;
+                let setup = h.setup.clone();
+                return Ok((h, setup, None));
             };
-            let mut setup = h.setup;
+            let mut setup = h.setup.clone();
             // A hypothesis may differ from the engine only where an element sits on a rounding
             // tie the engine breaks the other way (ggml's scalar `roundf` against its SIMD
             // half-to-even; with a bug in the measurement window the measured family can be
@@ -209,14 +212,23 @@ fn experiments(
                     }
                 }
             }
+            Ok((h, setup, Some(best)))
+        };
+        let done: Vec<_> = hyps
+            .into_par_iter()
+            .map(each)
+            .collect::<Result<_, JudgeError>>()?;
+        for (h, setup, best) in done {
             setups.insert(h.name.clone(), setup);
-            tried.push((
-                Tried {
-                    hypothesis: h.name,
-                    nmse: best,
-                },
-                h.catalog,
-            ));
+            if let Some(best) = best {
+                tried.push((
+                    Tried {
+                        hypothesis: h.name,
+                        nmse: best,
+                    },
+                    h.catalog,
+                ));
+            }
         }
         // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
         for knob in Knob::ALL {

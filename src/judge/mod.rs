@@ -465,19 +465,6 @@ fn judge_once(
                 rep = replay(model, &cand, &whole(kv, kv_decode), &none)?;
             }
         }
-        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
-        // twin's error (an element on a tie may take either neighbour: no bug).
-        let (rounding, ties) = rounding::refit_ties(
-            model,
-            &cand,
-            &mut rep,
-            rounding,
-            decode,
-            output,
-            (kv, kv_decode),
-            full,
-        )?;
-
         // Floors.
         let pos_max = trace
             .manifest
@@ -486,22 +473,8 @@ fn judge_once(
             .flat_map(|s| s.positions.iter().copied())
             .max()
             .unwrap_or(0);
-        let mut floors = Floors::new(model, rounding, decode, pos_max).with_output(model, output);
-        floors.kv_decode = kv_decode;
         let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
             rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
-        let own_mm: Vec<f64> = spans
-            .iter()
-            .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
-            .map(|(k, _)| rep.metrics[k].nmse)
-            .collect();
-        let span_mm: Vec<f64> = spans
-            .iter()
-            .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
-            .map(|(k, _)| rep.metrics[k].nmse)
-            .collect();
-        floors.mm_median_own = median(own_mm);
-        floors.mm_median_span = median(span_mm);
         // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
         // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
         // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
@@ -513,11 +486,57 @@ fn judge_once(
         } else {
             &kv_fits
         };
-        if kv == KvCache::F16
-            && let Some(f) = fits_of_kv.iter().find(|f| f.kv == KvCache::F32)
-        {
-            floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f.median_nmse));
-        }
+        let f32_fit = (kv == KvCache::F16)
+            .then(|| fits_of_kv.iter().find(|f| f.kv == KvCache::F32))
+            .flatten()
+            .map(|f| f.median_nmse);
+        let floors_of = |rep: &replay::Replay, rounding: Emulation| {
+            let mut floors =
+                Floors::new(model, rounding, decode, pos_max).with_output(model, output);
+            floors.kv_decode = kv_decode;
+            let own_mm: Vec<f64> = spans
+                .iter()
+                .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
+                .map(|(k, _)| rep.metrics[k].nmse)
+                .collect();
+            let span_mm: Vec<f64> = spans
+                .iter()
+                .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
+                .map(|(k, _)| rep.metrics[k].nmse)
+                .collect();
+            floors.mm_median_own = median(own_mm);
+            floors.mm_median_span = median(span_mm);
+            if let Some(f) = f32_fit {
+                floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f));
+            }
+            floors
+        };
+
+        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
+        // twin's error (an element on a tie may take either neighbour: no bug). Where the
+        // rounding is given (a golden's, `--rounding`), the twins are replayed only where a key
+        // sits within `rounding::TIE_NEAR` of its floor: elsewhere no tie can make a finding,
+        // and their replays of a long trace would cost more than the rest of the judgement.
+        let near: Option<BTreeSet<TapKey>> = (opt.roundings.len() == 1).then(|| {
+            let floors = floors_of(&rep, rounding);
+            spans
+                .iter()
+                .filter(|(k, s)| rep.metrics[k].nmse * rounding::TIE_NEAR > floors.key(k, s))
+                .map(|(k, _)| *k)
+                .collect()
+        });
+        let (rounding, ties) = rounding::refit_ties(
+            model,
+            &cand,
+            &mut rep,
+            rounding,
+            decode,
+            output,
+            (kv, kv_decode),
+            full,
+            near.as_ref(),
+        )?;
+        let floors = floors_of(&rep, rounding);
 
         let mut ops = Vec::with_capacity(spans.len());
         for (k, s) in &spans {

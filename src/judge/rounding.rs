@@ -12,7 +12,7 @@ use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
 use serde::Serialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A rounding whose median matmul own NMSE is this low reproduces the engine (f32 summation
 /// noise is ~1e-14; the nearest other rounding sits at ~1e-8 for f16, ~1e-5 for 8-bit).
@@ -162,6 +162,10 @@ pub fn twin_setups(setup: &Setup, model: &Model) -> Vec<Setup> {
         .collect()
 }
 
+/// How close to its floor (this factor below it, or above) a key's own error must sit for the
+/// tie twins of a given rounding to be replayed at it (`refit_ties`' `near`).
+pub const TIE_NEAR: f64 = 10.0;
+
 /// Rounding ties in the clean replay `rep` of the whole trace (`full`) under `rounding`. An
 /// element that lands exactly on a tie (or next to one, where the inverse-scale formulas differ
 /// by an ulp) may take either neighbour, and which one is no bug. Where a key through a matmul
@@ -170,6 +174,10 @@ pub fn twin_setups(setup: &Setup, model: &Model) -> Vec<Setup> {
 /// nowhere is the engine's family, returned in place of `rounding` (of several, the closest
 /// over the trace; the first of equals). The GELU is measured the same way: ggml-cpu's f16
 /// table beside its quantized matmuls, or GELU in f32 (a GPU's) on the same grid.
+///
+/// `near`: the rounding is given, not measured, and the twins are replayed only over the
+/// smallest windows that recompute these keys (the keys near their floors); it stays the
+/// rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn refit_ties(
     model: &Model,
@@ -180,11 +188,13 @@ pub fn refit_ties(
     output: Option<Emulation>,
     (kv, kv_decode): (KvCache, Option<KvCache>),
     full: Window,
+    near: Option<&BTreeSet<TapKey>>,
 ) -> Result<(Emulation, Vec<(TapKey, Emulation)>), JudgeError> {
     let mut ties: Vec<(TapKey, Emulation)> = Vec::new();
     let gelu = model.config.activation == crate::model::Activation::GeluTanh;
     let above_noise = rep.metrics.iter().any(|(k, m)| {
-        m.nmse > super::floor::MM_ABS
+        near.is_none_or(|n| n.contains(k))
+            && m.nmse > super::floor::MM_ABS
             && span(cand, k).iter().any(|x| {
                 class(x.tap) == OpClass::Matmul || (gelu && x.tap == crate::trace::Tap::FfnAct)
             })
@@ -195,18 +205,43 @@ pub fn refit_ties(
     let base = rep.metrics.clone();
     // Per twin: keys it reproduces closer than the chosen rounding, and farther.
     let mut tally: Vec<(Emulation, usize, usize, f64)> = Vec::new();
+    // The windows to replay: the whole trace, or the fewest that recompute the near keys (one
+    // per distinct layer range, to the latest step asked of it).
+    let windows: Vec<Window> = match near {
+        None => vec![full],
+        Some(keys) => {
+            let mut by_layers: BTreeMap<(usize, usize, bool), usize> = BTreeMap::new();
+            for k in keys {
+                let w = Window::for_key(cand, k);
+                let s = by_layers.entry((w.l0, w.l_end, w.end)).or_default();
+                *s = (*s).max(w.s_max);
+            }
+            by_layers
+                .into_iter()
+                .map(|((l0, l_end, end), s_max)| Window {
+                    s_max,
+                    l0,
+                    l_end,
+                    end,
+                })
+                .collect()
+        }
+    };
     for t in twins(model, rounding) {
-        let setup = Setup {
-            decode,
-            output,
-            kv,
-            kv_decode,
-            ..Setup::clean(t, full)
-        };
-        let twin = replay(model, cand, &setup, &BTreeSet::new())?;
+        let mut metrics = BTreeMap::new();
+        for &w in &windows {
+            let setup = Setup {
+                decode,
+                output,
+                kv,
+                kv_decode,
+                ..Setup::clean(t, w)
+            };
+            metrics.extend(replay(model, cand, &setup, &BTreeSet::new())?.metrics);
+        }
         let (mut wins, mut losses) = (0, 0);
-        let total: f64 = twin.metrics.values().map(|m| m.nmse).sum();
-        for (k, m) in twin.metrics {
+        let total: f64 = metrics.values().map(|m| m.nmse).sum();
+        for (k, m) in metrics {
             let Some(b) = base.get(&k) else { continue };
             if m.nmse > b.nmse {
                 losses += 1;
@@ -224,10 +259,11 @@ pub fn refit_ties(
         tally.push((t, wins, losses, total));
     }
     let mut rounding = rounding;
-    if let Some(&(t, ..)) = tally
-        .iter()
-        .filter(|x| x.1 > 0 && x.2 == 0)
-        .min_by(|a, b| a.3.total_cmp(&b.3))
+    if near.is_none()
+        && let Some(&(t, ..)) = tally
+            .iter()
+            .filter(|x| x.1 > 0 && x.2 == 0)
+            .min_by(|a, b| a.3.total_cmp(&b.3))
     {
         rounding = t;
         ties.retain(|(_, x)| *x != t);

@@ -80,7 +80,14 @@ pub struct Format {
     pub dot_exact: bool,
     /// A kernel for many weight rows × many tokens at once, if the format has one.
     pub tile: Option<Tile>,
+    /// The same rows × tokens against Q8_0 activations summed exactly: integer per block and
+    /// every block's `(d_w · d_a) · Σ` added in f64 (parity's reference on an 8-bit grid), if
+    /// the format has it. Bit-identical to its scalar twin.
+    pub exact: Option<TileKernel>,
 }
+
+/// Weight rows × [`TileAct`] activation rows into `out[row * tokens + token]`.
+pub type TileKernel = fn(&[u8], &TileAct, &mut [f32]);
 
 /// A many-rows × many-tokens kernel: `out[r * tokens + t] = vec_dot(w_r, a_t)`, bit for bit.
 #[derive(Clone, Copy)]
@@ -111,6 +118,7 @@ macro_rules! format_entry {
             vec_dot_scalar,
             dot_exact: false,
             tile: None,
+            exact: None,
         };
         $(f.$field = $value;)*
         f

@@ -10,7 +10,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 18;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::format_entry!(Q4_0, "q4_0", vec_dot_type: Q8_0, tile: Some(super::Tile::Q8_0(vec_dot_tile)));
+pub const FORMAT: super::Format = super::format_entry!(Q4_0, "q4_0", vec_dot_type: Q8_0, tile: Some(super::Tile::Q8_0(vec_dot_tile)), exact: Some(vec_dot_tile_exact));
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + BLOCK / 2);
@@ -94,6 +94,38 @@ fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
     tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
+}
+
+/// The exact dot of a Q4_0 weight row with a Q8_0 activation row (parity's reference on
+/// ggml-cpu's grid): integer per block, summed in f64 (`tile::exact_dot_scalar`).
+pub fn vec_dot_exact_scalar(w: &[u8], a: &[u8]) -> f32 {
+    check_rows(w, a);
+    tile::exact_dot_scalar(w, a, BYTES, |b| {
+        let mut q = [0i32; 32];
+        for (j, &v) in b[2..].iter().enumerate() {
+            q[j] = (v & 0x0F) as i32 - 8;
+            q[j + 16] = (v >> 4) as i32 - 8;
+        }
+        q
+    })
+}
+
+/// [`vec_dot_exact_scalar`] for every weight row × activation row, as [`vec_dot_tile`] lays
+/// them out: the same bits, four rows and two tokens at a time.
+pub fn vec_dot_tile_exact(w: &[u8], a: &TileAct, out: &mut [f32]) {
+    exact_with(super::cpu::use_vnni(), w, a, out)
+}
+
+/// [`vec_dot_tile_exact`], choosing whether the AVX-VNNI kernel may be used (tests run both).
+fn exact_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    let kernels = Some([
+        x86::vec_dot_tile_f64 as tile::Driver,
+        x86::vec_dot_tile_f64_vnni,
+    ]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let kernels = None;
+    tile::run(BYTES, vnni, w, a, out, kernels, vec_dot_exact_scalar)
 }
 
 fn check_rows(w: &[u8], a: &[u8]) {
@@ -284,6 +316,27 @@ mod tests {
             // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
                 q8_0::tests::assert_tile_is_vec_dot(&w, &a, tile, vec_dot, n / BLOCK * BYTES)?;
+            }
+        }
+
+        #[test]
+        fn exact_tile_is_its_scalar_twin_and_exact(
+            (mut w, x, n) in q8_0::tests::tile_case(BYTES),
+            seed in prop::collection::vec(any::<u8>(), 7 * 5 * A),
+            any_bytes in any::<bool>(),
+        ) {
+            finite_scales(&mut w, BYTES, &[0]);
+            let mut a = TileAct::default();
+            if any_bytes {
+                let rb = n / BLOCK * A;
+                let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
+                finite_scales(&mut q, A, &[0]);
+                a.load_q8(&q, n);
+            } else {
+                a.quantize(&x, n);
+            }
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| exact_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| exact_with(true, w, a, o)] {
+                q8_0::tests::assert_exact_tile(&w, &a, tile, vec_dot_exact_scalar, dequantize_scalar, n / BLOCK * BYTES)?;
             }
         }
 

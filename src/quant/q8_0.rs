@@ -11,7 +11,7 @@ pub const BLOCK: usize = 32;
 pub const BYTES: usize = 34;
 
 /// This format's entry in the table (`super::GgmlType::format`).
-pub const FORMAT: super::Format = super::format_entry!(Q8_0, "q8_0", vec_dot_type: Q8_0, from_float: quantize_x86_avx, tile: Some(super::Tile::Q8_0(vec_dot_tile)));
+pub const FORMAT: super::Format = super::format_entry!(Q8_0, "q8_0", vec_dot_type: Q8_0, from_float: quantize_x86_avx, tile: Some(super::Tile::Q8_0(vec_dot_tile)), exact: Some(vec_dot_tile_exact));
 
 // The block layout adds up.
 const _: () = assert!(BYTES == 2 + BLOCK);
@@ -121,6 +121,34 @@ fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
     tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
+}
+
+/// The exact dot of a Q8_0 weight row with a Q8_0 activation row (parity's reference on
+/// ggml-cpu's grid): integer per block, summed in f64 (`tile::exact_dot_scalar`).
+pub fn vec_dot_exact_scalar(w: &[u8], a: &[u8]) -> f32 {
+    assert_eq!(w.len(), a.len(), "q8_0 · q8_0: rows differ in length");
+    tile::exact_dot_scalar(w, a, BYTES, |b| {
+        std::array::from_fn(|j| b[2 + j] as i8 as i32)
+    })
+}
+
+/// [`vec_dot_exact_scalar`] for every weight row × activation row, as [`vec_dot_tile`] lays
+/// them out: the same bits, several rows and tokens at a time (an activation holding -128
+/// goes through the scalar twin, as in [`vec_dot_tile`]).
+pub fn vec_dot_tile_exact(w: &[u8], a: &TileAct, out: &mut [f32]) {
+    exact_with(super::cpu::use_vnni(), w, a, out)
+}
+
+/// [`vec_dot_tile_exact`], choosing whether the AVX-VNNI kernel may be used (tests run both).
+fn exact_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    let kernels = (!a.has_min).then_some([
+        x86::vec_dot_tile_f64 as tile::Driver,
+        x86::vec_dot_tile_f64_vnni,
+    ]);
+    #[cfg(not(target_arch = "x86_64"))]
+    let kernels = None;
+    tile::run(BYTES, vnni, w, a, out, kernels, vec_dot_exact_scalar)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -378,6 +406,42 @@ pub(crate) mod tests {
 
     use proptest::test_runner::TestCaseError;
 
+    /// An exact tile (`tile`, f64 sums) against its scalar twin `dot` on every (row, token)
+    /// pair, bit for bit, and against the sum of the decoded rows' products in f64 in plain
+    /// order: within half an f32 ulp of it, plus what two f64 summations may differ by.
+    pub(crate) fn assert_exact_tile(
+        w: &[u8],
+        a: &TileAct,
+        tile: fn(&[u8], &TileAct, &mut [f32]),
+        dot: fn(&[u8], &[u8]) -> f32,
+        decode: fn(&[u8], &mut [f32]),
+        wrow: usize,
+    ) -> Result<(), TestCaseError> {
+        assert_tile_is_vec_dot(w, a, tile, dot, wrow)?;
+        let n = a.n();
+        let (mut wf, mut af) = (vec![0f32; n], vec![0f32; n]);
+        for r in 0..w.len() / wrow {
+            decode(&w[r * wrow..(r + 1) * wrow], &mut wf);
+            for t in 0..a.rows() {
+                dequantize_scalar(a.q8_row(t), &mut af);
+                let terms = wf.iter().zip(&af).map(|(&x, &y)| x as f64 * y as f64);
+                let (sum, mag) = terms.fold((0f64, 0f64), |(s, m), v| (s + v, m + v.abs()));
+                let got = dot(&w[r * wrow..(r + 1) * wrow], a.q8_row(t));
+                let ulp = (got.abs().max(f32::MIN_POSITIVE) * f32::EPSILON) as f64;
+                prop_assert!(
+                    (got as f64 - sum).abs() <= ulp / 2.0 + 1e-13 * mag,
+                    "row {} token {}: {} vs {} (terms' magnitude {})",
+                    r,
+                    t,
+                    got,
+                    sum,
+                    mag
+                );
+            }
+        }
+        Ok(())
+    }
+
     proptest! {
         #[test]
         fn simd_quantize_x86_avx_is_bit_identical(bits in prop::collection::vec(any::<u32>(), 32..289)) {
@@ -405,6 +469,28 @@ pub(crate) mod tests {
             // Both kernels: AVX2 and, where the CPU has it, AVX-VNNI.
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| tile_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| tile_with(true, w, a, o)] {
             assert_tile_is_vec_dot(&w, &a, tile, vec_dot, n / BLOCK * BYTES)?;
+            }
+        }
+
+        #[test]
+        fn exact_tile_is_its_scalar_twin_and_exact(
+            (mut w, x, n) in tile_case(BYTES),
+            seed in prop::collection::vec(any::<u8>(), 7 * 5 * BYTES),
+            any_bytes in any::<bool>(),
+        ) {
+            finite_scales(&mut w, BYTES, &[0]);
+            let mut a = TileAct::default();
+            if any_bytes {
+                // Arbitrary quants, -128 included (the scalar twin's fallback).
+                let rb = n / BLOCK * BYTES;
+                let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
+                finite_scales(&mut q, BYTES, &[0]);
+                a.load_q8(&q, n);
+            } else {
+                a.quantize(&x, n);
+            }
+            for tile in [|w: &[u8], a: &_, o: &mut [f32]| exact_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| exact_with(true, w, a, o)] {
+                assert_exact_tile(&w, &a, tile, vec_dot_exact_scalar, dequantize_scalar, n / BLOCK * BYTES)?;
             }
         }
 

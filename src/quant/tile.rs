@@ -178,6 +178,39 @@ pub(crate) fn run(
     }
 }
 
+/// The exact dot's ending (the tile kernels' f64 mode and the formats' `vec_dot_exact_scalar`):
+/// the four lane sums added in one fixed order, then rounded to f32 once.
+pub(crate) fn finish_f64(l: [f64; 4]) -> f32 {
+    ((l[0] + l[2]) + (l[1] + l[3])) as f32
+}
+
+/// The scalar twin of the f64 tile kernels, for a format whose weight block gives its 32
+/// quants in element order (`quants`, as i32) and its scale in its first two bytes (f16):
+/// per block, lane k is the exact `Σ w·a` over elements 4k..4k+4 and 4k+16..4k+20, added to
+/// an f64 lane sum as `(d_w · d_a) · lane` (an exact product, so one rounding per add, as the
+/// kernels' FMA), then [`finish_f64`]. Differs from the exact sum only by the f64 adds (about
+/// 1e-16 relative).
+pub(crate) fn exact_dot_scalar(
+    w: &[u8],
+    a: &[u8],
+    wbytes: usize,
+    quants: impl Fn(&[u8]) -> [i32; 32],
+) -> f32 {
+    let mut acc = [0f64; 4];
+    for (bw, ba) in w.chunks_exact(wbytes).zip(a.chunks_exact(BYTES)) {
+        let q = quants(bw);
+        let d = (f16_le(bw) * f16_le(ba)) as f64;
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let lane: i32 = (4 * k..4 * k + 4)
+                .chain(4 * k + 16..4 * k + 20)
+                .map(|j| q[j] * ba[2 + j] as i8 as i32)
+                .sum();
+            *acc += d * lane as f64;
+        }
+    }
+    finish_f64(acc)
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::super::x86::*;
@@ -294,8 +327,10 @@ pub(crate) mod x86 {
     /// `BYTES`.
     macro_rules! tile_kernels {
         (weights: $weights:ident, prepare: $prepare:ident, avx2: $avx2:ident, vnni: $vnni:ident) => {
-            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c", $weights, $prepare, $avx2, vec_dot_tile, tile);
-            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avxvnni", $weights, $prepare, $vnni, vec_dot_tile_vnni, tile_vnni);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c", f32, $weights, $prepare, $avx2, vec_dot_tile, tile);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avxvnni", f32, $weights, $prepare, $vnni, vec_dot_tile_vnni, tile_vnni);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c", f64, $weights, $prepare, $avx2, vec_dot_tile_f64, tile_f64);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avxvnni", f64, $weights, $prepare, $vnni, vec_dot_tile_f64_vnni, tile_f64_vnni);
 
             /// The R rows at `w` into `u` ([block][row]).
             ///
@@ -318,13 +353,38 @@ pub(crate) mod x86 {
                 }
             }
         };
-        (@isa $features:literal, $weights:ident, $prepare:ident, $lanes:ident, $driver:ident, $tile:ident) => {
+        // The accumulators: f32 (ggml's arithmetic) or f64 (exact products, `super::finish_f64`).
+        // Rows and tokens per tile: f64 lanes take twice the registers.
+        (@rows f32) => { $crate::quant::tile::x86::R };
+        (@cols f32) => { $crate::quant::tile::x86::C };
+        (@rows f64) => { 2 };
+        (@cols f64) => { 2 };
+        (@zero f32) => { _mm256_setzero_ps() };
+        (@zero f64) => { _mm256_setzero_pd() };
+        (@add f32, $acc:expr, $d:expr, $p:expr) => { _mm256_fmadd_ps($d, _mm256_cvtepi32_ps($p), $acc) };
+        (@add f64, $acc:expr, $d:expr, $p:expr) => {{
+            // Lanes k and k + 4 folded (exact: at most 8 · 128 · 127); `d_w * d_a` of two f16
+            // values is exact in f32 (all 8 lanes alike), its product with a folded lane exact
+            // in f64: each lane's sum rounds once per block.
+            let p = $p;
+            let s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256::<1>(p));
+            _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128($d)), _mm256_cvtepi32_pd(s), $acc)
+        }};
+        (@finish f32, $acc:expr) => { hsum_f32x8($acc) };
+        (@finish f64, $acc:expr) => {{
+            let mut l = [0f64; 4];
+            _mm256_storeu_pd(l.as_mut_ptr(), $acc);
+            $crate::quant::tile::finish_f64(l)
+        }};
+        (@isa $features:literal, $mode:tt, $weights:ident, $prepare:ident, $lanes:ident, $driver:ident, $tile:ident) => {
             /// Groups of R weight rows: for one token (decode) straight from the weights, for
             /// several (prompt) unpacked once into the per-thread buffer and then swept C
             /// tokens at a time; tail rows one by one.
             #[target_feature(enable = $features)]
             pub unsafe fn $driver(w: &[u8], nr: usize, a: &$crate::quant::TileAct, out: &mut [f32]) {
-                use $crate::quant::tile::x86::{C, R, with_unpacked};
+                use $crate::quant::tile::x86::with_unpacked;
+                const R: usize = $crate::quant::tile::x86::tile_kernels!(@rows $mode);
+                const C: usize = $crate::quant::tile::x86::tile_kernels!(@cols $mode);
                 let (nb, nt) = (a.n() / BLOCK, a.rows());
                 let wrow = nb * BYTES;
                 let (wp, op) = (w.as_ptr(), out.as_mut_ptr());
@@ -380,7 +440,7 @@ pub(crate) mod x86 {
                 let nb = a.n() / BLOCK;
                 let (ys, ds, d8) = (a.blocks.as_ptr(), a.d.as_ptr(), a.d8.as_ptr());
                 let table = f16_table();
-                let mut acc = [[_mm256_setzero_ps(); C]; R];
+                let mut acc = [[$crate::quant::tile::x86::tile_kernels!(@zero $mode); C]; R];
                 for b in 0..nb {
                     for (r, acc) in acc.iter_mut().enumerate() {
                         // SAFETY: block b of row r is inside the caller's weight rows (or `u`); token
@@ -410,7 +470,7 @@ pub(crate) mod x86 {
                                     _mm256_load_ps((*d8.add(i)).0.as_ptr())
                                 };
                                 let d = _mm256_mul_ps(dw, da);
-                                *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), *acc);
+                                *acc = $crate::quant::tile::x86::tile_kernels!(@add $mode, *acc, d, p);
                             }
                         }
                     }
@@ -418,7 +478,7 @@ pub(crate) mod x86 {
                 for (r, acc) in acc.iter().enumerate() {
                     for (c, &acc) in acc.iter().enumerate() {
                         // SAFETY: (r, t0 + c) is inside the caller's output.
-                        unsafe { *out.add(r * ldo + t0 + c) = hsum_f32x8(acc) };
+                        unsafe { *out.add(r * ldo + t0 + c) = $crate::quant::tile::x86::tile_kernels!(@finish $mode, acc) };
                     }
                 }
             }
