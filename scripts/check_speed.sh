@@ -8,8 +8,12 @@
 # writing not), and the check's peak RSS as a multiple of the file.
 #
 # Usage: scripts/check_speed.sh MODEL IDS [ROUNDS] [STEPS]
-#   IDS: comma-separated prompt ids (scripts/depth_matrix.sh lists the ones it uses per shape)
+#   IDS: comma-separated prompt ids (scripts/depth_matrix.sh lists the ones it uses per shape),
+#        or @FILE holding them
 #   ROUNDS: default 3; STEPS: decode steps, default 4
+# RECORD='taps=l_out,result_norm,logits' makes scan goldens (`parity golden --record`: a long
+# run's cheap taps at every step; check then judges the golden on its own inputs and runs the
+# fast backend end to end); the golden's size on disk is printed too.
 # PARITY=path picks the binary (default target/release/parity). BASE=path times a second
 # binary's check on the same golden in each round too (before/after A/B, alternating), with
 # the CPU backends named (an older default set adds a software GPU where one is installed).
@@ -17,6 +21,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=${PARITY:-$root/target/release/parity}
 model=$1; ids=$2; rounds=${3:-3}; steps=${4:-4}
+case $ids in @*) ids=$(tr -d ' \n' < "${ids#@}") ;; esac
+record=()
+if [ -n "${RECORD:-}" ]; then record=(--record "$RECORD"); fi
 size=$(stat -c %s "$model")
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -24,8 +31,9 @@ rows=()
 for i in $(seq "$rounds"); do
   rm -rf "$work/golden"
   /usr/bin/time -f "%e %M" -o "$work/tg" "$P" golden "$model" --tokens "$ids" --steps "$steps" \
-    --out "$work/golden" > "$work/golden.txt" 2>&1
+    "${record[@]}" --out "$work/golden" > "$work/golden.txt" 2>&1
   read -r tg _ < "$work/tg"
+  disk=$(du -sm "$work/golden" | cut -f1)
   # The golden's own line: "… in 14.26s (llama.cpp 10.39s) …".
   tl=$(grep -o 'llama\.cpp [0-9.]*s' "$work/golden.txt" | tail -1 | sed -E 's/llama\.cpp ([0-9.]+)s/\1/')
   set +e
@@ -34,7 +42,7 @@ for i in $(seq "$rounds"); do
   rc=$?
   set -e
   read -r tc kib < "$work/tc"
-  echo "round $i: golden ${tg} s (llama.cpp ${tl} s); check ${tc} s (exit $rc), peak RSS $((kib / 1024)) MiB"
+  echo "round $i: golden ${tg} s (llama.cpp ${tl} s, ${disk} MiB on disk); check ${tc} s (exit $rc), peak RSS $((kib / 1024)) MiB"
   grep '^backends:' "$work/check.txt" | sed 's/^/         /'
   tb=0; kb=0
   if [ -n "${BASE:-}" ]; then

@@ -777,3 +777,41 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
         / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
     assert!(d > 0.0 && d < 1e-4, "{d}");
 }
+
+/// A given rounding (`diff --rounding`) is not measured, and its tie twins are replayed only
+/// over the windows of keys near the lowest floor they can have: an engine that rounds as
+/// ggml's scalar reference (ties away from zero: the SIMD quantizer's twin) judged under
+/// ggml-cpu passes, full and sparse, the keys where a tie flipped reproduced by the twin.
+#[test]
+#[cfg_attr(
+    not(all(parity_gguf_py, parity_shared)),
+    ignore = "needs numpy, gguf-py and ../shared/models (.ci/run installs them; then touch build.rs)"
+)]
+fn a_given_rounding_replays_its_twins_where_a_tie_flips() {
+    let (Some(dir), Some(py)) = (shared("models"), numpy_engine_python()) else {
+        return;
+    };
+    let model = dir.join("TinyStories-656K-Q8_0.gguf");
+    let g = root().join("golden/TinyStories-656K-Q8_0");
+    let tmp = tempdir("given-rounding");
+    for taps in ["all", "sparse"] {
+        let out = tmp.join(taps);
+        let args = ["--rounding", "ggml-scalar", "--taps", taps];
+        numpy_engine_trace(&py, model.to_str().unwrap(), &g, &out, None, &args);
+        let o = parity(&[
+            "diff",
+            g.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+            "--rounding",
+            "ggml-cpu",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{taps}: {}", show(&o));
+        let s = stdout(&o);
+        assert!(
+            s.contains("keys reproduced closer by ggml-scalar"),
+            "{taps}: {s}"
+        );
+    }
+}

@@ -515,10 +515,13 @@ fn judge_once(
         // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
         // twin's error (an element on a tie may take either neighbour: no bug). Where the
         // rounding is given (a golden's, `--rounding`), the twins are replayed only where a key
-        // sits within `rounding::TIE_NEAR` of its floor: elsewhere no tie can make a finding,
-        // and their replays of a long trace would cost more than the rest of the judgement.
+        // sits within `rounding::TIE_NEAR` of the lowest floor it can have (the floors before
+        // the trace's noise raises them): elsewhere no tie can make a finding, and their
+        // replays of a long trace would cost more than the rest of the judgement.
         let near: Option<BTreeSet<TapKey>> = (opt.roundings.len() == 1).then(|| {
-            let floors = floors_of(&rep, rounding);
+            let mut floors =
+                Floors::new(model, rounding, decode, pos_max).with_output(model, output);
+            floors.kv_decode = kv_decode;
             spans
                 .iter()
                 .filter(|(k, s)| rep.metrics[k].nmse * rounding::TIE_NEAR > floors.key(k, s))

@@ -162,9 +162,10 @@ pub fn twin_setups(setup: &Setup, model: &Model) -> Vec<Setup> {
         .collect()
 }
 
-/// How close to its floor (this factor below it, or above) a key's own error must sit for the
-/// tie twins of a given rounding to be replayed at it (`refit_ties`' `near`).
-pub const TIE_NEAR: f64 = 10.0;
+/// How close to the lowest floor it can have (this factor below it, or above) a key's own
+/// error must sit for the tie twins of a given rounding to be replayed at it (`refit_ties`'
+/// `near`).
+pub const TIE_NEAR: f64 = 2.0;
 
 /// Rounding ties in the clean replay `rep` of the whole trace (`full`) under `rounding`. An
 /// element that lands exactly on a tie (or next to one, where the inverse-scale formulas differ
