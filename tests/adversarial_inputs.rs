@@ -726,11 +726,12 @@ proptest! {
 
 /// The corruptions reach values under keys holding a '/' (the manifest's
 /// "kq_soft_max=softmax(q.k/sqrt(d))"): their pointers are escaped (RFC 6901). This case once
-/// panicked in `apply` itself.
+/// panicked in `apply` itself (two proptest cases seen).
 #[test]
 fn corruptions_reach_values_under_keys_holding_a_slash() {
     for c in [
         Corrupt::Number(18093315437754228553, 0),
+        Corrupt::Number(15051761409519340113, 0),
         Corrupt::Remove(18093315437754228553),
     ] {
         let tmp = tempfile::tempdir().unwrap();
