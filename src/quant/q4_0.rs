@@ -326,15 +326,7 @@ mod tests {
             any_bytes in any::<bool>(),
         ) {
             finite_scales(&mut w, BYTES, &[0]);
-            let mut a = TileAct::default();
-            if any_bytes {
-                let rb = n / BLOCK * A;
-                let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
-                finite_scales(&mut q, A, &[0]);
-                a.load_q8(&q, n);
-            } else {
-                a.quantize(&x, n);
-            }
+            let a = q8_0::tests::exact_case_act(&x, &seed, any_bytes, n);
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| exact_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| exact_with(true, w, a, o)] {
                 q8_0::tests::assert_exact_tile(&w, &a, tile, vec_dot_exact_scalar, dequantize_scalar, n / BLOCK * BYTES)?;
             }

@@ -406,6 +406,21 @@ pub(crate) mod tests {
 
     use proptest::test_runner::TestCaseError;
 
+    /// The activations of an exact-tile case: `x` quantized, or (`any_bytes`) rows cut from
+    /// `seed` as arbitrary Q8_0 blocks, -128 quants included (the scalar twin's fallback).
+    pub(crate) fn exact_case_act(x: &[f32], seed: &[u8], any_bytes: bool, n: usize) -> TileAct {
+        let mut a = TileAct::default();
+        if any_bytes {
+            let rb = n / BLOCK * BYTES;
+            let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
+            finite_scales(&mut q, BYTES, &[0]);
+            a.load_q8(&q, n);
+        } else {
+            a.quantize(x, n);
+        }
+        a
+    }
+
     /// An exact tile (`tile`, f64 sums) against its scalar twin `dot` on every (row, token)
     /// pair, bit for bit, and against the sum of the decoded rows' products in f64 in plain
     /// order: within half an f32 ulp of it, plus what two f64 summations may differ by.
@@ -479,16 +494,7 @@ pub(crate) mod tests {
             any_bytes in any::<bool>(),
         ) {
             finite_scales(&mut w, BYTES, &[0]);
-            let mut a = TileAct::default();
-            if any_bytes {
-                // Arbitrary quants, -128 included (the scalar twin's fallback).
-                let rb = n / BLOCK * BYTES;
-                let mut q = seed[..(seed.len() / rb).min(7) * rb].to_vec();
-                finite_scales(&mut q, BYTES, &[0]);
-                a.load_q8(&q, n);
-            } else {
-                a.quantize(&x, n);
-            }
+            let a = exact_case_act(&x, &seed, any_bytes, n);
             for tile in [|w: &[u8], a: &_, o: &mut [f32]| exact_with(false, w, a, o), |w: &[u8], a: &_, o: &mut [f32]| exact_with(true, w, a, o)] {
                 assert_exact_tile(&w, &a, tile, vec_dot_exact_scalar, dequantize_scalar, n / BLOCK * BYTES)?;
             }
