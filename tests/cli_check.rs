@@ -341,6 +341,33 @@ fn a_golden_of_another_model_is_refused() {
     assert!(stdout(&o).is_empty(), "{}", show(&o));
 }
 
+/// A golden that names a file of the model's size: its sha256 stands in while the model is
+/// hashed beside the passes, and a model of that size with other bytes is still refused as
+/// another model (exit 2, no verdict); the golden's own model passes against it.
+#[test]
+fn a_golden_of_a_same_sized_other_model_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fixture = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let bytes = std::fs::read(&fixture).unwrap();
+    let golden = tmp.path().join("golden");
+    copy_dir(&root().join("golden/tiny-llama-q8_0"), &golden);
+    let mpath = golden.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).unwrap()).unwrap();
+    m["model"]["size"] = serde_json::json!(bytes.len());
+    std::fs::write(&mpath, serde_json::to_string(&m).unwrap()).unwrap();
+    let mut other = bytes.clone();
+    *other.last_mut().unwrap() ^= 1;
+    let other_path = tmp.path().join("other.gguf");
+    std::fs::write(&other_path, &other).unwrap();
+    let g = golden.to_str().unwrap();
+    let o = parity(&["check", other_path.to_str().unwrap(), "--golden", g]);
+    assert_error(&o, &["another model", g, "other.gguf"], "check");
+    assert!(!stdout(&o).contains("verdict"), "{}", show(&o));
+    let o = parity(&["check", fixture.to_str().unwrap(), "--golden", g]);
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}
+
 #[test]
 fn a_golden_of_other_token_ids_is_refused() {
     let o = parity(&[

@@ -909,19 +909,28 @@ fn bench_reports_both_engines_and_ratios() {
     assert_eq!(generated_ids(&out), greedy);
 }
 
-/// The AVX-VNNI tile kernels (Q4_0, Q8_0) change no bit: a fast-backend dump with them and one
-/// with `PARITY_NO_VNNI=1` are byte-identical, tap for tap, and `parity bench` says which ran.
+/// The VNNI tile kernels (Q4_0, Q8_0; AVX-VNNI, else AVX512-VNNI) change no bit: a
+/// fast-backend dump with them and one with `PARITY_NO_VNNI=1` are byte-identical, tap for
+/// tap, and `parity bench` says which ran.
 #[test]
 fn vnni_kernels_change_no_tap() {
     #[cfg(target_arch = "x86_64")]
-    let has_vnni = is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
-        && is_x86_feature_detected!("avxvnni");
+    let (avx2, vex, evex) = (
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c"),
+        is_x86_feature_detected!("avxvnni"),
+        is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl"),
+    );
     #[cfg(not(target_arch = "x86_64"))]
-    let has_vnni = false;
-    if !has_vnni {
-        eprintln!("note: this CPU has no AVX-VNNI: both runs use the AVX2 kernels");
+    let (avx2, vex, evex) = (false, false, false);
+    let label = match (avx2, vex, evex) {
+        (true, true, _) => Some("+AVX-VNNI"),
+        (true, false, true) => Some("+AVX512-VNNI"),
+        _ => None,
+    };
+    if label.is_none() {
+        eprintln!("note: this CPU has no AVX-VNNI or AVX512-VNNI: both runs use the AVX2 kernels");
     }
     let run = |args: &[&str], vnni: bool| {
         let mut c = Command::new(env!("CARGO_BIN_EXE_parity"));
@@ -967,7 +976,7 @@ fn vnni_kernels_change_no_tap() {
         for f in &files {
             let a = std::fs::read(dirs[0].join(f)).unwrap();
             let b = std::fs::read(dirs[1].join(f)).unwrap();
-            assert!(a == b, "{fixture}: {f} differs with and without AVX-VNNI");
+            assert!(a == b, "{fixture}: {f} differs with and without VNNI");
         }
 
         let bench = [
@@ -988,13 +997,15 @@ fn vnni_kernels_change_no_tap() {
             "{}",
             show(&with)
         );
-        assert_eq!(
-            stdout(&with).contains("+AVX-VNNI"),
-            has_vnni,
+        if let Some(label) = label {
+            assert!(stdout(&with).contains(label), "{}", show(&with));
+        }
+        assert!(
+            !stdout(&with).contains("VNNI") || label.is_some(),
             "{}",
             show(&with)
         );
-        assert!(!stdout(&without).contains("AVX-VNNI"), "{}", show(&without));
+        assert!(!stdout(&without).contains("VNNI"), "{}", show(&without));
     }
 }
 

@@ -442,10 +442,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let simd = format!(
         "{:?}{}",
         crate::quant::cpu::simd(),
-        if crate::quant::cpu::use_vnni() {
-            "+AVX-VNNI"
-        } else {
-            ""
+        match (crate::quant::cpu::use_vnni(), crate::quant::cpu::vnni()) {
+            (true, Some(crate::quant::cpu::Vnni::Avx)) => "+AVX-VNNI",
+            (true, Some(crate::quant::cpu::Vnni::Avx512)) => "+AVX512-VNNI",
+            _ => "",
         }
     );
     let ids = prompt_ids(&model, a.prompt_tokens);

@@ -402,6 +402,17 @@ impl Model {
             .unwrap_or(self.token_embd.ty)
     }
 
+    /// Whether [`Model::sha256`] has been computed already.
+    pub fn sha256_known(&self) -> bool {
+        self.sha256.get().is_some()
+    }
+
+    /// Whether each layer's weights leave memory as a forward leaves the layer (a file larger
+    /// than half of memory).
+    pub fn releases_layers(&self) -> bool {
+        self.release_layers
+    }
+
     /// sha256 of the whole GGUF file, hex (computed once, on first use).
     pub fn sha256(&self) -> &str {
         self.sha256.get_or_init(|| {

@@ -28,21 +28,43 @@ pub fn simd() -> Simd {
     Simd::Scalar
 }
 
-/// Whether the tile kernels use AVX-VNNI's `vpdpbusd` (one instruction for the 4-product
-/// integer sums that AVX2 builds from `maddubs` + `madd`; same integers, so same results):
-/// when the CPU has it, unless `PARITY_NO_VNNI` is set (for A/B measurements).
-pub fn use_vnni() -> bool {
+/// The x86 extension that gives the tile kernels `vpdpbusd` (one instruction for the
+/// 4-product integer sums that AVX2 builds from `maddubs` + `madd`; the same integers, so the
+/// same results): AVX-VNNI (VEX) where the CPU has it, else AVX512-VNNI with AVX512-VL (the
+/// same instruction on 256-bit registers, EVEX-encoded: AMD Zen 4, Intel Ice Lake and later).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Vnni {
+    Avx,
+    Avx512,
+}
+
+/// The [`Vnni`] extension this CPU has, if any.
+pub fn vnni() -> Option<Vnni> {
     #[cfg(target_arch = "x86_64")]
     {
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| {
-            simd() == Simd::Avx2
-                && is_x86_feature_detected!("avxvnni")
-                && std::env::var_os("PARITY_NO_VNNI").is_none()
+        static HAS: std::sync::OnceLock<Option<Vnni>> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            if simd() != Simd::Avx2 {
+                None
+            } else if is_x86_feature_detected!("avxvnni") {
+                Some(Vnni::Avx)
+            } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl")
+            {
+                Some(Vnni::Avx512)
+            } else {
+                None
+            }
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
-    false
+    None
+}
+
+/// Whether the tile kernels use [`vnni`]'s `vpdpbusd`: when the CPU has it, unless
+/// `PARITY_NO_VNNI` is set (for A/B measurements).
+pub fn use_vnni() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| vnni().is_some() && std::env::var_os("PARITY_NO_VNNI").is_none())
 }
 
 /// The one dispatch of every fast twin: `dispatch!(x86, neon => f(args) else f_scalar)` calls

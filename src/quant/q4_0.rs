@@ -90,7 +90,11 @@ pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
 /// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
 fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    let kernels = Some([x86::vec_dot_tile as tile::Driver, x86::vec_dot_tile_vnni]);
+    let kernels = Some([
+        x86::vec_dot_tile as tile::Driver,
+        x86::vec_dot_tile_vnni,
+        x86::vec_dot_tile_vnni512,
+    ]);
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
     tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
@@ -122,6 +126,7 @@ fn exact_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     let kernels = Some([
         x86::vec_dot_tile_f64 as tile::Driver,
         x86::vec_dot_tile_f64_vnni,
+        x86::vec_dot_tile_f64_vnni512,
     ]);
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
@@ -223,7 +228,21 @@ mod x86 {
         _mm256_dpbusd_avx_epi32(neg_bias, q, qy)
     }
 
-    crate::quant::tile::x86::tile_kernels!(weights: nibbles, prepare: keep, avx2: lanes_avx2, vnni: lanes_vnni);
+    /// [`lanes_vnni`] with AVX512-VNNI's `vpdpbusd` on 256-bit registers: the same integers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn lanes_vnni512(q: __m256i, _: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: as in `lanes_avx2`.
+        let (qy, neg_bias) = unsafe {
+            (
+                _mm256_load_si256(y.q.as_ptr().cast()),
+                _mm256_load_si256(y.neg_bias.as_ptr().cast()),
+            )
+        };
+        _mm256_dpbusd_epi32(neg_bias, q, qy)
+    }
+
+    crate::quant::tile::x86::tile_kernels!(weights: nibbles, prepare: keep, avx2: lanes_avx2, vnni: lanes_vnni, vnni512: lanes_vnni512);
 }
 
 #[cfg(target_arch = "aarch64")]

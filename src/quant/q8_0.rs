@@ -116,8 +116,11 @@ pub fn vec_dot_tile(w: &[u8], a: &TileAct, out: &mut [f32]) {
 /// [`vec_dot_tile`], choosing whether the AVX-VNNI kernel may be used (tests run both).
 fn tile_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    let kernels =
-        (!a.has_min).then_some([x86::vec_dot_tile as tile::Driver, x86::vec_dot_tile_vnni]);
+    let kernels = (!a.has_min).then_some([
+        x86::vec_dot_tile as tile::Driver,
+        x86::vec_dot_tile_vnni,
+        x86::vec_dot_tile_vnni512,
+    ]);
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
     tile::run(BYTES, vnni, w, a, out, kernels, vec_dot)
@@ -145,6 +148,7 @@ fn exact_with(vnni: bool, w: &[u8], a: &TileAct, out: &mut [f32]) {
     let kernels = (!a.has_min).then_some([
         x86::vec_dot_tile_f64 as tile::Driver,
         x86::vec_dot_tile_f64_vnni,
+        x86::vec_dot_tile_f64_vnni512,
     ]);
     #[cfg(not(target_arch = "x86_64"))]
     let kernels = None;
@@ -242,8 +246,17 @@ pub(super) mod x86 {
         _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(y, x))
     }
 
+    /// [`lanes_vnni`] with AVX512-VNNI's `vpdpbusd` on 256-bit registers: the same integers.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    unsafe fn lanes_vnni512(x: __m256i, ax: __m256i, y: &TileBlock) -> __m256i {
+        // SAFETY: as in `lanes_avx2`.
+        let y = unsafe { _mm256_load_si256(y.q.as_ptr().cast()) };
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(y, x))
+    }
+
     use crate::quant::tile::TileBlock;
-    crate::quant::tile::x86::tile_kernels!(weights: weights, prepare: abs, avx2: lanes_avx2, vnni: lanes_vnni);
+    crate::quant::tile::x86::tile_kernels!(weights: weights, prepare: abs, avx2: lanes_avx2, vnni: lanes_vnni, vnni512: lanes_vnni512);
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn dequantize(src: &[u8], dst: &mut [f32]) {

@@ -147,7 +147,7 @@ pub(crate) fn run(
     w: &[u8],
     a: &TileAct,
     out: &mut [f32],
-    kernels: Option<[Driver; 2]>,
+    kernels: Option<[Driver; 3]>,
     dot: Dot,
 ) {
     let rb = a.n / BLOCK * wbytes;
@@ -158,14 +158,14 @@ pub(crate) fn run(
     let nr = w.len() / rb;
     assert_eq!(out.len(), nr * a.rows, "tile: output is rows × tokens");
     #[cfg(target_arch = "x86_64")]
-    if let (Some([avx2, with_vnni]), Simd::Avx2) = (kernels, simd()) {
-        let k = if vnni && is_x86_feature_detected!("avxvnni") {
-            with_vnni
-        } else {
-            avx2
+    if let (Some([avx2, with_vnni, with_vnni512]), Simd::Avx2) = (kernels, simd()) {
+        let k = match (vnni, crate::quant::cpu::vnni()) {
+            (true, Some(crate::quant::cpu::Vnni::Avx)) => with_vnni,
+            (true, Some(crate::quant::cpu::Vnni::Avx512)) => with_vnni512,
+            _ => avx2,
         };
-        // SAFETY: avx2, fma and f16c are present (and avxvnni where used); sizes were checked
-        // above.
+        // SAFETY: avx2, fma and f16c are present (and the VNNI extension `cpu::vnni` found,
+        // where used); sizes were checked above.
         unsafe { k(w, nr, a, out) };
         return;
     }
@@ -318,19 +318,23 @@ pub(crate) mod x86 {
     /// A weight format's tile kernels, stamped out in its `x86` module from its three per-block
     /// steps: `$weights(wb)`, the 32 quants of the block at `wb` as the bytes the kernel
     /// multiplies (also what the prompt path unpacks once per row group); `$prepare(x)`, any
-    /// per-weight-block work done once before the token loop; `$avx2(x, prepared, y)` and
-    /// `$vnni(...)`, the exact i32 lanes `Σ w·y` over elements 4k..4k+4 against the activation
-    /// block `y` ([`TileBlock`]), with AVX2 and with AVX-VNNI. Defines `vec_dot_tile` and
-    /// `vec_dot_tile_vnni` ([`super::Driver`]s). Per (row, token) the float arithmetic is the
+    /// per-weight-block work done once before the token loop; `$avx2(x, prepared, y)`,
+    /// `$vnni(...)` and `$vnni512(...)`, the exact i32 lanes `Σ w·y` over elements 4k..4k+4
+    /// against the activation block `y` ([`TileBlock`]), with AVX2, AVX-VNNI and AVX512-VNNI
+    /// (the same `vpdpbusd` on 256 bits, EVEX-encoded). Defines `vec_dot_tile`,
+    /// `vec_dot_tile_vnni` and `vec_dot_tile_vnni512`, and their `_f64` twins
+    /// ([`super::Driver`]s). Per (row, token) the float arithmetic is the
     /// format's AVX2 `vec_dot`'s: one FMA of `d_w * d_a` per block into 8 lanes, `hsum_f32x8`
     /// at the end, so the results are the same bits. The caller's module provides `BLOCK` and
     /// `BYTES`.
     macro_rules! tile_kernels {
-        (weights: $weights:ident, prepare: $prepare:ident, avx2: $avx2:ident, vnni: $vnni:ident) => {
+        (weights: $weights:ident, prepare: $prepare:ident, avx2: $avx2:ident, vnni: $vnni:ident, vnni512: $vnni512:ident) => {
             $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c", f32, $weights, $prepare, $avx2, vec_dot_tile, tile);
             $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avxvnni", f32, $weights, $prepare, $vnni, vec_dot_tile_vnni, tile_vnni);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avx512vnni,avx512vl", f32, $weights, $prepare, $vnni512, vec_dot_tile_vnni512, tile_vnni512);
             $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c", f64, $weights, $prepare, $avx2, vec_dot_tile_f64, tile_f64);
             $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avxvnni", f64, $weights, $prepare, $vnni, vec_dot_tile_f64_vnni, tile_f64_vnni);
+            $crate::quant::tile::x86::tile_kernels!(@isa "avx2,fma,f16c,avx512vnni,avx512vl", f64x, $weights, $prepare, $vnni512, vec_dot_tile_f64_vnni512, tile_f64_vnni512);
 
             /// The R rows at `w` into `u` ([block][row]).
             ///
@@ -359,8 +363,14 @@ pub(crate) mod x86 {
         (@cols f32) => { $crate::quant::tile::x86::C };
         (@rows f64) => { 2 };
         (@cols f64) => { 2 };
+        // f64 with AVX-512's 32 vector registers: four rows fit without spilling.
+        (@rows f64x) => { 4 };
+        (@cols f64x) => { 2 };
         (@zero f32) => { _mm256_setzero_ps() };
         (@zero f64) => { _mm256_setzero_pd() };
+        (@zero f64x) => { _mm256_setzero_pd() };
+        (@add f64x, $acc:expr, $d:expr, $p:expr) => { $crate::quant::tile::x86::tile_kernels!(@add f64, $acc, $d, $p) };
+        (@finish f64x, $acc:expr) => { $crate::quant::tile::x86::tile_kernels!(@finish f64, $acc) };
         (@add f32, $acc:expr, $d:expr, $p:expr) => { _mm256_fmadd_ps($d, _mm256_cvtepi32_ps($p), $acc) };
         (@add f64, $acc:expr, $d:expr, $p:expr) => {{
             // Lanes k and k + 4 folded (exact: at most 8 · 128 · 127); `d_w * d_a` of two f16
