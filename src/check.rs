@@ -375,36 +375,43 @@ fn run_with(
     let entries = against_a_scan(entries, golden.as_ref(), opt, &mut notes);
     let mut passes = Vec::new();
     let op_entries = op_entries(&entries, golden.as_ref(), opt, &mut notes)?;
-    let mut walked = walk(
+    let mut ledger = Ledger::new(
+        model,
+        golden.as_ref().map(|(_, g)| g),
+        &entries,
+        &op_entries,
+    )?;
+    walk(
         &plan,
         &entries,
         &op_entries,
         golden.as_ref(),
         &golden_forced,
+        &mut ledger,
         &mut passes,
         events,
     )?;
-    let (traces, forced) = end_to_end(
+    let forced = end_to_end(
         &plan,
         &entries,
         &golden_forced,
-        &mut walked,
+        &mut ledger,
         &mut passes,
         &mut notes,
         events,
     )?;
-    let op = op_by_op(
+    op_by_op(
         &plan,
         &op_entries,
         golden.as_ref(),
-        &mut walked,
+        &mut ledger,
         &mut passes,
         events,
     )?;
     // The weights are done with: their pages leave this process (they stay in the page cache)
-    // before the comparisons hold every trace at once.
+    // before the golden's own ops are judged.
     model.file.release_range(0, usize::MAX);
-    let mut comparisons = compare_all(model, golden.as_ref(), &traces, &op, events)?;
+    let (mut comparisons, traces, traces_op) = ledger.finish();
     if opt.op_by_op
         && let Some(g) = golden
             .as_ref()
@@ -412,7 +419,6 @@ fn run_with(
     {
         comparisons.insert(0, judge_golden(model, g)?);
     }
-    let traces_op = op.traces;
     Ok(CheckReport {
         prompt: plan.prompt,
         forced,
@@ -834,21 +840,20 @@ fn end_to_end(
     plan: &Plan,
     entries: &[&registry::Entry],
     golden_forced: &[u32],
-    walked: &mut Walked,
+    ledger: &mut Ledger,
     passes: &mut Vec<Pass>,
     notes: &mut Vec<String>,
     events: &mut dyn FnMut(Event),
-) -> Result<(Vec<Trace>, Vec<u32>), CheckError> {
+) -> Result<Vec<u32>, CheckError> {
     let mut forced: Option<Vec<u32>> = plan
         .has_golden
         .then(|| golden_forced[..plan.steps.min(golden_forced.len())].to_vec());
-    let mut traces = Vec::new();
-    for e in entries {
-        if let Some(t) = walked.take(e.name, false) {
+    for (i, e) in entries.iter().enumerate() {
+        // Made by the walk: its ids lead where it came first.
+        if let Some(t) = ledger.trace(Side::E2e(i)) {
             if forced.is_none() {
                 forced = Some(decode_ids(&t.manifest.steps));
             }
-            traces.push(t);
             continue;
         }
         let sink = MemorySink::new(TapFilter::all().with_record(plan.record.clone()));
@@ -862,24 +867,18 @@ fn end_to_end(
             }
         }
         passes.push(ran.pass);
-        traces.push(Trace::from_memory(
-            plan.model_ref.clone(),
-            ran.producer,
-            ran.info,
-            ran.sink.tensors,
-        ));
+        ledger.put(
+            Side::E2e(i),
+            Trace::from_memory(
+                plan.model_ref.clone(),
+                ran.producer,
+                ran.info,
+                ran.sink.tensors,
+            ),
+        );
+        ledger.settle(events)?;
     }
-    Ok((traces, forced.unwrap_or_default()))
-}
-
-/// The op-by-op traces, and which of them are judged against what.
-#[derive(Default)]
-struct OpTraces {
-    traces: Vec<Trace>,
-    /// Index of the plain reference's trace: the baseline of the device ones.
-    plain: Option<usize>,
-    /// Indices of the device backends' traces (f32 activations, judged against `plain`).
-    devices: Vec<usize>,
+    Ok(forced.unwrap_or_default())
 }
 
 /// The ids fed at the decode steps of a run.
@@ -994,22 +993,6 @@ fn judge_golden(model: &Model, golden: &(PathBuf, Trace)) -> Result<Judged, Chec
     })
 }
 
-/// Traces the lockstep walk made, each taken once by the stage that would have made it.
-#[derive(Default)]
-struct Walked {
-    traces: Vec<(&'static str, bool, Trace)>,
-}
-
-impl Walked {
-    fn take(&mut self, backend: &str, op_by_op: bool) -> Option<Trace> {
-        let i = self
-            .traces
-            .iter()
-            .position(|(b, o, _)| *b == backend && *o == op_by_op)?;
-        Some(self.traces.remove(i).2)
-    }
-}
-
 /// Stage 4: the reference passes, end to end and op by op, in one walk of the weights
 /// (`Lockstep`): each weight row decoded once for all of them, every member computing what it
 /// computes alone. They share the ids: the golden's, or (without one) the first backend's
@@ -1020,14 +1003,15 @@ fn walk(
     op_entries: &[&registry::Entry],
     golden: Option<&(PathBuf, Trace)>,
     golden_forced: &[u32],
+    ledger: &mut Ledger,
     passes: &mut Vec<Pass>,
     events: &mut dyn FnMut(Event),
-) -> Result<Walked, CheckError> {
+) -> Result<(), CheckError> {
     let e2e: Vec<&registry::Entry> = entries.iter().copied().filter(|e| e.lockstep).collect();
     let op: Vec<&registry::Entry> = op_entries.iter().copied().filter(|e| e.lockstep).collect();
     let leads = plan.has_golden || entries.first().is_some_and(|e| e.lockstep);
     if !leads || e2e.len() + op.len() < 2 {
-        return Ok(Walked::default());
+        return Ok(());
     }
     let members: Vec<(&registry::Entry, bool)> = e2e
         .iter()
@@ -1094,18 +1078,22 @@ fn walk(
         };
         Trace::from_memory(plan.model_ref.clone(), producer, info.clone(), tensors)
     };
-    let mut walked = Walked::default();
+    let index = |list: &[&registry::Entry], e: &registry::Entry| {
+        list.iter()
+            .position(|x| x.name == e.name)
+            .expect("a member is one of the entries")
+    };
     for (m, s) in members.iter().take(e2e.len()).zip(mem) {
-        walked.traces.push((m.0.name, false, trace(*m, s.tensors)));
+        ledger.put(Side::E2e(index(entries, m.0)), trace(*m, s.tensors));
     }
     for (m, s) in members.iter().skip(e2e.len()).zip(replay) {
         if let Some(err) = s.error {
             return Err(err.into());
         }
         let tensors = op_by_op_steps(plan, s.inner.tensors);
-        walked.traces.push((m.0.name, true, trace(*m, tensors)));
+        ledger.put(Side::Op(index(op_entries, m.0)), trace(*m, tensors));
     }
-    Ok(walked)
+    ledger.settle(events)
 }
 
 /// Stage 5: op by op, each of `op_entries` fed a tight golden's tensor at every tap
@@ -1115,24 +1103,17 @@ fn op_by_op(
     plan: &Plan,
     op_entries: &[&registry::Entry],
     golden: Option<&(PathBuf, Trace)>,
-    walked: &mut Walked,
+    ledger: &mut Ledger,
     passes: &mut Vec<Pass>,
     events: &mut dyn FnMut(Event),
-) -> Result<OpTraces, CheckError> {
-    let mut out = OpTraces::default();
+) -> Result<(), CheckError> {
     let Some((_, g)) = golden.filter(|_| !op_entries.is_empty()) else {
-        return Ok(out);
+        return Ok(());
     };
     let forced = g.manifest.decode_tokens();
     let forced = forced[..plan.steps.min(forced.len())].to_vec();
-    for &e in op_entries {
-        if e.device {
-            out.devices.push(out.traces.len());
-        } else if e.rounding == backend::Emulation::None {
-            out.plain = Some(out.traces.len());
-        }
-        if let Some(t) = walked.take(e.name, true) {
-            out.traces.push(t);
+    for (i, &e) in op_entries.iter().enumerate() {
+        if ledger.trace(Side::Op(i)).is_some() {
             continue;
         }
         let ran = plan.pass(e, true, ReplaySink::new(g), Some(&forced), events)?;
@@ -1140,75 +1121,182 @@ fn op_by_op(
             return Err(err.into());
         }
         passes.push(ran.pass);
-        out.traces.push(Trace::from_memory(
-            plan.model_ref.clone(),
-            ran.producer,
-            ran.info,
-            op_by_op_steps(plan, ran.sink.inner.tensors),
-        ));
+        ledger.put(
+            Side::Op(i),
+            Trace::from_memory(
+                plan.model_ref.clone(),
+                ran.producer,
+                ran.info,
+                op_by_op_steps(plan, ran.sink.inner.tensors),
+            ),
+        );
+        ledger.settle(events)?;
     }
-    Ok(out)
+    Ok(())
 }
 
-/// Stage 6: every trace against the golden (op by op first: it is the tight verdict), then
-/// every pair of backends.
-fn compare_all(
-    model: &Model,
-    golden: Option<&(PathBuf, Trace)>,
-    traces: &[Trace],
-    op: &OpTraces,
-    events: &mut dyn FnMut(Event),
-) -> Result<Vec<Judged>, CheckError> {
-    let mut todo: Vec<(&Trace, &Trace, PairKind, bool)> = Vec::new();
-    if let Some((_, g)) = golden {
-        todo.extend(
-            op.traces
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| Some(*i) != op.plain && !op.devices.contains(i))
-                .map(|(_, t)| (g, t, PairKind::OpByOp, true)),
-        );
-        if let Some(p) = op.plain {
-            todo.extend(
-                op.devices
-                    .iter()
-                    .map(|&i| (&op.traces[p], &op.traces[i], PairKind::OpByOp, false)),
+/// One side of a comparison: the golden, or the trace of `entries[i]` end to end or of
+/// `op_entries[i]` op by op.
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Golden,
+    E2e(usize),
+    Op(usize),
+}
+
+/// Stage 6, as the passes end: every trace against the golden (op by op first: it is the
+/// tight verdict; a device backend's op by op against the plain reference's), then every pair
+/// of backends. Each comparison runs once both its traces exist, and a trace keeps its
+/// tensors only until its last comparison: beside the weights a check holds the traces still
+/// waiting for a partner, not every trace at once.
+struct Ledger<'g> {
+    golden: Option<&'g Trace>,
+    e2e: Vec<Option<Trace>>,
+    op: Vec<Option<Trace>>,
+    /// In the order the report lists them: (baseline, candidate, op by op, against the golden).
+    pairs: Vec<(Side, Side, bool, bool)>,
+    done: Vec<Option<Judged>>,
+    weight_type: crate::gguf::GgmlType,
+}
+
+impl<'g> Ledger<'g> {
+    fn new(
+        model: &Model,
+        golden: Option<&'g Trace>,
+        entries: &[&registry::Entry],
+        op_entries: &[&registry::Entry],
+    ) -> Result<Self, CheckError> {
+        let devices: Vec<usize> = (0..op_entries.len())
+            .filter(|&i| op_entries[i].device)
+            .collect();
+        let plain = op_entries
+            .iter()
+            .rposition(|e| !e.device && e.rounding == backend::Emulation::None);
+        let mut pairs = Vec::new();
+        if golden.is_some() {
+            pairs.extend(
+                (0..op_entries.len())
+                    .filter(|i| Some(*i) != plain && !devices.contains(i))
+                    .map(|i| (Side::Golden, Side::Op(i), true, true)),
             );
+            if let Some(p) = plain {
+                pairs.extend(
+                    devices
+                        .iter()
+                        .map(|&d| (Side::Op(p), Side::Op(d), true, false)),
+                );
+            }
+            pairs.extend((0..entries.len()).map(|i| (Side::Golden, Side::E2e(i), false, true)));
         }
-        todo.extend(traces.iter().map(|t| (g, t, pair_kind(g, t), true)));
-    }
-    for (i, a) in traces.iter().enumerate() {
-        for b in &traces[i + 1..] {
-            todo.push((a, b, pair_kind(a, b), false));
+        for i in 0..entries.len() {
+            for j in i + 1..entries.len() {
+                pairs.push((Side::E2e(i), Side::E2e(j), false, false));
+            }
         }
-    }
-    if todo.is_empty() {
-        return Err(CheckError::NothingToCompare);
-    }
-    events(Event::Comparing { n: todo.len() });
-    let weight_type = model.main_weight_type();
-    // Each comparison reads only its two traces: they run side by side (rayon), in order.
-    use rayon::prelude::*;
-    let done: Vec<Result<Judged, CompareError>> = todo
-        .into_par_iter()
-        .map(|(base, cand, pair, against_golden)| {
-            let opt = CompareOptions {
-                pair,
-                weight_type,
-                require_same_model: true,
-            };
-            Ok(Judged {
-                comparison: compare(base, cand, &opt)?,
-                against_golden,
-            })
+        if pairs.is_empty() {
+            return Err(CheckError::NothingToCompare);
+        }
+        Ok(Ledger {
+            golden,
+            e2e: entries.iter().map(|_| None).collect(),
+            op: op_entries.iter().map(|_| None).collect(),
+            done: pairs.iter().map(|_| None).collect(),
+            pairs,
+            weight_type: model.main_weight_type(),
         })
-        .collect();
-    let mut comparisons = Vec::with_capacity(done.len());
-    for j in done {
-        comparisons.push(j?);
-        events(Event::Compared);
     }
-    Ok(comparisons)
+
+    fn trace(&self, s: Side) -> Option<&Trace> {
+        match s {
+            Side::Golden => self.golden,
+            Side::E2e(i) => self.e2e[i].as_ref(),
+            Side::Op(i) => self.op[i].as_ref(),
+        }
+    }
+
+    /// A finished trace (compared at the next [`Ledger::settle`]).
+    fn put(&mut self, s: Side, t: Trace) {
+        match s {
+            Side::Golden => unreachable!("the golden is given"),
+            Side::E2e(i) => self.e2e[i] = Some(t),
+            Side::Op(i) => self.op[i] = Some(t),
+        }
+    }
+
+    /// Run every comparison whose two traces exist (side by side: each reads only its two),
+    /// then drop the tensors of every trace whose comparisons are all done.
+    fn settle(&mut self, events: &mut dyn FnMut(Event)) -> Result<(), CheckError> {
+        let ready: Vec<usize> = (0..self.pairs.len())
+            .filter(|&k| {
+                let (a, b, ..) = self.pairs[k];
+                self.done[k].is_none() && self.trace(a).is_some() && self.trace(b).is_some()
+            })
+            .collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        events(Event::Comparing { n: ready.len() });
+        use rayon::prelude::*;
+        let this = &*self;
+        let results: Vec<Result<Comparison, CompareError>> = ready
+            .par_iter()
+            .map(|&k| {
+                let (a, b, op_by_op, _) = this.pairs[k];
+                let (a, b) = (this.trace(a).expect("ready"), this.trace(b).expect("ready"));
+                let opt = CompareOptions {
+                    pair: if op_by_op {
+                        PairKind::OpByOp
+                    } else {
+                        pair_kind(a, b)
+                    },
+                    weight_type: this.weight_type,
+                    require_same_model: true,
+                };
+                compare(a, b, &opt)
+            })
+            .collect();
+        for (k, r) in ready.into_iter().zip(results) {
+            self.done[k] = Some(Judged {
+                comparison: r?,
+                against_golden: self.pairs[k].3,
+            });
+            events(Event::Compared);
+        }
+        let waiting = |s: Side, l: &Ledger| {
+            l.pairs
+                .iter()
+                .zip(&l.done)
+                .any(|((a, b, ..), d)| d.is_none() && (*a == s || *b == s))
+        };
+        let done: Vec<Side> = (0..self.e2e.len())
+            .map(Side::E2e)
+            .chain((0..self.op.len()).map(Side::Op))
+            .filter(|&s| self.trace(s).is_some() && !waiting(s, self))
+            .collect();
+        for s in done {
+            match s {
+                Side::E2e(i) => self.e2e[i].as_mut(),
+                Side::Op(i) => self.op[i].as_mut(),
+                Side::Golden => None,
+            }
+            .expect("present")
+            .drop_tensors();
+        }
+        trim_heap();
+        Ok(())
+    }
+
+    /// The comparisons in the report's order, and the traces (their manifests) end to end
+    /// and op by op.
+    fn finish(self) -> (Vec<Judged>, Vec<Trace>, Vec<Trace>) {
+        let all = |v: Vec<Option<Trace>>| v.into_iter().flatten().collect();
+        let comparisons = self
+            .done
+            .into_iter()
+            .map(|d| d.expect("every trace made: every pair compared"))
+            .collect();
+        (comparisons, all(self.e2e), all(self.op))
+    }
 }
 
 /// A sink that reports each finished forward call (the logits are its last tap) and
@@ -1241,6 +1329,83 @@ impl<S: Sink + ?Sized> Sink for Counting<'_, &mut S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each comparison runs once both its traces are in, in the report's order at the end, and
+    /// a trace gives up its tensors at its last comparison (not before: a later partner still
+    /// reads them).
+    #[test]
+    fn a_trace_keeps_its_tensors_until_its_last_comparison() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let model = Model::open(root.join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+        let g = Trace::open(root.join("golden/tiny-llama-q8_0")).unwrap();
+        let entries: Vec<&registry::Entry> = ["reference", "reference:ggml-cpu", "fast"]
+            .map(|n| registry::find(n).unwrap())
+            .to_vec();
+        let copy = |name: &str| {
+            let tensors = g.keys().map(|k| (*k, g.get(k).unwrap().unwrap())).collect();
+            let mut producer = g.manifest.producer.clone();
+            producer.backend = name.into();
+            Trace::from_memory(
+                g.manifest.model.clone(),
+                producer,
+                g.manifest.steps.clone(),
+                tensors,
+            )
+        };
+        let key = *g.keys().next().unwrap();
+        let mut l = Ledger::new(&model, Some(&g), &entries, &[]).unwrap();
+        let mut compared = 0;
+        let has =
+            |l: &Ledger, i: usize| l.trace(Side::E2e(i)).unwrap().get(&key).unwrap().is_some();
+        l.put(Side::E2e(1), copy("b"));
+        l.settle(&mut |e| compared += matches!(e, Event::Compared) as usize)
+            .unwrap();
+        // Against the golden done; it waits for the other two backends.
+        assert_eq!(compared, 1);
+        assert!(has(&l, 1));
+        l.put(Side::E2e(0), copy("a"));
+        l.settle(&mut |e| compared += matches!(e, Event::Compared) as usize)
+            .unwrap();
+        assert_eq!(compared, 3);
+        assert!(has(&l, 0) && has(&l, 1));
+        l.put(Side::E2e(2), copy("c"));
+        l.settle(&mut |e| compared += matches!(e, Event::Compared) as usize)
+            .unwrap();
+        assert_eq!(compared, 6);
+        assert!(
+            (0..3).all(|i| !has(&l, i)),
+            "every comparison done: no tensors kept"
+        );
+        let (c, traces, op) = l.finish();
+        let sides: Vec<(String, String)> = c
+            .iter()
+            .map(|j| {
+                (
+                    j.comparison.baseline.clone(),
+                    j.comparison.candidate.clone(),
+                )
+            })
+            .collect();
+        let name = |t: &Trace| {
+            format!(
+                "{}/{}",
+                t.manifest.producer.name, t.manifest.producer.backend
+            )
+        };
+        let (gn, [a, b, cc]) = (name(&g), ["a", "b", "c"].map(|x| name(&copy(x))));
+        let want = [
+            (&gn, &a),
+            (&gn, &b),
+            (&gn, &cc),
+            (&a, &b),
+            (&a, &cc),
+            (&b, &cc),
+        ]
+        .map(|(x, y)| (x.clone(), y.clone()));
+        assert_eq!(sides, want);
+        assert!(c.iter().all(|j| !j.comparison.diverged()));
+        assert_eq!((traces.len(), op.len()), (3, 0));
+    }
 
     /// The default set keeps a device backend only on a hardware adapter that it can build:
     /// no adapter, a software one, or a build that fails each leave it out with one note

@@ -564,7 +564,9 @@ fn default_check_leaves_a_software_gpu_out_and_says_how_to_include_it() {
         !err.contains("XDG_RUNTIME_DIR"),
         "driver chatter on stderr: {err}"
     );
-    let o = parity_env_without(&["gpu"], &env, &["XDG_RUNTIME_DIR"]);
+    // Mesa's device-select layer is what speaks (NODEVICE_SELECT=1 in the caller's
+    // environment would silence it).
+    let o = parity_env_without(&["gpu"], &env, &["XDG_RUNTIME_DIR", "NODEVICE_SELECT"]);
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     let (out, err) = (
         String::from_utf8_lossy(&o.stdout),

@@ -151,6 +151,15 @@ impl Trace {
         })
     }
 
+    /// Drop the tensors of a trace made in memory, keeping its manifest (what a report reads
+    /// once every comparison of the trace is done); a trace read from disk keeps its source.
+    /// Its keys stay listed: [`Trace::get`] then finds no tensor under them.
+    pub fn drop_tensors(&mut self) {
+        if let Source::Memory(m) = &mut self.source {
+            m.clear();
+        }
+    }
+
     /// The names of the taps this trace records that parity does not know (not compared),
     /// each once, in manifest order.
     pub fn not_compared(&self) -> Vec<String> {
