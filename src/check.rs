@@ -385,7 +385,6 @@ fn run_with(
         &plan,
         &entries,
         &op_entries,
-        golden.as_ref(),
         &golden_forced,
         &mut ledger,
         &mut passes,
@@ -1001,12 +1000,12 @@ fn walk(
     plan: &Plan,
     entries: &[&registry::Entry],
     op_entries: &[&registry::Entry],
-    golden: Option<&(PathBuf, Trace)>,
     golden_forced: &[u32],
     ledger: &mut Ledger,
     passes: &mut Vec<Pass>,
     events: &mut dyn FnMut(Event),
 ) -> Result<(), CheckError> {
+    let golden = ledger.golden;
     let e2e: Vec<&registry::Entry> = entries.iter().copied().filter(|e| e.lockstep).collect();
     let op: Vec<&registry::Entry> = op_entries.iter().copied().filter(|e| e.lockstep).collect();
     let leads = plan.has_golden || entries.first().is_some_and(|e| e.lockstep);
@@ -1039,7 +1038,7 @@ fn walk(
         .map(|_| MemorySink::new(TapFilter::all().with_record(plan.record.clone())))
         .collect();
     let mut replay: Vec<ReplaySink> = match golden {
-        Some((_, g)) => op.iter().map(|_| ReplaySink::new(g)).collect(),
+        Some(g) => op.iter().map(|_| ReplaySink::new(g)).collect(),
         None => Vec::new(),
     };
     let info = {
