@@ -5,6 +5,7 @@ mod assets;
 mod bench;
 mod check;
 mod diff;
+mod golden;
 mod inspect;
 mod output;
 mod run;
@@ -49,7 +50,7 @@ enum Cmd {
     /// Run a backend and write every tap as a trace folder.
     Dump(run::DumpArgs),
     /// Make a llama.cpp golden trace (runs scripts/llama_golden.py with the real llama.cpp).
-    Golden(check::GoldenArgs),
+    Golden(golden::GoldenArgs),
     /// Run backends on a model, compare them with each other and with its llama.cpp golden.
     Check(check::CheckArgs),
     /// Compare two traces, folders or .npz archives (e.g. an external engine's dump against a golden).
@@ -111,7 +112,7 @@ pub fn main() -> ExitCode {
         Cmd::Tokenize(a) => run::tokenize(a),
         Cmd::Generate(a) => run::generate(a),
         Cmd::Dump(a) => run::dump(a),
-        Cmd::Golden(a) => check::golden(a),
+        Cmd::Golden(a) => golden::golden(a),
         Cmd::Check(a) => check::check(a),
         Cmd::Diff(a) => diff::diff(a),
         Cmd::Bench(a) => bench::bench(a),
