@@ -156,6 +156,13 @@ pub trait Ops {
     fn attn_probs(&mut self, layer: usize, q: &Self::Buf, a: &Attn) -> Self::Buf;
     /// `Σ_j p_j · v_j` over the cached values: `[T, n_head · head_dim]`.
     fn attn_values(&mut self, layer: usize, p: &Self::Buf, a: &Attn) -> Self::Buf;
+    /// `attn_values(attn_probs(q))`, where nothing records or replays the probabilities: a
+    /// backend may compute it a head at a time and never hold all of `[n_head, T, pos0 + T]`
+    /// (1.5 GB for 32 heads of a 2,048-token prompt); the same numbers as the two ops.
+    fn attention(&mut self, layer: usize, q: &Self::Buf, a: &Attn) -> Self::Buf {
+        let p = self.attn_probs(layer, q, a);
+        self.attn_values(layer, &p, a)
+    }
     /// Gated activation `act(gate) · up`.
     fn glu(&mut self, gate: Self::Buf, up: &Self::Buf, act: Activation) -> Self::Buf;
     /// `a + b`.

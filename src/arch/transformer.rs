@@ -23,16 +23,18 @@ pub fn forward<O: Ops>(
     let n_kv = pos0 + t;
     let eps = c.rms_eps;
     let mut taps = Taps { sink, step };
-    let mut tap = |ops: &mut O, layer, tap, shape: &[usize], x: &mut O::Buf| {
-        taps.at(ops, layer, tap, shape, x)
-    };
+    macro_rules! tap {
+        ($ops:expr, $layer:expr, $tap:expr, $shape:expr, $x:expr) => {
+            taps.at($ops, $layer, $tap, $shape, $x)
+        };
+    }
 
     // Token embedding: one row of token_embd per token.
     let mut x = ops.embed(&m.token_embd, tokens);
-    tap(ops, None, Tap::Embd, &[t, e], &mut x);
+    tap!(ops, None, Tap::Embd, &[t, e], &mut x);
     if let Some(s) = c.embd_scale {
         x = ops.scale(x, s);
-        tap(ops, None, Tap::EmbdScaled, &[t, e], &mut x);
+        tap!(ops, None, Tap::EmbdScaled, &[t, e], &mut x);
     }
 
     for (l, w) in m.layers.iter().enumerate() {
@@ -40,7 +42,7 @@ pub fn forward<O: Ops>(
 
         // Attention block.
         let mut xn = ops.rms_norm(&x, &w.attn_norm, eps);
-        tap(ops, ly, Tap::AttnNorm, &[t, e], &mut xn);
+        tap!(ops, ly, Tap::AttnNorm, &[t, e], &mut xn);
 
         let mut q = ops.matmul(&w.wq, &xn);
         let mut k = ops.matmul(&w.wk, &xn);
@@ -54,66 +56,70 @@ pub fn forward<O: Ops>(
         if let Some(b) = &w.bv {
             v = ops.add_bias(v, b);
         }
-        tap(ops, ly, Tap::Q, &[t, nh, hd], &mut q);
-        tap(ops, ly, Tap::K, &[t, nkv, hd], &mut k);
-        tap(ops, ly, Tap::V, &[t, nkv, hd], &mut v);
+        tap!(ops, ly, Tap::Q, &[t, nh, hd], &mut q);
+        tap!(ops, ly, Tap::K, &[t, nkv, hd], &mut k);
+        tap!(ops, ly, Tap::V, &[t, nkv, hd], &mut v);
 
         // Per-head norms of q and k (qwen3, gemma3).
         if let Some(n) = &w.q_norm {
             q = ops.head_norm(q, n, eps);
-            tap(ops, ly, Tap::QNormed, &[t, nh, hd], &mut q);
+            tap!(ops, ly, Tap::QNormed, &[t, nh, hd], &mut q);
         }
         if let Some(n) = &w.k_norm {
             k = ops.head_norm(k, n, eps);
-            tap(ops, ly, Tap::KNormed, &[t, nkv, hd], &mut k);
+            tap!(ops, ly, Tap::KNormed, &[t, nkv, hd], &mut k);
         }
 
         let rope = Rope::for_layer(c, l, w.rope_factors(ops.n_ctx(), c));
         q = ops.rope(q, l, pos0, nh, &rope);
         k = ops.rope(k, l, pos0, nkv, &rope);
-        tap(ops, ly, Tap::QRope, &[t, nh, hd], &mut q);
-        tap(ops, ly, Tap::KRope, &[t, nkv, hd], &mut k);
+        tap!(ops, ly, Tap::QRope, &[t, nh, hd], &mut q);
+        tap!(ops, ly, Tap::KRope, &[t, nkv, hd], &mut k);
 
         // Causal attention over the cache (GQA, sliding window, soft-cap: see `Attn`).
         ops.kv_store(l, pos0, &k, &v);
         let attn = Attn::for_layer(c, l, pos0, t);
-        let mut probs = ops.attn_probs(l, &q, &attn);
-        tap(ops, ly, Tap::KqSoftMax, &[nh, t, n_kv], &mut probs);
-        let mut att = ops.attn_values(l, &probs, &attn);
-        tap(ops, ly, Tap::KqvOut, &[t, nh * hd], &mut att);
+        let mut att = if taps.wants(ly, Tap::KqSoftMax) {
+            let mut probs = ops.attn_probs(l, &q, &attn);
+            tap!(ops, ly, Tap::KqSoftMax, &[nh, t, n_kv], &mut probs);
+            ops.attn_values(l, &probs, &attn)
+        } else {
+            ops.attention(l, &q, &attn)
+        };
+        tap!(ops, ly, Tap::KqvOut, &[t, nh * hd], &mut att);
 
         let mut attn_out = ops.matmul(&w.wo, &att);
-        tap(ops, ly, Tap::AttnOut, &[t, e], &mut attn_out);
+        tap!(ops, ly, Tap::AttnOut, &[t, e], &mut attn_out);
         if let Some(n) = &w.attn_post_norm {
             attn_out = ops.rms_norm(&attn_out, n, eps);
-            tap(ops, ly, Tap::AttnPostNorm, &[t, e], &mut attn_out);
+            tap!(ops, ly, Tap::AttnPostNorm, &[t, e], &mut attn_out);
         }
         let mut ffn_inp = ops.add(x, &attn_out);
-        tap(ops, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
+        tap!(ops, ly, Tap::FfnInp, &[t, e], &mut ffn_inp);
 
         // Feed-forward block: down(act(gate) · up).
         let mut xn = ops.rms_norm(&ffn_inp, &w.ffn_norm, eps);
-        tap(ops, ly, Tap::FfnNorm, &[t, e], &mut xn);
+        tap!(ops, ly, Tap::FfnNorm, &[t, e], &mut xn);
         let mut gate = ops.matmul(&w.w_gate, &xn);
-        tap(ops, ly, Tap::FfnGate, &[t, ff], &mut gate);
+        tap!(ops, ly, Tap::FfnGate, &[t, ff], &mut gate);
         let mut up = ops.matmul(&w.w_up, &xn);
-        tap(ops, ly, Tap::FfnUp, &[t, ff], &mut up);
+        tap!(ops, ly, Tap::FfnUp, &[t, ff], &mut up);
         let mut act = ops.glu(gate, &up, c.activation);
-        tap(ops, ly, Tap::FfnAct, &[t, ff], &mut act);
+        tap!(ops, ly, Tap::FfnAct, &[t, ff], &mut act);
         let mut ffn_out = ops.matmul(&w.w_down, &act);
-        tap(ops, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
+        tap!(ops, ly, Tap::FfnOut, &[t, e], &mut ffn_out);
         if let Some(n) = &w.ffn_post_norm {
             ffn_out = ops.rms_norm(&ffn_out, n, eps);
-            tap(ops, ly, Tap::FfnPostNorm, &[t, e], &mut ffn_out);
+            tap!(ops, ly, Tap::FfnPostNorm, &[t, e], &mut ffn_out);
         }
 
         x = ops.add(ffn_inp, &ffn_out);
-        tap(ops, ly, Tap::LOut, &[t, e], &mut x);
+        tap!(ops, ly, Tap::LOut, &[t, e], &mut x);
         ops.leave_layer(l);
     }
 
     let mut xn = ops.rms_norm(&x, &m.output_norm, eps);
-    tap(ops, None, Tap::ResultNorm, &[t, e], &mut xn);
+    tap!(ops, None, Tap::ResultNorm, &[t, e], &mut xn);
 
     // Only the last row's logits are needed unless the sink records them all.
     let all = t == 1 || taps.wants(None, Tap::Logits);

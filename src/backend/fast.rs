@@ -377,12 +377,9 @@ impl Ops for Fast<'_> {
         self.v_cache[layer][start..start + n].copy_from_slice(v);
     }
 
-    /// One task per head: scores `q·k · scale` (soft-capped), softmax (max-subtracted exp in
-    /// f32, sum in f64); zero past each row's horizon and before its window.
+    /// One task per head ([`head_probs`]).
     fn attn_probs(&mut self, layer: usize, q: &Buf, a: &Attn) -> Buf {
-        let (nh, hd) = (a.n_head, a.head_dim);
-        let (t, n_kv, ekv) = (a.n_tokens, a.n_kv(), a.n_head_kv * hd);
-        let group = nh / a.n_head_kv;
+        let (nh, t, n_kv) = (a.n_head, a.n_tokens, a.n_kv());
         let (kc, q): (&[f32], &[f32]) = (&self.k_cache[layer], q);
         // One decode step's probabilities are one element wider than the last's: take them
         // from a vector with room for the whole context.
@@ -390,58 +387,37 @@ impl Ops for Fast<'_> {
         let mut probs = self.take_room(nh * t * n_kv, room.max(nh * t * n_kv));
         let ps = SharedMut::new(&mut probs);
         self.pool.run(nh, &|h| {
-            let kvh = h / group;
             // SAFETY: head h owns probs[h, .., ..].
-            let ph = unsafe { ps.part(h * t * n_kv, t * n_kv) };
-            for (i, p) in ph.chunks_exact_mut(n_kv).enumerate() {
-                let qv = &q[(i * nh + h) * hd..][..hd];
-                let seen = a.visible(a.pos0 + i);
-                p[..seen.start].fill(0.0);
-                p[seen.end..].fill(0.0);
-                let p = &mut p[seen.clone()];
-                let mut max = f32::NEG_INFINITY;
-                for (pj, j) in p.iter_mut().zip(seen) {
-                    let mut s = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]);
-                    s *= a.kq_scale;
-                    if let Some(cap) = a.softcap {
-                        s = softcap(s, cap);
-                    }
-                    *pj = s;
-                    max = max.max(s);
-                }
-                let mut sum = 0.0f64;
-                for pj in p.iter_mut() {
-                    *pj = (*pj - max).exp();
-                    sum += *pj as f64;
-                }
-                let inv = (1.0 / sum) as f32;
-                for pj in p.iter_mut() {
-                    *pj *= inv;
-                }
-            }
+            head_probs(h, q, kc, a, unsafe { ps.part(h * t * n_kv, t * n_kv) });
         });
         probs
     }
 
-    /// One task per head: `Σ p_j v_j` in position order.
+    /// One task per head ([`head_values`]).
     fn attn_values(&mut self, layer: usize, probs: &Buf, a: &Attn) -> Buf {
-        let (nh, hd) = (a.n_head, a.head_dim);
-        let (t, n_kv, ekv) = (a.n_tokens, a.n_kv(), a.n_head_kv * hd);
-        let (eq, group) = (nh * hd, nh / a.n_head_kv);
+        let (nh, t, n_kv) = (a.n_head, a.n_tokens, a.n_kv());
+        let eq = nh * a.head_dim;
         let (vc, probs): (&[f32], &[f32]) = (&self.v_cache[layer], probs);
         let mut att = self.take(t * eq);
         let out = SharedMut::new(&mut att);
         self.pool.run(nh, &|h| {
-            let kvh = h / group;
-            for i in 0..t {
-                let p = &probs[(h * t + i) * n_kv..][..n_kv];
-                // SAFETY: head h owns the h-th hd-wide column of every att row.
-                let o = unsafe { out.part(i * eq + h * hd, hd) };
-                o.fill(0.0);
-                for j in a.visible(a.pos0 + i) {
-                    vecops::axpy(o, p[j], &vc[j * ekv + kvh * hd..][..hd]);
-                }
-            }
+            head_values(h, &probs[h * t * n_kv..][..t * n_kv], vc, a, &out);
+        });
+        att
+    }
+
+    /// One task per head, its probabilities in a buffer of its own (`[T, n_kv]`) and
+    /// consumed at once: the same numbers as the two ops, without all heads' probabilities.
+    fn attention(&mut self, layer: usize, q: &Buf, a: &Attn) -> Buf {
+        let (nh, t, n_kv) = (a.n_head, a.n_tokens, a.n_kv());
+        let eq = nh * a.head_dim;
+        let (kc, vc, q): (&[f32], &[f32], &[f32]) = (&self.k_cache[layer], &self.v_cache[layer], q);
+        let mut att = self.take(t * eq);
+        let out = SharedMut::new(&mut att);
+        self.pool.run(nh, &|h| {
+            let mut p = vec![0.0f32; t * n_kv];
+            head_probs(h, q, kc, a, &mut p);
+            head_values(h, &p, vc, a, &out);
         });
         att
     }
@@ -704,6 +680,56 @@ mod pool {
             );
             // SAFETY: in bounds (checked); exclusive by the caller's promise.
             unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+        }
+    }
+}
+
+/// Head `h`'s attention probabilities `[T, n_kv]` into `ph`: scores `q·k · scale`
+/// (soft-capped), softmax (max-subtracted exp in f32, sum in f64); zero past each row's
+/// horizon and before its window.
+fn head_probs(h: usize, q: &[f32], kc: &[f32], a: &Attn, ph: &mut [f32]) {
+    let (nh, hd, n_kv) = (a.n_head, a.head_dim, a.n_kv());
+    let (ekv, kvh) = (a.n_head_kv * hd, h / (nh / a.n_head_kv));
+    for (i, p) in ph.chunks_exact_mut(n_kv).enumerate() {
+        let qv = &q[(i * nh + h) * hd..][..hd];
+        let seen = a.visible(a.pos0 + i);
+        p[..seen.start].fill(0.0);
+        p[seen.end..].fill(0.0);
+        let p = &mut p[seen.clone()];
+        let mut max = f32::NEG_INFINITY;
+        for (pj, j) in p.iter_mut().zip(seen) {
+            let mut s = quant::f32::vec_dot_f32(qv, &kc[j * ekv + kvh * hd..][..hd]);
+            s *= a.kq_scale;
+            if let Some(cap) = a.softcap {
+                s = softcap(s, cap);
+            }
+            *pj = s;
+            max = max.max(s);
+        }
+        let mut sum = 0.0f64;
+        for pj in p.iter_mut() {
+            *pj = (*pj - max).exp();
+            sum += *pj as f64;
+        }
+        let inv = (1.0 / sum) as f32;
+        for pj in p.iter_mut() {
+            *pj *= inv;
+        }
+    }
+}
+
+/// Head `h`'s `Σ p_j v_j` in position order, for its probabilities `ph` (`[T, n_kv]`), into
+/// its `head_dim`-wide column of every row of `out` (`[T, n_head · head_dim]`).
+fn head_values(h: usize, ph: &[f32], vc: &[f32], a: &Attn, out: &SharedMut<f32>) {
+    let (nh, hd, n_kv) = (a.n_head, a.head_dim, a.n_kv());
+    let (ekv, kvh, eq) = (a.n_head_kv * hd, h / (nh / a.n_head_kv), nh * hd);
+    for i in 0..a.n_tokens {
+        let p = &ph[i * n_kv..][..n_kv];
+        // SAFETY: head h owns the h-th hd-wide column of every row.
+        let o = unsafe { out.part(i * eq + h * hd, hd) };
+        o.fill(0.0);
+        for j in a.visible(a.pos0 + i) {
+            vecops::axpy(o, p[j], &vc[j * ekv + kvh * hd..][..hd]);
         }
     }
 }

@@ -195,7 +195,57 @@ pub fn generate(
 mod tests {
     use super::*;
     use crate::model::Model;
-    use crate::trace::{MemorySink, TapFilter};
+    use crate::trace::{MemorySink, Tap, TapFilter};
+
+    /// A sink that does not record the attention probabilities gets every other tap bit for
+    /// bit as one that does: the backends' `attention` (the fast one a head at a time, never
+    /// holding every head's probabilities) is their `attn_probs` then `attn_values`. GQA
+    /// (qwen2), a sliding window and soft-capped scores (gemma2), prefill and decode.
+    #[test]
+    fn attention_without_its_probabilities_changes_no_tap() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for fixture in ["tiny-qwen2-q8_0", "tiny-gemma2-q8_0", "tiny-llama-q4_0"] {
+            let m = Model::open(root.join(format!("fixtures/{fixture}.gguf"))).unwrap();
+            // Longer than gemma2's fixture window, so the window cuts in.
+            let prompt: Vec<u32> = (0..40).map(|i| 1 + (i * 37) % 200).collect();
+            /// Every tap but the probabilities.
+            struct NoProbs(MemorySink);
+            impl Sink for NoProbs {
+                fn wants(&self, k: &crate::trace::TapKey) -> bool {
+                    k.tap != Tap::KqSoftMax
+                }
+                fn record(&mut self, k: crate::trace::TapKey, shape: &[usize], d: &[f32]) {
+                    self.0.record(k, shape, d)
+                }
+            }
+            let trace = |probs: bool, fast: bool| {
+                let mut b: Box<dyn Backend> = if fast {
+                    Box::new(Fast::new(&m, 64, 2))
+                } else {
+                    Box::new(Reference::new(&m, Emulation::GgmlCpu, 64))
+                };
+                let mut sink = NoProbs(MemorySink::new(TapFilter::all()));
+                if probs {
+                    run(b.as_mut(), &prompt, 3, None, &mut sink.0).unwrap();
+                } else {
+                    run(b.as_mut(), &prompt, 3, None, &mut sink).unwrap();
+                }
+                sink.0.tensors
+            };
+            for fast in [false, true] {
+                let all = trace(true, fast);
+                let without = trace(false, fast);
+                let probs = all.keys().filter(|k| k.tap == Tap::KqSoftMax).count();
+                assert!(probs > 0, "{fixture}");
+                assert_eq!(without.len(), all.len() - probs, "{fixture}");
+                let bits =
+                    |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                for (k, a) in &without {
+                    assert_eq!(bits(a), bits(&all[k]), "{fixture} {k:?} (fast: {fast})");
+                }
+            }
+        }
+    }
 
     /// Releasing each layer's pages as a forward leaves it (a model larger than memory) changes
     /// no bit of any tap, in the reference and the fast backend, prefill and decode.
