@@ -410,6 +410,12 @@ impl Ops for Fast<'_> {
     /// consumed at once: the same numbers as the two ops, without all heads' probabilities.
     fn attention(&mut self, layer: usize, q: &Buf, a: &Attn) -> Buf {
         let (nh, t, n_kv) = (a.n_head, a.n_tokens, a.n_kv());
+        if t == 1 {
+            // A decode step's probabilities are small, and their buffer is reused: a decode
+            // step allocates nothing.
+            let p = self.attn_probs(layer, q, a);
+            return self.attn_values(layer, &p, a);
+        }
         let eq = nh * a.head_dim;
         let (kc, vc, q): (&[f32], &[f32], &[f32]) = (&self.k_cache[layer], &self.v_cache[layer], q);
         let mut att = self.take(t * eq);

@@ -200,7 +200,8 @@ mod tests {
     /// A sink that does not record the attention probabilities gets every other tap bit for
     /// bit as one that does: the backends' `attention` (the fast one a head at a time, never
     /// holding every head's probabilities) is their `attn_probs` then `attn_values`. GQA
-    /// (qwen2), a sliding window and soft-capped scores (gemma2), prefill and decode.
+    /// (qwen2), a sliding window and soft-capped scores (gemma2), f32, f16 (flash) and Q8_0
+    /// caches, prefill and decode.
     #[test]
     fn attention_without_its_probabilities_changes_no_tap() {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -218,11 +219,32 @@ mod tests {
                     self.0.record(k, shape, d)
                 }
             }
-            let trace = |probs: bool, fast: bool| {
-                let mut b: Box<dyn Backend> = if fast {
-                    Box::new(Fast::new(&m, 64, 2))
-                } else {
-                    Box::new(Reference::new(&m, Emulation::GgmlCpu, 64))
+            use kvcache::{CacheType, KvCache};
+            // The reference also under ggml's flash attention over an f16 V (values accumulated
+            // from the scores), and a Q8_0 cache (stored rotated, probabilities rounded).
+            let caches = [
+                KvCache::F32,
+                KvCache {
+                    k: CacheType::F16,
+                    v: CacheType::F16,
+                    ggml: true,
+                    flash: true,
+                    threads: 2,
+                },
+                KvCache {
+                    k: CacheType::Q8_0,
+                    v: CacheType::Q8_0,
+                    ggml: true,
+                    flash: true,
+                    threads: 0,
+                },
+            ];
+            let trace = |probs: bool, b: usize| {
+                let mut b: Box<dyn Backend> = match b {
+                    0 => Box::new(Fast::new(&m, 64, 2)),
+                    c => {
+                        Box::new(Reference::new(&m, Emulation::GgmlCpu, 64).with_kv(caches[c - 1]))
+                    }
                 };
                 let mut sink = NoProbs(MemorySink::new(TapFilter::all()));
                 if probs {
@@ -232,16 +254,15 @@ mod tests {
                 }
                 sink.0.tensors
             };
-            for fast in [false, true] {
-                let all = trace(true, fast);
-                let without = trace(false, fast);
+            for b in 0..=caches.len() {
+                let (all, without) = (trace(true, b), trace(false, b));
                 let probs = all.keys().filter(|k| k.tap == Tap::KqSoftMax).count();
                 assert!(probs > 0, "{fixture}");
                 assert_eq!(without.len(), all.len() - probs, "{fixture}");
                 let bits =
                     |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 for (k, a) in &without {
-                    assert_eq!(bits(a), bits(&all[k]), "{fixture} {k:?} (fast: {fast})");
+                    assert_eq!(bits(a), bits(&all[k]), "{fixture} {k:?} (backend {b})");
                 }
             }
         }

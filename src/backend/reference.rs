@@ -401,6 +401,125 @@ impl<'m> Reference<'m> {
     }
 
     /// The query head → kv head map (GQA), as the (possibly mutated) engine does it.
+    /// Head `h`'s attention probabilities `[T, n_kv]` into `probs` (zero where a key is not
+    /// visible); with an f16 flash accumulator, each row's visible scores, which
+    /// [`Reference::head_values`] accumulates instead.
+    fn head_probs(
+        &self,
+        layer: usize,
+        q: &[f32],
+        a: &Attn,
+        h: usize,
+        rot: Option<&(usize, Vec<f32>)>,
+        probs: &mut [f32],
+    ) -> Vec<Vec<(usize, f32)>> {
+        let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
+        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        let kc = &self.k_cache[layer];
+        let kv_head = self.kv_head(layer, a);
+        let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
+        let flash = self.kv.f16_accumulator(t);
+        let mut qh = vec![0.0f32; hd];
+        let mut flash_scores = Vec::new();
+        for i in 0..t {
+            // q as the engine dots it with its cache: rotated with K, rounded to K's type.
+            qh.copy_from_slice(&q[(i * nh + h) * hd..][..hd]);
+            if let Some((n, hm)) = rot {
+                kvcache::rotate(hm, *n, &mut qh);
+            }
+            self.kv.round_query(&mut qh, t);
+            let qv = &qh[..];
+            let p = &mut probs[i * n_kv..][..n_kv];
+            let seen = self.visible(layer, a, pos0, i, n_kv);
+            // A row that sees no position is what an engine's softmax over a row masked
+            // everywhere gives: exp(-inf - (-inf)) = NaN in every entry.
+            if seen.is_empty() {
+                p.fill(f32::NAN);
+                continue;
+            }
+            for j in seen.clone() {
+                let src = self.kv_source(layer, pos0 + i, j);
+                let mut s = dot(qv, &kc[src * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
+                if let Some(cap) = a.softcap.filter(|_| !no_cap) {
+                    s = softcap(s, cap);
+                }
+                p[j] = s;
+            }
+            if flash {
+                flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
+            }
+            softmax(&mut p[seen]);
+        }
+        flash_scores
+    }
+
+    /// Head `h`'s rows `[T, head_dim]` of `Σ_j p_j · v_j`, from its probabilities `p`
+    /// (`[T, n_kv]`), or from its rows' scores accumulated online in f16 (`flash`).
+    fn head_values(
+        &self,
+        layer: usize,
+        p: &[f32],
+        a: &Attn,
+        h: usize,
+        flash: Option<&[Vec<(usize, f32)>]>,
+    ) -> Vec<f32> {
+        let (hd, ekv) = (a.head_dim, a.n_head_kv * a.head_dim);
+        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        let vc = &self.v_cache[layer];
+        let kv_head = self.kv_head(layer, a);
+        let mut att = vec![0.0f32; t * hd];
+        let mut pr = vec![0.0f32; n_kv];
+        let mut acc = vec![0.0f64; hd];
+        for i in 0..t {
+            let seen = self.visible(layer, a, pos0, i, n_kv);
+            let out = &mut att[i * hd..][..hd];
+            // A fully masked row's NaN probabilities reach every value (p · V).
+            if seen.is_empty() {
+                out.fill(f32::NAN);
+                continue;
+            }
+            let base = kv_head(h) * hd;
+            let src = |j: usize| self.kv_source(layer, pos0 + i, j);
+            if let Some(f) = flash {
+                let row = |j: usize, g: &mut dyn FnMut(&[f32])| g(&vc[src(j) * ekv + base..][..hd]);
+                let chunk = self.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
+                kvcache::flash_f16(&f[i], chunk, row, out);
+                continue;
+            }
+            pr.copy_from_slice(&p[i * n_kv..][..n_kv]);
+            self.kv.round_probs(&mut pr[seen.clone()]);
+            // Each output an f64 sum over the positions in order (from -0.0, as `sum`
+            // folds), the positions outer so that each V row is read once, in a line.
+            acc.fill(-0.0);
+            for j in seen {
+                let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
+                for (a, &x) in acc.iter_mut().zip(v) {
+                    *a += pj * x as f64;
+                }
+            }
+            for (o, &a) in out.iter_mut().zip(&acc) {
+                *o = a as f32;
+            }
+        }
+        att
+    }
+
+    /// Each head's rows (`[T, head_dim]`) laid out token by token (`[T, n_head · head_dim]`);
+    /// a rotated V gives a rotated output, which the engine rotates back.
+    fn gather_heads(&self, heads: Vec<Vec<f32>>, a: &Attn) -> Vec<f32> {
+        let (nh, hd) = (a.n_head, a.head_dim);
+        let mut att = vec![0.0f32; a.n_tokens * nh * hd];
+        for (h, rows) in heads.iter().enumerate() {
+            for (i, row) in rows.chunks(hd).enumerate() {
+                att[(i * nh + h) * hd..][..hd].copy_from_slice(row);
+            }
+        }
+        if let Some(n) = self.kv.v_rotation(hd) {
+            kvcache::rotate(&kvcache::hadamard(n), n, &mut att);
+        }
+        att
+    }
+
     fn kv_head(&self, layer: usize, a: &Attn) -> impl Fn(usize) -> usize {
         let group = a.n_head / a.n_head_kv;
         let (nkv, modulo) = (a.n_head_kv, self.mutated(Mutation::GqaModulo, Some(layer)));
@@ -1177,123 +1296,61 @@ impl Ops for Reference<'_> {
     }
 
     fn attn_probs(&mut self, layer: usize, q: &Vec<f32>, a: &Attn) -> Vec<f32> {
-        let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
-        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
-        let kc = &self.k_cache[layer];
-        let kv_head = self.kv_head(layer, a);
-        let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
-        let mut probs = vec![0.0f32; nh * t * n_kv];
-        let rot = self.kv.k_rotation(hd).map(|n| (n, kvcache::hadamard(n)));
-        let flash = self.kv.f16_accumulator(t);
+        let (t, n_kv) = (a.n_tokens, a.n_kv());
+        let mut probs = vec![0.0f32; a.n_head * t * n_kv];
+        let rot = self
+            .kv
+            .k_rotation(a.head_dim)
+            .map(|n| (n, kvcache::hadamard(n)));
         let this = &*self;
         // The heads are independent: one per thread (rayon), each the same sums.
         let flash_scores: Vec<Vec<Vec<(usize, f32)>>> = probs
             .par_chunks_mut(t * n_kv)
             .enumerate()
-            .map(|(h, probs)| {
-                let mut qh = vec![0.0f32; hd];
-                let mut flash_scores = Vec::new();
-                for i in 0..t {
-                    // q as the engine dots it with its cache: rotated with K, rounded to K's type.
-                    qh.copy_from_slice(&q[(i * nh + h) * hd..][..hd]);
-                    if let Some((n, hm)) = &rot {
-                        kvcache::rotate(hm, *n, &mut qh);
-                    }
-                    this.kv.round_query(&mut qh, t);
-                    let qv = &qh[..];
-                    let p = &mut probs[i * n_kv..][..n_kv];
-                    let seen = this.visible(layer, a, pos0, i, n_kv);
-                    // A row that sees no position is what an engine's softmax over a row masked
-                    // everywhere gives: exp(-inf - (-inf)) = NaN in every entry.
-                    if seen.is_empty() {
-                        p.fill(f32::NAN);
-                        continue;
-                    }
-                    for j in seen.clone() {
-                        let src = this.kv_source(layer, pos0 + i, j);
-                        let mut s = dot(qv, &kc[src * ekv + kv_head(h) * hd..][..hd]) * a.kq_scale;
-                        if let Some(cap) = a.softcap.filter(|_| !no_cap) {
-                            s = softcap(s, cap);
-                        }
-                        p[j] = s;
-                    }
-                    if flash {
-                        flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
-                    }
-                    softmax(&mut p[seen]);
-                }
-                flash_scores
-            })
+            .map(|(h, p)| this.head_probs(layer, q, a, h, rot.as_ref(), p))
             .collect();
-        drop(kv_head);
         self.flash_scores = flash_scores.into_iter().flatten().collect();
         probs
     }
 
     fn attn_values(&mut self, layer: usize, p: &Vec<f32>, a: &Attn) -> Vec<f32> {
-        let (nh, hd, ekv) = (a.n_head, a.head_dim, a.n_head_kv * a.head_dim);
-        let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
+        let (nh, t, n_kv) = (a.n_head, a.n_tokens, a.n_kv());
         // Flash attention over an f16 V: the scores of `attn_probs` accumulated online in f16.
         let flash = std::mem::take(&mut self.flash_scores);
-        let vc = &self.v_cache[layer];
-        let kv_head = self.kv_head(layer, a);
         let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
         let this = &*self;
-        // The heads are independent: one per thread (rayon), each the same sums; head h's
-        // rows are then laid out token by token.
+        // The heads are independent: one per thread (rayon), each the same sums.
         let heads: Vec<Vec<f32>> = (0..nh)
             .into_par_iter()
             .map(|h| {
-                let mut att = vec![0.0f32; t * hd];
-                let mut pr = vec![0.0f32; n_kv];
-                let mut acc = vec![0.0f64; hd];
-                for i in 0..t {
-                    let seen = this.visible(layer, a, pos0, i, n_kv);
-                    let out = &mut att[i * hd..][..hd];
-                    // A fully masked row's NaN probabilities reach every value (p · V).
-                    if seen.is_empty() {
-                        out.fill(f32::NAN);
-                        continue;
-                    }
-                    let base = kv_head(h) * hd;
-                    let src = |j: usize| this.kv_source(layer, pos0 + i, j);
-                    if let Some(f) = &flash {
-                        let row = |j: usize, g: &mut dyn FnMut(&[f32])| {
-                            g(&vc[src(j) * ekv + base..][..hd])
-                        };
-                        let chunk = this.kv.split_chunk(t, n_kv).unwrap_or(usize::MAX);
-                        kvcache::flash_f16(&f[h * t + i], chunk, row, out);
-                        continue;
-                    }
-                    pr.copy_from_slice(&p[(h * t + i) * n_kv..][..n_kv]);
-                    this.kv.round_probs(&mut pr[seen.clone()]);
-                    // Each output an f64 sum over the positions in order (from -0.0, as `sum`
-                    // folds), the positions outer so that each V row is read once, in a line.
-                    acc.fill(-0.0);
-                    for j in seen {
-                        let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
-                        for (a, &x) in acc.iter_mut().zip(v) {
-                            *a += pj * x as f64;
-                        }
-                    }
-                    for (o, &a) in out.iter_mut().zip(&acc) {
-                        *o = a as f32;
-                    }
-                }
-                att
+                let f = flash.as_ref().map(|f| &f[h * t..][..t]);
+                this.head_values(layer, &p[h * t * n_kv..][..t * n_kv], a, h, f)
             })
             .collect();
-        let mut att = vec![0.0f32; t * nh * hd];
-        for (h, rows) in heads.iter().enumerate() {
-            for (i, row) in rows.chunks(hd).enumerate() {
-                att[(i * nh + h) * hd..][..hd].copy_from_slice(row);
-            }
-        }
-        // A rotated V gives a rotated output: the engine rotates it back.
-        if let Some(n) = self.kv.v_rotation(hd) {
-            kvcache::rotate(&kvcache::hadamard(n), n, &mut att);
-        }
-        att
+        self.gather_heads(heads, a)
+    }
+
+    /// A head at a time, its probabilities in a buffer of its own and consumed at once: the
+    /// same numbers as `attn_probs` then `attn_values`, never every head's probabilities.
+    fn attention(&mut self, layer: usize, q: &Vec<f32>, a: &Attn) -> Vec<f32> {
+        let (t, n_kv) = (a.n_tokens, a.n_kv());
+        let rot = self
+            .kv
+            .k_rotation(a.head_dim)
+            .map(|n| (n, kvcache::hadamard(n)));
+        let flash = self.kv.f16_accumulator(t);
+        let this = &*self;
+        let heads: Vec<Vec<f32>> = (0..a.n_head)
+            .into_par_iter()
+            .map(|h| {
+                let mut p = vec![0.0f32; t * n_kv];
+                let scores = this.head_probs(layer, q, a, h, rot.as_ref(), &mut p);
+                // As `attn_values`: flash only where every row saw a position.
+                let f = (flash && scores.len() == t).then_some(&scores[..]);
+                this.head_values(layer, &p, a, h, f)
+            })
+            .collect();
+        self.gather_heads(heads, a)
     }
 
     fn glu(&mut self, gate: Vec<f32>, up: &Vec<f32>, act: Activation) -> Vec<f32> {
