@@ -436,7 +436,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             c.n_ctx_train
         )));
     }
-    let threads = super::run::resolve_threads(a.threads);
+    let threads = super::backends::resolve_threads(a.threads);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cpu = cpu_model();
     let simd = format!(

@@ -1,8 +1,8 @@
 //! `parity golden` and `parity check` (the terminal side of `crate::check`).
 
 use super::golden::{Aside, GoldenArgs, join_ids, make_golden};
+use super::input::InputArgs;
 use super::output::{ReportArgs, finish_with, run_info, show};
-use super::run::InputArgs;
 use super::{Result, err, repo_root};
 use crate::check::{CheckOptions, Event};
 use crate::compare::{Comparison, PairKind};

@@ -3,7 +3,7 @@
 //! llama.cpp starts (the paths, the model, the ids, the context, the size, the output folder),
 //! then the script runs, and any failure of the Python side is one line (exit 2).
 
-use super::run::InputArgs;
+use super::input::InputArgs;
 use super::{Result, err, python};
 use crate::model::Model;
 use crate::report::progress::Progress;
@@ -208,7 +208,7 @@ fn prepare(a: &GoldenArgs) -> Result<Prepared> {
     }
     // Turn ids are checked by the script; here only counted.
     let run = crate::arch::size::golden_feed(ids.len(), a.chunk, steps, &turns);
-    let plan = super::run::record_plan(a.record.as_deref())?;
+    let plan = super::dump::record_plan(a.record.as_deref())?;
     let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
         plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap))
     });

@@ -2,13 +2,16 @@
 //! a divergence found is exit code 1.
 
 mod assets;
+mod backends;
 mod bench;
 mod check;
 mod diff;
+mod dump;
+mod generate;
 mod golden;
+mod input;
 mod inspect;
 mod output;
-mod run;
 mod selftest;
 
 use clap::{Parser, Subcommand};
@@ -44,11 +47,11 @@ enum Cmd {
     /// Write a deterministic tiny random-weight model (for tests and goldens).
     Fixture(inspect::FixtureArgs),
     /// Print the token ids of TEXT, space-separated, on one line.
-    Tokenize(run::TokenizeArgs),
+    Tokenize(input::TokenizeArgs),
     /// Greedy generation: prints the text and the ids.
-    Generate(run::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// Run a backend and write every tap as a trace folder.
-    Dump(run::DumpArgs),
+    Dump(dump::DumpArgs),
     /// Make a llama.cpp golden trace (runs scripts/llama_golden.py with the real llama.cpp).
     Golden(golden::GoldenArgs),
     /// Run backends on a model, compare them with each other and with its llama.cpp golden.
@@ -109,9 +112,9 @@ pub fn main() -> ExitCode {
         Cmd::Inspect(a) => inspect::inspect(a),
         Cmd::Gpu(a) => inspect::gpu(a),
         Cmd::Fixture(a) => inspect::fixture(a),
-        Cmd::Tokenize(a) => run::tokenize(a),
-        Cmd::Generate(a) => run::generate(a),
-        Cmd::Dump(a) => run::dump(a),
+        Cmd::Tokenize(a) => input::tokenize(a),
+        Cmd::Generate(a) => generate::generate(a),
+        Cmd::Dump(a) => dump::dump(a),
         Cmd::Golden(a) => golden::golden(a),
         Cmd::Check(a) => check::check(a),
         Cmd::Diff(a) => diff::diff(a),

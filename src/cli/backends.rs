@@ -1,0 +1,171 @@
+//! Backends by name for the commands that run one (`generate`, `dump`, `bench`): the
+//! registry's names, a planted mutation, threads, the context, and how a trace names its producer.
+
+use super::{Result, err};
+use crate::backend::mutation::{self, Mutation, MutationKind};
+use crate::backend::{self, Backend, Emulation, Reference};
+use crate::model::Model;
+use crate::trace::{ModelRef, Producer};
+use std::path::Path;
+
+/// A backend by its registry name (`backend::registry`).
+pub fn make_backend<'m>(
+    name: &str,
+    model: &'m Model,
+    n_ctx: usize,
+    threads: usize,
+) -> Result<Box<dyn Backend + 'm>> {
+    match (backend::registry::find(name), reference_family(name)) {
+        (Err(_), Some(e)) => Ok(Box::new(Reference::new(model, e, n_ctx))),
+        (entry, _) => Ok(entry?.build(model, n_ctx, threads)?),
+    }
+}
+
+/// `reference:FAMILY` for a rounding family the registry has no row for (the zoo's clean
+/// engines: `reference:ggml-scalar`, `reference:q8k`, ...): the reference under that emulation.
+fn reference_family(name: &str) -> Option<Emulation> {
+    match name {
+        "reference" => Some(Emulation::None),
+        "emulated" => Some(Emulation::GgmlCpu),
+        _ => Emulation::parse(name.strip_prefix("reference:")?),
+    }
+}
+
+/// `--mutate NAME`: the mutation, refused (one line, exit 2) when unknown or when it cannot
+/// show on this model.
+pub fn parse_mutation(name: &str, model: &Model) -> Result<Mutation> {
+    let m = Mutation::parse(name).ok_or_else(|| {
+        err(format!(
+            "unknown mutation '{name}' (known: {})",
+            Mutation::names()
+        ))
+    })?;
+    if !m.applies_to(model) {
+        let ok: Vec<&str> = Mutation::ALL
+            .iter()
+            .filter(|m| m.applies_to(model))
+            .map(|m| m.name())
+            .collect();
+        return Err(err(format!(
+            "mutation '{name}' does not apply to this model (applicable: {})",
+            ok.join(", ")
+        )));
+    }
+    Ok(m)
+}
+
+/// [`make_backend`] for an engine with bug `m`: compute and layout bugs need the reference
+/// backend (where the catalog's hooks live); token bugs change the ids, not the backend.
+pub fn make_mutated_backend<'m>(
+    name: &str,
+    model: &'m Model,
+    n_ctx: usize,
+    threads: usize,
+    m: Option<Mutation>,
+    from_layer: usize,
+) -> Result<Box<dyn Backend + 'm>> {
+    let Some(m) = m.filter(|m| m.kind() != MutationKind::Tokens) else {
+        return make_backend(name, model, n_ctx, threads);
+    };
+    let Some(emulation) = reference_family(name) else {
+        return Err(err(format!(
+            "--mutate {m} needs the reference backend (not '{name}')"
+        )));
+    };
+    Ok(Box::new(
+        Reference::new(model, emulation, n_ctx)
+            .with_mutation(Some(m))
+            .mutation_from_layer(from_layer),
+    ))
+}
+
+/// The ids an engine with a token bug feeds: BOS dropped or doubled. Refused when the prompt
+/// does not start with the model's BOS (the bug cannot show then).
+pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
+    let bos = mutation::bos_id(model);
+    let starts = bos.is_some() && ids.first().copied() == bos;
+    match m {
+        Mutation::NoBos | Mutation::DoubleBos if !starts => Err(err(format!(
+            "--mutate {m}: the prompt ids do not start with the model's BOS ({})",
+            bos.map_or("it has none".to_string(), |b| b.to_string())
+        ))),
+        Mutation::NoBos if ids.len() < 2 => {
+            Err(err("--mutate no-bos: the prompt is BOS alone".to_string()))
+        }
+        Mutation::NoBos => Ok(ids[1..].to_vec()),
+        Mutation::DoubleBos => Ok([&ids[..1], ids].concat()),
+        _ => Ok(ids.to_vec()),
+    }
+}
+
+/// `--threads 0` means every core; more than 4 per core is capped, with a note on stderr.
+pub fn resolve_threads(n: usize) -> usize {
+    let r = backend::registry::resolve_threads(n);
+    if n != 0 && r < n {
+        eprintln!(
+            "note: --threads {n} capped at {r} (4 per core on this machine's {} cores)",
+            r / 4
+        );
+    }
+    r
+}
+
+/// Refuse, before any work, a run whose prompt and steps do not fit the model's context
+/// (`what` names the steps argument, e.g. `--steps 8`).
+pub fn check_context(model: &Model, n_prompt: usize, what: &str, steps: usize) -> Result<()> {
+    let n_ctx = model.config.n_ctx_train;
+    if n_prompt.saturating_add(steps) > n_ctx {
+        return Err(err(format!(
+            "{n_prompt} prompt ids + {what} {steps} exceed the model's context of {n_ctx} positions"
+        )));
+    }
+    Ok(())
+}
+
+/// The backend name for `--backend B --emulate E` (E unset: the backend's own rounding).
+pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
+    match (backend, emulate) {
+        (b, None) => Ok(b.to_string()),
+        ("reference", Some("none")) => Ok("reference".into()),
+        ("reference", Some(e)) if Emulation::parse(e).is_some() => Ok(format!("reference:{e}")),
+        (b, Some(e @ ("none" | "ggml-cpu"))) => {
+            let entry = backend::registry::find(b)?;
+            if entry.rounding.name() == e {
+                Ok(b.to_string())
+            } else {
+                Err(err(format!(
+                    "--backend {b} always rounds activations as '{}'; --emulate {e} is for the reference backend",
+                    entry.rounding.name()
+                )))
+            }
+        }
+        (_, Some(e)) => Err(err(format!(
+            "unknown --emulate '{e}' ({})",
+            Emulation::ALL.map(|e| e.name()).join(", ")
+        ))),
+    }
+}
+
+/// The producer of a trace made by `backend`; its activation rounding is recorded in the
+/// settings so that no reader has to guess it from the backend's name.
+pub fn producer(backend: &dyn Backend, settings: serde_json::Value) -> Producer {
+    let mut settings = match settings {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    };
+    settings.insert("rounding".into(), backend.rounding().name().into());
+    Producer {
+        name: "parity".into(),
+        backend: backend.name(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        settings: settings.into(),
+    }
+}
+
+pub fn model_ref(path: &Path, model: &Model) -> ModelRef {
+    ModelRef {
+        path: path.display().to_string(),
+        sha256: model.sha256().to_string(),
+        size: Some(model.file.bytes().len() as u64),
+    }
+}
