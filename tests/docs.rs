@@ -345,3 +345,46 @@ fn the_block_tests_cover_every_unmarked_command_fence() {
     assert_eq!(names, raw, "the block tests run these, the docs hold those");
     assert!(raw.len() >= 4, "{} command blocks in docs/", raw.len());
 }
+
+/// docs/contributing.md's index of where a feature's tests live names every module of the
+/// suite (each `tests/*.rs` beside suite.rs), and no module that is gone.
+#[test]
+fn the_test_index_names_every_module() {
+    let text = std::fs::read_to_string(root().join("docs/contributing.md")).unwrap();
+    let index = text
+        .split("## Where a feature's tests live")
+        .nth(1)
+        .expect("docs/contributing.md has the test index");
+    let index = index.split("\n## ").next().unwrap();
+    let mut modules: Vec<String> = std::fs::read_dir(root().join("tests"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_suffix(".rs").map(str::to_string)
+        })
+        .filter(|m| m != "suite")
+        .collect();
+    modules.sort();
+    let missing: Vec<&String> = modules
+        .iter()
+        .filter(|m| !index.contains(&format!("`{m}`")))
+        .collect();
+    assert!(missing.is_empty(), "not in the test index: {missing:?}");
+    // The table's second column: the modules, each in backticks.
+    let named: Vec<&str> = index
+        .lines()
+        .filter_map(|l| l.split('|').nth(2))
+        .flat_map(|cell| cell.split('`').skip(1).step_by(2))
+        .filter(|s| s.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .collect();
+    assert!(named.len() >= modules.len(), "{named:?}");
+    let gone: Vec<&&str> = named
+        .iter()
+        .filter(|n| !modules.iter().any(|m| m == *n))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "the test index names modules that are gone: {gone:?}"
+    );
+}
