@@ -757,6 +757,16 @@ fn plan<'m>(
 }
 
 impl Plan<'_> {
+    /// A pass's trace of this plan's model, held in memory.
+    fn trace(
+        &self,
+        producer: Producer,
+        steps: Vec<StepInfo>,
+        tensors: std::collections::BTreeMap<TapKey, ndarray::ArrayD<f32>>,
+    ) -> Trace {
+        Trace::from_memory(self.model_ref.clone(), producer, steps, tensors)
+    }
+
     /// Run the plan's steps on `b`: the golden's step by step where it has steps of several
     /// tokens, else the prompt and one-token decode steps (`forced`, else greedy).
     fn feed(
@@ -868,12 +878,7 @@ fn end_to_end(
         passes.push(ran.pass);
         ledger.put(
             Side::E2e(i),
-            Trace::from_memory(
-                plan.model_ref.clone(),
-                ran.producer,
-                ran.info,
-                ran.sink.tensors,
-            ),
+            plan.trace(ran.producer, ran.info, ran.sink.tensors),
         );
         ledger.settle(events)?;
     }
@@ -1075,7 +1080,7 @@ fn walk(
             version: env!("CARGO_PKG_VERSION").into(),
             settings: serde_json::json!({ "rounding": e.rounding.name() }),
         };
-        Trace::from_memory(plan.model_ref.clone(), producer, info.clone(), tensors)
+        plan.trace(producer, info.clone(), tensors)
     };
     let index = |list: &[&registry::Entry], e: &registry::Entry| {
         list.iter()
@@ -1120,15 +1125,8 @@ fn op_by_op(
             return Err(err.into());
         }
         passes.push(ran.pass);
-        ledger.put(
-            Side::Op(i),
-            Trace::from_memory(
-                plan.model_ref.clone(),
-                ran.producer,
-                ran.info,
-                op_by_op_steps(plan, ran.sink.inner.tensors),
-            ),
-        );
+        let tensors = op_by_op_steps(plan, ran.sink.inner.tensors);
+        ledger.put(Side::Op(i), plan.trace(ran.producer, ran.info, tensors));
         ledger.settle(events)?;
     }
     Ok(())
@@ -1272,7 +1270,7 @@ impl<'g> Ledger<'g> {
             .chain((0..self.op.len()).map(Side::Op))
             .filter(|&s| self.trace(s).is_some() && !waiting(s, self))
             .collect();
-        for s in done {
+        for &s in &done {
             match s {
                 Side::E2e(i) => self.e2e[i].as_mut(),
                 Side::Op(i) => self.op[i].as_mut(),
@@ -1281,7 +1279,9 @@ impl<'g> Ledger<'g> {
             .expect("present")
             .drop_tensors();
         }
-        trim_heap();
+        if !done.is_empty() {
+            trim_heap();
+        }
         Ok(())
     }
 
