@@ -9,6 +9,7 @@
 //! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
+use super::f16acc::{self, Rows, dot_f16_acc, round_f16};
 pub use super::family::Emulation;
 use super::family::{Accum, Gelu, Quantizer};
 use super::kvcache::{self, KvCache};
@@ -281,20 +282,47 @@ impl<'m> Reference<'m> {
             return matmul_f64(self.model, w, &[&x], t).remove(0);
         }
         let x = x.x;
-        // Output rows are independent: split them over threads in chunks (rayon), each with
-        // its own row buffer; every output is the same sum whatever thread computes it.
-        const ROWS: usize = 64;
+        // Output rows are independent: split them over threads in chunks (rayon); every
+        // output is the same sum wherever it runs.
         let mut by_row = vec![0.0f32; n_out * t];
-        by_row
-            .par_chunks_mut(ROWS * t)
-            .enumerate()
-            .for_each(|(c, chunk)| {
-                let mut row = vec![0.0f32; n_in];
-                for (k, o) in chunk.chunks_mut(t).enumerate() {
-                    self.model.row(w, c * ROWS + k, &mut row);
-                    self.dots(w.ty, &row, &x, o);
-                }
-            });
+        match self.emulation.accum() {
+            Accum::F16 { fused } if !matches!(w.ty, GgmlType::F32 | GgmlType::BF16) => {
+                let group = if w.ty == GgmlType::F16 { 4 } else { 2 };
+                let lanes = f16acc::LANES;
+                map_chunks(&mut by_row, 4 * lanes * t, n_in * n_out * t, |c, chunk| {
+                    let mut row = vec![0.0f32; n_in];
+                    let mut rows = Rows::new(n_in);
+                    // `LANES` rows side by side: their chains of roundings overlap.
+                    for (b, block) in chunk.chunks_mut(lanes * t).enumerate() {
+                        let count = block.len() / t;
+                        for l in 0..lanes {
+                            if l < count {
+                                self.model.row(w, (4 * c + b) * lanes + l, &mut row);
+                            }
+                            rows.set(l, (l < count).then_some(row.as_slice()));
+                        }
+                        for (i, xr) in x.chunks(n_in).enumerate() {
+                            let o = rows.dot(xr, group, fused);
+                            for l in 0..count {
+                                block[l * t + i] = o[l];
+                            }
+                        }
+                    }
+                });
+            }
+            _ => {
+                const ROWS: usize = 64;
+                map_chunks(&mut by_row, ROWS * t, n_in * n_out * t, |c, chunk| {
+                    let mut row = vec![0.0f32; n_in];
+                    for (k, o) in chunk.chunks_mut(t).enumerate() {
+                        self.model.row(w, c * ROWS + k, &mut row);
+                        for (v, xr) in o.iter_mut().zip(x.chunks(n_in)) {
+                            *v = self.dot(w.ty, &row, xr);
+                        }
+                    }
+                });
+            }
+        }
         let mut out = vec![0.0f32; t * n_out];
         for (r, o) in by_row.chunks(t).enumerate() {
             for (i, &v) in o.iter().enumerate() {
@@ -331,23 +359,6 @@ impl<'m> Reference<'m> {
             (Accum::F16 { .. }, GgmlType::BF16) => dot(w, x),
             (Accum::F16 { fused }, GgmlType::F16) => dot_f16_acc(w, x, 4, fused),
             (Accum::F16 { fused }, _) => dot_f16_acc(w, x, 2, fused),
-        }
-    }
-
-    /// `out[i]` = `dot(ty, w, x row i)` for every row of `x`. An f16 accumulator's sum is one
-    /// long chain of roundings, so four rows run side by side to overlap their chains.
-    fn dots(&self, ty: GgmlType, w: &[f32], x: &[f32], out: &mut [f32]) {
-        let n = w.len();
-        match (self.emulation.accum(), ty) {
-            (Accum::F16 { fused }, GgmlType::F16) => dots_f16_acc(w, x, 4, fused, out),
-            (Accum::F16 { fused }, ty) if !matches!(ty, GgmlType::F32 | GgmlType::BF16) => {
-                dots_f16_acc(w, x, 2, fused, out)
-            }
-            _ => {
-                for (v, xr) in out.iter_mut().zip(x.chunks(n)) {
-                    *v = self.dot(ty, w, xr);
-                }
-            }
         }
     }
 
@@ -605,6 +616,41 @@ pub(crate) fn matmul_f64(
         .collect()
 }
 
+/// Below this many multiply-adds an op runs on the calling thread: handing work to rayon's
+/// threads (a wake-up, then a wait) costs more than a small model's whole matmul, and the
+/// replays and self-tests of small models make thousands of them.
+const PAR_MIN_WORK: usize = 1 << 18;
+
+/// `f(i, chunk i of out)` for every `chunk`-long chunk, on rayon's threads when `work`
+/// (multiply-adds) is worth it; the results in order. Each call is the same whatever thread
+/// runs it.
+fn map_chunks<T, F>(out: &mut [f32], chunk: usize, work: usize, f: F) -> Vec<T>
+where
+    T: Send,
+    F: Fn(usize, &mut [f32]) -> T + Sync + Send,
+{
+    if work < PAR_MIN_WORK {
+        out.chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
+    } else {
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, c)| f(i, c))
+            .collect()
+    }
+}
+
+/// `f(i)` for i in 0..n, as [`map_chunks`] runs its chunks.
+fn map_range<T: Send, F: Fn(usize) -> T + Sync + Send>(n: usize, work: usize, f: F) -> Vec<T> {
+    if work < PAR_MIN_WORK {
+        (0..n).map(f).collect()
+    } else {
+        (0..n).into_par_iter().map(f).collect()
+    }
+}
+
 /// `out[t, r]` for Q8_0 activation rows `q8` through the weight's exact kernel, output rows
 /// split over threads in chunks.
 fn matmul_exact(
@@ -621,10 +667,9 @@ fn matmul_exact(
     let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
     let data = model.data(w);
     let mut by_row = vec![0.0f32; n_out * t];
-    by_row
-        .par_chunks_mut(ROWS * t)
-        .enumerate()
-        .for_each(|(c, o)| kernel(&data[c * ROWS * rb..][..o.len() / t * rb], &a, o));
+    map_chunks(&mut by_row, ROWS * t, n_in * n_out * t, |c, o| {
+        kernel(&data[c * ROWS * rb..][..o.len() / t * rb], &a, o)
+    });
     let mut out = vec![0.0f32; t * n_out];
     for (r, o) in by_row.chunks(t).enumerate() {
         for (i, &v) in o.iter().enumerate() {
@@ -647,10 +692,11 @@ fn matmul_f64_floats(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> 
         .collect();
     // by_row[(r * m + j) * t + i]: output r of input j's row i.
     let mut by_row = vec![0.0f32; n_out * m * t];
-    by_row
-        .par_chunks_mut(ROWS * m * t)
-        .enumerate()
-        .for_each(|(c, chunk)| {
+    map_chunks(
+        &mut by_row,
+        ROWS * m * t,
+        n_in * n_out * m * t,
+        |c, chunk| {
             let mut rows = vec![0.0f32; 4 * n_in];
             let mut acc = vec![[0.0f64; 8]; 4 * t];
             for (g, outs) in chunk.chunks_mut(4 * m * t).enumerate() {
@@ -670,7 +716,8 @@ fn matmul_f64_floats(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> 
                     }
                 }
             }
-        });
+        },
+    );
     let mut out = vec![vec![0.0f32; t * n_out]; m];
     for (rj, o) in by_row.chunks(t).enumerate() {
         let (r, j) = (rj / m, rj % m);
@@ -847,102 +894,6 @@ fn sums_4x1_avx2(w: [&[f32]; 4], x: &[f64], acc: &mut [[f64; 8]; 4]) {
             _mm256_storeu_pd(acc[r].as_mut_ptr(), lo[r]);
             _mm256_storeu_pd(acc[r].as_mut_ptr().add(4), hi[r]);
         }
-    }
-}
-
-/// `Accum::F16`: the weight rounded to f16 (the input already is), the products added into an
-/// f16 running sum in llama.cpp Vulkan's order: k in vectors of `group`, the last of each
-/// vector first (its `dot_product` nests `fma(a.x, b.x, fma(a.y, b.y, acc))`). Fused: one
-/// rounding per step (the f16×f16 product and the sum are exact in f64 before it); unfused:
-/// the product rounded to f16, then the sum.
-pub(crate) fn dot_f16_acc(w: &[f32], x: &[f32], group: usize, fused: bool) -> f32 {
-    f16_acc_lanes::<1>(w, [x], group, fused)[0]
-}
-
-/// `dot_f16_acc` of `w` with each row of `x` into `out`, `LANES` rows at a time.
-fn dots_f16_acc(w: &[f32], x: &[f32], group: usize, fused: bool, out: &mut [f32]) {
-    const LANES: usize = 4;
-    let n = w.len();
-    let mut rows = x.chunks_exact(LANES * n);
-    let mut outs = out.chunks_exact_mut(LANES);
-    for (xs, o) in (&mut rows).zip(&mut outs) {
-        let xs: [&[f32]; LANES] = std::array::from_fn(|j| &xs[j * n..(j + 1) * n]);
-        o.copy_from_slice(&f16_acc_lanes(w, xs, group, fused));
-    }
-    for (xr, v) in rows.remainder().chunks(n).zip(outs.into_remainder()) {
-        *v = dot_f16_acc(w, xr, group, fused);
-    }
-}
-
-/// `N` f16-accumulated sums of `w` with `xs[j]`, side by side: each lane is the same chain of
-/// roundings `dot_f16_acc` makes, so the result is that of `N` separate calls.
-#[inline(always)]
-fn f16_acc_lanes<const N: usize>(
-    w: &[f32],
-    xs: [&[f32]; N],
-    group: usize,
-    fused: bool,
-) -> [f32; N] {
-    let mut acc = [0.0f32; N];
-    let n = w.len();
-    let mut start = 0;
-    while start < n {
-        let end = (start + group).min(n);
-        for k in (start..end).rev() {
-            let a = round_f16(w[k]) as f64;
-            for j in 0..N {
-                let mut p = a * xs[j][k] as f64;
-                if !fused {
-                    p = f16_nearest(p) as f64;
-                }
-                acc[j] = f16_nearest(acc[j] as f64 + p);
-            }
-        }
-        start = end;
-    }
-    acc
-}
-
-/// `v` rounded to the nearest f16, ties to even, in one rounding, as an f32 (which holds every
-/// f16). `half`'s `from_f64` is not: with F16C it goes through f32 rounded to nearest (a
-/// second rounding an fma has not), and its fallback misses the nearest value on about one in
-/// 2000 inputs.
-#[inline]
-fn f16_nearest(v: f64) -> f32 {
-    // Round to odd into f32 (cut toward zero, then set the last bit if anything was cut): f32
-    // keeps 13 bits more than f16, so its f16 rounding is the one from the exact value.
-    let mut f = v as f32;
-    if f.is_finite() && f as f64 != v {
-        if (f as f64).abs() > v.abs() {
-            f = f32::from_bits(f.to_bits() - 1);
-        }
-        f = f32::from_bits(f.to_bits() | 1);
-    }
-    round_f16(f)
-}
-
-/// `x` rounded to the nearest f16 (ties to even, overflow to infinity), as an f32. Bit
-/// arithmetic the compiler inlines: `half`'s conversions are calls behind a CPU-feature check,
-/// and an f16-accumulating replay makes three per multiply-add (97% of its time before).
-#[inline]
-pub(crate) fn round_f16(x: f32) -> f32 {
-    const MIN_NORMAL: f32 = 6.103_515_6e-5; // 2^-14
-    let a = x.abs();
-    if a.is_nan() {
-        return x;
-    }
-    if a < MIN_NORMAL {
-        // Subnormal f16s are the multiples of 2^-24: beside 0.5 (whose f32 step is 2^-24) the
-        // addition rounds to one of them, ties to even; taking 0.5 off again is exact.
-        return ((a + 0.5) - 0.5).copysign(x);
-    }
-    // Normal: keep 10 of f32's 23 fraction bits, ties to even; a carry moves into the exponent.
-    let b = x.to_bits();
-    let r = f32::from_bits((b + 0x0fff + ((b >> 13) & 1)) & !0x1fff);
-    if r.abs() > 65504.0 {
-        f32::INFINITY.copysign(x)
-    } else {
-        r
     }
 }
 
@@ -1304,11 +1255,11 @@ impl Ops for Reference<'_> {
             .map(|n| (n, kvcache::hadamard(n)));
         let this = &*self;
         // The heads are independent: one per thread (rayon), each the same sums.
-        let flash_scores: Vec<Vec<Vec<(usize, f32)>>> = probs
-            .par_chunks_mut(t * n_kv)
-            .enumerate()
-            .map(|(h, p)| this.head_probs(layer, q, a, h, rot.as_ref(), p))
-            .collect();
+        let work = a.n_head * t * n_kv * a.head_dim;
+        let flash_scores: Vec<Vec<Vec<(usize, f32)>>> =
+            map_chunks(&mut probs, t * n_kv, work, |h, p| {
+                this.head_probs(layer, q, a, h, rot.as_ref(), p)
+            });
         self.flash_scores = flash_scores.into_iter().flatten().collect();
         probs
     }
@@ -1320,13 +1271,10 @@ impl Ops for Reference<'_> {
         let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
         let this = &*self;
         // The heads are independent: one per thread (rayon), each the same sums.
-        let heads: Vec<Vec<f32>> = (0..nh)
-            .into_par_iter()
-            .map(|h| {
-                let f = flash.as_ref().map(|f| &f[h * t..][..t]);
-                this.head_values(layer, &p[h * t * n_kv..][..t * n_kv], a, h, f)
-            })
-            .collect();
+        let heads = map_range(nh, nh * t * n_kv * a.head_dim, |h| {
+            let f = flash.as_ref().map(|f| &f[h * t..][..t]);
+            this.head_values(layer, &p[h * t * n_kv..][..t * n_kv], a, h, f)
+        });
         self.gather_heads(heads, a)
     }
 
@@ -1340,16 +1288,13 @@ impl Ops for Reference<'_> {
             .map(|n| (n, kvcache::hadamard(n)));
         let flash = self.kv.f16_accumulator(t);
         let this = &*self;
-        let heads: Vec<Vec<f32>> = (0..a.n_head)
-            .into_par_iter()
-            .map(|h| {
-                let mut p = vec![0.0f32; t * n_kv];
-                let scores = this.head_probs(layer, q, a, h, rot.as_ref(), &mut p);
-                // As `attn_values`: flash only where every row saw a position.
-                let f = (flash && scores.len() == t).then_some(&scores[..]);
-                this.head_values(layer, &p, a, h, f)
-            })
-            .collect();
+        let heads = map_range(a.n_head, 2 * a.n_head * t * n_kv * a.head_dim, |h| {
+            let mut p = vec![0.0f32; t * n_kv];
+            let scores = this.head_probs(layer, q, a, h, rot.as_ref(), &mut p);
+            // As `attn_values`: flash only where every row saw a position.
+            let f = (flash && scores.len() == t).then_some(&scores[..]);
+            this.head_values(layer, &p, a, h, f)
+        });
         self.gather_heads(heads, a)
     }
 
@@ -1594,113 +1539,5 @@ mod tests {
             }
             assert_eq!(a, b, "4x1 twin, n {n}");
         }
-    }
-
-    /// Every f16 pair (a, next a) and points between them: the exact midpoint goes to the even
-    /// one, a hair either side of it to the nearer one (what `half::f16::from_f64` misses), also
-    /// a hair smaller than f32 can hold.
-    #[test]
-    fn f16_nearest_rounds_once_to_nearest_even() {
-        use half::f16;
-        for bits in 0..0x7bffu16 {
-            let (a, b) = (f16::from_bits(bits), f16::from_bits(bits + 1));
-            let (x, y) = (a.to_f64(), b.to_f64());
-            let mid = (x + y) / 2.0;
-            let even = if bits & 1 == 0 { a } else { b };
-            let eps = (y - x) * 1e-6;
-            for (v, want) in [
-                (x, a),
-                (mid, even),
-                (mid - eps, a),
-                (mid + eps, b),
-                (-(mid + eps), -b),
-                // Past f32's precision: only the sticky bit keeps them off the tie.
-                (mid - (y - x) * 1e-12, a),
-                (mid + (y - x) * 1e-12, b),
-            ] {
-                assert_eq!(f16_nearest(v), want.to_f32(), "{v:e}");
-            }
-        }
-    }
-
-    /// The inlined rounding is `half`'s (F16C's `vcvtps2ph` where the CPU has it) on a dense
-    /// sample of every f32 bit pattern: normals, subnormals, ties, overflow, infinities, NaN.
-    #[test]
-    fn round_f16_is_halfs_rounding_of_every_sampled_f32() {
-        let mut bits = 0u32;
-        loop {
-            let x = f32::from_bits(bits);
-            let (got, want) = (round_f16(x), half::f16::from_f32(x).to_f32());
-            assert!(
-                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                "{x:e} ({bits:#x}): {got:e} vs {want:e}"
-            );
-            // A prime stride, plus every pattern near the f16 ties (low 13 bits 0x1000).
-            let next = bits.wrapping_add(if bits & 0x1fff == 0x0fff { 1 } else { 251 });
-            if next < bits {
-                break;
-            }
-            bits = next;
-        }
-        for bits in (0x3800_1000u32..0x3880_0000).step_by(0x2000) {
-            let x = f32::from_bits(bits);
-            assert_eq!(round_f16(x), half::f16::from_f32(x).to_f32(), "{x:e}");
-        }
-    }
-
-    /// Rows summed side by side are each row's own chain: bit for bit `dot_f16_acc`, for every
-    /// count of rows (whole groups of lanes and a remainder), both groupings, fused or not.
-    #[test]
-    fn f16_acc_rows_side_by_side_are_each_rows_dot() {
-        let n = 37;
-        let mut seed = 7u32;
-        let mut next = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            // Values near f16 ties and of mixed scale, so the roundings matter.
-            ((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
-                * [1.0, 64.0, 1e-3][(seed & 3) as usize % 3]
-        };
-        let w: Vec<f32> = (0..n).map(|_| next()).collect();
-        for t in 0..11 {
-            let x: Vec<f32> = (0..t * n).map(|_| next()).collect();
-            for (group, fused) in [(2, true), (2, false), (4, true), (4, false)] {
-                let mut out = vec![f32::NAN; t];
-                dots_f16_acc(&w, &x, group, fused, &mut out);
-                for (i, v) in out.iter().enumerate() {
-                    let want = dot_f16_acc(&w, &x[i * n..(i + 1) * n], group, fused);
-                    assert_eq!(v.to_bits(), want.to_bits(), "t {t} row {i} {group} {fused}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn f16_acc_dot_sums_in_f16_in_vulkans_order() {
-        let ones = [1.0f32; 4];
-        // Groups of 1 run in order. 2048 + 1 + 1 in f16: each +1 is a tie at 2048 (step 2),
-        // kept at 2048 (even); the other way round the ones add up before the big term.
-        assert_eq!(dot_f16_acc(&[2048.0, 1.0, 1.0], &ones, 1, true), 2048.0);
-        assert_eq!(dot_f16_acc(&[1.0, 1.0, 2048.0], &ones, 1, true), 2050.0);
-        // In pairs the second of each pair comes first: 4096, 0, -4096, 1 in order ends at 1;
-        // as 0, 4096, 1, -4096 the 1 is lost beside 4096 (f16 step 4 there).
-        let w = [4096.0, 0.0, -4096.0, 1.0];
-        assert_eq!(dot_f16_acc(&w, &ones, 1, true), 1.0);
-        assert_eq!(dot_f16_acc(&w, &ones, 2, true), 0.0);
-        // In fours the last comes first: 1, -4096, 0, 4096 ends at 0 in order and in pairs
-        // (-4096 first), at 1 as 4096, 0, -4096, 1.
-        let w = [1.0, -4096.0, 0.0, 4096.0];
-        assert_eq!(dot_f16_acc(&w, &ones, 1, true), 0.0);
-        assert_eq!(dot_f16_acc(&w, &ones, 2, true), 0.0);
-        assert_eq!(dot_f16_acc(&w, &ones, 4, true), 1.0);
-        // Unfused, the product is rounded to f16 first. a = 1 + 3·2^-10, a² = 1 + 3·2^-9 +
-        // 9·2^-20: after -1 the fma keeps 9·2^-20 (to 2^-17, the nearest step near 3·2^-9),
-        // the split product has lost it.
-        let a = 1.0 + 3.0 * 2f32.powi(-10);
-        let (w, x) = ([-1.0, a], [1.0, a]);
-        assert_eq!(
-            dot_f16_acc(&w, &x, 1, true),
-            3.0 * 2f32.powi(-9) + 2f32.powi(-17)
-        );
-        assert_eq!(dot_f16_acc(&w, &x, 1, false), 3.0 * 2f32.powi(-9));
     }
 }
