@@ -261,17 +261,29 @@ fn op_by_op_steps(
 /// counts: a golden made by llama.cpp's CPU with the tight settings, and parity's own
 /// backends by their registry row; never a name an external trace gives itself.
 fn pair_kind(a: &Trace, b: &Trace) -> PairKind {
-    // The activation rounding a trace was made with, where known: a tight llama.cpp CPU golden
-    // rounds as ggml's CPU does (a GPU golden's is not known); parity's backends state theirs
-    // (gpu and reference: plain f32).
-    let rounding = |t: &Trace| match t.manifest.producer.name.as_str() {
+    pair_of(trace_rounding(a), trace_rounding(b))
+}
+
+/// [`pair_kind`] of `golden` and the trace of a backend that rounds as `rounding` does.
+fn pair_kind_of(golden: &Trace, rounding: backend::Emulation) -> PairKind {
+    pair_of(trace_rounding(golden), Some(rounding))
+}
+
+/// The activation rounding a trace was made with, where known: a tight llama.cpp CPU golden
+/// rounds as ggml's CPU does (a GPU golden's is not known); parity's backends state theirs
+/// (gpu and reference: plain f32).
+fn trace_rounding(t: &Trace) -> Option<backend::Emulation> {
+    match t.manifest.producer.name.as_str() {
         "llama.cpp" => golden_is_ggml_cpu(t).then_some(backend::Emulation::GgmlCpu),
         "parity" => registry::find(&t.manifest.producer.backend)
             .ok()
             .map(|e| e.rounding),
         _ => None,
-    };
-    match (rounding(a), rounding(b)) {
+    }
+}
+
+fn pair_of(a: Option<backend::Emulation>, b: Option<backend::Emulation>) -> PairKind {
+    match (a, b) {
         (Some(x), Some(y)) if x == y => PairKind::SameRounding,
         _ => PairKind::DifferentRounding,
     }
@@ -865,16 +877,41 @@ fn end_to_end(
             }
             continue;
         }
-        let sink = MemorySink::new(TapFilter::all().with_record(plan.record.clone()));
+        let filter = TapFilter::all().with_record(plan.record.clone());
+        // Compared only with the golden: compared as it records, never held whole.
+        if let Some((k, golden)) = ledger.golden_only(Side::E2e(i)) {
+            let opt = CompareOptions {
+                pair: pair_kind_of(golden, e.rounding),
+                weight_type: ledger.weight_type,
+                require_same_model: true,
+            };
+            let sink = crate::compare::Streamed::new(golden, opt, filter);
+            let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
+            if forced.is_none() {
+                forced = Some(decode_ids(&ran.info));
+            }
+            take_notes(notes, ran.notes);
+            passes.push(ran.pass);
+            events(Event::Comparing { n: 1 });
+            let (trace, compared) = ran
+                .sink
+                .finish(plan.model_ref.clone(), ran.producer, ran.info);
+            debug_assert_eq!(pair_kind(golden, &trace), pair_kind_of(golden, e.rounding));
+            ledger.put(Side::E2e(i), trace);
+            ledger.done[k] = Some(Judged {
+                comparison: compared?,
+                against_golden: true,
+            });
+            events(Event::Compared);
+            ledger.settle(events)?;
+            continue;
+        }
+        let sink = MemorySink::new(filter);
         let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
         if forced.is_none() {
             forced = Some(decode_ids(&ran.info));
         }
-        for n in ran.notes {
-            if !notes.contains(&n) {
-                notes.push(n);
-            }
-        }
+        take_notes(notes, ran.notes);
         passes.push(ran.pass);
         ledger.put(
             Side::E2e(i),
@@ -883,6 +920,15 @@ fn end_to_end(
         ledger.settle(events)?;
     }
     Ok(forced.unwrap_or_default())
+}
+
+/// A pass's notes added to the check's, each once.
+fn take_notes(notes: &mut Vec<String>, new: Vec<String>) {
+    for n in new {
+        if !notes.contains(&n) {
+            notes.push(n);
+        }
+    }
 }
 
 /// The ids fed at the decode steps of a run.
@@ -1208,6 +1254,20 @@ impl<'g> Ledger<'g> {
             Side::Golden => self.golden,
             Side::E2e(i) => self.e2e[i].as_ref(),
             Side::Op(i) => self.op[i].as_ref(),
+        }
+    }
+
+    /// The golden and the index of the one comparison `s` takes part in, where that is
+    /// against the golden.
+    fn golden_only(&self, s: Side) -> Option<(usize, &'g Trace)> {
+        let mine: Vec<usize> = (0..self.pairs.len())
+            .filter(|&k| self.pairs[k].0 == s || self.pairs[k].1 == s)
+            .collect();
+        match mine[..] {
+            [k] if self.pairs[k].0 == Side::Golden && self.done[k].is_none() => {
+                Some((k, self.golden?))
+            }
+            _ => None,
         }
     }
 

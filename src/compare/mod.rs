@@ -4,13 +4,16 @@
 mod diagnose;
 pub mod metrics;
 pub mod position;
+mod stream;
 pub mod tolerance;
 
 pub use metrics::{LogitStats, Metrics, logit_stats, metrics};
+pub use stream::Streamed;
 pub use tolerance::{PairKind, gates, kld_threshold, nmse_threshold};
 
 use crate::gguf::GgmlType;
 use crate::trace::{Tap, TapKey, Trace, TraceError};
+use ndarray::{ArrayD, ArrayViewD};
 use serde::Serialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -181,6 +184,22 @@ pub fn compare(
     cand: &Trace,
     opt: &CompareOptions,
 ) -> Result<Comparison, CompareError> {
+    same_model(base, cand, opt)?;
+    // Token ids first: if the inputs differ, nothing computed from them can be judged. Steps
+    // before the first differing one are compared as usual; in that step only the embedding
+    // rows of ids that line up still mean something (each row depends on its id alone).
+    let token_mismatch = first_token_mismatch(base, cand);
+    let cut = token_mismatch.as_ref().map_or(usize::MAX, |m| m.step);
+    let mut measured = Vec::new();
+    for key in base.keys().filter(|k| k.step < cut && cand.contains(k)) {
+        let a = base.get(key)?.expect("listed");
+        let b = cand.get(key)?.expect("listed");
+        measured.push(measure(*key, &a, b.view())?);
+    }
+    assemble(base, cand, opt, token_mismatch, measured)
+}
+
+fn same_model(base: &Trace, cand: &Trace, opt: &CompareOptions) -> Result<(), CompareError> {
     let (sa, sb) = (&base.manifest.model.sha256, &cand.manifest.model.sha256);
     if opt.require_same_model && !sa.is_empty() && !sb.is_empty() && sa != sb {
         return Err(CompareError::ModelMismatch {
@@ -188,28 +207,58 @@ pub fn compare(
             b: sb.chars().take(12).collect(),
         });
     }
+    Ok(())
+}
 
-    // Token ids first: if the inputs differ, nothing computed from them can be judged. Steps
-    // before the first differing one are compared as usual; in that step only the embedding
-    // rows of ids that line up still mean something (each row depends on its id alone).
-    let token_mismatch = first_token_mismatch(base, cand);
-    let cut = token_mismatch.as_ref().map_or(usize::MAX, |m| m.step);
+/// One tap of both traces measured: what [`compare`] reads of its tensors.
+struct Measured {
+    key: TapKey,
+    metrics: Metrics,
+    logits: Option<LogitStep>,
+}
 
-    let common: Vec<TapKey> = base
-        .keys()
-        .filter(|k| k.step < cut && cand.contains(k))
-        .copied()
-        .collect();
-    if common.is_empty() && token_mismatch.is_none() {
+fn measure(key: TapKey, a: &ArrayD<f32>, b: ArrayViewD<f32>) -> Result<Measured, CompareError> {
+    if a.len() != b.len() {
+        return Err(CompareError::ShapeMismatch {
+            key,
+            a: a.shape().to_vec(),
+            b: b.shape().to_vec(),
+        });
+    }
+    // Same count, other shape (`[T, n]` against `[T*n]`): the candidate is read in logical
+    // order in the baseline's shape, whatever its memory layout.
+    let b = b.as_standard_layout();
+    let b = b
+        .view()
+        .into_shape_with_order(a.shape())
+        .map_err(|_| CompareError::ShapeMismatch {
+            key,
+            a: a.shape().to_vec(),
+            b: b.shape().to_vec(),
+        })?;
+    Ok(Measured {
+        key,
+        metrics: metrics(&a.view(), &b),
+        logits: (key.tap == Tap::Logits).then(|| logit_step(key.step, a, &b)),
+    })
+}
+
+/// The comparison of the taps `measured` (every tap both traces have, in graph order, before
+/// the step whose ids differ): thresholds, the first divergence and its diagnosis (which reads
+/// that tap's tensors again).
+fn assemble(
+    base: &Trace,
+    cand: &Trace,
+    opt: &CompareOptions,
+    token_mismatch: Option<TokenMismatch>,
+    measured: Vec<Measured>,
+) -> Result<Comparison, CompareError> {
+    if measured.is_empty() && token_mismatch.is_none() {
         return Err(CompareError::NothingInCommon);
     }
     // Layers in the run: the end-to-end bounds on the logits grow with depth.
-    let depth = common
-        .iter()
-        .filter_map(|k| k.layer)
-        .max()
-        .map_or(0, |l| l + 1);
-    let mut results = Vec::with_capacity(common.len() + 1);
+    let depth = depth_of(measured.iter().map(|m| &m.key));
+    let mut results = Vec::with_capacity(measured.len() + 1);
     if let Some(tm) = &token_mismatch
         && let Some(r) = aligned_embd(base, cand, tm)?
     {
@@ -217,39 +266,19 @@ pub fn compare(
     }
     let mut logits = Vec::new();
     let mut first: Option<usize> = None;
-    for key in &common {
-        let a = base.get(key)?.expect("listed");
-        let b = cand.get(key)?.expect("listed");
-        if a.len() != b.len() {
-            return Err(CompareError::ShapeMismatch {
-                key: *key,
-                a: a.shape().to_vec(),
-                b: b.shape().to_vec(),
-            });
-        }
-        // Same count, other shape (`[T, n]` against `[T*n]`): the candidate is read in
-        // logical order in the baseline's shape, whatever its memory layout.
-        let b = b.as_standard_layout();
-        let b =
-            b.view()
-                .into_shape_with_order(a.shape())
-                .map_err(|_| CompareError::ShapeMismatch {
-                    key: *key,
-                    a: a.shape().to_vec(),
-                    b: b.shape().to_vec(),
-                })?;
-        let m = metrics(&a.view(), &b);
-        let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap, depth);
-        let gating = gates(opt.pair, key.tap);
-        let pass = !m.non_finite_failure() && (!gating || m.nmse <= threshold);
+    for Measured {
+        key,
+        metrics: m,
+        logits: l,
+    } in measured
+    {
+        let (threshold, gating, pass) = judged(opt, &key, &m, depth);
         if !pass && first.is_none() {
             first = Some(results.len());
         }
-        if key.tap == Tap::Logits {
-            logits.push(logit_step(key.step, &a, &b));
-        }
+        logits.extend(l);
         results.push(TapResult {
-            key: *key,
+            key,
             metrics: m,
             threshold,
             pass,
@@ -284,6 +313,19 @@ pub fn compare(
         kv_cache_decode: None,
         limits: Vec::new(),
     })
+}
+
+/// The layers of a run of these keys (the deepest one's index + 1).
+fn depth_of<'k>(keys: impl Iterator<Item = &'k TapKey>) -> usize {
+    keys.filter_map(|k| k.layer).max().map_or(0, |l| l + 1)
+}
+
+/// A measured tap's threshold, whether it gates, and whether it passes.
+fn judged(opt: &CompareOptions, key: &TapKey, m: &Metrics, depth: usize) -> (f64, bool, bool) {
+    let threshold = nmse_threshold(opt.pair, opt.weight_type, key.tap, depth);
+    let gating = gates(opt.pair, key.tap);
+    let pass = !m.non_finite_failure() && (!gating || m.nmse <= threshold);
+    (threshold, gating, pass)
 }
 
 /// The divergence at `results[i]`: what matched just before it and the diagnosis.

@@ -90,6 +90,28 @@ impl Trace {
         }
     }
 
+    /// A trace made in memory whose tensors were not all kept: every tap in `shapes` is
+    /// listed (its manifest says what was recorded), [`Trace::get`] finds only `tensors`.
+    pub fn from_listed(
+        model: ModelRef,
+        producer: Producer,
+        steps: Vec<StepInfo>,
+        shapes: BTreeMap<TapKey, Vec<usize>>,
+        tensors: BTreeMap<TapKey, ArrayD<f32>>,
+    ) -> Trace {
+        debug_assert!(tensors.keys().all(|k| shapes.contains_key(k)));
+        let entries: Vec<TensorEntry> =
+            shapes.iter().map(|(k, s)| TensorEntry::f32(k, s)).collect();
+        let keys = shapes.keys().enumerate().map(|(i, k)| (*k, i)).collect();
+        Trace {
+            manifest: Manifest::new(model, producer, steps, entries),
+            keys,
+            source: Source::Memory(tensors),
+            extra: Vec::new(),
+            read: Default::default(),
+        }
+    }
+
     /// Open a trace folder or `.npz` archive: parse and validate the manifest; tensors are
     /// read on demand.
     pub fn open(dir: impl AsRef<Path>) -> Result<Trace, TraceError> {
