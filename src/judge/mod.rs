@@ -353,22 +353,8 @@ fn judge_once(
 ) -> Result<Judgement, JudgeError> {
     let mut cand = Candidate::new(trace, &model.config)?;
     cand.layouts.extend(layouts.iter().copied());
-    let steps = cand.steps();
-    for k in trace.keys() {
-        if !steps.contains(&k.step) {
-            return Err(JudgeError::MissingStep(k.step));
-        }
-        if k.layer.is_some_and(|l| l >= model.config.n_layer) {
-            return Err(JudgeError::NoSuchLayer {
-                key: *k,
-                n_layer: model.config.n_layer,
-            });
-        }
-    }
+    let steps = checked_steps(model, trace, &cand)?;
     let s_max = steps.iter().copied().max().ok_or(JudgeError::Empty)?;
-    if trace.keys().next().is_none() {
-        return Err(JudgeError::Empty);
-    }
     let n_layer = model.config.n_layer;
     let none = BTreeSet::new();
     let first_step = steps.iter().copied().min().unwrap_or(0);
@@ -425,46 +411,19 @@ fn judge_once(
         };
 
         // The decode steps' cache, measured where the prompt's leaves their attention above
-        // noise (`rounding::decode_cache`).
-        let (mut kv, mut kv_decode, mut kv_decode_fits) = (kv, kv_decode, kv_decode_fits);
-        let mut kv_from_decode = false;
+        // noise.
         let d1 = steps.iter().copied().filter(|&s| s > first_step).min();
-        if let Some(d1) = d1
-            && kv_decode_fits.is_empty()
-            && opt.kv_caches.len() > 1
-            && let Some(under_kv) = rounding::decode_attention_fit(model, &cand, &rep, d1)
-            && under_kv > rounding::KV_DECODE_NOISE
-        {
-            let (c, fits) = rounding::decode_cache(
-                model,
-                &cand,
-                opt,
-                (rounding, decode, output),
-                (kv, under_kv),
-                d1,
-            )?;
-            kv_decode_fits = fits;
-            if let Some(c) = c {
-                // Where no cache reproduced the prompt's attention (a bug there outweighs every
-                // cache's rounding, and the first tried was kept), the decode steps, which
-                // measure it cleanly, say which cache the engine keeps: one cache for both
-                // step kinds, as most engines keep.
-                let mut prompt: Vec<f64> = kv_fits.iter().map(|f| f.median_nmse).collect();
-                prompt.sort_by(f64::total_cmp);
-                // None under the cap, and none standing out (the best within 4x of the next):
-                // an f16 cache 30x ahead of the rest under 8-bit flips is a measurement.
-                let prompt_unmeasured = prompt.len() > 1
-                    && prompt[0] > rounding::KV_DECODE_CAP
-                    && prompt[1] < 4.0 * prompt[0];
-                if prompt_unmeasured {
-                    kv = c;
-                    kv_from_decode = true;
-                } else {
-                    kv_decode = Some(c);
-                }
-                rep = replay(model, &cand, &whole(kv, kv_decode), &none)?;
-            }
-        }
+        let (kv, kv_decode, kv_decode_fits, kv_from_decode) = decode_cache(
+            model,
+            &cand,
+            opt,
+            (rounding, decode, output),
+            (kv, kv_decode),
+            (&kv_fits, kv_decode_fits),
+            d1,
+            &whole,
+            &mut rep,
+        )?;
         // Floors.
         let pos_max = trace
             .manifest
@@ -490,25 +449,10 @@ fn judge_once(
             .then(|| fits_of_kv.iter().find(|f| f.kv == KvCache::F32))
             .flatten()
             .map(|f| f.median_nmse);
-        let floors_of = |rep: &replay::Replay, rounding: Emulation| {
+        let setup_floors = |rounding: Emulation| {
             let mut floors =
                 Floors::new(model, rounding, decode, pos_max).with_output(model, output);
             floors.kv_decode = kv_decode;
-            let own_mm: Vec<f64> = spans
-                .iter()
-                .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
-                .map(|(k, _)| rep.metrics[k].nmse)
-                .collect();
-            let span_mm: Vec<f64> = spans
-                .iter()
-                .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
-                .map(|(k, _)| rep.metrics[k].nmse)
-                .collect();
-            floors.mm_median_own = median(own_mm);
-            floors.mm_median_span = median(span_mm);
-            if let Some(f) = f32_fit {
-                floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f));
-            }
             floors
         };
 
@@ -519,9 +463,7 @@ fn judge_once(
         // the trace's noise raises them): elsewhere no tie can make a finding, and their
         // replays of a long trace would cost more than the rest of the judgement.
         let near: Option<BTreeSet<TapKey>> = (opt.roundings.len() == 1).then(|| {
-            let mut floors =
-                Floors::new(model, rounding, decode, pos_max).with_output(model, output);
-            floors.kv_decode = kv_decode;
+            let floors = setup_floors(rounding);
             spans
                 .iter()
                 .filter(|(k, s)| rep.metrics[k].nmse * rounding::TIE_NEAR > floors.key(k, s))
@@ -539,30 +481,8 @@ fn judge_once(
             full,
             near.as_ref(),
         )?;
-        let floors = floors_of(&rep, rounding);
-
-        let mut ops = Vec::with_capacity(spans.len());
-        for (k, s) in &spans {
-            let m: &Metrics = &rep.metrics[k];
-            let f16 = rep.f16_storage.contains(k);
-            let mut fl = floors.key(k, s);
-            if f16 {
-                fl = fl.max(floor::F16_STORAGE);
-            }
-            let pass = !m.non_finite_failure() && m.nmse <= fl;
-            ops.push(OpResult {
-                key: *k,
-                own_nmse: m.nmse,
-                cosine: m.cosine,
-                metrics: *m,
-                floor: fl,
-                pass,
-                span_ops: s.len(),
-                class: class(k.tap),
-                f16_storage: f16,
-                ambiguous: false,
-            });
-        }
+        let floors = with_trace_noise(setup_floors(rounding), &spans, &rep, f32_fit);
+        let mut ops = op_results(&spans, &rep, &floors);
         ambiguity::refloor(model, &cand, &floors, kv, &mut ops)?;
         let mut below_floor = Vec::new();
         let mut retry: Option<(Floors, KvCache, String)> = None;
@@ -668,23 +588,7 @@ fn judge_once(
             ties,
             layouts: Vec::new(),
         };
-        let at = position::locate(model, &cand, &j)?;
-        if let Some(f) = &mut j.first {
-            f.position = at;
-            f.zoom = zoom::plan(&cand, f);
-            if let Some(note) = &remeasured {
-                // Judged again under what a hypothesis confirmed with, the first op out of its
-                // floor may be another one that nothing reproduces: the note then says only
-                // that the trace was judged again.
-                match f.confirmed {
-                    Some(_) => f.text.push_str(note),
-                    None => {
-                        f.text
-                            .push_str(&note.replacen("confirmed with", "judged again with", 1))
-                    }
-                }
-            }
-        }
+        place(model, &cand, &mut j, remeasured.as_deref())?;
         if let Some((fl, kv2, note)) = retry {
             measured = Some(rounding::Measured {
                 rounding: fl.rounding,
@@ -713,6 +617,169 @@ fn judge_once(
         }
         return Ok(j);
     }
+}
+
+/// The first finding of `j` placed (its first position out of the floor, the zoom that
+/// records it whole) and, where the trace was judged again (`remeasured`), said so.
+fn place(
+    model: &Model,
+    cand: &Candidate,
+    j: &mut Judgement,
+    remeasured: Option<&str>,
+) -> Result<(), JudgeError> {
+    let at = position::locate(model, cand, j)?;
+    if let Some(f) = &mut j.first {
+        f.position = at;
+        f.zoom = zoom::plan(cand, f);
+        if let Some(note) = remeasured {
+            // Judged again under what a hypothesis confirmed with, the first op out of its
+            // floor may be another one that nothing reproduces: the note then says only that
+            // the trace was judged again.
+            match f.confirmed {
+                Some(_) => f.text.push_str(note),
+                None => f
+                    .text
+                    .push_str(&note.replacen("confirmed with", "judged again with", 1)),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `floors` raised to the trace's own matmul noise: the median own error of its single
+/// matmuls and of its spans holding one (in `rep`), the spans' never under `f32_fit` (an f16
+/// cache's emulation flips values an f32 cache's fit shows).
+fn with_trace_noise(
+    mut floors: Floors,
+    spans: &[(TapKey, BTreeSet<TapKey>)],
+    rep: &replay::Replay,
+    f32_fit: Option<f64>,
+) -> Floors {
+    let own_mm: Vec<f64> = spans
+        .iter()
+        .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
+        .map(|(k, _)| rep.metrics[k].nmse)
+        .collect();
+    let span_mm: Vec<f64> = spans
+        .iter()
+        .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
+        .map(|(k, _)| rep.metrics[k].nmse)
+        .collect();
+    floors.mm_median_own = median(own_mm);
+    floors.mm_median_span = median(span_mm);
+    if let Some(f) = f32_fit {
+        floors.mm_median_span = Some(floors.mm_median_span.unwrap_or(0.0).max(f));
+    }
+    floors
+}
+
+/// Each key's own error against its floor (a tensor the engine stored in f16 never under
+/// f16's step), in graph order.
+fn op_results(
+    spans: &[(TapKey, BTreeSet<TapKey>)],
+    rep: &replay::Replay,
+    floors: &Floors,
+) -> Vec<OpResult> {
+    spans
+        .iter()
+        .map(|(k, s)| {
+            let m: &Metrics = &rep.metrics[k];
+            let f16 = rep.f16_storage.contains(k);
+            let mut fl = floors.key(k, s);
+            if f16 {
+                fl = fl.max(floor::F16_STORAGE);
+            }
+            OpResult {
+                key: *k,
+                own_nmse: m.nmse,
+                cosine: m.cosine,
+                metrics: *m,
+                floor: fl,
+                pass: !m.non_finite_failure() && m.nmse <= fl,
+                span_ops: s.len(),
+                class: class(k.tap),
+                f16_storage: f16,
+                ambiguous: false,
+            }
+        })
+        .collect()
+}
+
+/// The decode steps' cache, measured where the prompt's leaves their attention above noise
+/// (`rounding::decode_cache`; `d1` the first decode step), and `rep` replayed again under it
+/// (the whole trace's setup under a cache: `whole`).
+/// Returns the prompt's cache, the decode steps' where it differs, their fits, and whether
+/// the prompt's was taken from the decode steps.
+#[allow(clippy::too_many_arguments)]
+fn decode_cache(
+    model: &Model,
+    cand: &Candidate,
+    opt: &JudgeOptions,
+    (rounding, decode, output): (Emulation, Option<Emulation>, Option<Emulation>),
+    (mut kv, mut kv_decode): (KvCache, Option<KvCache>),
+    (kv_fits, mut kv_decode_fits): (&[rounding::KvFit], Vec<rounding::KvFit>),
+    d1: Option<usize>,
+    whole: &dyn Fn(KvCache, Option<KvCache>) -> Setup,
+    rep: &mut replay::Replay,
+) -> Result<(KvCache, Option<KvCache>, Vec<rounding::KvFit>, bool), JudgeError> {
+    let mut kv_from_decode = false;
+    if let Some(d1) = d1
+        && kv_decode_fits.is_empty()
+        && opt.kv_caches.len() > 1
+        && let Some(under_kv) = rounding::decode_attention_fit(model, cand, rep, d1)
+        && under_kv > rounding::KV_DECODE_NOISE
+    {
+        let (c, fits) = rounding::decode_cache(
+            model,
+            cand,
+            opt,
+            (rounding, decode, output),
+            (kv, under_kv),
+            d1,
+        )?;
+        kv_decode_fits = fits;
+        if let Some(c) = c {
+            // Where no cache reproduced the prompt's attention (a bug there outweighs every
+            // cache's rounding, and the first tried was kept), the decode steps, which
+            // measure it cleanly, say which cache the engine keeps: one cache for both
+            // step kinds, as most engines keep.
+            let mut prompt: Vec<f64> = kv_fits.iter().map(|f| f.median_nmse).collect();
+            prompt.sort_by(f64::total_cmp);
+            // None under the cap, and none standing out (the best within 4x of the next):
+            // an f16 cache 30x ahead of the rest under 8-bit flips is a measurement.
+            let prompt_unmeasured = prompt.len() > 1
+                && prompt[0] > rounding::KV_DECODE_CAP
+                && prompt[1] < 4.0 * prompt[0];
+            if prompt_unmeasured {
+                kv = c;
+                kv_from_decode = true;
+            } else {
+                kv_decode = Some(c);
+            }
+            *rep = replay(model, cand, &whole(kv, kv_decode), &BTreeSet::new())?;
+        }
+    }
+    Ok((kv, kv_decode, kv_decode_fits, kv_from_decode))
+}
+
+/// The candidate's steps, every key checked to lie at one of them and in a layer the model has.
+fn checked_steps(model: &Model, trace: &Trace, cand: &Candidate) -> Result<Vec<usize>, JudgeError> {
+    let steps = cand.steps();
+    for k in trace.keys() {
+        if !steps.contains(&k.step) {
+            return Err(JudgeError::MissingStep(k.step));
+        }
+        if k.layer.is_some_and(|l| l >= model.config.n_layer) {
+            return Err(JudgeError::NoSuchLayer {
+                key: *k,
+                n_layer: model.config.n_layer,
+            });
+        }
+    }
+    if trace.keys().next().is_none() {
+        return Err(JudgeError::Empty);
+    }
+    Ok(steps)
 }
 
 /// A diagnosis that confirmed nothing, tried again where the measured rounding may rest on data

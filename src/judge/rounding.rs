@@ -376,6 +376,94 @@ pub fn plain_caches(opt: &JudgeOptions, but: Option<KvCache>) -> Vec<KvCache> {
     v
 }
 
+/// The roundings `measure` tries, in order: ggml-cpu first (what most engines that match
+/// llama.cpp do); a rounding that rounds this model's weights exactly as an earlier one does
+/// is the same arithmetic and is left out (on an F32 model every 8-bit family is plain f32,
+/// reported as plain).
+fn to_try(model: &Model, opt: &JudgeOptions) -> Vec<Emulation> {
+    let mut roundings = tried(opt);
+    if roundings.len() <= 1 {
+        return roundings;
+    }
+    let tys = weight_types(model);
+    if roundings.contains(&Emulation::GgmlCpu) {
+        roundings.retain(|&r| r != Emulation::GgmlCpu);
+        roundings.insert(0, Emulation::GgmlCpu);
+    }
+    let mut seen = Vec::new();
+    if roundings.contains(&Emulation::None) {
+        seen.push(signature(Emulation::None, &tys));
+    }
+    roundings.retain(|&r| {
+        if r == Emulation::None {
+            return true;
+        }
+        let sig = signature(r, &tys);
+        let new = !seen.contains(&sig);
+        seen.push(sig);
+        new
+    });
+    roundings
+}
+
+/// Each of `roundings` (more than one) replayed over the `detect` window (the whole trace
+/// where nothing passes a matmul there) until one reproduces the matmuls to f32 noise: the
+/// fits, and the best one as (rounding, fit, its replay, whether that covered the trace).
+#[allow(clippy::type_complexity)]
+fn detect_rounding(
+    model: &Model,
+    cand: &Candidate,
+    roundings: &[Emulation],
+    detect: Window,
+    none: &BTreeSet<TapKey>,
+) -> Result<
+    (
+        Vec<RoundingFit>,
+        Option<(Emulation, f64, replay::Replay, bool)>,
+    ),
+    JudgeError,
+> {
+    let n_layer = model.config.n_layer;
+    let s_max = cand.steps().iter().copied().max().unwrap_or(0);
+    let mut fits = Vec::new();
+    let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
+    if roundings.len() <= 1 {
+        return Ok((fits, best));
+    }
+    for &r in roundings {
+        let setup = Setup::clean(r, detect).measuring();
+        let rep = replay(model, cand, &setup, none)?;
+        let (f, rep, whole) = match fit(cand, &rep) {
+            Some(f) => {
+                let whole = detect == Window::full(n_layer, s_max) && !rep.cut;
+                (f, rep, whole)
+            }
+            None => {
+                // Nothing through a matmul in the window: measure on the whole trace.
+                let full = Setup {
+                    window: Window::full(n_layer, s_max),
+                    ..setup
+                };
+                let rep = replay(model, cand, &full, none)?;
+                let whole = !rep.cut;
+                (fit(cand, &rep).unwrap_or(0.0), rep, whole)
+            }
+        };
+        fits.push(RoundingFit {
+            rounding: r,
+            median_nmse: f,
+        });
+        if best.as_ref().is_none_or(|b| f < b.1) {
+            best = Some((r, f, rep, whole));
+        }
+        // A rounding that reproduces the matmuls to f32 summation noise cannot be beaten.
+        if f <= EXACT_FIT {
+            break;
+        }
+    }
+    Ok((fits, best))
+}
+
 /// Measure the rounding (in `detection_window`) and then the K/V cache type (in the first
 /// step's first two layers) that reproduce the candidate.
 pub fn measure(
@@ -386,71 +474,11 @@ pub fn measure(
     none: &BTreeSet<TapKey>,
 ) -> Result<Measured, JudgeError> {
     let n_layer = model.config.n_layer;
-    let s_max = cand.steps().iter().copied().max().unwrap_or(0);
     // The rounding: the one that reproduces the candidate's matmuls best, measured in a small
-    // window (`detection_window`). ggml-cpu first (what most engines that match llama.cpp do); skipped when it rounds no
-    // weight of this model (F32: the same arithmetic as plain f32, reported as plain).
-    let mut roundings = tried(opt);
-    if roundings.len() > 1 {
-        // ggml-cpu first (what most engines that match llama.cpp do); a rounding that rounds
-        // this model's weights exactly as an earlier one does is the same arithmetic and is
-        // skipped (on an F32 model every 8-bit family is plain f32, reported as plain).
-        let tys = weight_types(model);
-        if roundings.contains(&Emulation::GgmlCpu) {
-            roundings.retain(|&r| r != Emulation::GgmlCpu);
-            roundings.insert(0, Emulation::GgmlCpu);
-        }
-        let mut seen = Vec::new();
-        if roundings.contains(&Emulation::None) {
-            seen.push(signature(Emulation::None, &tys));
-        }
-        roundings.retain(|&r| {
-            if r == Emulation::None {
-                return true;
-            }
-            let sig = signature(r, &tys);
-            let new = !seen.contains(&sig);
-            seen.push(sig);
-            new
-        });
-    }
+    // window (`detection_window`).
+    let roundings = to_try(model, opt);
     let detect = detection_window(cand, first_step);
-    let mut fits = Vec::new();
-    // (rounding, fit, its replay, whether that replay covered the whole trace)
-    let mut best: Option<(Emulation, f64, replay::Replay, bool)> = None;
-    if roundings.len() > 1 {
-        for &r in &roundings {
-            let setup = Setup::clean(r, detect).measuring();
-            let rep = replay(model, cand, &setup, none)?;
-            let (f, rep, whole) = match fit(cand, &rep) {
-                Some(f) => {
-                    let whole = detect == Window::full(n_layer, s_max) && !rep.cut;
-                    (f, rep, whole)
-                }
-                None => {
-                    // Nothing through a matmul in the window: measure on the whole trace.
-                    let full = Setup {
-                        window: Window::full(n_layer, s_max),
-                        ..setup
-                    };
-                    let rep = replay(model, cand, &full, none)?;
-                    let whole = !rep.cut;
-                    (fit(cand, &rep).unwrap_or(0.0), rep, whole)
-                }
-            };
-            fits.push(RoundingFit {
-                rounding: r,
-                median_nmse: f,
-            });
-            if best.as_ref().is_none_or(|b| f < b.1) {
-                best = Some((r, f, rep, whole));
-            }
-            // A rounding that reproduces the matmuls to f32 summation noise cannot be beaten.
-            if f <= EXACT_FIT {
-                break;
-            }
-        }
-    }
+    let (mut fits, mut best) = detect_rounding(model, cand, &roundings, detect, none)?;
     let mut rounding = best.as_ref().map_or(roundings[0], |b| b.0);
 
     // A sparse dump's only matmul on its own is the output projection, where the rounding
