@@ -239,7 +239,8 @@ impl<'m> Reference<'m> {
     }
 
     /// A weight matmul the slow way, for the bugs that change how a weight is read: decoded
-    /// with swapped nibbles, or read transposed.
+    /// with swapped nibbles, or read transposed. Never the whole weight in f32 at once (an
+    /// lm_head's is 262 MB at 32,000 × 2,048): rows decoded as they are read.
     fn project_mutated(
         &self,
         w: &TensorInfo,
@@ -250,24 +251,42 @@ impl<'m> Reference<'m> {
     ) -> Vec<f32> {
         let (n_in, n_out) = w.rows();
         let x = self.emulate_input(w.ty, x, n_in).x;
-        let mut flat = vec![0.0f32; n_in * n_out];
-        for (r, row) in flat.chunks_mut(n_in).enumerate() {
-            self.weight_row(w, layer, r, row);
-        }
         let mut out = vec![0.0f32; t * n_out];
-        let mut col = vec![0.0f32; n_in];
-        for r in 0..n_out {
-            // Transposed: output r reads W_flat[i * n_out + r] instead of W_flat[r * n_in + i].
-            let wr: &[f32] = if transposed {
-                for (i, c) in col.iter_mut().enumerate() {
-                    *c = flat[i * n_out + r];
-                }
-                &col
-            } else {
-                &flat[r * n_in..(r + 1) * n_in]
-            };
+        let mut row = vec![0.0f32; n_in];
+        let mut put = |r: usize, wr: &[f32]| {
             for i in 0..t {
                 out[i * n_out + r] = self.dot(w.ty, wr, &x[i * n_in..(i + 1) * n_in]);
+            }
+        };
+        if !transposed {
+            for r in 0..n_out {
+                self.weight_row(w, layer, r, &mut row);
+                put(r, &row);
+            }
+            return out;
+        }
+        // Transposed: output r reads flat[j * n_out + r] for j < n_in (the stored values read
+        // as [n_in, n_out], column r) instead of flat[r * n_in + j]. Columns are gathered a
+        // block at a time from the stored rows that hold them.
+        // (Lib tests take 7, so that their small weights cross block edges.)
+        const BLOCK: usize = if cfg!(test) { 7 } else { 1024 };
+        let mut cols = vec![0.0f32; BLOCK.min(n_out) * n_in];
+        let mut held: Option<usize> = None;
+        for r0 in (0..n_out).step_by(BLOCK) {
+            let nb = BLOCK.min(n_out - r0);
+            for j in 0..n_in {
+                for c in 0..nb {
+                    let at = j * n_out + r0 + c;
+                    let (stored, off) = (at / n_in, at % n_in);
+                    if held != Some(stored) {
+                        self.weight_row(w, layer, stored, &mut row);
+                        held = Some(stored);
+                    }
+                    cols[c * n_in + j] = row[off];
+                }
+            }
+            for c in 0..nb {
+                put(r0 + c, &cols[c * n_in..(c + 1) * n_in]);
             }
         }
         out
@@ -1410,6 +1429,52 @@ mod tests {
     /// through the exact integer kernel: each output within an f32 ulp (plus what two f64
     /// sums may differ by) of the f64 sum of the decoded weights times the rounded inputs, and
     /// the same bits on one thread as on every core.
+    /// A weight read transposed or row by row (the weight-reading bugs) without the whole
+    /// weight decoded at once is the same matmul as with it: every output of the flat
+    /// weight's own reading, bit for bit, across column blocks (7 wide in lib tests) and
+    /// weights wider and narrower than they are deep, plain and f16-accumulating.
+    #[test]
+    fn a_mutated_weight_read_in_blocks_is_the_whole_weight_s() {
+        let model = fixture("tiny-llama-q8_0.gguf");
+        let l = &model.layers[0];
+        for e in [Emulation::None, Emulation::F16Acc] {
+            let r = Reference::new(&model, e, 8);
+            for w in [&l.wk, &l.wq, &model.output] {
+                let (n_in, n_out) = w.rows();
+                let t = 3;
+                let x = inputs(t * n_in);
+                let xr = r.emulate_input(w.ty, &x, n_in).x;
+                let mut flat = vec![0.0f32; n_in * n_out];
+                for (k, row) in flat.chunks_mut(n_in).enumerate() {
+                    model.row(w, k, row);
+                }
+                for transposed in [false, true] {
+                    let got = r.project_mutated(w, Some(0), &x, t, transposed);
+                    for o in 0..n_out {
+                        let wr: Vec<f32> = (0..n_in)
+                            .map(|j| {
+                                if transposed {
+                                    flat[j * n_out + o]
+                                } else {
+                                    flat[o * n_in + j]
+                                }
+                            })
+                            .collect();
+                        for i in 0..t {
+                            let want = r.dot(w.ty, &wr, &xr[i * n_in..(i + 1) * n_in]);
+                            assert_eq!(
+                                got[i * n_out + o].to_bits(),
+                                want.to_bits(),
+                                "{e:?} {} transposed {transposed} output {o} row {i}",
+                                w.name
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn exact_matmuls_are_the_f64_sums_on_an_8_bit_grid() {
         let one = rayon::ThreadPoolBuilder::new()
