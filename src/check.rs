@@ -887,32 +887,20 @@ fn end_to_end(
             };
             let sink = crate::compare::Streamed::new(golden, opt, filter);
             let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
-            if forced.is_none() {
-                forced = Some(decode_ids(&ran.info));
-            }
-            take_notes(notes, ran.notes);
-            passes.push(ran.pass);
+            book(&mut forced, notes, passes, &ran.info, ran.notes, ran.pass);
             events(Event::Comparing { n: 1 });
             let (trace, compared) = ran
                 .sink
                 .finish(plan.model_ref.clone(), ran.producer, ran.info);
             debug_assert_eq!(pair_kind(golden, &trace), pair_kind_of(golden, e.rounding));
-            ledger.put(Side::E2e(i), trace);
-            ledger.done[k] = Some(Judged {
-                comparison: compared?,
-                against_golden: true,
-            });
+            ledger.put_compared(Side::E2e(i), trace, k, compared?);
             events(Event::Compared);
             ledger.settle(events)?;
             continue;
         }
         let sink = MemorySink::new(filter);
         let ran = plan.pass(e, false, sink, forced.as_deref(), events)?;
-        if forced.is_none() {
-            forced = Some(decode_ids(&ran.info));
-        }
-        take_notes(notes, ran.notes);
-        passes.push(ran.pass);
+        book(&mut forced, notes, passes, &ran.info, ran.notes, ran.pass);
         ledger.put(
             Side::E2e(i),
             plan.trace(ran.producer, ran.info, ran.sink.tensors),
@@ -922,13 +910,25 @@ fn end_to_end(
     Ok(forced.unwrap_or_default())
 }
 
-/// A pass's notes added to the check's, each once.
-fn take_notes(notes: &mut Vec<String>, new: Vec<String>) {
+/// An end-to-end pass entered in the check's books: its decode ids lead where none did yet,
+/// its notes are added (each once), its time and memory listed.
+fn book(
+    forced: &mut Option<Vec<u32>>,
+    notes: &mut Vec<String>,
+    passes: &mut Vec<Pass>,
+    info: &[StepInfo],
+    new: Vec<String>,
+    pass: Pass,
+) {
+    if forced.is_none() {
+        *forced = Some(decode_ids(info));
+    }
     for n in new {
         if !notes.contains(&n) {
             notes.push(n);
         }
     }
+    passes.push(pass);
 }
 
 /// The ids fed at the decode steps of a run.
@@ -1269,6 +1269,17 @@ impl<'g> Ledger<'g> {
             }
             _ => None,
         }
+    }
+
+    /// A finished trace already compared with the golden as it was made (pair `k`, from
+    /// [`Ledger::golden_only`]).
+    fn put_compared(&mut self, s: Side, t: Trace, k: usize, c: Comparison) {
+        debug_assert!(self.pairs[k].0 == Side::Golden && self.pairs[k].1 == s);
+        self.put(s, t);
+        self.done[k] = Some(Judged {
+            comparison: c,
+            against_golden: true,
+        });
     }
 
     /// A finished trace (compared at the next [`Ledger::settle`]).

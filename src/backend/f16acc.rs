@@ -272,6 +272,7 @@ mod tests {
         );
         assert_eq!(dot_f16_acc(&w, &x, 1, false), 3.0 * 2f32.powi(-9));
     }
+
     /// Side by side, every lane is its row's own chain: `Rows::dot` (the AVX2 kernel where the
     /// CPU has it) and its scalar twin are `dot_f16_acc` bit for bit, on values near f16 ties,
     /// subnormal products, sums past 65504, lanes left empty, lengths not a whole group.

@@ -268,7 +268,7 @@ impl<'m> Reference<'m> {
         // Transposed: output r reads flat[j * n_out + r] for j < n_in (the stored values read
         // as [n_in, n_out], column r) instead of flat[r * n_in + j]. Columns are gathered a
         // block at a time from the stored rows that hold them (4096 columns: an lm_head's
-        // 32,000 × 2,048 in 8 blocks of 32 MB, each stored row decoded about twice in all).
+        // 32,000 × 2,048 in 8 blocks of 32 MB, its stored rows decoded about 1.3 times).
         // (Lib tests take 7, so that their small weights cross block edges.)
         const BLOCK: usize = if cfg!(test) { 7 } else { 4096 };
         let mut cols = vec![0.0f32; BLOCK.min(n_out) * n_in];
@@ -309,15 +309,17 @@ impl<'m> Reference<'m> {
             Accum::F16 { fused } if !matches!(w.ty, GgmlType::F32 | GgmlType::BF16) => {
                 let group = if w.ty == GgmlType::F16 { 4 } else { 2 };
                 let lanes = f16acc::LANES;
-                map_chunks(&mut by_row, 4 * lanes * t, n_in * n_out * t, |c, chunk| {
+                // A task's output rows: four blocks of `LANES` summed side by side (their chains
+                // of roundings overlap).
+                let per_task = 4 * lanes;
+                map_chunks(&mut by_row, per_task * t, n_in * n_out * t, |c, chunk| {
                     let mut row = vec![0.0f32; n_in];
                     let mut rows = Rows::new(n_in);
-                    // `LANES` rows side by side: their chains of roundings overlap.
                     for (b, block) in chunk.chunks_mut(lanes * t).enumerate() {
                         let count = block.len() / t;
                         for l in 0..lanes {
                             if l < count {
-                                self.model.row(w, (4 * c + b) * lanes + l, &mut row);
+                                self.model.row(w, c * per_task + b * lanes + l, &mut row);
                             }
                             rows.set(l, (l < count).then_some(row.as_slice()));
                         }
@@ -1274,7 +1276,8 @@ impl Ops for Reference<'_> {
             .k_rotation(a.head_dim)
             .map(|n| (n, kvcache::hadamard(n)));
         let this = &*self;
-        // The heads are independent: one per thread (rayon), each the same sums.
+        // The heads are independent: on rayon's threads where the work is worth it, each the
+        // same sums.
         let work = a.n_head * t * n_kv * a.head_dim;
         let flash_scores: Vec<Vec<Vec<(usize, f32)>>> =
             map_chunks(&mut probs, t * n_kv, work, |h, p| {
@@ -1290,7 +1293,8 @@ impl Ops for Reference<'_> {
         let flash = std::mem::take(&mut self.flash_scores);
         let flash = (self.kv.f16_accumulator(t) && flash.len() == nh * t).then_some(flash);
         let this = &*self;
-        // The heads are independent: one per thread (rayon), each the same sums.
+        // The heads are independent: on rayon's threads where the work is worth it, each the
+        // same sums.
         let heads = map_range(nh, nh * t * n_kv * a.head_dim, |h| {
             let f = flash.as_ref().map(|f| &f[h * t..][..t]);
             this.head_values(layer, &p[h * t * n_kv..][..t * n_kv], a, h, f)

@@ -76,18 +76,11 @@ impl Trace {
         steps: Vec<StepInfo>,
         tensors: BTreeMap<TapKey, ArrayD<f32>>,
     ) -> Trace {
-        let entries: Vec<TensorEntry> = tensors
+        let shapes = tensors
             .iter()
-            .map(|(k, a)| TensorEntry::f32(k, a.shape()))
+            .map(|(k, a)| (*k, a.shape().to_vec()))
             .collect();
-        let keys = tensors.keys().enumerate().map(|(i, k)| (*k, i)).collect();
-        Trace {
-            manifest: Manifest::new(model, producer, steps, entries),
-            keys,
-            source: Source::Memory(tensors),
-            extra: Vec::new(),
-            read: Default::default(),
-        }
+        Self::from_listed(model, producer, steps, shapes, tensors)
     }
 
     /// A trace made in memory whose tensors were not all kept: every tap in `shapes` is
