@@ -1394,6 +1394,21 @@ impl<S: Sink + ?Sized> Sink for Counting<'_, &mut S> {
     fn replays(&self, key: &TapKey) -> bool {
         self.inner.replays(key)
     }
+    fn row_slice(&self, key: &TapKey) -> Option<usize> {
+        match key.tap == Tap::Logits && !self.inner.wants(key) {
+            true => Some(usize::MAX),
+            false => self.inner.row_slice(key),
+        }
+    }
+    fn record_rows(&mut self, key: TapKey, shape: &[usize], row0: usize, data: &[f32]) {
+        let rows = data.len() / shape.iter().skip(1).product::<usize>().max(1);
+        if row0 + rows == shape[0] {
+            (self.events)(Event::Forward);
+        }
+        if self.inner.wants(&key) {
+            self.inner.record_rows(key, shape, row0, data);
+        }
+    }
 }
 
 #[cfg(test)]

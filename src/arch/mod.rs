@@ -171,6 +171,33 @@ pub trait Ops {
     fn softcap(&mut self, x: Self::Buf, cap: f32) -> Self::Buf;
     /// The last row of `x` (`[T, width]` → `[1, width]`).
     fn last_row(&mut self, x: Self::Buf, width: usize) -> Self::Buf;
+    /// Rows `rows` of `x` (`width` values each) as a tensor of their own, for an output made a
+    /// slice of rows at a time ([`Sink::row_slice`]). Default: None, the backend does not
+    /// (a device buffer), and the forward makes the output whole.
+    fn rows(
+        &mut self,
+        _x: &Self::Buf,
+        _width: usize,
+        _rows: std::ops::Range<usize>,
+    ) -> Option<Self::Buf> {
+        None
+    }
+    /// A tap handed over a slice of rows at a time: rows `row0..` of `key`, whose whole shape
+    /// is `shape`, to a sink that takes rows; never substituted. Called only by a backend
+    /// whose `rows` gives them.
+    fn tap_rows(
+        &mut self,
+        sink: &mut dyn Sink,
+        key: TapKey,
+        _shape: &[usize],
+        _row0: usize,
+        _x: &Self::Buf,
+    ) {
+        unreachable!(
+            "{key} in rows from a backend that makes no rows ({})",
+            sink.wants(&key)
+        )
+    }
     /// The context length this backend holds a cache for: LongRoPE models (phi3) pick their
     /// RoPE factors by it, as llama.cpp does by its context size.
     fn n_ctx(&self) -> usize;

@@ -8,7 +8,8 @@ use crate::trace::{Sink, Tap, TapKey};
 
 /// Run `tokens` at positions `pos0..pos0 + T` through `ops`, recording taps under `step`.
 /// Returns the logits: `[T, n_vocab]` when the sink records them, else only the last row's
-/// (all a greedy run needs).
+/// (all a greedy run needs); where the sink takes them a slice of rows at a time, the last
+/// slice's.
 pub fn forward<O: Ops>(
     m: &Model,
     ops: &mut O,
@@ -125,6 +126,8 @@ pub fn forward<O: Ops>(
     let all = t == 1 || taps.wants(None, Tap::Logits);
     if !all {
         xn = ops.last_row(xn, e);
+    } else if let Some(last) = logits_in_rows(m, ops, &mut taps, &xn, t) {
+        return last;
     }
     let mut logits = ops.matmul(&m.output, &xn);
     if let Some(cap) = c.final_softcap {
@@ -137,6 +140,41 @@ pub fn forward<O: Ops>(
         taps.at(ops, None, Tap::Logits, &[t, c.n_vocab], &mut logits);
     }
     logits
+}
+
+/// A prompt's logits made and handed over a slice of rows at a time (`Sink::row_slice`),
+/// never all `[T, n_vocab]` at once (262 MB for 2,048 rows of a 32,000-token vocabulary),
+/// where the sink takes them so and the backend can; the same numbers, row by row. Returns
+/// the last slice's; None where the output is made whole instead.
+fn logits_in_rows<O: Ops>(
+    m: &Model,
+    ops: &mut O,
+    taps: &mut Taps,
+    xn: &O::Buf,
+    t: usize,
+) -> Option<O::Buf> {
+    let c = &m.config;
+    let mut values = taps.row_slice(Tap::Logits)?;
+    if c.final_softcap.is_some() {
+        values = values.min(taps.row_slice(Tap::LogitsUncapped)?);
+    }
+    let slice = crate::trace::rows_per_slice(values, c.n_vocab);
+    if t <= slice {
+        return None;
+    }
+    let shape = [t, c.n_vocab];
+    let mut last = None;
+    for r0 in (0..t).step_by(slice) {
+        let part = ops.rows(xn, c.n_embd, r0..(r0 + slice).min(t))?;
+        let mut logits = ops.matmul(&m.output, &part);
+        if let Some(cap) = c.final_softcap {
+            taps.rows(ops, Tap::LogitsUncapped, &shape, r0, &logits);
+            logits = ops.softcap(logits, cap);
+        }
+        taps.rows(ops, Tap::Logits, &shape, r0, &logits);
+        last = Some(logits);
+    }
+    last
 }
 
 /// The sink and step the taps of one forward go to.
@@ -155,6 +193,25 @@ impl Taps<'_> {
         x: &mut O::Buf,
     ) {
         ops.tap(self.sink, TapKey::new(self.step, layer, tap), shape, x)
+    }
+
+    /// A graph-wide tap handed over in rows, if the sink wants it.
+    fn rows<O: Ops>(&mut self, ops: &mut O, tap: Tap, shape: &[usize], row0: usize, x: &O::Buf) {
+        let key = TapKey::new(self.step, None, tap);
+        if self.sink.wants(&key) {
+            ops.tap_rows(self.sink, key, shape, row0, x);
+        }
+    }
+
+    /// At most how many values a slice of a graph-wide tap made in rows may hold: the sink's
+    /// (`Sink::row_slice`), or any where the sink neither records nor replays it; None where
+    /// it is to be made whole.
+    fn row_slice(&self, tap: Tap) -> Option<usize> {
+        let key = TapKey::new(self.step, None, tap);
+        let untouched = !self.sink.wants(&key) && !self.sink.replays(&key);
+        self.sink
+            .row_slice(&key)
+            .or(untouched.then_some(usize::MAX))
     }
 
     fn wants(&self, layer: Option<usize>, tap: Tap) -> bool {

@@ -90,6 +90,8 @@ pub struct Fast<'m> {
     rope: Vec<(f32, f32)>,
     /// The latest forward's logits (all rows or the last).
     logits: Option<Buf>,
+    /// The latest forward's token count.
+    last_tokens: usize,
 }
 
 impl<'m> Fast<'m> {
@@ -121,6 +123,7 @@ impl<'m> Fast<'m> {
             mm: MatmulScratch::default(),
             rope: Vec::new(),
             logits: None,
+            last_tokens: 0,
         }
     }
 
@@ -153,6 +156,38 @@ impl<'m> Fast<'m> {
 
     fn vector(&self, t: &TensorInfo) -> &[f32] {
         &self.vectors[&t.offset]
+    }
+
+    /// Release what a step of many tokens left in the free list and the matmul scratch
+    /// beyond what a one-token step uses: a 2,048-token prompt's buffers (~400 MB for a
+    /// 1.1B model) are not carried through every decode step after it. The first decode step
+    /// takes its own; the ones after it reuse them (no allocation).
+    fn release_step_buffers(&mut self) {
+        let c = &self.model.config;
+        let room = [
+            c.n_vocab,
+            c.n_ff,
+            c.n_embd,
+            c.n_head * c.head_dim,
+            c.n_head * self.n_ctx,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        // Shrunk, not dropped: the decode steps need as many buffers as a longer step did
+        // (the last logits held among them: the caller is done reading them).
+        let mut free = self.free.borrow_mut();
+        let logits = self.logits.as_mut().map(|b| &mut b.v);
+        for v in free
+            .iter_mut()
+            .chain(logits)
+            .filter(|v| v.capacity() > room)
+        {
+            v.clear();
+            v.shrink_to(room);
+        }
+        drop(free);
+        self.mm = MatmulScratch::default();
     }
 }
 
@@ -309,6 +344,10 @@ impl Backend for Fast<'_> {
     ) -> Result<&[f32], BackendError> {
         let m = self.model;
         super::check_inputs(&m.config, tokens, pos0, self.n_ctx)?;
+        if tokens.len() == 1 && self.last_tokens > 1 {
+            self.release_step_buffers();
+        }
+        self.last_tokens = tokens.len();
         let logits = arch::transformer::forward(m, self, tokens, pos0, step, sink);
         let nv = m.config.n_vocab;
         let logits = self.logits.insert(logits);
@@ -464,6 +503,23 @@ impl Ops for Fast<'_> {
         let mut out = self.take(width);
         out.copy_from_slice(&x[x.len() - width..]);
         out
+    }
+
+    fn rows(&mut self, x: &Buf, width: usize, r: std::ops::Range<usize>) -> Option<Buf> {
+        let mut out = self.take((r.end - r.start) * width);
+        out.copy_from_slice(&x[r.start * width..r.end * width]);
+        Some(out)
+    }
+
+    fn tap_rows(
+        &mut self,
+        sink: &mut dyn Sink,
+        key: TapKey,
+        shape: &[usize],
+        row0: usize,
+        x: &Buf,
+    ) {
+        sink.record_rows(key, shape, row0, x);
     }
 
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Buf) {

@@ -269,6 +269,88 @@ mod tests {
         }
     }
 
+    /// A prompt's logits made a slice of rows at a time (a sink that takes them so) are the
+    /// whole tensor's, bit for bit: the fast backend, the reference under every rounding it
+    /// emulates (an f16-accumulating and a Q8_K output projection among them), a weight-reading
+    /// bug at the output (a transposed lm_head), gemma2's final soft-cap; slices of 4 rows and
+    /// a last one shorter; the returned logits are the last row's either way.
+    #[test]
+    fn logits_made_in_rows_are_the_whole_tensor_s() {
+        use crate::backend::mutation::Mutation;
+        use crate::trace::{Sink, TapKey};
+        /// A MemorySink taking rows, counting the slices it is handed.
+        struct Slices(MemorySink, usize);
+        impl Sink for Slices {
+            fn wants(&self, k: &TapKey) -> bool {
+                self.0.wants(k)
+            }
+            fn record(&mut self, k: TapKey, shape: &[usize], d: &[f32]) {
+                self.0.record(k, shape, d)
+            }
+            fn row_slice(&self, k: &TapKey) -> Option<usize> {
+                self.0.row_slice(k)
+            }
+            fn record_rows(&mut self, k: TapKey, shape: &[usize], row0: usize, d: &[f32]) {
+                self.1 += 1;
+                self.0.record_rows(k, shape, row0, d)
+            }
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let prompt: Vec<u32> = (0..23).map(|i| 1 + (i * 37) % 200).collect();
+        for fixture in ["tiny-llama-q4_0", "tiny-gemma2-q8_0", "tiny-qwen2-q8_0"] {
+            let m = Model::open(root.join(format!("fixtures/{fixture}.gguf"))).unwrap();
+            let nv = m.config.n_vocab;
+            let names: Vec<String> = ["fast".to_string()]
+                .into_iter()
+                .chain(Emulation::ALL.iter().map(|e| format!("{e:?}")))
+                .chain(["transposed lm_head".to_string()])
+                .collect();
+            let make = |i: usize| -> Box<dyn Backend + '_> {
+                match i {
+                    0 => Box::new(Fast::new(&m, 64, 2)),
+                    i if i <= Emulation::ALL.len() => {
+                        Box::new(Reference::new(&m, Emulation::ALL[i - 1], 64))
+                    }
+                    _ => Box::new(
+                        Reference::new(&m, Emulation::GgmlCpu, 64)
+                            .with_mutation(Some(Mutation::TransposedLmHead)),
+                    ),
+                }
+            };
+            for (i, name) in names.iter().enumerate() {
+                let mut whole = MemorySink::new(TapFilter::all());
+                let last = make(i).forward(&prompt, 0, 0, &mut whole).unwrap().to_vec();
+                let mut sliced = Slices(MemorySink::new(TapFilter::all()).in_rows(4 * nv), 0);
+                let last_sliced = make(i)
+                    .forward(&prompt, 0, 0, &mut sliced)
+                    .unwrap()
+                    .to_vec();
+                let capped = m.config.final_softcap.is_some() as usize;
+                assert_eq!(
+                    sliced.1,
+                    6 * (1 + capped),
+                    "{fixture} {name}: 23 rows in 4s"
+                );
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&last), bits(&last_sliced), "{fixture} {name}");
+                assert_eq!(
+                    whole.tensors.keys().collect::<Vec<_>>(),
+                    sliced.0.tensors.keys().collect::<Vec<_>>(),
+                    "{fixture} {name}"
+                );
+                for (k, a) in &whole.tensors {
+                    let b = &sliced.0.tensors[k];
+                    assert_eq!(a.shape(), b.shape(), "{fixture} {name} {k}");
+                    assert_eq!(
+                        bits(a.as_slice().unwrap()),
+                        bits(b.as_slice().unwrap()),
+                        "{fixture} {name} {k}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Releasing each layer's pages as a forward leaves it (a model larger than memory) changes
     /// no bit of any tap, in the reference and the fast backend, prefill and decode.
     #[test]

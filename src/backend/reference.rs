@@ -1371,6 +1371,24 @@ impl Ops for Reference<'_> {
         x[x.len() - width..].to_vec()
     }
 
+    fn rows(&mut self, x: &Vec<f32>, width: usize, r: std::ops::Range<usize>) -> Option<Vec<f32>> {
+        Some(x[r.start * width..r.end * width].to_vec())
+    }
+
+    fn tap_rows(
+        &mut self,
+        sink: &mut dyn Sink,
+        key: TapKey,
+        shape: &[usize],
+        row0: usize,
+        x: &Vec<f32>,
+    ) {
+        self.layer_now = key.layer;
+        self.tap_now = Some(key.tap);
+        self.ropes_since_tap = 0;
+        sink.record_rows(key, shape, row0, x);
+    }
+
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Vec<f32>) {
         let (step, layer) = (key.step, key.layer);
         self.layer_now = layer;

@@ -82,14 +82,32 @@ struct Sums {
 /// additions waits on each add's latency); four fit SSE2's registers, six sums each.
 const LANES: usize = 4;
 
-impl Sums {
-    /// Finite tensors (nearly every comparison) summed in [`LANES`] interleaved partial sums,
-    /// added up at the end; where any value is NaN or Inf the general element-by-element path
-    /// runs instead. The order differs from [`Sums::of`] only in f64 rounding (relative 1e-16),
-    /// not in any zero: `see` is 0 exactly when every difference is.
-    fn of_slices(x: &[f32], y: &[f32]) -> Sums {
-        let (mut saa, mut sbb, mut sab) = ([0f64; LANES], [0f64; LANES], [0f64; LANES]);
-        let (mut see, mut sabs, mut max) = ([0f64; LANES], [0f64; LANES], [0f64; LANES]);
+/// The finite fast path's running state: [`LANES`] interleaved partial sums of each kind.
+#[derive(Clone, Copy, Default)]
+struct Lanes {
+    saa: [f64; LANES],
+    sbb: [f64; LANES],
+    sab: [f64; LANES],
+    see: [f64; LANES],
+    sabs: [f64; LANES],
+    max: [f64; LANES],
+}
+
+impl Lanes {
+    /// Go on summing `x`, `y`, element `i` into lane `i % LANES` (the lanes continue where the
+    /// last slice left them: slices whose lengths are multiples of [`LANES`] sum as one tensor
+    /// does). Returns whether every value was finite.
+    fn push(&mut self, x: &[f32], y: &[f32]) -> bool {
+        // A local copy, so that the sums stay in registers through the loop.
+        let mut lanes = *self;
+        let Lanes {
+            saa,
+            sbb,
+            sab,
+            see,
+            sabs,
+            max,
+        } = &mut lanes;
         // Exponent bits all set: NaN or Inf (checked once at the end, branch-free here).
         let mut non_finite = 0u32;
         let mut add = |l: usize, a: f32, b: f32| {
@@ -114,19 +132,97 @@ impl Sums {
         for (l, (&a, &b)) in xr.iter().zip(yr).enumerate() {
             add(l, a, b);
         }
-        if non_finite != 0 {
-            return Sums::of(x.iter().zip(y));
-        }
+        *self = lanes;
+        non_finite == 0
+    }
+
+    fn total(&self, n_finite: usize) -> Sums {
         let total = |v: [f64; LANES]| v.iter().sum::<f64>();
         Sums {
-            saa: total(saa),
-            sbb: total(sbb),
-            sab: total(sab),
-            see: total(see),
-            max_abs: max.iter().copied().fold(0.0, f64::max),
-            sum_abs: total(sabs),
-            n_finite: x.len(),
+            saa: total(self.saa),
+            sbb: total(self.sbb),
+            sab: total(self.sab),
+            see: total(self.see),
+            max_abs: self.max.iter().copied().fold(0.0, f64::max),
+            sum_abs: total(self.sabs),
+            n_finite,
             ..Sums::default()
+        }
+    }
+}
+
+/// [`metrics`] of a tensor handed over in slices, in order (a prompt's logits, computed and
+/// compared a slice of rows at a time, never held whole). Slices whose lengths are multiples
+/// of 4 give the metrics of the whole tensor bit for bit; a slice holding a NaN or an Inf is
+/// summed element by element and added to the rest (its counts exact, the sums' last bits
+/// may differ from the whole tensor's).
+#[derive(Default)]
+pub struct MetricsAcc {
+    lanes: Lanes,
+    finite_n: usize,
+    /// The slices with a non-finite value, summed element by element.
+    general: Option<Sums>,
+    n: usize,
+}
+
+impl MetricsAcc {
+    /// Add the next slice of the baseline (`a`) and the candidate (`b`), of equal lengths.
+    pub fn push(&mut self, a: &[f32], b: &[f32]) {
+        debug_assert_eq!(a.len(), b.len());
+        self.n += a.len();
+        let before = self.lanes;
+        if self.lanes.push(a, b) {
+            self.finite_n += a.len();
+            return;
+        }
+        self.lanes = before;
+        let s = Sums::of(a.iter().zip(b));
+        self.general = Some(match self.general.take() {
+            Some(g) => g.plus(s),
+            None => s,
+        });
+    }
+
+    pub fn finish(self) -> Metrics {
+        let lanes = self.lanes.total(self.finite_n);
+        let s = match self.general {
+            // Nothing finite-only was summed: the element-by-element sums alone, as a whole
+            // tensor holding a NaN is summed.
+            Some(g) if self.finite_n == 0 => g,
+            Some(g) => lanes.plus(g),
+            None => lanes,
+        };
+        s.metrics(self.n)
+    }
+}
+
+impl Sums {
+    /// Finite tensors (nearly every comparison) summed in [`LANES`] interleaved partial sums,
+    /// added up at the end; where any value is NaN or Inf the general element-by-element path
+    /// runs instead. The order differs from [`Sums::of`] only in f64 rounding (relative 1e-16),
+    /// not in any zero: `see` is 0 exactly when every difference is.
+    fn of_slices(x: &[f32], y: &[f32]) -> Sums {
+        let mut lanes = Lanes::default();
+        if !lanes.push(x, y) {
+            return Sums::of(x.iter().zip(y));
+        }
+        lanes.total(x.len())
+    }
+
+    fn plus(self, o: Sums) -> Sums {
+        Sums {
+            saa: self.saa + o.saa,
+            sbb: self.sbb + o.sbb,
+            sab: self.sab + o.sab,
+            see: self.see + o.see,
+            max_abs: self.max_abs.max(o.max_abs),
+            sum_abs: self.sum_abs + o.sum_abs,
+            nan_a: self.nan_a + o.nan_a,
+            nan_b: self.nan_b + o.nan_b,
+            inf_mismatch: self.inf_mismatch + o.inf_mismatch,
+            n_finite: self.n_finite + o.n_finite,
+            inf_a: self.inf_a + o.inf_a,
+            inf_b: self.inf_b + o.inf_b,
         }
     }
 
@@ -170,55 +266,62 @@ pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
         (Some(x), Some(y)) => Sums::of_slices(x, y),
         _ => Sums::of(a.iter().zip(b.iter())),
     };
-    let Sums {
-        saa,
-        sbb,
-        sab,
-        see,
-        max_abs,
-        sum_abs,
-        nan_a,
-        nan_b,
-        inf_mismatch,
-        n_finite,
-        inf_a,
-        inf_b,
-    } = s;
-    let nmse = if see == 0.0 {
-        0.0
-    } else if saa == 0.0 {
-        f64::INFINITY
-    } else {
-        see / saa
-    };
-    let cosine = if saa == 0.0 && sbb == 0.0 {
-        1.0
-    } else if saa == 0.0 || sbb == 0.0 {
-        0.0
-    } else {
-        sab / (saa.sqrt() * sbb.sqrt())
-    };
-    let sqnr_db = if see == 0.0 {
-        f64::INFINITY
-    } else {
-        10.0 * (saa / see).log10()
-    };
-    Metrics {
-        nmse,
-        cosine,
-        max_abs,
-        mean_abs: if n_finite > 0 {
-            sum_abs / n_finite as f64
-        } else {
+    s.metrics(a.len())
+}
+
+impl Sums {
+    /// The metrics of these sums over `n` values.
+    fn metrics(self, n: usize) -> Metrics {
+        let Sums {
+            saa,
+            sbb,
+            sab,
+            see,
+            max_abs,
+            sum_abs,
+            nan_a,
+            nan_b,
+            inf_mismatch,
+            n_finite,
+            inf_a,
+            inf_b,
+        } = self;
+        let nmse = if see == 0.0 {
             0.0
-        },
-        sqnr_db,
-        n: a.len(),
-        nan_a,
-        nan_b,
-        inf_mismatch,
-        inf_a,
-        inf_b,
+        } else if saa == 0.0 {
+            f64::INFINITY
+        } else {
+            see / saa
+        };
+        let cosine = if saa == 0.0 && sbb == 0.0 {
+            1.0
+        } else if saa == 0.0 || sbb == 0.0 {
+            0.0
+        } else {
+            sab / (saa.sqrt() * sbb.sqrt())
+        };
+        let sqnr_db = if see == 0.0 {
+            f64::INFINITY
+        } else {
+            10.0 * (saa / see).log10()
+        };
+        Metrics {
+            nmse,
+            cosine,
+            max_abs,
+            mean_abs: if n_finite > 0 {
+                sum_abs / n_finite as f64
+            } else {
+                0.0
+            },
+            sqnr_db,
+            n,
+            nan_a,
+            nan_b,
+            inf_mismatch,
+            inf_a,
+            inf_b,
+        }
     }
 }
 
@@ -272,6 +375,49 @@ mod tests {
 
     fn arr(v: &[f32]) -> ArrayD<f32> {
         ArrayD::from_shape_vec(IxDyn(&[v.len()]), v.to_vec()).unwrap()
+    }
+
+    /// Slices summed one after another (each but the last a multiple of 4 values long) give
+    /// the whole tensor's metrics bit for bit; one holding a NaN or an Inf gives its counts
+    /// exactly and its sums to f64 rounding.
+    #[test]
+    fn metrics_of_slices_are_the_whole_tensor_s() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+        };
+        let a: Vec<f32> = (0..1003).map(|_| next()).collect();
+        let b: Vec<f32> = a.iter().map(|v| v + next() * 1e-3).collect();
+        let whole = metrics(&arr(&a).view(), &arr(&b).view());
+        for cut in [4, 8, 100, 500, 1000, 1003] {
+            let mut acc = MetricsAcc::default();
+            for (x, y) in a.chunks(cut).zip(b.chunks(cut)) {
+                acc.push(x, y);
+            }
+            assert_eq!(acc.finish(), whole, "slices of {cut}");
+        }
+        let (mut an, mut bn) = (a.clone(), b.clone());
+        an[10] = f32::NAN;
+        bn[600] = f32::INFINITY;
+        let whole = metrics(&arr(&an).view(), &arr(&bn).view());
+        let mut acc = MetricsAcc::default();
+        for (x, y) in an.chunks(100).zip(bn.chunks(100)) {
+            acc.push(x, y);
+        }
+        let m = acc.finish();
+        assert_eq!(
+            (m.n, m.nan_a, m.nan_b, m.inf_a, m.inf_b, m.inf_mismatch),
+            (whole.n, 1, 0, 0, 1, 1)
+        );
+        assert!((m.nmse / whole.nmse - 1.0).abs() < 1e-12, "{m:?} {whole:?}");
+        assert_eq!(m.max_abs, whole.max_abs);
+        // One slice alone is the whole tensor, NaN or not.
+        let mut acc = MetricsAcc::default();
+        acc.push(&an, &bn);
+        assert_eq!(acc.finish(), whole);
     }
 
     #[test]

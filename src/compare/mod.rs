@@ -7,7 +7,7 @@ pub mod position;
 mod stream;
 pub mod tolerance;
 
-pub use metrics::{LogitStats, Metrics, logit_stats, metrics};
+pub use metrics::{LogitStats, Metrics, MetricsAcc, logit_stats, metrics};
 pub use stream::Streamed;
 pub use tolerance::{PairKind, gates, kld_threshold, nmse_threshold};
 
@@ -215,6 +215,46 @@ struct Measured {
     key: TapKey,
     metrics: Metrics,
     logits: Option<LogitStep>,
+}
+
+/// [`measure`] of a tap handed over a slice of rows at a time, in order, each beside the
+/// baseline's same rows (a prompt's logits, never held whole): the same [`Measured`] as the
+/// whole tensor's when each slice but the last holds a multiple of 4 values.
+pub(crate) struct RowsMeasured {
+    key: TapKey,
+    acc: metrics::MetricsAcc,
+    /// The logits' row width and each row's statistics so far.
+    logits: Option<(usize, Vec<LogitStats>)>,
+}
+
+impl RowsMeasured {
+    pub(crate) fn new(key: TapKey, row_width: usize) -> Self {
+        RowsMeasured {
+            key,
+            acc: Default::default(),
+            logits: (key.tap == Tap::Logits).then(|| (row_width.max(1), Vec::new())),
+        }
+    }
+
+    /// The next rows: the baseline's `a`, the candidate's `b`, whole rows of equal lengths.
+    pub(crate) fn push(&mut self, a: &[f32], b: &[f32]) {
+        self.acc.push(a, b);
+        if let Some((w, stats)) = &mut self.logits {
+            stats.extend(
+                a.chunks(*w)
+                    .zip(b.chunks(*w))
+                    .map(|(x, y)| logit_stats(x, y)),
+            );
+        }
+    }
+
+    fn finish(self) -> Measured {
+        Measured {
+            key: self.key,
+            metrics: self.acc.finish(),
+            logits: self.logits.map(|(_, s)| logit_step_of(self.key.step, &s)),
+        }
+    }
 }
 
 fn measure(key: TapKey, a: &ArrayD<f32>, b: ArrayViewD<f32>) -> Result<Measured, CompareError> {
@@ -554,6 +594,11 @@ fn logit_step(step: usize, a: &ndarray::ArrayD<f32>, b: &ndarray::ArrayViewD<f32
         .zip(vb.chunks(n_vocab))
         .map(|(x, y)| logit_stats(x, y))
         .collect();
+    logit_step_of(step, &stats)
+}
+
+/// The step's logit statistics from each row's.
+fn logit_step_of(step: usize, stats: &[LogitStats]) -> LogitStep {
     let rows = stats.len();
     LogitStep {
         step,

@@ -5,8 +5,8 @@
 //! from. The result is `compare`'s on the whole trace, field for field.
 
 use super::{
-    CompareError, CompareOptions, Comparison, Measured, assemble, depth_of, first_token_mismatch,
-    judged, measure, same_model,
+    CompareError, CompareOptions, Comparison, Measured, RowsMeasured, assemble, depth_of,
+    first_token_mismatch, judged, measure, same_model,
 };
 use crate::trace::{ModelRef, Producer, Sink, StepInfo, Tap, TapFilter, TapKey, Trace};
 use ndarray::{ArrayD, ArrayViewD, IxDyn};
@@ -24,7 +24,20 @@ pub struct Streamed<'b> {
     kept: BTreeMap<TapKey, ArrayD<f32>>,
     first_out: Option<TapKey>,
     error: Option<CompareError>,
+    /// The tap coming in rows (`Sink::row_slice`).
+    partial: Option<Partial>,
 }
+
+/// A tap handed over in slices of rows: measured a slice at a time against the baseline's
+/// same rows. Its values are kept while they fit [`KEEP_VALUES`] (the diagnosis reads the
+/// first tap out of its threshold; past that it reads the metrics alone).
+struct Partial {
+    rows: RowsMeasured,
+    kept: Option<Vec<f32>>,
+}
+
+/// The most values of a tap handed over in rows kept for a diagnosis (64 MB of f32).
+const KEEP_VALUES: usize = 1 << 24;
 
 impl<'b> Streamed<'b> {
     /// Compares what a pass recording `filter` records against `base`.
@@ -40,6 +53,7 @@ impl<'b> Streamed<'b> {
             kept: BTreeMap::new(),
             first_out: None,
             error: None,
+            partial: None,
         }
     }
 
@@ -65,13 +79,35 @@ impl<'b> Streamed<'b> {
     }
 
     fn measure(&mut self, key: TapKey, b: ArrayViewD<f32>) -> Result<bool, CompareError> {
-        let Some(a) = self.base.get(&key)? else {
+        let Some(a) = self.base.get_once(&key)? else {
             return Ok(false);
         };
         let m = measure(key, &a, b)?;
+        Ok(self.enter(m))
+    }
+
+    /// Enter a measured tap; whether it is out of its threshold.
+    fn enter(&mut self, m: Measured) -> bool {
+        let key = m.key;
         let (_, _, pass) = judged(&self.opt, &key, &m.metrics, self.depth);
         self.measured.insert(key, m);
-        Ok(!pass)
+        !pass
+    }
+
+    /// Keep `key`'s tensor if it is the earliest out of its threshold so far (graph order:
+    /// taps arrive step by step but not always in graph order within one); `None` where it
+    /// was not kept whole.
+    fn keep_if_first(&mut self, key: TapKey, tensor: Option<ArrayD<f32>>) {
+        if self.first_out.is_none_or(|f| key < f) {
+            if let Some(f) = self.first_out.replace(key)
+                && f.tap != Tap::Embd
+            {
+                self.kept.remove(&f);
+            }
+            if let Some(t) = tensor {
+                self.kept.insert(key, t);
+            }
+        }
     }
 }
 
@@ -93,18 +129,73 @@ impl Sink for Streamed<'_> {
                 return;
             }
         };
-        // Taps arrive step by step but not always in graph order within one: the earliest
-        // key out so far is the one kept.
-        if out && self.first_out.is_none_or(|f| key < f) {
-            if let Some(f) = self.first_out.replace(key)
-                && f.tap != Tap::Embd
-            {
-                self.kept.remove(&f);
-            }
-            self.kept.insert(key, b.to_owned());
+        if out {
+            self.keep_if_first(key, Some(b.to_owned()));
         }
         if key.tap == Tap::Embd {
             self.kept.insert(key, b.to_owned());
+        }
+    }
+
+    /// The logits: measured a slice of rows at a time.
+    fn row_slice(&self, key: &TapKey) -> Option<usize> {
+        (key.tap == Tap::Logits && self.filter.matches(key)).then(crate::trace::row_slice_values)
+    }
+
+    fn record_rows(&mut self, key: TapKey, shape: &[usize], row0: usize, data: &[f32]) {
+        let t = shape.first().copied().unwrap_or(1);
+        let width = shape.iter().skip(1).product::<usize>().max(1);
+        let n = data.len() / width;
+        if row0 == 0 {
+            self.shapes.insert(key, shape.to_vec());
+            self.partial = Some(Partial {
+                rows: RowsMeasured::new(key, width),
+                kept: Some(Vec::new()),
+            });
+        }
+        // A baseline holding the tap in another shape (`[T·n]`) is compared whole, as
+        // `compare` reads it: the slices put together first.
+        let aligned = self
+            .base
+            .shape(&key)
+            .is_some_and(|s| s.first() == Some(&t) && s.iter().product::<usize>() == t * width);
+        let Some(p) = self.partial.as_mut() else {
+            return;
+        };
+        if self.error.is_none() && self.base.contains(&key) {
+            if aligned {
+                match self.base.get_rows(&key, row0..row0 + n) {
+                    Ok(Some(a)) if a.len() == data.len() => p.rows.push(&a, data),
+                    Ok(_) => {}
+                    Err(e) => self.error = Some(e.into()),
+                }
+            }
+            p.kept = p
+                .kept
+                .take()
+                .filter(|k| !aligned || k.len() + data.len() <= KEEP_VALUES)
+                .map(|mut k| {
+                    k.extend_from_slice(data);
+                    k
+                });
+        }
+        if row0 + n < t {
+            return;
+        }
+        let Partial { rows, kept } = self.partial.take().expect("taken above");
+        if self.error.is_some() || !self.base.contains(&key) {
+            return;
+        }
+        let whole = kept.map(|k| ArrayD::from_shape_vec(IxDyn(shape), k).expect("whole rows"));
+        if !aligned {
+            return self.record(
+                key,
+                shape,
+                whole.expect("kept whole").as_slice().expect("own"),
+            );
+        }
+        if self.enter(rows.finish()) {
+            self.keep_if_first(key, whole);
         }
     }
 }

@@ -91,10 +91,13 @@ pub enum GgufError {
     Invalid(String),
 }
 
-/// Where the file's bytes live: a read-only memory map, or an owned buffer (tests, fuzzing).
+/// Where the file's bytes live: a read-only memory map, or an owned buffer (tests, fuzzing);
+/// shared by the file's copies (the judge's model variants read the one map: a second map of
+/// the same file counts its pages twice in the process's resident size).
+#[derive(Clone)]
 enum Storage {
-    Mmap(memmap2::Mmap),
-    Owned(Vec<u8>),
+    Mmap(std::sync::Arc<memmap2::Mmap>),
+    Owned(std::sync::Arc<Vec<u8>>),
 }
 
 impl std::ops::Deref for Storage {
@@ -134,6 +137,7 @@ impl TensorInfo {
     }
 }
 
+#[derive(Clone)]
 pub struct GgufFile {
     path: PathBuf,
     data: Storage,
@@ -269,12 +273,12 @@ impl GgufFile {
         // SAFETY: the map is read-only; like every mmap reader we assume the file is not
         // truncated underneath us while open.
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        Self::parse(path.to_path_buf(), Storage::Mmap(mmap))
+        Self::parse(path.to_path_buf(), Storage::Mmap(mmap.into()))
     }
 
     /// Parse a GGUF image held in memory (tests, fuzzing).
     pub fn from_bytes(bytes: Vec<u8>) -> Result<GgufFile, GgufError> {
-        Self::parse(PathBuf::from("<memory>"), Storage::Owned(bytes))
+        Self::parse(PathBuf::from("<memory>"), Storage::Owned(bytes.into()))
     }
 
     fn parse(path: PathBuf, data: Storage) -> Result<GgufFile, GgufError> {

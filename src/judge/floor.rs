@@ -20,9 +20,8 @@ use crate::backend::kvcache::KvCache;
 use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
-use std::collections::BTreeSet;
 
-pub use super::span::span;
+pub use super::span::{SpanOps, span};
 
 /// What kind of arithmetic an op does (its floor).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -194,12 +193,12 @@ impl Floors {
     }
 
     /// The floor of a key whose recomputation is `span`.
-    pub fn key(&self, k: &TapKey, span: &BTreeSet<TapKey>) -> f64 {
-        if span.len() <= 1 {
+    pub fn key(&self, k: &TapKey, span: &SpanOps) -> f64 {
+        if span.len <= 1 {
             return self.op(k.tap);
         }
-        let ops = span.iter().map(|x| self.op(x.tap)).fold(0.0f64, f64::max);
-        let has_mm = span.iter().any(|x| class(x.tap) == OpClass::Matmul);
+        let ops = span.taps.iter().map(|&t| self.op(t)).fold(0.0f64, f64::max);
+        let has_mm = span.taps.iter().any(|&t| class(t) == OpClass::Matmul);
         // A span's noise is its ops' noise carried through (each floor already sits 10× or
         // more above what a correct engine shows), plus flips where it rounds activations.
         let mut f = ops;

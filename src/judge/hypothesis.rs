@@ -8,7 +8,7 @@
 //! one. Text heuristics (`compare::diagnose`) are used only when nothing reproduces it, and
 //! say so.
 
-use super::floor::{Floors, OpClass, class, span};
+use super::floor::{Floors, OpClass, SpanOps, class, span};
 use super::layout::Layout;
 use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::rounding;
@@ -92,6 +92,10 @@ struct Experiments {
 /// these names; `fit_scales`: `k` is a flagged key, not a check under the floor — an output
 /// scale is fitted too, and each knob's fit searches near the model's value and between the
 /// walk's points, `fit`'s `near`).
+/// The widest activation (rows × width) a replay may hold for hypotheses to be replayed side
+/// by side (4 MB of f32: a fixture's, a long prompt's cut to its first rows).
+const PARALLEL_REPLAY_VALUES: usize = 1 << 20;
+
 #[allow(clippy::too_many_arguments)]
 fn experiments(
     model: &Model,
@@ -130,7 +134,9 @@ fn experiments(
         // where a mask's remainder block starts (row W of the step; one block past the step
         // when it is row 0).
         let first = match plain.kept.get(&k) {
-            Some(ours) => super::position::first_at(cand, &k, ours, floors.key(&k, &sp))?,
+            Some(ours) => {
+                super::position::first_at(cand, &k, ours, floors.key(&k, &SpanOps::of(&sp)))?
+            }
             None => None,
         };
         let steps = crate::trace::step_shapes(cand.trace);
@@ -172,8 +178,8 @@ fn experiments(
             .collect();
         hyps.retain(|h| only.is_none_or(|o| o.contains(&h.name)));
         let own = plain.metrics.get(&k).map(|m| m.nmse);
-        // Each hypothesis on its own thread (rayon): a one-layer replay of a few rows keeps
-        // two cores only half busy, and the hypotheses are independent.
+        // Each hypothesis on its own thread (rayon) where replays are small: a one-layer replay
+        // of a few rows keeps two cores only half busy, and the hypotheses are independent.
         let each = |h: Hypothesis| -> Result<(Hypothesis, Setup, Option<f64>), JudgeError> {
             let r = replay(model, cand, &h.setup, &BTreeSet::new())?;
             let Some(mut best) = r.metrics.get(&k).map(|m| m.nmse) else {
@@ -214,10 +220,28 @@ fn experiments(
             }
             Ok((h, setup, Some(best)))
         };
-        let done: Vec<_> = hyps
-            .into_par_iter()
-            .map(each)
-            .collect::<Result<_, JudgeError>>()?;
+        // A replay of many rows is parallel inside (its matmuls) and holds its steps'
+        // activations: the hypotheses then run one after another, or rayon's work stealing
+        // nests them (six replays at once seen on two cores, 360 MB at a 2,048-token prompt).
+        let rows_replayed = rows.unwrap_or_else(|| {
+            let steps = crate::trace::step_shapes(cand.trace);
+            steps
+                .iter()
+                .filter(|s| s.0 <= k.step)
+                .map(|s| s.2)
+                .max()
+                .unwrap_or(1)
+        });
+        let c = &model.config;
+        let done: Vec<_> = if rows_replayed * c.n_ff.max(c.n_embd) > PARALLEL_REPLAY_VALUES {
+            hyps.into_iter()
+                .map(each)
+                .collect::<Result<_, JudgeError>>()?
+        } else {
+            hyps.into_par_iter()
+                .map(each)
+                .collect::<Result<_, JudgeError>>()?
+        };
         for (h, setup, best) in done {
             setups.insert(h.name.clone(), setup);
             if let Some(best) = best {

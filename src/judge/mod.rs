@@ -35,7 +35,7 @@ use layout::Layout;
 use replay::{Candidate, KvCache, Setup, Window, replay};
 pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name, short};
 use serde::Serialize;
-use span::span;
+use span::{SpanOps, span};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -432,8 +432,11 @@ fn judge_once(
             .flat_map(|s| s.positions.iter().copied())
             .max()
             .unwrap_or(0);
-        let spans: Vec<(TapKey, BTreeSet<TapKey>)> =
-            rep.metrics.keys().map(|k| (*k, span(&cand, k))).collect();
+        let spans: Vec<(TapKey, SpanOps)> = rep
+            .metrics
+            .keys()
+            .map(|k| (*k, SpanOps::of(&span(&cand, k))))
+            .collect();
         // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
         // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
         // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
@@ -651,18 +654,18 @@ fn place(
 /// cache's emulation flips values an f32 cache's fit shows).
 fn with_trace_noise(
     mut floors: Floors,
-    spans: &[(TapKey, BTreeSet<TapKey>)],
+    spans: &[(TapKey, SpanOps)],
     rep: &replay::Replay,
     f32_fit: Option<f64>,
 ) -> Floors {
     let own_mm: Vec<f64> = spans
         .iter()
-        .filter(|(k, s)| s.len() == 1 && class(k.tap) == OpClass::Matmul)
+        .filter(|(k, s)| s.len == 1 && class(k.tap) == OpClass::Matmul)
         .map(|(k, _)| rep.metrics[k].nmse)
         .collect();
     let span_mm: Vec<f64> = spans
         .iter()
-        .filter(|(_, s)| s.len() > 1 && s.iter().any(|x| class(x.tap) == OpClass::Matmul))
+        .filter(|(_, s)| s.len > 1 && s.taps.iter().any(|&t| class(t) == OpClass::Matmul))
         .map(|(k, _)| rep.metrics[k].nmse)
         .collect();
     floors.mm_median_own = median(own_mm);
@@ -675,11 +678,7 @@ fn with_trace_noise(
 
 /// Each key's own error against its floor (a tensor the engine stored in f16 never under
 /// f16's step), in graph order.
-fn op_results(
-    spans: &[(TapKey, BTreeSet<TapKey>)],
-    rep: &replay::Replay,
-    floors: &Floors,
-) -> Vec<OpResult> {
+fn op_results(spans: &[(TapKey, SpanOps)], rep: &replay::Replay, floors: &Floors) -> Vec<OpResult> {
     spans
         .iter()
         .map(|(k, s)| {
@@ -696,7 +695,7 @@ fn op_results(
                 metrics: *m,
                 floor: fl,
                 pass: !m.non_finite_failure() && m.nmse <= fl,
-                span_ops: s.len(),
+                span_ops: s.len,
                 class: class(k.tap),
                 f16_storage: f16,
                 ambiguous: false,

@@ -12,8 +12,7 @@ use super::JudgeError;
 use super::layout::{Layout, is_head_tap};
 use crate::backend::mutation::Mutation;
 use crate::backend::{Backend, Emulation, Reference};
-use crate::compare::{Metrics, metrics};
-use crate::gguf::GgufFile;
+use crate::compare::{Metrics, MetricsAcc, metrics};
 use crate::model::{Config, Model};
 use crate::trace::{Sink, StepInfo, Tap, TapKey, Trace};
 use ndarray::ArrayViewD;
@@ -83,12 +82,39 @@ impl<'t> Candidate<'t> {
                 want,
             });
         }
-        // A trace's arrays are row-major: copied as one slice (ndarray's general iterator
-        // cost more than the judge's arithmetic on them).
-        Ok(Some(match a.as_slice() {
-            Some(s) => s.to_vec(),
-            None => a.iter().copied().collect(),
+        // A trace's arrays are row-major: their own vector, not a copy (a prompt's logits are
+        // hundreds of MB); ndarray's general iterator otherwise.
+        Ok(Some(if a.is_standard_layout() {
+            let (v, offset) = a.into_raw_vec_and_offset();
+            match offset {
+                Some(0) | None => v,
+                Some(o) => v[o..o + want].to_vec(),
+            }
+        } else {
+            a.iter().copied().collect()
         }))
+    }
+
+    /// Whether `k` can be read a slice of rows at a time ([`Candidate::rows`]): stored in
+    /// canonical order, rows on its first axis as the step's token count.
+    pub fn in_rows(&self, k: &TapKey) -> bool {
+        let (Some(dims), Some(shape)) = (self.dims(k), self.trace.shape(k)) else {
+            return false;
+        };
+        self.layouts
+            .get(&k.tap)
+            .is_none_or(|l| *l == Layout::Canonical)
+            && shape.first() == Some(&dims[0])
+            && shape.iter().product::<usize>() == dims.iter().product::<usize>()
+    }
+
+    /// Rows `rows` of `k`, where [`Candidate::in_rows`].
+    pub fn rows(
+        &self,
+        k: &TapKey,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<f32>>, JudgeError> {
+        Ok(self.trace.get_rows(k, rows)?)
     }
 
     /// The tensor in canonical order (a declared layout undone).
@@ -378,13 +404,8 @@ pub struct Replay {
 
 /// A copy of `model` with `Setup`'s hyperparameters and only the window's layers.
 fn variant(model: &Model, s: &Setup) -> Result<Model, JudgeError> {
-    let f = &model.file;
-    let file = if f.path().as_os_str().is_empty() || !f.path().exists() {
-        GgufFile::from_bytes(f.bytes().to_vec())?
-    } else {
-        GgufFile::open(f.path())?
-    };
-    let mut m = Model::from_gguf(file)?;
+    // The same bytes (one map), not the file opened and parsed again.
+    let mut m = Model::from_gguf(model.file.clone())?;
     if let Some((k, v)) = s.knob {
         k.set(&mut m.config, v);
     }
@@ -495,6 +516,7 @@ fn replay_core(
         cut,
         jitter: setup.jitter,
         error: None,
+        rows: None,
     };
     let mut sink = new_sink();
     let run = |b: &mut Reference, s: &StepInfo, sink: &mut JudgeSink| {
@@ -558,6 +580,9 @@ struct JudgeSink<'a, 't> {
     cut: Option<(usize, usize, usize)>,
     jitter: Option<u64>,
     error: Option<JudgeError>,
+    /// The logits coming in rows: their metrics so far, and whether every value of the
+    /// candidate's / the reference's rows so far was f16-exact.
+    rows: Option<(MetricsAcc, bool, bool)>,
 }
 
 impl JudgeSink<'_, '_> {
@@ -649,6 +674,51 @@ impl Sink for JudgeSink<'_, '_> {
 
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         self.replace(key, data)
+    }
+
+    /// The logits of a step not cut, kept or scaled, stored in rows (the forward then never
+    /// makes a prompt's logits whole, nor reads the candidate's whole).
+    fn row_slice(&self, key: &TapKey) -> Option<usize> {
+        let rows = key.tap == Tap::Logits
+            && self.wants(key)
+            && self.map(key).is_some_and(|k| {
+                !self.keep.contains(&k)
+                    && self.cut.is_none_or(|(step, _, _)| step != k.step)
+                    && self.scale.is_none_or(|(t, _, _)| t != k.tap)
+                    && self.cand.in_rows(&k)
+            });
+        rows.then(crate::trace::row_slice_values)
+    }
+
+    fn record_rows(&mut self, key: TapKey, shape: &[usize], row0: usize, data: &[f32]) {
+        let Some(k) = self.map(&key) else { return };
+        if row0 == 0 {
+            self.rows = None;
+        }
+        let (acc, c_f16, d_f16) = self
+            .rows
+            .get_or_insert_with(|| (MetricsAcc::default(), true, true));
+        if self.error.is_some() {
+            return;
+        }
+        let width = shape.iter().skip(1).product::<usize>().max(1);
+        let n = data.len() / width;
+        let c = match self.cand.rows(&k, row0..row0 + n) {
+            Ok(Some(c)) => c,
+            Ok(None) => return,
+            Err(e) => return self.fail(e),
+        };
+        acc.push(data, &c);
+        let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
+        *c_f16 &= f16_exact(&c);
+        *d_f16 &= f16_exact(data);
+        if row0 + n == shape[0] {
+            let (acc, c_f16, d_f16) = self.rows.take().expect("taken above");
+            self.out.metrics.insert(k, acc.finish());
+            if c_f16 && !d_f16 {
+                self.out.f16_storage.insert(k);
+            }
+        }
     }
 }
 

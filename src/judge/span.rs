@@ -4,8 +4,26 @@
 //! This decides the granularity of every verdict (op, layer, multi-layer).
 
 use super::replay::Candidate;
-use crate::trace::TapKey;
+use crate::trace::{Tap, TapKey};
 use std::collections::BTreeSet;
+
+/// What the floors read of a span: how many ops it holds and which taps they are. A long
+/// trace judges thousands of keys whose spans each hold a decode step's cache writes of every
+/// earlier step (a 2,048-token scan's span sets took 180 MB kept whole).
+#[derive(Clone, Debug, Default)]
+pub struct SpanOps {
+    pub len: usize,
+    pub taps: BTreeSet<Tap>,
+}
+
+impl SpanOps {
+    pub fn of(span: &BTreeSet<TapKey>) -> SpanOps {
+        SpanOps {
+            len: span.len(),
+            taps: span.iter().map(|x| x.tap).collect(),
+        }
+    }
+}
 
 /// The ops recomputed to reproduce `k` from the candidate's own taps: `k`'s op and, for each
 /// input the candidate did not dump, that input's span. `{k}` when `k` is judged on its own.

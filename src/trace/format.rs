@@ -195,8 +195,26 @@ impl Trace {
         self.keys.contains_key(key)
     }
 
+    /// The shape a tensor is listed with (None if the trace does not have it).
+    pub fn shape(&self, key: &TapKey) -> Option<&[usize]> {
+        self.keys
+            .get(key)
+            .map(|&i| self.manifest.tensors[i].shape.as_slice())
+    }
+
     /// Read one tensor (None if the trace does not have it).
     pub fn get(&self, key: &TapKey) -> Result<Option<ArrayD<f32>>, TraceError> {
+        self.read(key, true)
+    }
+
+    /// [`Trace::get`] for a tensor read once (a comparison made as the candidate records): not
+    /// entered in the read cache, whose 64 MB would otherwise hold the first tensors read for
+    /// the rest of the run.
+    pub fn get_once(&self, key: &TapKey) -> Result<Option<ArrayD<f32>>, TraceError> {
+        self.read(key, false)
+    }
+
+    fn read(&self, key: &TapKey, cache: bool) -> Result<Option<ArrayD<f32>>, TraceError> {
         let Some(&i) = self.keys.get(key) else {
             return Ok(None);
         };
@@ -222,11 +240,49 @@ impl Trace {
         };
         let mut c = self.cached();
         let size = a.len() * 4;
-        if c.bytes + size <= c.budget && !c.tensors.contains_key(&i) {
+        if cache && c.bytes + size <= c.budget && !c.tensors.contains_key(&i) {
             c.bytes += size;
             c.tensors.insert(i, a.clone());
         }
         Ok(Some(a))
+    }
+
+    /// Rows `rows` of one tensor's first axis, in standard order, read without the rest of it
+    /// where it is on disk (a prompt's logits compared a slice at a time: a 2,048-row prompt's
+    /// are 262 MB) and not kept in the read cache. None if the trace does not have it.
+    pub fn get_rows(
+        &self,
+        key: &TapKey,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<f32>>, TraceError> {
+        let Some(&i) = self.keys.get(key) else {
+            return Ok(None);
+        };
+        let e = &self.manifest.tensors[i];
+        let t = e.shape.first().copied().unwrap_or(1);
+        let per_row: usize = e.shape.iter().skip(1).product();
+        if rows.start > rows.end || rows.end > t {
+            return Err(TraceError::BadTensor {
+                path: short(&e.file),
+                what: format!("rows {}..{} asked of a tensor of {t}", rows.start, rows.end),
+            });
+        }
+        let slice = |a: &ArrayD<f32>| {
+            let a = a.as_standard_layout();
+            let v = a.as_slice().expect("standard layout");
+            v[rows.start * per_row..rows.end * per_row].to_vec()
+        };
+        if let Source::Memory(m) = &self.source {
+            return Ok(m.get(key).map(slice));
+        }
+        if let Some(a) = self.cached().tensors.get(&i) {
+            return Ok(Some(slice(a)));
+        }
+        match &self.source {
+            Source::Dir { dir, root } => read_tap_rows(dir, root, e, rows, per_row).map(Some),
+            // An archive is mapped whole already (a wasm engine's, small).
+            _ => Ok(self.get(key)?.as_ref().map(slice)),
+        }
     }
 
     /// The read cache (a poisoned lock only means a reader panicked: the map is still whole).
@@ -558,6 +614,50 @@ fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, Tra
     } else {
         ArrayD::from_shape_vec(IxDyn(&shape), data).map_err(|x| bad(x.to_string()))
     }
+}
+
+/// [`read_tap`]'s checks, then rows `rows` alone (`per_row` values each) read and decoded; a
+/// Fortran-ordered file, whose rows are not contiguous, is read whole and sliced.
+fn read_tap_rows(
+    dir: &Path,
+    root: &Path,
+    e: &TensorEntry,
+    rows: std::ops::Range<usize>,
+    per_row: usize,
+) -> Result<Vec<f32>, TraceError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let path = dir.join(&e.file);
+    let bad = |what: String| TraceError::BadTensor {
+        path: path.display().to_string(),
+        what,
+    };
+    let mut f = super::open::open_inside(root, Path::new(&e.file)).map_err(io_err(&path))?;
+    let len = f.metadata().map_err(io_err(&path))?.len();
+    let h = npy::read_header(&mut (&mut f).take(len)).map_err(bad)?;
+    npy::check_payload(&h, &e.shape, len.saturating_sub(h.data_offset)).map_err(bad)?;
+    if h.fortran_order {
+        let a = read_tap(dir, root, e)?;
+        let v = a.as_slice().expect("standard layout");
+        return Ok(v[rows.start * per_row..rows.end * per_row].to_vec());
+    }
+    // Within the payload whose size was just checked: no overflow, no read past it.
+    let row_bytes = (per_row * h.dtype.size) as u64;
+    f.seek(SeekFrom::Start(
+        h.data_offset + rows.start as u64 * row_bytes,
+    ))
+    .map_err(io_err(&path))?;
+    let n = (rows.end - rows.start) * per_row;
+    let mut bytes = vec![0u8; n * h.dtype.size];
+    f.read_exact(&mut bytes).map_err(|err| {
+        if err.kind() == std::io::ErrorKind::UnexpectedEof {
+            bad("truncated while read (the file shrank under its data)".into())
+        } else {
+            io_err(&path)(err)
+        }
+    })?;
+    let mut data = Vec::with_capacity(n);
+    npy::decode_piece(h.dtype, &bytes, &mut data);
+    Ok(data)
 }
 
 /// A sink that streams wanted taps straight to a trace folder (low memory for big models).

@@ -37,11 +37,44 @@ pub trait Sink {
     fn replays(&self, _key: &TapKey) -> bool {
         false
     }
+    /// Whether this sink takes `key` a slice of rows at a time through
+    /// [`Sink::record_rows`], and at most how many values a slice: the forward then computes
+    /// a prompt's logits a slice of rows at a time and never holds them whole. Such a tap is
+    /// not substituted. Default: None (whole).
+    fn row_slice(&self, _key: &TapKey) -> Option<usize> {
+        None
+    }
+    /// Rows `row0..` of the tap `key` whose whole shape is `shape` (rows on its first axis):
+    /// the slices come in order, the last one ending at `shape[0]`. Called only where
+    /// [`Sink::row_slice`] says so.
+    fn record_rows(&mut self, key: TapKey, _shape: &[usize], _row0: usize, _data: &[f32]) {
+        unreachable!("{key} handed over in rows to a sink that does not take them")
+    }
     /// Member `i`'s own sink, for a sink made of one per member of a lockstep run
     /// (`backend::lockstep::Fanout`). Default: none.
     fn member(&mut self, _i: usize) -> Option<&mut dyn Sink> {
         None
     }
+}
+
+/// Values per slice of a tap handed over in rows (16 MB of f32): a 2,048-row prompt's
+/// 32,000-wide logits are made and compared 128 rows at a time. `PARITY_ROW_SLICE_VALUES`
+/// sets another size (the tests' way to cut a fixture's logits into many slices).
+pub fn row_slice_values() -> usize {
+    static VALUES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *VALUES.get_or_init(|| {
+        std::env::var("PARITY_ROW_SLICE_VALUES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1 << 22)
+    })
+}
+
+/// Rows per slice of at most `values` values for rows `row_width` wide: a multiple of 4, so
+/// that every slice but the last holds a multiple of 4 values (their metrics then sum as the
+/// whole tensor's), at least 4.
+pub fn rows_per_slice(values: usize, row_width: usize) -> usize {
+    (values / row_width.max(1) / 4 * 4).max(4)
 }
 
 /// Record `data` under `(step, layer, tap)` if the sink wants it.
@@ -191,13 +224,25 @@ impl TapFilter {
 pub struct MemorySink {
     pub filter: TapFilter,
     pub tensors: BTreeMap<TapKey, ArrayD<f32>>,
+    /// Takes the logits in slices of at most this many values, put together here per tap
+    /// (a soft-capped model's two logits taps come interleaved) (`in_rows`).
+    rows: Option<(usize, BTreeMap<TapKey, Vec<f32>>)>,
 }
 
 impl MemorySink {
     pub fn new(filter: TapFilter) -> Self {
         MemorySink {
             filter,
-            tensors: BTreeMap::new(),
+            ..Default::default()
+        }
+    }
+
+    /// This sink taking the logits in slices of at most `values` values (what a forward
+    /// computing them a slice of rows at a time hands over), whole tensors kept as ever.
+    pub fn in_rows(self, values: usize) -> Self {
+        MemorySink {
+            rows: Some((values, BTreeMap::new())),
+            ..self
         }
     }
 }
@@ -209,6 +254,23 @@ impl Sink for MemorySink {
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
         let a = ArrayD::from_shape_vec(IxDyn(shape), data.to_vec()).expect("shape matches data");
         self.tensors.insert(key, a);
+    }
+    fn row_slice(&self, key: &TapKey) -> Option<usize> {
+        let (values, _) = self.rows.as_ref()?;
+        matches!(key.tap, Tap::Logits | Tap::LogitsUncapped).then_some(*values)
+    }
+    fn record_rows(&mut self, key: TapKey, shape: &[usize], row0: usize, data: &[f32]) {
+        let (_, parts) = self.rows.as_mut().expect("takes rows");
+        let whole = parts.entry(key).or_default();
+        if row0 == 0 {
+            whole.clear();
+        }
+        whole.extend_from_slice(data);
+        if whole.len() == shape.iter().product::<usize>() {
+            let data = parts.remove(&key).expect("entered above");
+            let a = ArrayD::from_shape_vec(IxDyn(shape), data).expect("shape matches data");
+            self.tensors.insert(key, a);
+        }
     }
 }
 
