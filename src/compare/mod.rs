@@ -192,11 +192,47 @@ pub fn compare(
     let cut = token_mismatch.as_ref().map_or(usize::MAX, |m| m.step);
     let mut measured = Vec::new();
     for key in base.keys().filter(|k| k.step < cut && cand.contains(k)) {
+        if let Some(m) = measure_in_rows(base, cand, *key)? {
+            measured.push(m);
+            continue;
+        }
         let a = base.get(key)?.expect("listed");
         let b = cand.get(key)?.expect("listed");
         measured.push(measure(*key, &a, b.view())?);
     }
     assemble(base, cand, opt, token_mismatch, measured)
+}
+
+/// A tensor larger than a slice (`trace::row_slice_values`: a long prompt's logits), of one
+/// shape in both traces, measured a slice of rows at a time, read from each without the rest
+/// (the same metrics as whole); None for the rest.
+fn measure_in_rows(
+    base: &Trace,
+    cand: &Trace,
+    key: TapKey,
+) -> Result<Option<Measured>, CompareError> {
+    let (Some(shape), Some(other)) = (base.shape(&key), cand.shape(&key)) else {
+        return Ok(None);
+    };
+    let values = crate::trace::row_slice_values();
+    let total: usize = shape.iter().product();
+    // Rows lead a tensor of two axes or more (a 1-d one is compared whole).
+    let (Some(&t), true) = (shape.first(), shape == other && shape.len() >= 2) else {
+        return Ok(None);
+    };
+    let width = total / t.max(1);
+    let slice = crate::trace::rows_per_slice(values, width);
+    if total <= values || t <= slice {
+        return Ok(None);
+    }
+    let mut m = RowsMeasured::new(key, width);
+    for r0 in (0..t).step_by(slice) {
+        let rows = r0..(r0 + slice).min(t);
+        let a = base.get_rows(&key, rows.clone())?.expect("listed");
+        let b = cand.get_rows(&key, rows)?.expect("listed");
+        m.push(&a, &b);
+    }
+    Ok(Some(m.finish()))
 }
 
 fn same_model(base: &Trace, cand: &Trace, opt: &CompareOptions) -> Result<(), CompareError> {

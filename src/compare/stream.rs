@@ -29,8 +29,8 @@ pub struct Streamed<'b> {
 }
 
 /// A tap handed over in slices of rows: measured a slice at a time against the baseline's
-/// same rows. Its values are kept while they fit [`KEEP_VALUES`] (the diagnosis reads the
-/// first tap out of its threshold; past that it reads the metrics alone).
+/// same rows. Its values are kept where the whole tensor fits [`KEEP_VALUES`] (the diagnosis
+/// reads the first tap out of its threshold; past that it reads the metrics alone).
 struct Partial {
     rows: RowsMeasured,
     kept: Option<Vec<f32>>,
@@ -146,19 +146,20 @@ impl Sink for Streamed<'_> {
         let t = shape.first().copied().unwrap_or(1);
         let width = shape.iter().skip(1).product::<usize>().max(1);
         let n = data.len() / width;
-        if row0 == 0 {
-            self.shapes.insert(key, shape.to_vec());
-            self.partial = Some(Partial {
-                rows: RowsMeasured::new(key, width),
-                kept: Some(Vec::new()),
-            });
-        }
         // A baseline holding the tap in another shape (`[T·n]`) is compared whole, as
         // `compare` reads it: the slices put together first.
         let aligned = self
             .base
             .shape(&key)
             .is_some_and(|s| s.first() == Some(&t) && s.iter().product::<usize>() == t * width);
+        if row0 == 0 {
+            self.shapes.insert(key, shape.to_vec());
+            self.partial = Some(Partial {
+                rows: RowsMeasured::new(key, width),
+                // Kept only where the whole fits (never part of one, to be dropped later).
+                kept: (!aligned || t * width <= KEEP_VALUES).then(Vec::new),
+            });
+        }
         let Some(p) = self.partial.as_mut() else {
             return;
         };
@@ -170,14 +171,9 @@ impl Sink for Streamed<'_> {
                     Err(e) => self.error = Some(e.into()),
                 }
             }
-            p.kept = p
-                .kept
-                .take()
-                .filter(|k| !aligned || k.len() + data.len() <= KEEP_VALUES)
-                .map(|mut k| {
-                    k.extend_from_slice(data);
-                    k
-                });
+            if let Some(k) = &mut p.kept {
+                k.extend_from_slice(data);
+            }
         }
         if row0 + n < t {
             return;
