@@ -821,6 +821,7 @@ impl Sink for TraceWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::Tap;
 
     /// A tensor read again comes from the read cache with the same values, from a folder
     /// and from an `.npz` archive alike, and the cache holds no more than its budget.
@@ -863,5 +864,123 @@ mod tests {
         }
         let c = small.cached();
         assert_eq!((c.tensors.len(), c.bytes), (1, first));
+    }
+
+    /// Rows read alone are the whole tensor's rows: from a folder (C order, a seek; Fortran
+    /// order and f16 data too), an archive and memory; uncached, every row range of every
+    /// tap; a range past the rows refused. `get_once` leaves the cache empty.
+    #[test]
+    fn rows_read_alone_are_the_whole_tensor_s() {
+        let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/tiny-llama-q8_0");
+        let g = Trace::open(&golden).unwrap();
+        let key = TapKey::new(0, None, Tap::Logits);
+        let tmp = tempfile::tempdir().unwrap();
+        // The same trace with the logits stored Fortran-ordered, and as f16.
+        let copy = |name: &str, file: &dyn Fn(&ArrayD<f32>) -> Vec<u8>| {
+            let dir = tmp.path().join(name);
+            fn copy_dir(from: &Path, to: &Path) {
+                std::fs::create_dir_all(to).unwrap();
+                for e in std::fs::read_dir(from).unwrap() {
+                    let e = e.unwrap();
+                    let dest = to.join(e.file_name());
+                    if e.file_type().unwrap().is_dir() {
+                        copy_dir(&e.path(), &dest);
+                    } else {
+                        std::fs::copy(e.path(), dest).unwrap();
+                    }
+                }
+            }
+            copy_dir(&golden, &dir);
+            let t = Trace::open(&dir).unwrap();
+            let e = &t.manifest.tensors[t.keys[&key]];
+            std::fs::write(dir.join(&e.file), file(&g.get(&key).unwrap().unwrap())).unwrap();
+            dir
+        };
+        let fortran = copy("f", &|a| {
+            let (t, n) = (a.shape()[0], a.shape()[1]);
+            let h = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': ({t}, {n}), }}");
+            let mut h = h.into_bytes();
+            while (10 + h.len() + 1) % 64 != 0 {
+                h.push(b' ');
+            }
+            h.push(b'\n');
+            let mut b = b"\x93NUMPY\x01\x00".to_vec();
+            b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+            b.extend_from_slice(&h);
+            for v in a.t().as_standard_layout().iter() {
+                b.extend_from_slice(&v.to_le_bytes());
+            }
+            b
+        });
+        let half = copy("h", &|a| {
+            let (t, n) = (a.shape()[0], a.shape()[1]);
+            let h = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': ({t}, {n}), }}");
+            let mut h = h.into_bytes();
+            while (10 + h.len() + 1) % 64 != 0 {
+                h.push(b' ');
+            }
+            h.push(b'\n');
+            let mut b = b"\x93NUMPY\x01\x00".to_vec();
+            b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+            b.extend_from_slice(&h);
+            for v in a.iter() {
+                b.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes());
+            }
+            b
+        });
+        let npz = tmp.path().join("t.npz");
+        let mut w = TraceWriter::create(&npz, TapFilter::all(), false).unwrap();
+        let keys: Vec<TapKey> = g.keys().copied().collect();
+        for k in &keys {
+            let a = g.get(k).unwrap().unwrap();
+            w.record(*k, a.shape(), a.as_slice().unwrap());
+        }
+        w.finish(
+            g.manifest.model.clone(),
+            g.manifest.producer.clone(),
+            g.manifest.steps.clone(),
+        )
+        .unwrap();
+        let mem = Trace::from_memory(
+            g.manifest.model.clone(),
+            g.manifest.producer.clone(),
+            g.manifest.steps.clone(),
+            keys.iter()
+                .map(|k| (*k, g.get(k).unwrap().unwrap()))
+                .collect(),
+        );
+        let (f, h, a) = (
+            Trace::open(&fortran).unwrap(),
+            Trace::open(&half).unwrap(),
+            Trace::open(&npz).unwrap(),
+        );
+        for t in [&Trace::open(&golden).unwrap(), &f, &h, &a, &mem] {
+            for k in &keys {
+                let whole = t.get_once(k).unwrap().unwrap();
+                let v = whole
+                    .as_standard_layout()
+                    .iter()
+                    .copied()
+                    .collect::<Vec<f32>>();
+                let rows = whole.shape()[0];
+                let per_row = v.len() / rows;
+                for r0 in 0..rows {
+                    for r1 in r0..=rows {
+                        let got = t.get_rows(k, r0..r1).unwrap().unwrap();
+                        assert_eq!(got, v[r0 * per_row..r1 * per_row], "{k} {r0}..{r1}");
+                    }
+                }
+                let e = t.get_rows(k, 0..rows + 1).unwrap_err().to_string();
+                assert!(e.contains("rows 0..") && !e.contains('\n'), "{e}");
+            }
+        }
+        // The whole tensors as read (f16 widened exactly; Fortran order undone).
+        assert_eq!(f.get(&key).unwrap(), g.get(&key).unwrap());
+        let fresh = Trace::open(&golden).unwrap();
+        for k in &keys {
+            fresh.get_once(k).unwrap();
+            fresh.get_rows(k, 0..1).unwrap();
+        }
+        assert_eq!(fresh.cached().tensors.len(), 0);
     }
 }
