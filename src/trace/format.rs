@@ -831,19 +831,8 @@ mod tests {
         let dir = Trace::open(&golden).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let npz = tmp.path().join("t.npz");
-        let mut w = TraceWriter::create(&npz, TapFilter::all(), false).unwrap();
         let keys: Vec<TapKey> = dir.keys().copied().collect();
-        for k in &keys {
-            let a = dir.get(k).unwrap().unwrap();
-            w.record(*k, a.shape(), a.as_slice().unwrap());
-        }
-        w.finish(
-            dir.manifest.model.clone(),
-            dir.manifest.producer.clone(),
-            dir.manifest.steps.clone(),
-        )
-        .unwrap();
-        let arc = Trace::open(&npz).unwrap();
+        let arc = archive_of(&dir, &npz);
         for t in [&dir, &arc] {
             for k in &keys {
                 let first = t.get(k).unwrap().unwrap();
@@ -897,50 +886,23 @@ mod tests {
             dir
         };
         let fortran = copy("f", &|a| {
-            let (t, n) = (a.shape()[0], a.shape()[1]);
-            let h = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': ({t}, {n}), }}");
-            let mut h = h.into_bytes();
-            while (10 + h.len() + 1) % 64 != 0 {
-                h.push(b' ');
-            }
-            h.push(b'\n');
-            let mut b = b"\x93NUMPY\x01\x00".to_vec();
-            b.extend_from_slice(&(h.len() as u16).to_le_bytes());
-            b.extend_from_slice(&h);
-            for v in a.t().as_standard_layout().iter() {
-                b.extend_from_slice(&v.to_le_bytes());
-            }
-            b
+            let data = a
+                .t()
+                .as_standard_layout()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            npy_file("<f4", true, a.shape(), data)
         });
         let half = copy("h", &|a| {
-            let (t, n) = (a.shape()[0], a.shape()[1]);
-            let h = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': ({t}, {n}), }}");
-            let mut h = h.into_bytes();
-            while (10 + h.len() + 1) % 64 != 0 {
-                h.push(b' ');
-            }
-            h.push(b'\n');
-            let mut b = b"\x93NUMPY\x01\x00".to_vec();
-            b.extend_from_slice(&(h.len() as u16).to_le_bytes());
-            b.extend_from_slice(&h);
-            for v in a.iter() {
-                b.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes());
-            }
-            b
+            let data = a
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect();
+            npy_file("<f2", false, a.shape(), data)
         });
-        let npz = tmp.path().join("t.npz");
-        let mut w = TraceWriter::create(&npz, TapFilter::all(), false).unwrap();
         let keys: Vec<TapKey> = g.keys().copied().collect();
-        for k in &keys {
-            let a = g.get(k).unwrap().unwrap();
-            w.record(*k, a.shape(), a.as_slice().unwrap());
-        }
-        w.finish(
-            g.manifest.model.clone(),
-            g.manifest.producer.clone(),
-            g.manifest.steps.clone(),
-        )
-        .unwrap();
+        let a = archive_of(&g, &tmp.path().join("t.npz"));
         let mem = Trace::from_memory(
             g.manifest.model.clone(),
             g.manifest.producer.clone(),
@@ -949,11 +911,7 @@ mod tests {
                 .map(|k| (*k, g.get(k).unwrap().unwrap()))
                 .collect(),
         );
-        let (f, h, a) = (
-            Trace::open(&fortran).unwrap(),
-            Trace::open(&half).unwrap(),
-            Trace::open(&npz).unwrap(),
-        );
+        let (f, h) = (Trace::open(&fortran).unwrap(), Trace::open(&half).unwrap());
         for t in [&Trace::open(&golden).unwrap(), &f, &h, &a, &mem] {
             for k in &keys {
                 let whole = t.get_once(k).unwrap().unwrap();
@@ -982,5 +940,36 @@ mod tests {
             fresh.get_rows(k, 0..1).unwrap();
         }
         assert_eq!(fresh.cached().tensors.len(), 0);
+    }
+
+    /// `t` written again as one `.npz` archive at `path`, opened.
+    fn archive_of(t: &Trace, path: &Path) -> Trace {
+        let mut w = TraceWriter::create(path, TapFilter::all(), false).unwrap();
+        for k in t.keys() {
+            let a = t.get(k).unwrap().unwrap();
+            w.record(*k, a.shape(), a.as_slice().unwrap());
+        }
+        let m = &t.manifest;
+        w.finish(m.model.clone(), m.producer.clone(), m.steps.clone())
+            .unwrap();
+        Trace::open(path).unwrap()
+    }
+
+    /// An `.npy` file of a 2-d `shape` holding `data` as `descr` says.
+    fn npy_file(descr: &str, fortran: bool, shape: &[usize], data: Vec<u8>) -> Vec<u8> {
+        let order = if fortran { "True" } else { "False" };
+        let (t, n) = (shape[0], shape[1]);
+        let mut h =
+            format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': ({t}, {n}), }}")
+                .into_bytes();
+        while (10 + h.len() + 1) % 64 != 0 {
+            h.push(b' ');
+        }
+        h.push(b'\n');
+        let mut b = b"\x93NUMPY\x01\x00".to_vec();
+        b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+        b.extend_from_slice(&h);
+        b.extend(data);
+        b
     }
 }
