@@ -192,6 +192,14 @@ impl<'m> Reference<'m> {
     }
 
     /// Behave like an engine with bug `m` (see [`Mutation`]); `None` is the correct engine.
+    /// The forward has reached `key`'s tap: the ops after it belong to it (where the
+    /// catalog's bugs look), and RoPE calls are counted from it.
+    fn at_tap(&mut self, key: TapKey) {
+        self.layer_now = key.layer;
+        self.tap_now = Some(key.tap);
+        self.ropes_since_tap = 0;
+    }
+
     pub fn with_mutation(mut self, m: Option<Mutation>) -> Self {
         self.mutation = m;
         self
@@ -1383,17 +1391,13 @@ impl Ops for Reference<'_> {
         row0: usize,
         x: &Vec<f32>,
     ) {
-        self.layer_now = key.layer;
-        self.tap_now = Some(key.tap);
-        self.ropes_since_tap = 0;
+        self.at_tap(key);
         sink.record_rows(key, shape, row0, x);
     }
 
     fn tap(&mut self, sink: &mut dyn Sink, key: TapKey, shape: &[usize], x: &mut Vec<f32>) {
         let (step, layer) = (key.step, key.layer);
-        self.layer_now = layer;
-        self.tap_now = Some(key.tap);
-        self.ropes_since_tap = 0;
+        self.at_tap(key);
         match key.tap {
             // An engine that lays q/k heads out as HF does (the converter's permutation
             // undone): every op after this point sees the permuted tensor.
