@@ -421,10 +421,14 @@ class Engine:
                 rp = [ps % m.wrap for ps in positions]
             if mut == "pos-restart-per-turn":
                 rp = [ps - self.turn_start for ps in positions]
+            # --rope-at/--rope-q-at/--rope-k-at: positions from an expression of p (the row's
+            # position) and s (its step's first), a position bug of any shape.
+            rq = [int(m.q_at(ps, pos0)) for ps in rp] if m.q_at else rp
+            rk = [int(m.k_at(ps, pos0)) for ps in rp] if m.k_at else rp
             if mut != "rope-q-skipped":
-                q = self.rope(q, rp, nh, mut)
+                q = self.rope(q, rq, nh, mut)
             if mut != "rope-k-skipped":
-                k = self.rope(k, rp, nkv, mut)
+                k = self.rope(k, rk, nkv, mut)
             rec("q_rope", l, q)
             rec("k_rope", l, k)
             slot = pos0 + 1 if ((mut == "kv-off-by-one" and pos0 > 0) or mut == "kv-slot-late") else pos0
@@ -587,6 +591,12 @@ def main(argv=None):
     ap.add_argument("--rope-theta", type=float, help="use this RoPE base instead of the model's")
     ap.add_argument("--attn-scale", type=float,
                     help="scale attention scores by this instead of 1/sqrt(head_dim)")
+    ap.add_argument("--rope-at", metavar="EXPR",
+                    help="rotate q and k at this position instead of their own: a Python expression "
+                    "of p (the row's position) and s (its step's first position), e.g. 'p + 1', "
+                    "'min(p, 30)', 'p - s'")
+    ap.add_argument("--rope-q-at", metavar="EXPR", help="as --rope-at, for q alone")
+    ap.add_argument("--rope-k-at", metavar="EXPR", help="as --rope-at, for k alone")
     a = ap.parse_args(argv)
 
     mutation, width = a.mutate, WRAP
@@ -612,6 +622,17 @@ def main(argv=None):
     if a.rope_theta is not None:
         m.theta = F32(a.rope_theta)
     m.attn_scale = None if a.attn_scale is None else F32(a.attn_scale)
+
+    def position_rule(expr):
+        if expr is None:
+            return None
+        try:
+            code = compile(expr, "--rope-at", "eval")
+        except SyntaxError as e:
+            fail(f"--rope-at {expr!r}: {e.msg}")
+        return lambda p, s: eval(code, {"min": min, "max": max}, {"p": p, "s": s})
+    m.q_at = position_rule(a.rope_q_at or a.rope_at)
+    m.k_at = position_rule(a.rope_k_at or a.rope_at)
     if a.golden:
         with open(os.path.join(a.golden, "manifest.json")) as f:
             g = json.load(f)

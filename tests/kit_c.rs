@@ -220,6 +220,56 @@ fn c_engine_position_bugs_are_found_at_their_first_position() {
     }
 }
 
+/// Two RoPE position bugs of shapes no catalog lists: the judge solves each row's position
+/// from the trace's q/k on both sides of RoPE and names the rule — every row one late from the
+/// first prompt token, and a counter that stops at the first decode position (found at the
+/// second decode step, position 21).
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_engine_rope_positions_of_no_catalog_shape_are_solved_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    for (bug, step, position, name, says) in [
+        (
+            "rope-pos-from-1",
+            0,
+            0,
+            "rope-at:q,k=p+1@0",
+            "a row is rotated at p + 1",
+        ),
+        (
+            "rope-pos-stuck",
+            2,
+            21,
+            "rope-at:q,k=20@21",
+            "at position 20 whatever its own",
+        ),
+    ] {
+        let out = tmp.path().join(bug);
+        let (code, j) = engine_diff(&toy, &out, Some(bug));
+        assert_eq!(code, Some(1), "{bug}: {j:#}");
+        let d = &own_inputs(&j)["first_divergence"];
+        assert_eq!(
+            d["at"]["key"],
+            serde_json::json!({"step": step, "layer": 0, "tap": "q_rope"}),
+            "{bug}: {d:#}"
+        );
+        assert_eq!(d["position"]["position"], position, "{bug}: {d:#}");
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains(&format!(
+                "confirmed by experiment: {name} reproduces your q_rope"
+            )),
+            "{bug}: {why}"
+        );
+        assert!(why.contains(says), "{bug}: {why}");
+        assert!(!why.contains("also reproduces"), "{bug}: {why}");
+    }
+}
+
 /// The header honours a recording plan from `PARITY_RECORD` (the toy engine has no code for
 /// it): a scan of the engine with a ring of 13 K/V slots is placed to layer 0's `l_out` at step
 /// 0 and `diff` prints the plan that records step 0 whole; run again to that plan, the engine

@@ -43,6 +43,7 @@ mod report_gate;
 mod report_html;
 mod report_json;
 mod report_terminal;
+mod rope_positions;
 mod selftest;
 mod step_kinds;
 mod tap_names;

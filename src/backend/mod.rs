@@ -8,6 +8,7 @@ pub mod gpu;
 pub mod kvcache;
 pub mod lockstep;
 pub mod mutation;
+pub mod positions;
 pub mod reference;
 pub mod registry;
 pub mod vecops;

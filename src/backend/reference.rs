@@ -14,6 +14,7 @@ pub use super::family::Emulation;
 use super::family::{Accum, Gelu, Quantizer};
 use super::kvcache::{self, KvCache};
 use super::mutation::{self, Mutation};
+use super::positions::RopeAt;
 use super::{Backend, BackendError};
 use crate::arch::{self, Attn, Ops, Rope};
 use crate::gguf::{GgmlType, TensorInfo};
@@ -115,6 +116,9 @@ pub struct Reference<'m> {
     /// The first position of the latest step of several tokens after the first (a turn, a
     /// chunk): where kv-reset-per-turn empties the cache and pos-restart-per-turn counts from.
     turn_start: usize,
+    /// The positions q and k are rotated at, where a hypothesis says they are not the rows'
+    /// own (`judge::rope_fit`).
+    rope_at: Option<RopeAt>,
 }
 
 impl<'m> Reference<'m> {
@@ -144,6 +148,7 @@ impl<'m> Reference<'m> {
             output_emulation: None,
             flash_scores: Vec::new(),
             turn_start: 0,
+            rope_at: None,
         }
     }
 
@@ -198,6 +203,12 @@ impl<'m> Reference<'m> {
         self.layer_now = key.layer;
         self.tap_now = Some(key.tap);
         self.ropes_since_tap = 0;
+    }
+
+    /// Rotate q and k at the positions `r` says (None: their own).
+    pub fn with_rope_at(mut self, r: Option<RopeAt>) -> Self {
+        self.rope_at = r;
+        self
     }
 
     pub fn with_mutation(mut self, m: Option<Mutation>) -> Self {
@@ -1206,6 +1217,20 @@ impl Ops for Reference<'_> {
         } else {
             pos0
         };
+        // Positions a fitted rule says (q: the first rotation since the tap, k the second).
+        if let Some(at) = self.rope_at {
+            let rule = if self.ropes_since_tap == 1 {
+                at.q
+            } else {
+                at.k
+            };
+            let row = n_heads * r.head_dim;
+            for (t, x) in x.chunks_mut(row).enumerate() {
+                let p = rule.at(pos0 + t, pos0);
+                rope(x, p, n_heads, &r, factors.as_deref(), &mut Vec::new());
+            }
+            return x;
+        }
         // Positions restarting every W (rope-pos-wrap): each row at its own position mod W.
         if let Some(w) = self.wrap(Mutation::RopePosWrap(0), layer) {
             let row = n_heads * r.head_dim;

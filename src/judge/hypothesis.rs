@@ -14,6 +14,7 @@ use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::rounding;
 use super::{Finding, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
+use crate::backend::positions::RopeAt;
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
 use crate::model::{Model, RopeType};
 use crate::trace::{ModelRef, Producer, StepInfo, Tap, TapKey, Trace};
@@ -252,6 +253,37 @@ fn experiments(
                     },
                     h.catalog,
                 ));
+            }
+        }
+        // RoPE's positions solved row by row from the trace (a full dump's q/k on both sides
+        // of it), read as a rule and replayed over the trace: a position bug no catalog entry
+        // reproduces (positions from 1, a counter that stops, a shift past the prompt) is one
+        // experiment too. Rules the catalog holds are left to it (`rope_fit::hypotheses`).
+        if fit_scales
+            && matches!(k.tap, Tap::QRope | Tap::KRope)
+            && let Some(layer) = k.layer
+        {
+            // The window renumbers its layers from l0; the trace's are the model's.
+            for at in super::rope_fit::hypotheses(model, cand, layer)? {
+                let name = at.name();
+                if only.is_some_and(|o| !o.contains(&name)) {
+                    continue;
+                }
+                let setup = Setup {
+                    rope_at: Some(at),
+                    ..base.clone()
+                };
+                let r = replay(model, cand, &setup, &BTreeSet::new())?;
+                if let Some(m) = r.metrics.get(&k) {
+                    tried.push((
+                        Tried {
+                            hypothesis: name.clone(),
+                            nmse: m.nmse,
+                        },
+                        None,
+                    ));
+                    setups.insert(name, setup);
+                }
             }
         }
         // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
@@ -1019,7 +1051,32 @@ fn finding(
     // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
     // those name the cause, the factor only its size.
     held.sort_by_key(|((t, _), n)| (is_scale(&t.hypothesis), std::cmp::Reverse(*n)));
-    let held: Vec<_> = held.into_iter().map(|(c, _)| c).collect();
+    // One that brings fewer of the trace's keys within their floors than the best is told
+    // apart by the trace (positions modulo 20 and positions counted inside each step agree at
+    // the first decode step, not at the second): not listed as its equal.
+    let most = held
+        .iter()
+        .filter(|((t, _), _)| !is_scale(&t.hypothesis))
+        .map(|(_, n)| *n)
+        .max();
+    let best = held
+        .iter()
+        .find(|((t, _), n)| Some(*n) == most && !is_scale(&t.hypothesis))
+        .map(|((t, _), _)| t.hypothesis.clone())
+        .unwrap_or_default();
+    let mut kept = Vec::with_capacity(held.len());
+    for (c, n) in held {
+        match most {
+            Some(m) if n < m && !is_scale(&c.0.hypothesis) => contradicted.push((
+                c.0.hypothesis.clone(),
+                format!(
+                    "of the keys out of their floors it brings {n} within them, {best} brings {m}"
+                ),
+            )),
+            _ => kept.push(c),
+        }
+    }
+    let held = kept;
     // Where each reproduces the bug from: the one that explains the earliest key is the bug
     // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
     // not (another eps can match a decode step the real one matches too, and miss the prompt).
@@ -1146,6 +1203,12 @@ fn finding(
         None if experiments => {
             fallback = true;
             text.push_str("\n  no hypothesis reproduces it");
+            if matches!(k.tap, Tap::QRope | Tap::KRope)
+                && let Some(l) = k.layer
+                && let Some(o) = super::rope_fit::observed(model, cand, l)?
+            {
+                text.push_str(&format!("\n  measured: {o}"));
+            }
             let h = heuristic(model, cand, &plain.kept, &k)?;
             text.push_str(&format!(
                 "\n  fallback (text heuristics, not an experiment): {h}"
@@ -1448,6 +1511,9 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
                 }
             }
         };
+    }
+    if let Some(at) = RopeAt::parse(name) {
+        return at.describe();
     }
     if let Some(l) = name.strip_prefix("layout:") {
         return format!(

@@ -19,6 +19,7 @@ pub mod layout;
 pub mod nonfinite;
 pub mod position;
 pub mod replay;
+pub mod rope_fit;
 pub mod rounding;
 pub mod span;
 pub mod verdict;

@@ -11,6 +11,7 @@
 use super::JudgeError;
 use super::layout::{Layout, is_head_tap};
 use crate::backend::mutation::Mutation;
+use crate::backend::positions::RopeAt;
 use crate::backend::{Backend, Emulation, Reference};
 use crate::compare::{Metrics, MetricsAcc, metrics};
 use crate::model::{Config, Model};
@@ -270,6 +271,8 @@ pub struct Setup {
     pub kv_decode: Option<KvCache>,
     pub mutation: Option<Mutation>,
     pub knob: Option<(Knob, f32)>,
+    /// The positions q and k are rotated at, fitted from the trace (`super::rope_fit`).
+    pub rope_at: Option<RopeAt>,
     pub window: Window,
     /// Each of the candidate's tensors fed to the reference nudged by a few f32 ulps (a
     /// pattern per seed): a replay as clean as the plain one, whose distance from it is what
@@ -299,6 +302,7 @@ impl Setup {
             kv_decode: None,
             mutation: None,
             knob: None,
+            rope_at: None,
             window,
             jitter: None,
             rows: None,
@@ -493,6 +497,7 @@ fn replay_core(
     };
     let mut b = Reference::new(m, setup.rounding, n_ctx)
         .with_mutation(setup.mutation)
+        .with_rope_at(setup.rope_at)
         .with_kv(setup.kv)
         .with_output_emulation(setup.output);
     if setup.kv_decode.is_some() {

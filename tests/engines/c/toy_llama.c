@@ -31,6 +31,10 @@
  *   kv-ring-13        the K/V cache is a ring of 13 slots (position p at slot p % 13), read
  *                     as if it held every position
  *   rope-pos-mod-11   RoPE rotates at position p % 11
+ * and two RoPE position bugs of shapes no catalog lists, which parity solves from the angles:
+ *   rope-pos-from-1   RoPE rotates position p at p + 1 (a counter advanced before it is used)
+ *   rope-pos-stuck    decode steps rotate at the first decode position: the counter RoPE
+ *                     reads is not advanced after the prompt (the cache slot is right)
  *
  * Build: cc -std=c99 -O2 -I bindings/c tests/engines/c/toy_llama.c -lm -o toy_llama
  */
@@ -45,13 +49,15 @@
 enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E3,
        BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE, BUG_KV_SLOT_LATE,
        BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE, BUG_KV_RING_13, BUG_ROPE_POS_MOD_11,
-       BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP, BUG_FFN_OUT_HALF_L0 };
+       BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP, BUG_FFN_OUT_HALF_L0,
+       BUG_ROPE_POS_FROM_1, BUG_ROPE_POS_STUCK };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
                                         "attn-scale-inv-d", "no-attn-scale",
                                         "kv-slot-late",  "no-final-norm",    "attn-out-twice",
                                         "kv-ring-13",    "rope-pos-mod-11",  "embd-scale-sqrt",
-                                        "ffn-out-half",  "logits-temp",     "ffn-out-half-l0"};
+                                        "ffn-out-half",  "logits-temp",     "ffn-out-half-l0",
+                                        "rope-pos-from-1", "rope-pos-stuck"};
 
 /* The cache slot of position p: p itself, or p % 13 in the ring-buffer bug. */
 static size_t slot(size_t p, int bug) { return bug == BUG_KV_RING_13 ? p % 13 : p; }
@@ -473,7 +479,10 @@ int main(int argc, char **argv) {
                 matvec(W("attn_v.weight", e, kw), e, kw, xn, v);
                 memcpy(qr, q, qw * sizeof *q);
                 memcpy(kr, k, kw * sizeof *k);
-                rp = bug == BUG_ROPE_POS_MOD_11 ? p % 11 : p;
+                rp = bug == BUG_ROPE_POS_MOD_11 ? p % 11
+                     : bug == BUG_ROPE_POS_FROM_1 ? p + 1
+                     : bug == BUG_ROPE_POS_STUCK && p > g.steps[0].n ? g.steps[0].n
+                                                                     : p;
                 rope(qr, nh, hd, m.n_rot, rp, theta, bug == BUG_ROPE_NEOX);
                 rope(kr, nkv, hd, m.n_rot, rp, theta, bug == BUG_ROPE_NEOX);
                 memcpy(kc[l] + slot(p + (bug == BUG_KV_SLOT_LATE), bug) * kw, kr, kw * sizeof *kr);

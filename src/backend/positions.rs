@@ -1,0 +1,216 @@
+//! The positions an engine rotates q and k at, where they are not the tokens' own: a rule the
+//! judge solves from a trace's own rotations (`judge::rope_fit`) and the reference replays
+//! (`Reference::with_rope_at`), so that a position bug no catalog lists is still one
+//! experiment, named in words.
+
+/// Where a row at sequence position `p` is rotated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PosRule {
+    /// At `p` (the model's).
+    Own,
+    /// From position `from` on at `p + by` (before it at `p`).
+    Shift { from: usize, by: i64 },
+    /// From position `from` on at `at` (a counter that stopped; 0: not rotated at all).
+    Fixed { from: usize, at: usize },
+    /// At `p mod w` (a counter kept modulo a buffer's size).
+    Modulo(usize),
+    /// From position `from` on at `p - s`, `s` the first position of the row's step: the
+    /// index inside the step (a decode step's row at 0), not the position in the sequence.
+    StepLocal { from: usize },
+}
+
+impl PosRule {
+    /// The position a row at `p`, in a step whose first position is `step0`, is rotated at.
+    pub fn at(self, p: usize, step0: usize) -> usize {
+        match self {
+            PosRule::Own => p,
+            PosRule::Shift { from, by } if p >= from => (p as i64 + by).max(0) as usize,
+            PosRule::Fixed { from, at } if p >= from => at,
+            PosRule::Modulo(w) if w > 0 => p % w,
+            PosRule::StepLocal { from } if p >= from => p - step0.min(p),
+            _ => p,
+        }
+    }
+
+    /// The first position it moves (None: none).
+    pub fn from(self) -> Option<usize> {
+        match self {
+            PosRule::Own => None,
+            PosRule::Shift { from, .. }
+            | PosRule::Fixed { from, .. }
+            | PosRule::StepLocal { from } => Some(from),
+            PosRule::Modulo(w) => Some(w),
+        }
+    }
+
+    /// As a hypothesis name writes it: `p`, `p+1@24`, `0@0`, `p%24`, `p-s@24`.
+    pub fn name(self) -> String {
+        match self {
+            PosRule::Own => "p".into(),
+            PosRule::Shift { from, by } if by >= 0 => format!("p+{by}@{from}"),
+            PosRule::Shift { from, by } => format!("p-{}@{from}", -by),
+            PosRule::Fixed { from, at } => format!("{at}@{from}"),
+            PosRule::Modulo(w) => format!("p%{w}"),
+            PosRule::StepLocal { from } => format!("p-s@{from}"),
+        }
+    }
+
+    /// Parse [`PosRule::name`] back.
+    pub fn parse(s: &str) -> Option<PosRule> {
+        if s == "p" {
+            return Some(PosRule::Own);
+        }
+        if let Some(w) = s.strip_prefix("p%") {
+            return Some(PosRule::Modulo(w.parse().ok()?));
+        }
+        let (rule, from) = s.split_once('@')?;
+        let from: usize = from.parse().ok()?;
+        if rule == "p-s" {
+            return Some(PosRule::StepLocal { from });
+        }
+        if let Some(by) = rule.strip_prefix("p+") {
+            return Some(PosRule::Shift {
+                from,
+                by: by.parse().ok()?,
+            });
+        }
+        if let Some(by) = rule.strip_prefix("p-") {
+            return Some(PosRule::Shift {
+                from,
+                by: -by.parse::<i64>().ok()?,
+            });
+        }
+        Some(PosRule::Fixed {
+            from,
+            at: rule.parse().ok()?,
+        })
+    }
+
+    /// In words, for the rows it moves: "at p + 1", "at position 0 (not rotated)".
+    pub fn describe(self) -> String {
+        match self {
+            PosRule::Own => "at its own position".into(),
+            PosRule::Shift { by, .. } if by >= 0 => format!("at p + {by}"),
+            PosRule::Shift { by, .. } => format!("at p - {}", -by),
+            PosRule::Fixed { at: 0, .. } => "at position 0, that is not rotated at all".into(),
+            PosRule::Fixed { at, .. } => format!("at position {at} whatever its own"),
+            PosRule::Modulo(w) => format!("at p mod {w}"),
+            PosRule::StepLocal { .. } => {
+                "at its index inside its step (p minus the step's first position: a decode step's one row at 0)".into()
+            }
+        }
+    }
+}
+
+/// The rules q and k are rotated by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RopeAt {
+    pub q: PosRule,
+    pub k: PosRule,
+}
+
+/// The prefix of a fitted RoPE-position hypothesis: `rope-at:q,k=p+1@24`,
+/// `rope-at:q=0@0,k=p`.
+pub const PREFIX: &str = "rope-at:";
+
+impl RopeAt {
+    pub fn name(self) -> String {
+        if self.q == self.k {
+            format!("{PREFIX}q,k={}", self.q.name())
+        } else {
+            format!("{PREFIX}q={},k={}", self.q.name(), self.k.name())
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<RopeAt> {
+        let rest = s.strip_prefix(PREFIX)?;
+        if let Some(r) = rest.strip_prefix("q,k=") {
+            let r = PosRule::parse(r)?;
+            return Some(RopeAt { q: r, k: r });
+        }
+        let (q, k) = rest.split_once(",k=")?;
+        Some(RopeAt {
+            q: PosRule::parse(q.strip_prefix("q=")?)?,
+            k: PosRule::parse(k)?,
+        })
+    }
+
+    /// One sentence: "from position 24 on, the engine rotates q and k at p + 1 (RoPE's
+    /// angles, solved from the trace, say so row by row)".
+    pub fn describe(self) -> String {
+        let part = |who: &str, r: PosRule| match r {
+            PosRule::Own => format!("{who} at its own position"),
+            PosRule::Modulo(w) => format!(
+                "{who} {} (from position {w} on, positions restart: a counter kept modulo {w})",
+                r.describe()
+            ),
+            _ => format!(
+                "from position {} on, {who} {}",
+                r.from().unwrap_or(0),
+                r.describe()
+            ),
+        };
+        let said =
+            "RoPE's angles, solved row by row from the trace's q/k before and after it, say so";
+        if self.q == self.k {
+            format!(
+                "the engine rotates each row of q and k at another position than its own: {} ({said}); the model rotates position p at p",
+                part("a row is rotated", self.q)
+            )
+        } else {
+            format!(
+                "q and k are rotated at different positions: {}; {} ({said}); the model rotates both at p",
+                part("q is rotated", self.q),
+                part("k is rotated", self.k)
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_move_only_from_their_first_position_and_names_parse_back() {
+        let rules = [
+            PosRule::Own,
+            PosRule::Shift { from: 24, by: 1 },
+            PosRule::Shift { from: 5, by: -2 },
+            PosRule::Fixed { from: 0, at: 0 },
+            PosRule::Fixed { from: 30, at: 29 },
+            PosRule::Modulo(13),
+            PosRule::StepLocal { from: 30 },
+        ];
+        for r in rules {
+            assert_eq!(PosRule::parse(&r.name()), Some(r), "{}", r.name());
+            if let Some(f) = r.from() {
+                for p in 0..f {
+                    assert_eq!(r.at(p, 0), p, "{} at {p}", r.name());
+                }
+                // (A counter stopped at 0 from 0 leaves position 0 itself.)
+                if r != (PosRule::Fixed { from: 0, at: 0 }) {
+                    assert_ne!(r.at(f, f), f, "{} at {f}", r.name());
+                }
+            }
+        }
+        assert_eq!(PosRule::Shift { from: 24, by: 1 }.at(30, 30), 31);
+        assert_eq!(PosRule::Modulo(13).at(27, 27), 1);
+        assert_eq!(PosRule::StepLocal { from: 30 }.at(33, 30), 3);
+        assert_eq!(PosRule::Fixed { from: 30, at: 29 }.at(40, 40), 29);
+        for r in [
+            RopeAt {
+                q: PosRule::Modulo(9),
+                k: PosRule::Modulo(9),
+            },
+            RopeAt {
+                q: PosRule::Fixed { from: 0, at: 0 },
+                k: PosRule::Own,
+            },
+        ] {
+            assert_eq!(RopeAt::parse(&r.name()), Some(r), "{}", r.name());
+        }
+        assert_eq!(RopeAt::parse("rope-at:q=p,k"), None);
+        assert_eq!(PosRule::parse("x@3"), None);
+    }
+}
