@@ -471,11 +471,18 @@ class Engine:
                     src = np.arange(start, vis)
                     if mut == "kv-ring-wrap":
                         src = src + (pos0 + i - src) // m.wrap * m.wrap
-                    s = (kh[src] @ q[i, h].astype(F64)).astype(F32) * kq_scale
+                    khs, vhs = kh[src], vh[src]
+                    if m.kv_read:
+                        # --kv-read: column j holds the K/V of the position an expression of i
+                        # (the query's position) and j gives; a negative one, a zero slot.
+                        at = [int(m.kv_read(pos0 + i, int(j))) for j in src]
+                        khs = np.stack([kh[a] if 0 <= a < n_kv else np.zeros(hd, F64) for a in at])
+                        vhs = np.stack([vh[a] if 0 <= a < n_kv else np.zeros(hd, F64) for a in at])
+                    s = (khs @ q[i, h].astype(F64)).astype(F32) * kq_scale
                     e = np.exp(s - s.max()).astype(F32)
                     pr = e * F32(1.0 / np.sum(e.astype(F64)))
                     probs[h, i, start:vis] = pr
-                    att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vh[src]).astype(F32)
+                    att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vhs).astype(F32)
             rec("kq_soft_max", l, probs)
             rec("kqv_out", l, att)
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
@@ -595,6 +602,10 @@ def main(argv=None):
                     help="rotate q and k at this position instead of their own: a Python expression "
                     "of p (the row's position) and s (its step's first position), e.g. 'p + 1', "
                     "'min(p, 30)', 'p - s'")
+    ap.add_argument("--kv-read", metavar="EXPR",
+                    help="attention's column j reads the K/V of this position instead of j's: a "
+                    "Python expression of i (the query's position) and j, e.g. 'j - 1 if i >= 10 "
+                    "else j'; below 0, an empty (zero) slot")
     ap.add_argument("--rope-q-at", metavar="EXPR", help="as --rope-at, for q alone")
     ap.add_argument("--rope-k-at", metavar="EXPR", help="as --rope-at, for k alone")
     a = ap.parse_args(argv)
@@ -631,6 +642,13 @@ def main(argv=None):
         except SyntaxError as e:
             fail(f"--rope-at {expr!r}: {e.msg}")
         return lambda p, s: eval(code, {"min": min, "max": max}, {"p": p, "s": s})
+    m.kv_read = None
+    if a.kv_read is not None:
+        try:
+            kv_code = compile(a.kv_read, "--kv-read", "eval")
+        except SyntaxError as e:
+            fail(f"--kv-read {a.kv_read!r}: {e.msg}")
+        m.kv_read = lambda i, j: eval(kv_code, {"min": min, "max": max}, {"i": i, "j": j})
     m.q_at = position_rule(a.rope_q_at or a.rope_at)
     m.k_at = position_rule(a.rope_k_at or a.rope_at)
     if a.golden:

@@ -15,6 +15,7 @@ use super::rounding;
 use super::{Finding, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
 use crate::backend::positions::RopeAt;
+use crate::compare::position::first_row;
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
 use crate::model::{Model, RopeType};
 use crate::trace::{ModelRef, Producer, StepInfo, Tap, TapKey, Trace};
@@ -1206,6 +1207,14 @@ fn finding(
             if matches!(k.tap, Tap::QRope | Tap::KRope)
                 && let Some(l) = k.layer
                 && let Some(o) = super::rope_fit::observed(model, cand, l)?
+            {
+                text.push_str(&format!("\n  measured: {o}"));
+            }
+            if k.tap == Tap::KqSoftMax
+                && let (Some(ours), Some(theirs), Some(dims)) =
+                    (plain.kept.get(&k), cand.get(&k)?, cand.dims(&k))
+                && let Some(row) = first_row(ours, &theirs, dims, k.tap, floor)
+                && let Some(o) = super::kv_fit::observed(model, cand, &k, row)?
             {
                 text.push_str(&format!("\n  measured: {o}"));
             }

@@ -15,6 +15,7 @@
 pub mod ambiguity;
 pub mod floor;
 pub mod hypothesis;
+pub mod kv_fit;
 pub mod layout;
 pub mod nonfinite;
 pub mod position;

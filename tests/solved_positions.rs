@@ -1,4 +1,4 @@
-//! RoPE positions solved from the trace (#29 item 5): where a full dump has q and k on both
+//! Positions solved from the trace (#29 item 5). RoPE: where a full dump has q and k on both
 //! sides of RoPE, the judge solves, row by row, the whole position the engine rotated each row
 //! at (`judge::rope_fit`), reads the rows as a rule and replays it over the trace — so a
 //! position bug of a shape no catalog lists (a counter advanced before use, one that stops,
@@ -6,11 +6,15 @@
 //! position and named. Planted in the reference (every architecture with RoPE: NORM and NEOX
 //! pairing, per-head q/k norms, frequency factors, per-layer bases) and in the out-of-process
 //! numpy engine; on real llama.cpp goldens the solver gives every row its own position.
+//! Attention: which cached key each column of the probabilities held, solved from q, every
+//! step's k and the probabilities (`judge::kv_fit`) — said as measured where no hypothesis
+//! reproduces the key; on llama.cpp's goldens (an f16 cache) every column holds its own.
 
 use crate::common;
 use common::*;
 use parity::backend::positions::{PosRule, RopeAt};
 use parity::backend::{self, Emulation, Reference};
+use parity::judge::kv_fit::{self, Held};
 use parity::judge::replay::Candidate;
 use parity::judge::{self, JudgeOptions, rope_fit};
 use parity::model::Model;
@@ -270,4 +274,97 @@ fn an_engine_s_rope_positions_are_solved_from_its_trace() {
         "{text}"
     );
     assert!(!text.contains("confirmed by experiment"), "{text}");
+}
+
+/// The attention read solver on llama.cpp's goldens: every column of every row of every layer
+/// at every step holds its own key (masked where the model masks), or the row cannot tell
+/// (a first row's one column); rows of 2 columns and more always can.
+#[test]
+fn llama_cpp_s_attention_reads_every_key_at_its_own_column() {
+    for e in std::fs::read_dir(root().join("golden")).unwrap().flatten() {
+        let g = Trace::open(e.path()).unwrap();
+        let p = root().join(g.manifest.model.path.as_str());
+        if !p.exists() {
+            continue;
+        }
+        let model = Model::open(&p).unwrap();
+        let cand = Candidate::new(&g, &model.config).unwrap();
+        for s in &g.manifest.steps {
+            for layer in 0..model.config.n_layer {
+                for (row, &pos) in s.positions.iter().enumerate() {
+                    let what = format!(
+                        "{} step {} layer {layer} row {row}",
+                        e.path().display(),
+                        s.step
+                    );
+                    let held = kv_fit::solve_row(&model, &cand, s.step, layer, row).unwrap();
+                    let Some(held) = held else {
+                        assert_eq!(pos, 0, "{what}: not solved");
+                        continue;
+                    };
+                    for (j, h) in held.iter().enumerate() {
+                        let ok = *h == Held::Key(j) || (*h == Held::Masked && j > pos);
+                        assert!(ok, "{what}: column {j} {h:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The numpy engine reading other cache rows than the model's (an expression of i, the
+/// query's position, and j, the column): no hypothesis reproduces it, and the report says
+/// which key each column held at the first row that can tell.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs the Python environment (.venv: numpy, gguf; see README)"
+)]
+fn what_an_engine_s_attention_read_is_measured_from_its_trace() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let golden = root().join("golden/tiny-llama-q4_0");
+    for (n, (expr, says)) in [
+        // The cache read backwards.
+        (
+            "i - j",
+            "at position 1 read, column by column (solved from the trace's q, k and probabilities), 2 of the 2 columns it attends to not at their own key: 0→position 1's key, 1→position 0's key",
+        ),
+        // Every other slot: at position 1 the two columns hold one key, which cannot say
+        // which; position 2 can.
+        (
+            "j // 2 * 2",
+            "at position 2 read, column by column (solved from the trace's q, k and probabilities), 1 of the 3 columns it attends to not at their own key: 1→position 0's key",
+        ),
+        (
+            "j % 4",
+            "at position 4 read, column by column (solved from the trace's q, k and probabilities), 1 of the 5 columns it attends to not at their own key: 4→position 0's key",
+        ),
+        // A decode step that reads its own slot before writing it.
+        (
+            "-1 if j == i and i >= 20 else j",
+            "at position 20 read, column by column (solved from the trace's q, k and probabilities), 1 of the 21 columns it attends to not at their own key: 20→an empty slot (a zero key)",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = tmp.path().join(format!("kv{n}.npz"));
+        numpy_engine_trace(&py, model.to_str().unwrap(), &golden, &out, None, &["--kv-read", expr]);
+        let o = parity(&[
+            "diff",
+            golden.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--model",
+            model.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{expr}: {}", show(&o));
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains("kq_soft_max"), "{expr}: {text}");
+        assert!(text.contains("no hypothesis reproduces it"), "{expr}: {text}");
+        assert!(text.contains(&format!("measured: the attention {says}")), "{expr}: {text}");
+    }
 }

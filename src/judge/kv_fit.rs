@@ -1,0 +1,324 @@
+//! Which cached key each column of the attention actually read, solved from the trace: a full
+//! dump has the step's q after RoPE, every earlier step's k after RoPE (the cache's rows, by
+//! position) and the engine's probabilities. For a row, log p[h, j] = s[h, σ(j)] − L[h], with
+//! s the scores of q against each position's key and L the row's log-sum-exp; the positions
+//! whose scores match a column's log-probabilities over every head say which key it held —
+//! its own, another position's (a ring that wrapped, a slot written late), or none (an empty
+//! slot: a zero key). Said in the finding's words where no experiment reproduces the key.
+
+use super::JudgeError;
+use super::replay::Candidate;
+use crate::arch::Attn;
+use crate::model::Model;
+use crate::trace::{Tap, TapKey};
+
+/// What column `j` of a row held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// The key of this position (its own where it equals the column).
+    Key(usize),
+    /// A zero key (a slot nothing was written to).
+    Empty,
+    /// Masked: probability 0 where the model attends.
+    Masked,
+    /// Attended where the model masks (a later position, or past a sliding window).
+    Unmasked,
+    /// No cached key and no zero key gives its scores.
+    Unknown,
+}
+
+/// The keys every column of row `row` of step `step`'s probabilities at `layer` held; None
+/// where the trace lacks a tensor it needs.
+pub fn solve_row(
+    model: &Model,
+    cand: &Candidate,
+    step: usize,
+    layer: usize,
+    row: usize,
+) -> Result<Option<Vec<Held>>, JudgeError> {
+    let c = &model.config;
+    let at = |tap| TapKey::new(step, Some(layer), tap);
+    let (Some(q), Some(p), Some([nh, t, n_kv])) = (
+        cand.get(&at(Tap::QRope))?,
+        cand.get(&at(Tap::KqSoftMax))?,
+        cand.dims(&at(Tap::KqSoftMax)),
+    ) else {
+        return Ok(None);
+    };
+    let (hd, nkv) = (c.head_dim, c.n_head_kv);
+    if row >= t || q.len() != t * nh * hd || nkv == 0 || nh % nkv != 0 {
+        return Ok(None);
+    }
+    // The cache's rows by position: each step's k after RoPE.
+    let mut keys: Vec<Option<Vec<f32>>> = vec![None; n_kv];
+    for s in &cand.trace.manifest.steps {
+        if s.step > step {
+            continue;
+        }
+        let Some(k) = cand.get(&TapKey::new(s.step, Some(layer), Tap::KRope))? else {
+            continue;
+        };
+        let w = nkv * hd;
+        for (r, &pos) in s.positions.iter().enumerate() {
+            if pos < n_kv && (r + 1) * w <= k.len() {
+                keys[pos] = Some(k[r * w..(r + 1) * w].to_vec());
+            }
+        }
+    }
+    let (_, pos0) = cand.step_shape(step).unwrap_or((t, 0));
+    let a = Attn::for_layer(c, layer, pos0, t);
+    let i = pos0 + row;
+    let group = nh / nkv;
+    let score = |h: usize, key: &[f32]| -> f64 {
+        let qv = &q[(row * nh + h) * hd..][..hd];
+        let kv = &key[(h / group) * hd..][..hd];
+        let mut s = qv
+            .iter()
+            .zip(kv)
+            .map(|(x, y)| *x as f64 * *y as f64)
+            .sum::<f64>()
+            * a.kq_scale as f64;
+        if let Some(cap) = a.softcap {
+            s = cap as f64 * (s / cap as f64).tanh();
+        }
+        s
+    };
+    let seen = |j: usize| j <= i && (a.window == 0 || i - j < a.window);
+    let prob = |h: usize, j: usize| p[(h * t + row) * n_kv + j] as f64;
+    // A column every head gives 0 is masked; one the model masks and a head attends to is
+    // unmasked; every column a head attends to is fitted (on the heads that attend to it).
+    let live = |h: usize, j: usize| prob(h, j) > 1e-30;
+    let mut held: Vec<Held> = (0..n_kv).map(Held::Key).collect();
+    let mut fit = Vec::new();
+    for (j, x) in held.iter_mut().enumerate() {
+        let zero = (0..nh).all(|h| prob(h, j) == 0.0);
+        if seen(j) && zero {
+            *x = Held::Masked;
+        }
+        if !zero {
+            fit.push(j);
+        }
+    }
+    // A pass weighs every fitted column against every key over the heads: past this the
+    // row is not solved (a 2,048-token prompt's row is 2^27).
+    if fit.len() * (n_kv + 1) * nh > MAX_WEIGHED {
+        return Ok(None);
+    }
+    // Scores of the row against every cached key, and a zero key's (0: soft-capped too).
+    let scores: Vec<Vec<Option<f64>>> = (0..nh)
+        .map(|h| {
+            keys.iter()
+                .map(|k| k.as_deref().map(|k| score(h, k)))
+                .collect()
+        })
+        .collect();
+    let of = |h: usize, x: Held| -> Option<f64> {
+        match x {
+            Held::Key(m) => scores[h][m],
+            Held::Empty => Some(0.0),
+            _ => None,
+        }
+    };
+    // Each head's log-sum-exp over what the columns held.
+    let lse_of = |held: &[Held]| -> Option<Vec<f64>> {
+        (0..nh)
+            .map(|h| {
+                let v: Vec<f64> = fit.iter().filter_map(|&j| of(h, held[j])).collect();
+                let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                (m.is_finite()).then(|| m + v.iter().map(|x| (x - m).exp()).sum::<f64>().ln())
+            })
+            .collect()
+    };
+    // The mean square distance of column j's log-probabilities from what `x` scores, over
+    // the heads that attend to it.
+    // (head, log p) of each column's attending heads, computed once: a long prompt's row
+    // weighs every column against every key.
+    let logp: Vec<Vec<(usize, f64)>> = (0..n_kv)
+        .map(|j| {
+            (0..nh)
+                .filter(|&h| live(h, j))
+                .map(|h| (h, prob(h, j).ln()))
+                .collect()
+        })
+        .collect();
+    let dist = |lse: &[f64], j: usize, x: Held| -> f64 {
+        let (mut sum, mut n) = (0f64, 0usize);
+        for &(h, lp) in &logp[j] {
+            let Some(s) = of(h, x) else {
+                return f64::INFINITY;
+            };
+            sum += (lp + lse[h] - s).powi(2);
+            n += 1;
+        }
+        if n == 0 {
+            f64::INFINITY
+        } else {
+            sum / n as f64
+        }
+    };
+    // Each column the key that fits it best, its own unless another is `APART` times closer.
+    let assign = |lse: &[f64]| -> (Vec<Held>, f64) {
+        let mut out = held.clone();
+        let mut total = 0.0;
+        for &j in &fit {
+            let own = dist(lse, j, Held::Key(j));
+            let mut best = (dist(lse, j, Held::Empty), Held::Empty);
+            for m in 0..n_kv {
+                let d = dist(lse, j, Held::Key(m));
+                if d < best.0 {
+                    best = (d, Held::Key(m));
+                }
+            }
+            let (d, x) = if own <= MATCH || own <= best.0 * APART {
+                (own, Held::Key(j))
+            } else if best.0 <= MATCH {
+                best
+            } else {
+                (own.min(best.0), Held::Unknown)
+            };
+            out[j] = x;
+            total += d;
+        }
+        (out, total)
+    };
+    // The log-sum-exp is not known until the keys are: start from every column at its own key
+    // (exact where the engine read a permutation of them) and from the median of s − log p
+    // (most columns at their own), reassign a few times, keep the closer fit.
+    let median_start: Option<Vec<f64>> = (0..nh)
+        .map(|h| {
+            super::floor::median(
+                fit.iter()
+                    .filter(|&&j| live(h, j))
+                    .filter_map(|&j| scores[h][j].map(|s| s - prob(h, j).ln()))
+                    .collect(),
+            )
+        })
+        .collect();
+    // A short row (a prompt's first rows) may hold another key in half its columns: anchored
+    // starts too, each a column taken to hold one key (or a zero one), which fixes every
+    // head's log-sum-exp exactly where it does.
+    let mut starts: Vec<Vec<f64>> = [lse_of(&held), median_start]
+        .into_iter()
+        .flatten()
+        .collect();
+    if fit.len() <= ANCHORED_COLUMNS
+        && let Some(base) = starts.first().cloned()
+    {
+        let anchors = [fit.first(), fit.get(fit.len() / 2), fit.last()];
+        for &r in anchors.into_iter().flatten() {
+            for x in (0..n_kv).map(Held::Key).chain([Held::Empty]) {
+                let l: Option<Vec<f64>> = (0..nh)
+                    .map(|h| match live(h, r) {
+                        true => of(h, x).map(|s| s - prob(h, r).ln()),
+                        false => Some(base[h]),
+                    })
+                    .collect();
+                starts.extend(l);
+            }
+        }
+    }
+    let mut fits: Vec<(Vec<Held>, f64)> = Vec::new();
+    for start in starts {
+        let mut lse = start;
+        for _ in 0..4 {
+            let (h, total) = assign(&lse);
+            let next = lse_of(&h);
+            fits.push((h, total));
+            match next {
+                Some(next) => lse = next,
+                None => break,
+            }
+        }
+    }
+    let Some(min) = fits.iter().map(|f| f.1).reduce(f64::min) else {
+        return Ok(None);
+    };
+    // Two different readings that fit as well: the row cannot tell (two columns holding one
+    // key give equal probabilities whichever key it is).
+    let tie = min * 2.0 + 1e-9;
+    let mut alike = fits.into_iter().filter(|f| f.1 <= tie).map(|f| f.0);
+    let Some(mut held) = alike.next() else {
+        return Ok(None);
+    };
+    if alike.any(|other| other != held) {
+        return Ok(None);
+    }
+    for j in fit {
+        if !seen(j) {
+            held[j] = Held::Unmasked;
+        }
+    }
+    Ok(Some(held))
+}
+
+/// The most (column, key, head) distances one pass of a row's fit weighs.
+const MAX_WEIGHED: usize = 1 << 28;
+/// Rows from the first one out of the floor tried for one whose reading is unambiguous.
+const ROWS_TRIED: usize = 4;
+/// Rows of at most this many attended columns are also fitted from anchored starts.
+const ANCHORED_COLUMNS: usize = 32;
+/// A column's mean squared distance (in log-probability) from a key's scores at most this
+/// holds that key (an f16 cache moves a score by ~1e-3) …
+const MATCH: f64 = 1e-3;
+/// … and this many times closer than the other.
+const APART: f64 = 100.0;
+
+/// The finding's words for what row `row` of `key` (kq_soft_max) read, where a column did not
+/// hold its own key: "at position 13, column 0 held position 13's key (…)". None where every
+/// column held its own or the trace cannot say.
+pub fn observed(
+    model: &Model,
+    cand: &Candidate,
+    key: &TapKey,
+    row: usize,
+) -> Result<Option<String>, JudgeError> {
+    let Some(layer) = key.layer else {
+        return Ok(None);
+    };
+    if key.tap != Tap::KqSoftMax {
+        return Ok(None);
+    }
+    // The first row out of the floor, or the next that says which keys it read unambiguously.
+    let rows = cand.step_shape(key.step).map_or(1, |(t, _)| t);
+    let mut solved = None;
+    for r in row..rows.min(row + ROWS_TRIED) {
+        if let Some(h) = solve_row(model, cand, key.step, layer, r)? {
+            solved = Some((r, h));
+            break;
+        }
+    }
+    let Some((row, held)) = solved else {
+        return Ok(None);
+    };
+    let pos = cand.step_shape(key.step).map_or(row, |(_, p0)| p0 + row);
+    let off: Vec<String> = held
+        .iter()
+        .enumerate()
+        .filter(|&(j, h)| *h != Held::Key(j))
+        .map(|(j, h)| match h {
+            Held::Key(m) => format!("{j}→position {m}'s key"),
+            Held::Empty => format!("{j}→an empty slot (a zero key)"),
+            Held::Masked => format!("{j}→masked"),
+            Held::Unmasked => format!("{j}→attended (the model masks it)"),
+            Held::Unknown => format!("{j}→no cached key"),
+        })
+        .collect();
+    if off.is_empty() {
+        return Ok(Some(format!(
+            "the attention at position {pos} read every cached key at its own column (solved from the trace's q, k and probabilities): the keys are not what differs"
+        )));
+    }
+    let n = off.len();
+    let list: Vec<String> = off.into_iter().take(8).collect();
+    let a = Attn::for_layer(&model.config, layer, pos - row, rows);
+    let seen = if a.window == 0 {
+        pos + 1
+    } else {
+        a.window.min(pos + 1)
+    };
+    Ok(Some(format!(
+        "the attention at position {pos} read, column by column (solved from the trace's q, k and probabilities), {n} of the {seen} columns it attends to not at their own key: {}{}",
+        list.join(", "),
+        if n > 8 { ", …" } else { "" }
+    )))
+}
