@@ -268,6 +268,44 @@ fn c_engine_rope_positions_of_no_catalog_shape_are_solved_and_named() {
         assert!(why.contains(says), "{bug}: {why}");
         assert!(!why.contains("also reproduces"), "{bug}: {why}");
     }
+    // From a scan and the zoom it asks for (step 2 whole, k_rope and v at every step): the
+    // same rule, solved from the one step that has q on both sides of RoPE.
+    let run = |out: &Path, plan: &str| {
+        let o = Command::new(&toy)
+            .arg(root().join("fixtures/tiny-llama-f32.gguf"))
+            .arg(root().join("golden/tiny-llama-f32"))
+            .arg(out)
+            .args(["--bug", "rope-pos-stuck"])
+            .env("PARITY_RECORD", plan)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-f32",
+            out.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        own_inputs(&j)["first_divergence"].clone()
+    };
+    let d = run(&tmp.path().join("scan"), "taps=l_out,result_norm,logits");
+    assert_eq!(d["at"]["key"]["step"], 2, "{d:#}");
+    let plan = d["zoom"]["record"].as_str().unwrap().to_string();
+    assert!(plan.ends_with(";full=2"), "{d:#}");
+    let d = run(&tmp.path().join("zoom"), &plan);
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 2, "layer": 0, "tap": "q_rope"}),
+        "{d:#}"
+    );
+    let why = d["diagnosis"].as_str().unwrap();
+    assert!(
+        why.contains("confirmed by experiment: rope-at:q,k=20@21 reproduces your q_rope"),
+        "{why}"
+    );
 }
 
 /// The header honours a recording plan from `PARITY_RECORD` (the toy engine has no code for
