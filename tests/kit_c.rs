@@ -223,7 +223,7 @@ fn c_engine_position_bugs_are_found_at_their_first_position() {
 /// Two RoPE position bugs of shapes no catalog lists: the judge solves each row's position
 /// from the trace's q/k on both sides of RoPE and names the rule — every row one late from the
 /// first prompt token, and a counter that stops at the first decode position (found at the
-/// second decode step, position 21).
+/// second decode step, position 21), also from a scan and the zoom it asks for.
 #[test]
 #[cfg_attr(
     not(parity_cc),
