@@ -331,7 +331,7 @@ fn what_an_engine_s_attention_read_is_measured_from_its_trace() {
         // The cache read backwards.
         (
             "i - j",
-            "at position 1 read, column by column (solved from the trace's q, k and probabilities), 2 of the 2 columns it attends to not at their own key: 0→position 1's key, 1→position 0's key",
+            "at position 1 read, column by column (solved from the trace's q, k and probabilities), 2 of the 2 columns it attends to not at their own key: 0→position 1's key, 1→position 0's key — the cache was read in reverse order",
         ),
         // Every other slot: at position 1 the two columns hold one key, which cannot say
         // which; position 2 can.
@@ -341,12 +341,12 @@ fn what_an_engine_s_attention_read_is_measured_from_its_trace() {
         ),
         (
             "j % 4",
-            "at position 4 read, column by column (solved from the trace's q, k and probabilities), 1 of the 5 columns it attends to not at their own key: 4→position 0's key",
+            "at position 4 read, column by column (solved from the trace's q, k and probabilities), 1 of the 5 columns it attends to not at their own key: 4→position 0's key — each of those columns held the key 4 positions earlier",
         ),
         // A decode step that reads its own slot before writing it.
         (
             "-1 if j == i and i >= 20 else j",
-            "at position 20 read, column by column (solved from the trace's q, k and probabilities), 1 of the 21 columns it attends to not at their own key: 20→an empty slot (a zero key)",
+            "at position 20 read, column by column (solved from the trace's q, k and probabilities), 1 of the 21 columns it attends to not at their own key: 20→an empty slot (a zero key) — its own slot held nothing: this step's K/V were read before they were written",
         ),
     ]
     .into_iter()

@@ -317,8 +317,98 @@ pub fn observed(
         a.window.min(pos + 1)
     };
     Ok(Some(format!(
-        "the attention at position {pos} read, column by column (solved from the trace's q, k and probabilities), {n} of the {seen} columns it attends to not at their own key: {}{}",
+        "the attention at position {pos} read, column by column (solved from the trace's q, k and probabilities), {n} of the {seen} columns it attends to not at their own key: {}{}{}",
         list.join(", "),
-        if n > 8 { ", …" } else { "" }
+        if n > 8 { ", …" } else { "" },
+        pattern(&held, pos).map_or(String::new(), |p| format!(" — {p}"))
     )))
+}
+
+/// The shape the columns that did not hold their own key share, in words, where they share
+/// one.
+pub fn pattern(held: &[Held], pos: usize) -> Option<String> {
+    let off: Vec<(usize, Held)> = held
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|&(j, h)| h != Held::Key(j))
+        .collect();
+    let (&(j0, _), _) = off.split_first()?;
+    let all = |f: &dyn Fn(usize, Held) -> bool| off.iter().all(|&(j, h)| f(j, h));
+    if all(&|j, h| h == Held::Empty && j == pos) {
+        return Some(
+            "its own slot held nothing: this step's K/V were read before they were written".into(),
+        );
+    }
+    if all(&|_, h| h == Held::Empty) {
+        return Some(
+            "those slots held nothing (zero keys): the cache was cleared, or their K/V were written elsewhere"
+                .into(),
+        );
+    }
+    // (One column held position i − j's key says nothing of an order.)
+    if off.len() > 1 && all(&|j, h| h == Held::Key(pos - j.min(pos)) && j <= pos) {
+        return Some("the cache was read in reverse order (column j held position i − j's key)".into());
+    }
+    // Later positions in earlier columns, all a multiple of one width apart: a ring (where
+    // later writes landed in earlier slots; a key not yet written cannot be read).
+    let gaps: Option<Vec<usize>> = off
+        .iter()
+        .map(|&(j, h)| match h {
+            Held::Key(m) if m > j => Some(m - j),
+            _ => None,
+        })
+        .collect();
+    if let Some(w) = gaps.and_then(|g| g.into_iter().reduce(gcd))
+        && w > 1
+    {
+        return Some(format!(
+            "those columns held later positions' keys, a multiple of {w} on: a ring of {w} slots whose later writes overwrote them"
+        ));
+    }
+    let shift = |j: usize, h: Held| match h {
+        Held::Key(m) => Some(m as i64 - j as i64),
+        _ => None,
+    };
+    let d = shift(j0, off[0].1)?;
+    if all(&|j, h| shift(j, h) == Some(d)) {
+        let n = d.unsigned_abs();
+        return Some(format!(
+            "each of those columns held the key {n} position{} {} (a slot index off by {n})",
+            if n == 1 { "" } else { "s" },
+            if d > 0 { "later" } else { "earlier" }
+        ));
+    }
+    None
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_columns_shape_is_said_where_they_share_one() {
+        let own = |n: usize| (0..n).map(Held::Key).collect::<Vec<_>>();
+        assert_eq!(pattern(&own(5), 4), None);
+        let mut h = own(21);
+        h[20] = Held::Empty;
+        assert!(pattern(&h, 20).unwrap().contains("read before they were written"));
+        let rev: Vec<Held> = (0..4).map(|j| Held::Key(3 - j)).collect();
+        assert!(pattern(&rev, 3).unwrap().contains("reverse order"));
+        let late: Vec<Held> = (0..6usize).map(|j| Held::Key(j.saturating_sub(1))).collect();
+        // Column 0 held its own (position 0), 1.. the one before: one earlier.
+        assert!(pattern(&late, 5).unwrap().contains("1 position earlier"));
+        let mut ring = own(20);
+        ring[0] = Held::Key(13);
+        ring[1] = Held::Key(14);
+        assert!(pattern(&ring, 14).unwrap().contains("a ring of 13 slots"));
+        let mut odd = own(6);
+        odd[2] = Held::Key(5);
+        odd[3] = Held::Empty;
+        assert_eq!(pattern(&odd, 5), None);
+    }
 }
