@@ -348,7 +348,9 @@ pub fn pattern(held: &[Held], pos: usize) -> Option<String> {
     }
     // (One column held position i − j's key says nothing of an order.)
     if off.len() > 1 && all(&|j, h| h == Held::Key(pos - j.min(pos)) && j <= pos) {
-        return Some("the cache was read in reverse order (column j held position i − j's key)".into());
+        return Some(
+            "the cache was read in reverse order (column j held position i − j's key)".into(),
+        );
     }
     // Later positions in earlier columns, all a multiple of one width apart: a ring (where
     // later writes landed in earlier slots; a key not yet written cannot be read).
@@ -396,10 +398,16 @@ mod tests {
         assert_eq!(pattern(&own(5), 4), None);
         let mut h = own(21);
         h[20] = Held::Empty;
-        assert!(pattern(&h, 20).unwrap().contains("read before they were written"));
+        assert!(
+            pattern(&h, 20)
+                .unwrap()
+                .contains("read before they were written")
+        );
         let rev: Vec<Held> = (0..4).map(|j| Held::Key(3 - j)).collect();
         assert!(pattern(&rev, 3).unwrap().contains("reverse order"));
-        let late: Vec<Held> = (0..6usize).map(|j| Held::Key(j.saturating_sub(1))).collect();
+        let late: Vec<Held> = (0..6usize)
+            .map(|j| Held::Key(j.saturating_sub(1)))
+            .collect();
         // Column 0 held its own (position 0), 1.. the one before: one earlier.
         assert!(pattern(&late, 5).unwrap().contains("1 position earlier"));
         let mut ring = own(20);
