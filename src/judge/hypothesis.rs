@@ -12,9 +12,8 @@ use super::floor::{Floors, OpClass, SpanOps, class, span};
 use super::layout::Layout;
 use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::rounding;
-use super::{Finding, JudgeError, OpResult, Tried};
+use super::{Finding, Hypothesis, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
-use crate::backend::positions::RopeAt;
 use crate::compare::position::first_row;
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
 use crate::model::{Model, RopeType};
@@ -23,10 +22,10 @@ use ndarray::{ArrayD, ArrayViewD, IxDyn};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// One experiment to run.
-struct Hypothesis {
+/// One catalog bug's experiment to run.
+struct CatalogRun {
     name: String,
-    catalog: Option<Mutation>,
+    catalog: Mutation,
     setup: Setup,
 }
 
@@ -165,13 +164,13 @@ fn experiments(
                 _ => m,
             }
         };
-        let mut hyps: Vec<Hypothesis> = Mutation::ALL
+        let mut hyps: Vec<CatalogRun> = Mutation::ALL
             .iter()
             .filter(|&&m| relevant(m, model, &k, &classes))
             .map(|&m| fitted(m))
-            .map(|m| Hypothesis {
+            .map(|m| CatalogRun {
                 name: m.name().to_string(),
-                catalog: Some(m),
+                catalog: m,
                 setup: Setup {
                     mutation: Some(m),
                     ..base.clone()
@@ -182,7 +181,7 @@ fn experiments(
         let own = plain.metrics.get(&k).map(|m| m.nmse);
         // Each hypothesis on its own thread (rayon) where replays are small: a one-layer replay
         // of a few rows keeps two cores only half busy, and the hypotheses are independent.
-        let each = |h: Hypothesis| -> Result<(Hypothesis, Setup, Option<f64>), JudgeError> {
+        let each = |h: CatalogRun| -> Result<(CatalogRun, Setup, Option<f64>), JudgeError> {
             let r = replay(model, cand, &h.setup, &BTreeSet::new())?;
             let Some(mut best) = r.metrics.get(&k).map(|m| m.nmse) else {
                 let setup = h.setup.clone();
@@ -249,10 +248,10 @@ fn experiments(
             if let Some(best) = best {
                 tried.push((
                     Tried {
-                        hypothesis: h.name,
+                        hypothesis: super::Hypothesis::Catalog(h.catalog),
                         nmse: best,
                     },
-                    h.catalog,
+                    Some(h.catalog),
                 ));
             }
         }
@@ -278,7 +277,7 @@ fn experiments(
                 if let Some(m) = r.metrics.get(&k) {
                     tried.push((
                         Tried {
-                            hypothesis: name.clone(),
+                            hypothesis: super::Hypothesis::RopeAt(at),
                             nmse: m.nmse,
                         },
                         None,
@@ -307,7 +306,7 @@ fn experiments(
                 );
                 tried.push((
                     Tried {
-                        hypothesis: name,
+                        hypothesis: super::Hypothesis::Knob(knob, v),
                         nmse,
                     },
                     None,
@@ -351,7 +350,7 @@ fn experiments(
                 );
                 tried.push((
                     Tried {
-                        hypothesis: name,
+                        hypothesis: super::Hypothesis::Knob(knob, c),
                         nmse: e,
                     },
                     None,
@@ -372,7 +371,7 @@ fn experiments(
                     .then_some(Mutation::HeadMajorQRope);
                 tried.push((
                     Tried {
-                        hypothesis: format!("layout:{}", l.name(k.tap)),
+                        hypothesis: super::Hypothesis::Layout(l, k.tap),
                         nmse,
                     },
                     catalog,
@@ -961,7 +960,7 @@ pub(super) fn below_floor(
             ex.tried
                 .iter()
                 .filter(|(t, _)| t.nmse <= EXPLAINS * own)
-                .map(|(t, _)| t.hypothesis.clone())
+                .map(|(t, _)| t.hypothesis.name())
                 .collect(),
         );
         let near = closest(ex.tried.iter().map(|(t, _)| t.clone()));
@@ -1035,13 +1034,13 @@ fn finding(
         .filter(|(t, _)| t.nmse <= threshold && t.nmse * cut_needed(&t.hypothesis) <= op.own_nmse)
         .collect();
     ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
-    let mut contradicted: Vec<(String, String)> = Vec::new();
+    let mut contradicted: Vec<(Hypothesis, String)> = Vec::new();
     let mut held = Vec::with_capacity(ok.len());
     for c in ok {
-        match setups.get(&c.0.hypothesis) {
-            Some(setup) => match holds(model, cand, setup, ops, &k, is_knob(&c.0.hypothesis))? {
+        match setups.get(&c.0.hypothesis.name()) {
+            Some(setup) => match holds(model, cand, setup, ops, &k, c.0.hypothesis.is_knob())? {
                 Ok(n) => held.push((c, n)),
-                Err(why) => contradicted.push((c.0.hypothesis.clone(), why)),
+                Err(why) => contradicted.push((c.0.hypothesis, why)),
             },
             // A layout reads the candidate's own tensor in another order: nothing to re-run.
             None => held.push((c, 0)),
@@ -1051,25 +1050,25 @@ fn finding(
     // the lowest NMSE, the catalog first, among equals).
     // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
     // those name the cause, the factor only its size.
-    held.sort_by_key(|((t, _), n)| (is_scale(&t.hypothesis), std::cmp::Reverse(*n)));
+    held.sort_by_key(|((t, _), n)| (t.hypothesis.is_scale(), std::cmp::Reverse(*n)));
     // One that brings fewer of the trace's keys within their floors than the best is told
     // apart by the trace (positions modulo 20 and positions counted inside each step agree at
     // the first decode step, not at the second): not listed as its equal.
     let most = held
         .iter()
-        .filter(|((t, _), _)| !is_scale(&t.hypothesis))
+        .filter(|((t, _), _)| !t.hypothesis.is_scale())
         .map(|(_, n)| *n)
         .max();
     let best = held
         .iter()
-        .find(|((t, _), n)| Some(*n) == most && !is_scale(&t.hypothesis))
-        .map(|((t, _), _)| t.hypothesis.clone())
+        .find(|((t, _), n)| Some(*n) == most && !t.hypothesis.is_scale())
+        .map(|((t, _), _)| t.hypothesis.name())
         .unwrap_or_default();
     let mut kept = Vec::with_capacity(held.len());
     for (c, n) in held {
         match most {
-            Some(m) if n < m && !is_scale(&c.0.hypothesis) => contradicted.push((
-                c.0.hypothesis.clone(),
+            Some(m) if n < m && !c.0.hypothesis.is_scale() => contradicted.push((
+                c.0.hypothesis,
                 format!(
                     "of the keys out of their floors it brings {n} within them, {best} brings {m}"
                 ),
@@ -1083,7 +1082,7 @@ fn finding(
     // not (another eps can match a decode step the real one matches too, and miss the prompt).
     let mut placed = Vec::with_capacity(held.len());
     for c in held {
-        let loc = match setups.get(&c.0.hypothesis) {
+        let loc = match setups.get(&c.0.hypothesis.name()) {
             Some(setup) => place(model, cand, setup, ops, &k)?,
             // A layout reads the candidate's own tensor in another order: nothing to re-run.
             None => None,
@@ -1102,7 +1101,7 @@ fn finding(
             ok.push(c);
         } else if let Some(e) = earliest {
             contradicted.push((
-                c.0.hypothesis.clone(),
+                c.0.hypothesis,
                 format!("it does not reproduce {e}, where the bug already shows"),
             ));
         }
@@ -1112,11 +1111,11 @@ fn finding(
     // reading of it (short of support where the trace is short), not a rival.
     if let Some((t, _)) = &confirmed
         && matches!(
-            Knob::parse(&t.hypothesis),
-            Some((Knob::OutputScale(_, None), _))
+            t.hypothesis,
+            Hypothesis::Knob(Knob::OutputScale(_, None), _)
         )
     {
-        contradicted.retain(|(h, _)| !is_scale(h));
+        contradicted.retain(|(h, _)| !h.is_scale());
     }
     // A catalog bug that is a constant factor (a missing embedding scale) is what a fitted
     // output scale reproduces too: its name says more, the factor is not listed beside it.
@@ -1124,12 +1123,12 @@ fn finding(
     // shows it there too, else the flagged layer's) says where it acts.
     let named = confirmed
         .as_ref()
-        .is_some_and(|(t, m)| m.is_some() || is_scale(&t.hypothesis));
+        .is_some_and(|(t, m)| m.is_some() || t.hypothesis.is_scale());
     let also: Vec<String> = ok
         .iter()
         .skip(1)
-        .filter(|(t, _)| !(named && is_scale(&t.hypothesis)))
-        .map(|(t, _)| t.hypothesis.clone())
+        .filter(|(t, _)| !(named && t.hypothesis.is_scale()))
+        .map(|(t, _)| t.hypothesis.name())
         .collect();
     let ruled_out: Vec<Tried> = tried
         .iter()
@@ -1162,7 +1161,7 @@ fn finding(
         ));
     } else if let Some(setup) = confirmed
         .as_ref()
-        .and_then(|(t, _)| setups.get(&t.hypothesis))
+        .and_then(|(t, _)| setups.get(&t.hypothesis.name()))
         && let Some((e, moved, own)) = acts_from(model, cand, setup, ops, &k)?
     {
         text.push_str(&format!(
@@ -1263,7 +1262,8 @@ fn finding(
         catalog: confirmed
             .as_ref()
             .and_then(|(_, m)| m.map(|m| m.name().to_string())),
-        confirmed: confirmed.map(|(t, _)| t.hypothesis),
+        hypothesis: confirmed.as_ref().map(|(t, _)| t.hypothesis),
+        confirmed: confirmed.map(|(t, _)| t.hypothesis.name()),
         also,
         ruled_out,
         fallback,
@@ -1286,18 +1286,8 @@ pub const KNOB_PLACES: usize = 2;
 /// does not show.
 pub const CONTRADICTS: f64 = 10.0;
 
-/// Whether `name` is a fitted output scale (`scale:TAP=V`, `scale:TAP@L=V`).
-fn is_scale(name: &str) -> bool {
-    matches!(Knob::parse(name), Some((Knob::OutputScale(..), _)))
-}
-
-/// Whether `name` is a continuous knob (a value of a hyperparameter, not a catalog bug).
-pub fn is_knob(name: &str) -> bool {
-    Knob::parse(name).is_some()
-}
-
-fn cut_needed(name: &str) -> f64 {
-    if is_knob(name) { KNOB_CUT } else { CONFIRM_CUT }
+fn cut_needed(h: &Hypothesis) -> f64 {
+    if h.is_knob() { KNOB_CUT } else { CONFIRM_CUT }
 }
 
 /// Whether the hypothesis of `setup` holds over the whole trace: replayed at every step and
@@ -1398,9 +1388,9 @@ fn nmse(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// One sentence on what the confirmed hypothesis means for the engine.
-fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String {
+fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> String {
     let c = &model.config;
-    if let Some((knob, v)) = Knob::parse(name) {
+    if let Hypothesis::Knob(knob, v) = *h {
         let fitted = "fitted by experiment over many values";
         return match knob {
             Knob::RmsEps => format!(
@@ -1521,10 +1511,11 @@ fn explain(model: &Model, name: &str, m: Option<Mutation>, k: &TapKey) -> String
             }
         };
     }
-    if let Some(at) = RopeAt::parse(name) {
+    if let Hypothesis::RopeAt(at) = h {
         return at.describe();
     }
-    if let Some(l) = name.strip_prefix("layout:") {
+    if let Hypothesis::Layout(l, tap) = *h {
+        let l = l.name(tap);
         return format!(
             "the numbers are right, stored {l}: declare it in the trace's manifest.json as \"layouts\": {{\"{}\": \"{l}\"}}, or store it canonical",
             k.tap
@@ -1815,10 +1806,25 @@ mod tests {
         ] {
             assert_eq!(knob_name(knob, v), name);
             assert_eq!(Knob::parse(name), Some((knob, v)), "{name}");
-            assert!(is_knob(name), "{name}");
+            let h = Hypothesis::Knob(knob, v);
+            assert_eq!(h.name(), name);
+            assert!(h.is_knob(), "{name}");
+            assert_eq!(
+                h.is_scale(),
+                matches!(knob, Knob::OutputScale(..)),
+                "{name}"
+            );
         }
-        assert!(is_scale("scale:ffn_out@1=0.5"));
-        assert!(!is_scale("attn-softcap=5"));
+        // Written by name in the JSON report.
+        assert_eq!(
+            serde_json::to_string(&Hypothesis::Catalog(Mutation::RopeNeox)).unwrap(),
+            "\"rope-neox\""
+        );
+        assert_eq!(
+            Hypothesis::Layout(Layout::SwapOuter, Tap::QRope).name(),
+            "layout:head-major"
+        );
+        assert!(!Hypothesis::Catalog(Mutation::RmsEps10x).is_knob());
         for bad in [
             "scale:nope=0.5",
             "scale:ffn_out@x=0.5",

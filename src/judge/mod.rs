@@ -27,6 +27,7 @@ pub mod verdict;
 pub mod zoom;
 
 use crate::backend::mutation::Mutation;
+use crate::backend::positions::RopeAt;
 use crate::backend::{BackendError, Emulation};
 use crate::compare::{CompareError, Metrics};
 use crate::gguf::GgufError;
@@ -154,11 +155,57 @@ pub struct OpResult {
     pub ambiguous: bool,
 }
 
+/// What one experiment tried: a catalog bug (with the width fitted where it takes one), a
+/// fitted value of a knob, the candidate's own tensor read in another layout, or the RoPE
+/// positions solved from the trace. Reports and JSON write it by its name ([`Hypothesis::name`],
+/// `rope-neox`, `rms-eps=1e-5`, `layout:head-major`, `rope-at:q,k=p+1@0`); the judge decides
+/// on the value.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Hypothesis {
+    Catalog(Mutation),
+    Knob(replay::Knob, f32),
+    Layout(Layout, Tap),
+    RopeAt(RopeAt),
+}
+
+impl Hypothesis {
+    pub fn name(&self) -> String {
+        match *self {
+            Hypothesis::Catalog(m) => m.name().to_string(),
+            Hypothesis::Knob(k, v) => hypothesis::knob_name(k, v),
+            Hypothesis::Layout(l, tap) => format!("layout:{}", l.name(tap)),
+            Hypothesis::RopeAt(r) => r.name(),
+        }
+    }
+
+    /// A value of a continuous knob (not a catalog bug): confirmed on the strongest evidence.
+    pub fn is_knob(&self) -> bool {
+        matches!(self, Hypothesis::Knob(..))
+    }
+
+    /// A fitted constant factor on one op's output.
+    pub fn is_scale(&self) -> bool {
+        matches!(self, Hypothesis::Knob(replay::Knob::OutputScale(..), _))
+    }
+}
+
+impl std::fmt::Display for Hypothesis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+impl Serialize for Hypothesis {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.name())
+    }
+}
+
 /// One experiment at the flagged op.
 #[derive(Clone, Debug, Serialize)]
 pub struct Tried {
-    /// `rope-neox` (a catalog mutation), `rms-eps=1e-5`, `rope-theta=500000`, `layout:head-major`.
-    pub hypothesis: String,
+    /// What was tried (written by its name).
+    pub hypothesis: Hypothesis,
     /// The candidate's NMSE against the reference under this hypothesis.
     pub nmse: f64,
 }
@@ -175,6 +222,9 @@ pub struct Finding {
     pub floor: f64,
     pub span_ops: usize,
     /// The hypothesis that reproduces the candidate within the floor (lowest NMSE wins).
+    /// The confirmed hypothesis, typed (`confirmed` is its name).
+    #[serde(skip)]
+    pub hypothesis: Option<Hypothesis>,
     pub confirmed: Option<String>,
     pub confirmed_nmse: Option<f64>,
     /// The catalog mutation (`Mutation::name()`) the confirmed hypothesis is, if it is one.
@@ -284,9 +334,9 @@ pub fn judge(model: &Model, trace: &Trace, opt: &JudgeOptions) -> Result<Judgeme
     let mut first_layout: Option<Judgement> = None;
     loop {
         let mut j = judge_once(model, trace, opt, &named)?;
-        let layout = j.first.as_ref().and_then(|f| {
-            let name = f.confirmed.as_deref()?.strip_prefix("layout:")?;
-            Some((f.flagged.tap, Layout::parse(f.flagged.tap, name)?))
+        let layout = j.first.as_ref().and_then(|f| match f.hypothesis? {
+            Hypothesis::Layout(l, tap) => Some((tap, l)),
+            _ => None,
         });
         match layout {
             Some(l) if layouts.len() < MAX_LAYOUTS && !named.contains(&l) => {
@@ -1025,10 +1075,11 @@ fn under_other_setups(
 /// A catalog bug or a fitted value, as a setup sets it (None: a layout, or no such name).
 type Screened = (Option<Mutation>, Option<(replay::Knob, f32)>);
 
-fn screened(h: &str) -> Option<Screened> {
-    match Mutation::parse(h) {
-        Some(m) => Some((Some(m), None)),
-        None => replay::Knob::parse(h).map(|k| (None, Some(k))),
+fn screened(h: &Hypothesis) -> Option<Screened> {
+    match *h {
+        Hypothesis::Catalog(m) => Some((Some(m), None)),
+        Hypothesis::Knob(k, v) => Some((None, Some((k, v)))),
+        Hypothesis::Layout(..) | Hypothesis::RopeAt(_) => None,
     }
 }
 

@@ -62,6 +62,7 @@ fn base_finding(b: &NonFinite, o: &OpResult, text: &str) -> Finding {
         floor: o.floor,
         span_ops: o.span_ops,
         confirmed: None,
+        hypothesis: None,
         confirmed_nmse: None,
         catalog: None,
         also: Vec::new(),
@@ -201,6 +202,7 @@ pub fn candidate(
         ),
     );
     f.confirmed = Some(m.name().to_string());
+    f.hypothesis = Some(super::Hypothesis::Catalog(m));
     f.confirmed_nmse = Some(e);
     f.catalog = Some(m.name().to_string());
     f.also = matched[1..]
