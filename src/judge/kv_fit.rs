@@ -157,8 +157,12 @@ pub fn solve_row(
         }
     };
     // Each column the key that fits it best, its own unless another is `APART` times closer.
-    let assign = |lse: &[f64]| -> (Vec<Held>, f64) {
+    // Also the plain nearest reading, which the next log-sum-exp is taken from: a start far
+    // off (half the row on other keys, an attention sink counted twice) still lands most
+    // columns on their key, where the own-key preference would keep it where it was.
+    let assign = |lse: &[f64]| -> (Vec<Held>, f64, Vec<Held>) {
         let mut out = held.clone();
+        let mut nearest = held.clone();
         let mut total = 0.0;
         for &j in &fit {
             let own = dist(lse, j, Held::Key(j));
@@ -169,6 +173,7 @@ pub fn solve_row(
                     best = (d, Held::Key(m));
                 }
             }
+            nearest[j] = best.1;
             let (d, x) = if own <= MATCH || own <= best.0 * APART {
                 (own, Held::Key(j))
             } else if best.0 <= MATCH {
@@ -179,7 +184,7 @@ pub fn solve_row(
             out[j] = x;
             total += d;
         }
-        (out, total)
+        (out, total, nearest)
     };
     // The log-sum-exp is not known until the keys are: start from every column at its own key
     // (exact where the engine read a permutation of them) and from the median of s − log p
@@ -220,9 +225,9 @@ pub fn solve_row(
     let mut fits: Vec<(Vec<Held>, f64)> = Vec::new();
     for start in starts {
         let mut lse = start;
-        for _ in 0..4 {
-            let (h, total) = assign(&lse);
-            let next = lse_of(&h);
+        for _ in 0..PASSES {
+            let (h, total, nearest) = assign(&lse);
+            let next = lse_of(&nearest);
             fits.push((h, total));
             match next {
                 Some(next) => lse = next,
@@ -253,6 +258,8 @@ pub fn solve_row(
 
 /// The most (column, key, head) distances one pass of a row's fit weighs.
 const MAX_WEIGHED: usize = 1 << 28;
+/// Reassignments from each start.
+const PASSES: usize = 4;
 /// Rows from the first one out of the floor tried for one whose reading is unambiguous.
 const ROWS_TRIED: usize = 4;
 /// Rows of at most this many attended columns are also fitted from anchored starts.
