@@ -406,8 +406,7 @@ fn judge_once(
     let mut cand = Candidate::new(trace, &model.config)?;
     cand.layouts.extend(layouts.iter().copied());
     let steps = checked_steps(model, trace, &cand)?;
-    let s_max = steps.iter().copied().max().ok_or(JudgeError::Empty)?;
-    let n_layer = model.config.n_layer;
+    steps.iter().max().ok_or(JudgeError::Empty)?;
     let none = BTreeSet::new();
     let first_step = steps.iter().copied().min().unwrap_or(0);
 
@@ -447,98 +446,30 @@ fn judge_once(
             kv_decode_fits,
         } = measured.take().expect("measured once per pass");
 
-        // The whole trace under the chosen rounding and cache (unless detection already ran it
-        // whole).
-        let full = Window::full(n_layer, s_max);
-        let whole = |kv: KvCache, kv_decode: Option<KvCache>| Setup {
-            decode,
-            output,
+        let Pass {
+            rounding,
             kv,
             kv_decode,
-            ..Setup::clean(rounding, full)
-        };
-        let mut rep = match best {
-            Some((_, _, rep, true)) if kv == KvCache::F32 && kv_decode.is_none() => rep,
-            _ => replay(model, &cand, &whole(kv, kv_decode), &none)?,
-        };
-
-        // The decode steps' cache, measured where the prompt's leaves their attention above
-        // noise.
-        let d1 = steps.iter().copied().filter(|&s| s > first_step).min();
-        let (kv, kv_decode, kv_decode_fits, kv_from_decode) = decode_cache(
+            kv_decode_fits,
+            ties,
+            floors,
+            mut ops,
+        } = pass(
             model,
             &cand,
             opt,
-            (rounding, decode, output),
-            (kv, kv_decode),
-            (&kv_fits, kv_decode_fits),
-            d1,
-            &whole,
-            &mut rep,
+            &steps,
+            Measure {
+                rounding,
+                decode,
+                output,
+                best,
+                kv,
+                kv_fits: &kv_fits,
+                kv_decode,
+                kv_decode_fits,
+            },
         )?;
-        // Floors.
-        let pos_max = trace
-            .manifest
-            .steps
-            .iter()
-            .flat_map(|s| s.positions.iter().copied())
-            .max()
-            .unwrap_or(0);
-        let spans: Vec<(TapKey, SpanOps)> = rep
-            .metrics
-            .keys()
-            .map(|k| (*k, SpanOps::of(&span(&cand, k))))
-            .collect();
-        // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
-        // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
-        // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
-        // span floors are never tighter than without the emulation.
-        // (Where the cache was taken from the decode steps, their f32 fit: the prompt's is the
-        // bug's.)
-        let fits_of_kv = if kv_from_decode {
-            &kv_decode_fits
-        } else {
-            &kv_fits
-        };
-        let f32_fit = (kv == KvCache::F16)
-            .then(|| fits_of_kv.iter().find(|f| f.kv == KvCache::F32))
-            .flatten()
-            .map(|f| f.median_nmse);
-        let setup_floors = |rounding: Emulation| {
-            let mut floors =
-                Floors::new(model, rounding, decode, pos_max).with_output(model, output);
-            floors.kv_decode = kv_decode;
-            floors
-        };
-
-        // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
-        // twin's error (an element on a tie may take either neighbour: no bug). Where the
-        // rounding is given (a golden's, `--rounding`), the twins are replayed only where a key
-        // sits within `rounding::TIE_NEAR` of the lowest floor it can have (the floors before
-        // the trace's noise raises them): elsewhere no tie can make a finding, and their
-        // replays of a long trace would cost more than the rest of the judgement.
-        let near: Option<BTreeSet<TapKey>> = (opt.roundings.len() == 1).then(|| {
-            let floors = setup_floors(rounding);
-            spans
-                .iter()
-                .filter(|(k, s)| rep.metrics[k].nmse * rounding::TIE_NEAR > floors.key(k, s))
-                .map(|(k, _)| *k)
-                .collect()
-        });
-        let (rounding, ties) = rounding::refit_ties(
-            model,
-            &cand,
-            &mut rep,
-            rounding,
-            decode,
-            output,
-            (kv, kv_decode),
-            full,
-            near.as_ref(),
-        )?;
-        let floors = with_trace_noise(setup_floors(rounding), &spans, &rep, f32_fit);
-        let mut ops = op_results(&spans, &rep, &floors);
-        ambiguity::refloor(model, &cand, &floors, kv, &mut ops)?;
         let mut below_floor = Vec::new();
         let mut retry: Option<(Floors, KvCache, String)> = None;
         // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
@@ -672,6 +603,157 @@ fn judge_once(
         }
         return Ok(j);
     }
+}
+
+/// What a pass of `judge_once` starts from: the rounding and caches measured (or measured
+/// again with the bug in view).
+struct Measure<'a> {
+    rounding: Emulation,
+    decode: Option<Emulation>,
+    output: Option<Emulation>,
+    best: Option<(Emulation, f64, replay::Replay, bool)>,
+    kv: KvCache,
+    kv_fits: &'a [rounding::KvFit],
+    kv_decode: Option<KvCache>,
+    kv_decode_fits: Vec<rounding::KvFit>,
+}
+
+/// The ops of a pass against their floors, and the setup they were judged under.
+struct Pass {
+    rounding: Emulation,
+    kv: KvCache,
+    kv_decode: Option<KvCache>,
+    kv_decode_fits: Vec<rounding::KvFit>,
+    ties: Vec<(TapKey, Emulation)>,
+    floors: Floors,
+    ops: Vec<OpResult>,
+}
+
+/// The whole trace replayed under the measured setup, and each op against its floor: the
+/// decode steps' cache settled, rounding ties refitted, the floors raised to the trace's own
+/// noise and to the ambiguity of sparse spans.
+fn pass(
+    model: &Model,
+    cand: &Candidate,
+    opt: &JudgeOptions,
+    steps: &[usize],
+    m: Measure,
+) -> Result<Pass, JudgeError> {
+    let Measure {
+        rounding,
+        decode,
+        output,
+        best,
+        kv,
+        kv_fits,
+        kv_decode,
+        kv_decode_fits,
+    } = m;
+    let none = BTreeSet::new();
+    let n_layer = model.config.n_layer;
+    let s_max = steps.iter().copied().max().ok_or(JudgeError::Empty)?;
+    let first_step = steps.iter().copied().min().unwrap_or(0);
+    // The whole trace under the chosen rounding and cache (unless detection already ran it
+    // whole).
+    let full = Window::full(n_layer, s_max);
+    let whole = |kv: KvCache, kv_decode: Option<KvCache>| Setup {
+        decode,
+        output,
+        kv,
+        kv_decode,
+        ..Setup::clean(rounding, full)
+    };
+    let mut rep = match best {
+        Some((_, _, rep, true)) if kv == KvCache::F32 && kv_decode.is_none() => rep,
+        _ => replay(model, cand, &whole(kv, kv_decode), &none)?,
+    };
+
+    // The decode steps' cache, measured where the prompt's leaves their attention above
+    // noise.
+    let d1 = steps.iter().copied().filter(|&s| s > first_step).min();
+    let (kv, kv_decode, kv_decode_fits, kv_from_decode) = decode_cache(
+        model,
+        cand,
+        opt,
+        (rounding, decode, output),
+        (kv, kv_decode),
+        (kv_fits, kv_decode_fits),
+        d1,
+        &whole,
+        &mut rep,
+    )?;
+    // Floors.
+    let pos_max = cand
+        .trace
+        .manifest
+        .steps
+        .iter()
+        .flat_map(|s| s.positions.iter().copied())
+        .max()
+        .unwrap_or(0);
+    let spans: Vec<(TapKey, SpanOps)> = rep
+        .metrics
+        .keys()
+        .map(|k| (*k, SpanOps::of(&span(cand, k))))
+        .collect();
+    // Emulating an f16 cache brings most spans to f32 noise, but an f32 ulp upstream can
+    // round a K/V value to the other f16 neighbour, and 8-bit activation rounding downstream
+    // amplifies that flip (2.6e-5 on a 64-wide fixture whose other spans are exact): the
+    // span floors are never tighter than without the emulation.
+    // (Where the cache was taken from the decode steps, their f32 fit: the prompt's is the
+    // bug's.)
+    let fits_of_kv: &[rounding::KvFit] = if kv_from_decode {
+        &kv_decode_fits
+    } else {
+        kv_fits
+    };
+    let f32_fit = (kv == KvCache::F16)
+        .then(|| fits_of_kv.iter().find(|f| f.kv == KvCache::F32))
+        .flatten()
+        .map(|f| f.median_nmse);
+    let setup_floors = |rounding: Emulation| {
+        let mut floors = Floors::new(model, rounding, decode, pos_max).with_output(model, output);
+        floors.kv_decode = kv_decode;
+        floors
+    };
+
+    // Rounding ties: a key a tie twin of the chosen rounding reproduces closer keeps the
+    // twin's error (an element on a tie may take either neighbour: no bug). Where the
+    // rounding is given (a golden's, `--rounding`), the twins are replayed only where a key
+    // sits within `rounding::TIE_NEAR` of the lowest floor it can have (the floors before
+    // the trace's noise raises them): elsewhere no tie can make a finding, and their
+    // replays of a long trace would cost more than the rest of the judgement.
+    let near: Option<BTreeSet<TapKey>> = (opt.roundings.len() == 1).then(|| {
+        let floors = setup_floors(rounding);
+        spans
+            .iter()
+            .filter(|(k, s)| rep.metrics[k].nmse * rounding::TIE_NEAR > floors.key(k, s))
+            .map(|(k, _)| *k)
+            .collect()
+    });
+    let (rounding, ties) = rounding::refit_ties(
+        model,
+        cand,
+        &mut rep,
+        rounding,
+        decode,
+        output,
+        (kv, kv_decode),
+        full,
+        near.as_ref(),
+    )?;
+    let floors = with_trace_noise(setup_floors(rounding), &spans, &rep, f32_fit);
+    let mut ops = op_results(&spans, &rep, &floors);
+    ambiguity::refloor(model, cand, &floors, kv, &mut ops)?;
+    Ok(Pass {
+        rounding,
+        kv,
+        kv_decode,
+        kv_decode_fits,
+        ties,
+        floors,
+        ops,
+    })
 }
 
 /// The first finding of `j` placed (its first position out of the floor, the zoom that
