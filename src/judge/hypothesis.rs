@@ -255,35 +255,11 @@ fn experiments(
                 ));
             }
         }
-        // RoPE's positions solved row by row from the trace (a full dump's q/k on both sides
-        // of it), read as a rule and replayed over the trace: a position bug no catalog entry
-        // reproduces (positions from 1, a counter that stops, a shift past the prompt) is one
-        // experiment too. Rules the catalog holds are left to it (`rope_fit::hypotheses`).
-        if fit_scales
-            && matches!(k.tap, Tap::QRope | Tap::KRope)
-            && let Some(layer) = k.layer
-        {
-            // The window renumbers its layers from l0; the trace's are the model's.
-            for at in super::rope_fit::hypotheses(model, cand, layer)? {
-                let name = at.name();
-                if only.is_some_and(|o| !o.contains(&name)) {
-                    continue;
-                }
-                let setup = Setup {
-                    rope_at: Some(at),
-                    ..base.clone()
-                };
-                let r = replay(model, cand, &setup, &BTreeSet::new())?;
-                if let Some(m) = r.metrics.get(&k) {
-                    tried.push((
-                        Tried {
-                            hypothesis: super::Hypothesis::RopeAt(at),
-                            nmse: m.nmse,
-                        },
-                        None,
-                    ));
-                    setups.insert(name, setup);
-                }
+        // RoPE's positions solved from the trace, each rule one experiment.
+        if fit_scales {
+            for (t, setup) in rope_positions(model, cand, &base, k, only)? {
+                setups.insert(t.hypothesis.name(), setup);
+                tried.push((t, None));
             }
         }
         // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
@@ -387,6 +363,43 @@ fn experiments(
         span: sp,
         ran: run,
     })
+}
+
+/// RoPE's positions solved row by row from the trace (a full dump's q/k on both sides of it,
+/// at a flagged `q_rope` or `k_rope`), read as rules and each replayed over the window: a
+/// position bug no catalog entry reproduces (positions from 1, a counter that stops, a shift
+/// past the prompt) is one experiment too. Rules the catalog holds are left to it
+/// (`rope_fit::hypotheses`).
+fn rope_positions(
+    model: &Model,
+    cand: &Candidate,
+    base: &Setup,
+    k: TapKey,
+    only: Option<&BTreeSet<String>>,
+) -> Result<Vec<(Tried, Setup)>, JudgeError> {
+    let mut out = Vec::new();
+    let (Tap::QRope | Tap::KRope, Some(layer)) = (k.tap, k.layer) else {
+        return Ok(out);
+    };
+    // The window renumbers its layers from l0; the trace's are the model's.
+    for at in super::rope_fit::hypotheses(model, cand, layer)? {
+        if only.is_some_and(|o| !o.contains(&at.name())) {
+            continue;
+        }
+        let setup = Setup {
+            rope_at: Some(at),
+            ..base.clone()
+        };
+        let r = replay(model, cand, &setup, &BTreeSet::new())?;
+        if let Some(m) = r.metrics.get(&k) {
+            let t = Tried {
+                hypothesis: Hypothesis::RopeAt(at),
+                nmse: m.nmse,
+            };
+            out.push((t, setup));
+        }
+    }
+    Ok(out)
 }
 
 /// Whether `knob` can change what ops of these classes compute.

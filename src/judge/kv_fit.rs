@@ -83,28 +83,29 @@ pub fn solve_row(
         }
         s
     };
-    let seen = |j: usize| j <= i && (a.window == 0 || i - j < a.window);
+    let seen: Vec<bool> = (0..n_kv)
+        .map(|j| j <= i && (a.window == 0 || i - j < a.window))
+        .collect();
     let prob = |h: usize, j: usize| p[(h * t + row) * n_kv + j] as f64;
-    // A column every head gives 0 is masked; one the model masks and a head attends to is
-    // unmasked; every column a head attends to is fitted (on the heads that attend to it).
-    let live = |h: usize, j: usize| prob(h, j) > 1e-30;
-    let mut held: Vec<Held> = (0..n_kv).map(Held::Key).collect();
-    let mut fit = Vec::new();
-    for (j, x) in held.iter_mut().enumerate() {
-        let zero = (0..nh).all(|h| prob(h, j) == 0.0);
-        if seen(j) && zero {
-            *x = Held::Masked;
-        }
-        if !zero {
-            fit.push(j);
-        }
-    }
-    // A pass weighs every fitted column against every key over the heads: past this the
+    // (head, log p) of each column's attending heads.
+    let logp: Vec<Vec<(usize, f64)>> = (0..n_kv)
+        .map(|j| {
+            (0..nh)
+                .filter(|&h| prob(h, j) > 1e-30)
+                .map(|h| (h, prob(h, j).ln()))
+                .collect()
+        })
+        .collect();
+    let zero: Vec<bool> = (0..n_kv)
+        .map(|j| (0..nh).all(|h| prob(h, j) == 0.0))
+        .collect();
+    // A pass weighs every attended column against every key over the heads: past this the
     // row is not solved (a 2,048-token prompt's row is 2^27).
-    if fit.len() * (n_kv + 1) * nh > MAX_WEIGHED {
+    let attended = zero.iter().filter(|z| !**z).count();
+    if attended * (n_kv + 1) * nh > MAX_WEIGHED {
         return Ok(None);
     }
-    // Scores of the row against every cached key, and a zero key's (0: soft-capped too).
+    // Scores of the row against every cached key.
     let scores: Vec<Vec<Option<f64>>> = (0..nh)
         .map(|h| {
             keys.iter()
@@ -112,9 +113,50 @@ pub fn solve_row(
                 .collect()
         })
         .collect();
+    Ok(read(&Row {
+        nh,
+        seen,
+        zero,
+        logp,
+        scores,
+    }))
+}
+
+/// One row of the probabilities as the fit reads it.
+struct Row {
+    nh: usize,
+    /// Whether the model attends to each column.
+    seen: Vec<bool>,
+    /// Whether every head gives each column 0.
+    zero: Vec<bool>,
+    /// Each column's (head, log p) where that head attends to it.
+    logp: Vec<Vec<(usize, f64)>>,
+    /// Per head, the row's score against each position's cached key (None: not cached).
+    scores: Vec<Vec<Option<f64>>>,
+}
+
+/// The key each column of `r` held, fitted with each head's log-sum-exp; None where two
+/// readings fit as well.
+fn read(r: &Row) -> Option<Vec<Held>> {
+    let (nh, n_kv) = (r.nh, r.seen.len());
+    let live = |h: usize, j: usize| r.logp[j].iter().any(|&(x, _)| x == h);
+    let lnp = |h: usize, j: usize| r.logp[j].iter().find(|&&(x, _)| x == h).map(|&(_, l)| l);
+    // A column every head gives 0 is masked where the model attends; every column a head
+    // attends to is fitted (on the heads that attend to it).
+    let mut held: Vec<Held> = (0..n_kv).map(Held::Key).collect();
+    let mut fit = Vec::new();
+    for (j, x) in held.iter_mut().enumerate() {
+        if r.seen[j] && r.zero[j] {
+            *x = Held::Masked;
+        }
+        if !r.zero[j] {
+            fit.push(j);
+        }
+    }
+    // A zero key scores 0 (soft-capped too).
     let of = |h: usize, x: Held| -> Option<f64> {
         match x {
-            Held::Key(m) => scores[h][m],
+            Held::Key(m) => r.scores[h][m],
             Held::Empty => Some(0.0),
             _ => None,
         }
@@ -131,19 +173,9 @@ pub fn solve_row(
     };
     // The mean square distance of column j's log-probabilities from what `x` scores, over
     // the heads that attend to it.
-    // (head, log p) of each column's attending heads, computed once: a long prompt's row
-    // weighs every column against every key.
-    let logp: Vec<Vec<(usize, f64)>> = (0..n_kv)
-        .map(|j| {
-            (0..nh)
-                .filter(|&h| live(h, j))
-                .map(|h| (h, prob(h, j).ln()))
-                .collect()
-        })
-        .collect();
     let dist = |lse: &[f64], j: usize, x: Held| -> f64 {
         let (mut sum, mut n) = (0f64, 0usize);
-        for &(h, lp) in &logp[j] {
+        for &(h, lp) in &r.logp[j] {
             let Some(s) = of(h, x) else {
                 return f64::INFINITY;
             };
@@ -194,7 +226,7 @@ pub fn solve_row(
             super::floor::median(
                 fit.iter()
                     .filter(|&&j| live(h, j))
-                    .filter_map(|&j| scores[h][j].map(|s| s - prob(h, j).ln()))
+                    .filter_map(|&j| Some(r.scores[h][j]? - lnp(h, j)?))
                     .collect(),
             )
         })
@@ -210,11 +242,11 @@ pub fn solve_row(
         && let Some(base) = starts.first().cloned()
     {
         let anchors = [fit.first(), fit.get(fit.len() / 2), fit.last()];
-        for &r in anchors.into_iter().flatten() {
+        for &a in anchors.into_iter().flatten() {
             for x in (0..n_kv).map(Held::Key).chain([Held::Empty]) {
                 let l: Option<Vec<f64>> = (0..nh)
-                    .map(|h| match live(h, r) {
-                        true => of(h, x).map(|s| s - prob(h, r).ln()),
+                    .map(|h| match live(h, a) {
+                        true => Some(of(h, x)? - lnp(h, a)?),
                         false => Some(base[h]),
                     })
                     .collect();
@@ -235,25 +267,21 @@ pub fn solve_row(
             }
         }
     }
-    let Some(min) = fits.iter().map(|f| f.1).reduce(f64::min) else {
-        return Ok(None);
-    };
+    let min = fits.iter().map(|f| f.1).reduce(f64::min)?;
     // Two different readings that fit as well: the row cannot tell (two columns holding one
     // key give equal probabilities whichever key it is).
     let tie = min * 2.0 + 1e-9;
     let mut alike = fits.into_iter().filter(|f| f.1 <= tie).map(|f| f.0);
-    let Some(mut held) = alike.next() else {
-        return Ok(None);
-    };
+    let mut held = alike.next()?;
     if alike.any(|other| other != held) {
-        return Ok(None);
+        return None;
     }
     for j in fit {
-        if !seen(j) {
+        if !r.seen[j] {
             held[j] = Held::Unmasked;
         }
     }
-    Ok(Some(held))
+    Some(held)
 }
 
 /// The most (column, key, head) distances one pass of a row's fit weighs.
