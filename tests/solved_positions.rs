@@ -29,6 +29,21 @@ fn ids_of(golden: &Path) -> (Vec<u32>, Vec<u32>) {
     (steps[0].tokens.clone(), forced)
 }
 
+/// `parity diff GOLDEN TRACE --model MODEL` (and `--json -` where `json`).
+fn diffed(golden: &Path, trace: &Path, model: &Path, json: bool) -> std::process::Output {
+    let mut args = vec![
+        "diff",
+        golden.to_str().unwrap(),
+        trace.to_str().unwrap(),
+        "--model",
+        model.to_str().unwrap(),
+    ];
+    if json {
+        args.extend(["--json", "-"]);
+    }
+    parity(&args)
+}
+
 /// The reference as an engine that rotates by `at`, dumped whole.
 fn planted(model: &Model, golden: &Path, at: RopeAt, rounding: Emulation) -> Trace {
     let (ids, forced) = ids_of(golden);
@@ -215,15 +230,7 @@ fn an_engine_s_rope_positions_are_solved_from_its_trace() {
             None,
             &[flag, expr],
         );
-        let o = parity(&[
-            "diff",
-            golden.to_str().unwrap(),
-            out.to_str().unwrap(),
-            "--model",
-            model.to_str().unwrap(),
-            "--json",
-            "-",
-        ]);
+        let o = diffed(&golden, &out, &model, true);
         assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
         let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let d = &own_inputs(&j)["first_divergence"];
@@ -259,13 +266,7 @@ fn an_engine_s_rope_positions_are_solved_from_its_trace() {
         None,
         &["--rope-at", "9 if p == 5 else p"],
     );
-    let o = parity(&[
-        "diff",
-        golden.to_str().unwrap(),
-        out.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let o = diffed(&golden, &out, &model, false);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(text.contains("no hypothesis reproduces it"), "{text}");
@@ -354,13 +355,7 @@ fn what_an_engine_s_attention_read_is_measured_from_its_trace() {
     {
         let out = tmp.path().join(format!("kv{n}.npz"));
         numpy_engine_trace(&py, model.to_str().unwrap(), &golden, &out, None, &["--kv-read", expr]);
-        let o = parity(&[
-            "diff",
-            golden.to_str().unwrap(),
-            out.to_str().unwrap(),
-            "--model",
-            model.to_str().unwrap(),
-        ]);
+        let o = diffed(&golden, &out, &model, false);
         assert_eq!(o.status.code(), Some(1), "{expr}: {}", show(&o));
         let text = String::from_utf8_lossy(&o.stdout);
         assert!(text.contains("kq_soft_max"), "{expr}: {text}");
@@ -404,13 +399,7 @@ fn what_an_engine_s_attention_read_is_measured_from_its_trace() {
         None,
         &["--kv-read", "j - 1 if i >= 250 and j > 0 else j"],
     );
-    let o = parity(&[
-        "diff",
-        base.to_str().unwrap(),
-        bad.to_str().unwrap(),
-        "--model",
-        ts.to_str().unwrap(),
-    ]);
+    let o = diffed(&base, &bad, &ts, false);
     assert_eq!(o.status.code(), Some(1), "{}", show(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
