@@ -451,13 +451,19 @@ fn run_with(
 /// golden, the golden is not a scan, or it already has every tap of that step.
 pub fn zoom(r: &CheckReport) -> Option<crate::trace::Zoom> {
     let (_, g) = r.golden.as_ref().filter(|(_, g)| golden_is_scan(g))?;
-    let step = r
-        .comparisons
-        .iter()
-        .filter(|j| j.against_golden && j.comparison.diverged())
-        .filter_map(|j| first_step(&j.comparison))
-        .min()?;
-    crate::judge::zoom::step(g, step)
+    let diverged = || {
+        r.comparisons
+            .iter()
+            .filter(|j| j.against_golden && j.comparison.diverged())
+    };
+    let step = diverged().filter_map(|j| first_step(&j.comparison)).min()?;
+    // The first position out there (a long step keeps the probabilities' rows from it on).
+    let at = diverged()
+        .filter_map(|j| j.comparison.first_divergence.as_ref())
+        .filter(|d| d.at.key.step == step)
+        .filter_map(|d| d.position.as_ref().map(|p| p.position))
+        .min();
+    crate::judge::zoom::step(g, step, at)
 }
 
 /// The first step at which `c` diverged: a tap out of its threshold, an id that differs, or
@@ -720,9 +726,12 @@ fn plan<'m>(
         .filter(|(_, g)| golden_is_scan(g))
         .and_then(|(_, g)| g.manifest.record.as_deref())
         .and_then(|r| crate::trace::Record::parse(r).ok());
-    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
-        record.as_ref().is_none_or(|r| r.wants(k.step, k.tap))
-    });
+    let (bytes, probs) = crate::arch::size::trace_bytes(
+        &model.config,
+        &run,
+        &|k| record.as_ref().is_none_or(|r| r.wants(k.step, k.tap)),
+        record.as_ref(),
+    );
     if let Some(msg) = crate::arch::size::over_budget(
         "each trace this check holds in memory",
         bytes,
@@ -903,7 +912,8 @@ fn end_to_end(
         book(&mut forced, notes, passes, &ran.info, ran.notes, ran.pass);
         ledger.put(
             Side::E2e(i),
-            plan.trace(ran.producer, ran.info, ran.sink.tensors),
+            plan.trace(ran.producer, ran.info, ran.sink.tensors)
+                .with_cuts(ran.sink.cuts),
         );
         ledger.settle(events)?;
     }
@@ -1134,14 +1144,16 @@ fn walk(
             .expect("a member is one of the entries")
     };
     for (m, s) in members.iter().take(e2e.len()).zip(mem) {
-        ledger.put(Side::E2e(index(entries, m.0)), trace(*m, s.tensors));
+        let t = trace(*m, s.tensors).with_cuts(s.cuts);
+        ledger.put(Side::E2e(index(entries, m.0)), t);
     }
     for (m, s) in members.iter().skip(e2e.len()).zip(replay) {
         if let Some(err) = s.error {
             return Err(err.into());
         }
         let tensors = op_by_op_steps(plan, s.inner.tensors);
-        ledger.put(Side::Op(index(op_entries, m.0)), trace(*m, tensors));
+        let t = trace(*m, tensors).with_cuts(s.inner.cuts);
+        ledger.put(Side::Op(index(op_entries, m.0)), t);
     }
     ledger.settle(events)
 }
@@ -1172,7 +1184,8 @@ fn op_by_op(
         }
         passes.push(ran.pass);
         let tensors = op_by_op_steps(plan, ran.sink.inner.tensors);
-        ledger.put(Side::Op(i), plan.trace(ran.producer, ran.info, tensors));
+        let t = plan.trace(ran.producer, ran.info, tensors);
+        ledger.put(Side::Op(i), t.with_cuts(ran.sink.inner.cuts));
         ledger.settle(events)?;
     }
     Ok(())

@@ -407,6 +407,260 @@ fn c_engine_follows_a_recording_plan_from_the_environment() {
     }
 }
 
+/// Run the toy engine on golden/tiny-llama-f32 into `out` to the recording plan `plan` (none:
+/// every tap), with `bug` planted.
+fn toy_to_plan(toy: &Path, out: &Path, plan: Option<&str>, bug: Option<&str>) -> Output {
+    let mut c = Command::new(toy);
+    c.arg(root().join("fixtures/tiny-llama-f32.gguf"))
+        .arg(root().join("golden/tiny-llama-f32"))
+        .arg(out)
+        .env_remove("PARITY_RECORD");
+    if let Some(p) = plan {
+        c.env("PARITY_RECORD", p);
+    }
+    if let Some(b) = bug {
+        c.args(["--bug", b]);
+    }
+    c.output().unwrap()
+}
+
+fn manifest_of(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap()
+}
+
+/// A plan's `kq_heads` / `kq_rows` parts cut `kq_soft_max` (the header does it; the toy engine
+/// has no code for it): each file kept is the whole run's tensor with those heads and the rows
+/// of those positions selected, every column kept; its entry lists `heads` and `rows`
+/// (positions) exactly; a decode step whose position is not kept has no `kq_soft_max` at all;
+/// every other tap is the whole run's, file for file. A part present is listed even when it
+/// keeps everything.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_cuts_kq_soft_max_to_the_plans_heads_and_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let whole = tmp.path().join("whole");
+    let o = toy_to_plan(&toy, &whole, None, None);
+    assert!(o.status.success(), "{}", show(&o));
+    let wm = manifest_of(&whole);
+    assert!(wm.get("record").is_none(), "{wm:#}");
+
+    // The prompt is positions 0-19 (step 0), the decode steps 20, 21, 22 and 23 (steps 1-4):
+    // rows 2-4 and 8 of the prompt kept, and decode step 2 (position 21) alone of the others.
+    let plan = "kq_rows=21, 8,2-4 ; kq_heads=3,1";
+    let cut = tmp.path().join("cut");
+    let o = toy_to_plan(&toy, &cut, Some(plan), None);
+    assert!(o.status.success(), "{}", show(&o));
+    let cm = manifest_of(&cut);
+    assert_eq!(cm["record"], "taps=all;kq_heads=1,3;kq_rows=2-4,8,21");
+    let positions = |step: u64| -> Vec<u64> {
+        wm["steps"][step as usize]["positions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p.as_u64().unwrap())
+            .collect()
+    };
+    let kept_rows = |step: u64| -> Vec<u64> {
+        positions(step)
+            .into_iter()
+            .filter(|p| [2, 3, 4, 8, 21].contains(p))
+            .collect()
+    };
+    let entries = |m: &serde_json::Value| -> Vec<serde_json::Value> {
+        m["tensors"].as_array().unwrap().clone()
+    };
+    let find = |m: &serde_json::Value, w: &serde_json::Value| -> Option<serde_json::Value> {
+        entries(m)
+            .into_iter()
+            .find(|t| t["step"] == w["step"] && t["tap"] == w["tap"] && t["layer"] == w["layer"])
+    };
+    let (mut cut_probs, mut others) = (0, 0);
+    for w in entries(&wm) {
+        let file = w["file"].as_str().unwrap();
+        let (wshape, wdata) = read_npy(&whole.join(file));
+        if w["tap"] != "kq_soft_max" {
+            let c = find(&cm, &w).unwrap_or_else(|| panic!("{w} is missing from the cut run"));
+            assert_eq!(c, w, "an entry of another tap is the whole run's");
+            assert_eq!(read_npy(&cut.join(file)), (wshape, wdata), "{file}");
+            others += 1;
+            continue;
+        }
+        let step = w["step"].as_u64().unwrap();
+        let rows = kept_rows(step);
+        let Some(c) = find(&cm, &w) else {
+            assert!(rows.is_empty(), "{w}: kept rows {rows:?} but no entry");
+            assert!(!cut.join(file).exists(), "{file} written without an entry");
+            continue;
+        };
+        assert!(
+            !rows.is_empty(),
+            "{c}: written at a step without a kept row"
+        );
+        let (n_head, t, n_kv) = (wshape[0], wshape[1], wshape[2]);
+        assert_eq!((n_head, t), (4, positions(step).len() as u64), "{w}");
+        assert_eq!(c["heads"], serde_json::json!([1, 3]), "{c}");
+        assert_eq!(c["rows"], serde_json::json!(rows), "{c}");
+        let shape = vec![2, rows.len() as u64, n_kv];
+        assert_eq!(c["shape"], serde_json::json!(shape), "{c}");
+        assert_eq!(c["file"], w["file"]);
+        let (cshape, cdata) = read_npy(&cut.join(file));
+        assert_eq!(cshape, shape, "{file}");
+        let p0 = positions(step)[0];
+        let mut selected = Vec::new();
+        for h in [1u64, 3] {
+            for p in &rows {
+                let at = ((h * t + (p - p0)) * n_kv) as usize;
+                selected.extend_from_slice(&wdata[at..at + n_kv as usize]);
+            }
+        }
+        assert_eq!(
+            cdata, selected,
+            "{file}: not the whole run's heads 1, 3 and rows {rows:?}"
+        );
+        cut_probs += 1;
+    }
+    // Two layers at steps 0 and 2; nothing else in the cut run.
+    assert_eq!(cut_probs, 4);
+    assert_eq!(entries(&cm).len(), others + cut_probs);
+    assert_eq!(npy_files(&cut).len(), others + cut_probs);
+    for step in ["s001", "s003", "s004"] {
+        for layer in 0..2 {
+            assert!(!cut.join(format!("{step}/kq_soft_max-{layer}.npy")).exists());
+        }
+    }
+
+    // A part is listed whenever the plan has it, even when it keeps every head: kq_heads
+    // 0-99 of a 4-head model keeps all four (the tensor whole), and no kq_rows: no "rows".
+    let heads = tmp.path().join("heads");
+    let o = toy_to_plan(&toy, &heads, Some("taps=kq_soft_max;kq_heads=0-99"), None);
+    assert!(o.status.success(), "{}", show(&o));
+    let hm = manifest_of(&heads);
+    assert_eq!(hm["record"], "taps=kq_soft_max;kq_heads=0-99");
+    let probs: Vec<serde_json::Value> = entries(&wm)
+        .into_iter()
+        .filter(|t| t["tap"] == "kq_soft_max")
+        .collect();
+    assert_eq!(entries(&hm).len(), probs.len(), "{hm:#}");
+    for w in probs {
+        let c = find(&hm, &w).unwrap();
+        assert_eq!(c["heads"], serde_json::json!([0, 1, 2, 3]), "{c}");
+        assert!(c.get("rows").is_none(), "{c}");
+        assert_eq!(c["shape"], w["shape"], "{c}");
+        let file = w["file"].as_str().unwrap();
+        assert_eq!(read_npy(&heads.join(file)), read_npy(&whole.join(file)));
+    }
+}
+
+/// A bad `kq_heads` / `kq_rows` part stops the engine at pt_create with one line naming it,
+/// and nothing is written.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_refuses_a_bad_kq_cut_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let many = format!(
+        "kq_rows={}",
+        (0..4097)
+            .map(|p| (2 * p).to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    for (bad, says) in [
+        (
+            "kq_rows=x",
+            "PARITY_RECORD: kq_rows: 'x' is not a position or a range a-b",
+        ),
+        (
+            "kq_heads=5-2",
+            "PARITY_RECORD: kq_heads: the range 5-2 runs backwards",
+        ),
+        ("kq_rows=", "PARITY_RECORD: kq_rows: no position given"),
+        (
+            "kq_heads= , ",
+            "PARITY_RECORD: kq_heads: no head number given",
+        ),
+        (
+            "kq_rows=1;kq_rows=2",
+            "PARITY_RECORD: 'kq_rows' is given twice",
+        ),
+        (
+            "taps=l_out;kq_heads=0-x",
+            "PARITY_RECORD: kq_heads: '0-x' is not a head number or a range a-b",
+        ),
+        (
+            "kq_rows=99999999999999999999999",
+            "PARITY_RECORD: kq_rows: '99999999999999999999999' is not a position",
+        ),
+        ("kq_cols=3", "PARITY_RECORD: unknown part 'kq_cols'"),
+        (&many, "PARITY_RECORD: kq_rows: more than 4096 items"),
+    ] {
+        let out = tmp.path().join("bad");
+        let o = toy_to_plan(&toy, &out, Some(bad), None);
+        assert!(!o.status.success(), "{bad}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains(says), "{bad}: {err}");
+        assert!(!out.exists(), "{bad}");
+    }
+}
+
+/// `parity diff` reads a trace whose `kq_soft_max` is cut: the clean toy's is at parity, and the
+/// K/V ring of 13 slots, which first reads a wrong key at position 13, is found there, at
+/// layer 0's `kq_soft_max`, when position 13 is among the rows kept.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn parity_diff_judges_a_c_trace_with_a_cut_kq_soft_max() {
+    const PLAN: &str = "kq_heads=1-2;kq_rows=12-15,21";
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let diff = |out: &Path| {
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-f32",
+            out.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        let j: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+        (o.status.code(), j)
+    };
+
+    let clean = tmp.path().join("clean");
+    let o = toy_to_plan(&toy, &clean, Some(PLAN), None);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        read_npy(&clean.join("s000/kq_soft_max-0.npy")).0,
+        vec![2, 4, 20]
+    );
+    let (code, j) = diff(&clean);
+    assert_eq!(code, Some(0), "{j:#}");
+    assert_eq!(j["verdict"], "parity", "{j:#}");
+
+    let ring = tmp.path().join("ring");
+    let o = toy_to_plan(&toy, &ring, Some(PLAN), Some("kv-ring-13"));
+    assert!(o.status.success(), "{}", show(&o));
+    let (code, j) = diff(&ring);
+    assert_eq!(code, Some(1), "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "kq_soft_max"}),
+        "{d:#}"
+    );
+    assert_eq!(d["position"]["position"], 13, "{d:#}");
+}
+
 /// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
 /// 20000, scores divided by head_dim or not scaled): parity fits each and names it with its
 /// value, at its op in a full dump and at layer 0's l_out span in a sparse one.

@@ -94,12 +94,18 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
  * zoom: "taps=l_out,result_norm,logits;full=3" keeps those taps at every step and every tap at
  * step 3; a tap the plan leaves out is accepted by pt_tap and not written. pt_create starts
  * with the plan in the environment variable PARITY_RECORD, if set (a bad one fails pt_create).
- * NULL or "" records every tap. Returns -1 (pt_error says why) on a bad plan. */
+ * NULL or "" records every tap. Returns -1 (pt_error says why) on a bad plan.
+ * "kq_heads=0-3,7;kq_rows=1000-1015" cuts kq_soft_max, wherever it is kept, to those heads and
+ * to the rows of those positions (every column kept): stored [heads, rows, n_kv], its manifest
+ * entry listing "heads" and "rows" (by position); a step that keeps no row (or a model with no
+ * head listed) writes no kq_soft_max. Lists (full, kq_heads, kq_rows) hold numbers and ranges
+ * a-b, 4096 items and 2^24 at most; the manifest keeps the plan as parity prints it. */
 int pt_set_record(pt_writer *w, const char *plan);
 
 /* Whether the current step keeps tap `name` under the plan: an engine may skip computing or
- * copying one it leaves out. 1 before the first step and for a name the format does not know
- * (pt_tap then says what is wrong). */
+ * copying one it leaves out (kq_soft_max at a step none of whose positions kq_rows keeps).
+ * 1 before the first step and for a name the format does not know (pt_tap then says what is
+ * wrong). */
 int pt_wants(const pt_writer *w, const char *name);
 
 /* The message of the last call that failed (NULL if none has); "out of memory" for NULL. */
@@ -418,12 +424,21 @@ static const struct { const char *name; int per_layer; } pt__taps[] = {
 
 /* ---- the writer ---- */
 
+/* An inclusive range lo..hi of steps, heads or positions. */
+typedef struct pt__range {
+    size_t lo, hi;
+} pt__range;
+
 typedef struct pt__entry {
     size_t step;
     int layer; /* -1: graph-wide */
     int tap;
     int ndim;
     size_t shape[PT_MAX_NDIM];
+    /* A kq_soft_max cut by the plan's kq_heads / kq_rows part: the heads and the positions
+     * kept, as increasing ranges (NULL: that part was not in the plan). */
+    pt__range *heads, *rows;
+    size_t nheads, nrows;
 } pt__entry;
 
 typedef struct pt__stepinfo {
@@ -446,12 +461,14 @@ struct pt_writer {
     int broken; /* a file-system error: the trace is lost */
     int failed; /* some call failed: err holds its message */
     char err[512];
-    /* The recording plan: rec_line NULL records every tap; else rec_tap[t] keeps tap t at
-     * every step, and the steps in rec_full (inclusive pairs) keep every tap. */
+    /* The recording plan: rec_line (its canonical line) NULL records every tap; else
+     * rec_tap[t] keeps tap t at every step, and the steps in rec_full keep every tap. A kept
+     * kq_soft_max holds only the heads in rec_heads and the rows whose positions are in
+     * rec_rows (none listed: every head, every row). Each list is sorted and merged. */
     char *rec_line;
     unsigned char rec_tap[64];
-    size_t (*rec_full)[2];
-    size_t rec_nfull;
+    pt__range *rec_full, *rec_heads, *rec_rows;
+    size_t rec_nfull, rec_nheads, rec_nrows;
 };
 
 static const char pt__oom[] = "out of memory";
@@ -472,19 +489,21 @@ static int pt__fatal(pt_writer *w, const char *what, const char *path, int e) {
     return -1;
 }
 
-/* `s` without leading and trailing spaces, into out (cut to size). */
-static void pt__trim(char *out, size_t size, const char *s, size_t n) {
-    while (n && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r')) s++, n--;
-    while (n && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\n' || s[n - 1] == '\r')) n--;
-    if (n >= size) n = size - 1;
-    memcpy(out, s, n);
-    out[n] = 0;
+/* The most numbers and ranges one list of a recording plan may hold (full, kq_heads, kq_rows). */
+#define PT__MAX_RANGES 4096
+
+/* [*s, *s + *n) without leading and trailing spaces. */
+static void pt__trim(const char **s, size_t *n) {
+    while (*n && (**s == ' ' || **s == '\t' || **s == '\n' || **s == '\r')) (*s)++, (*n)--;
+    while (*n && ((*s)[*n - 1] == ' ' || (*s)[*n - 1] == '\t' || (*s)[*n - 1] == '\n' ||
+                  (*s)[*n - 1] == '\r'))
+        (*n)--;
 }
 
-/* `s` as an error message quotes it: at most 60 bytes, control bytes as \xNN. */
-static const char *pt__shown(char out[256], const char *s) {
+/* [s, s + n) as an error message quotes it: at most 60 bytes, control bytes as \xNN. */
+static const char *pt__shown(char out[256], const char *s, size_t n) {
     size_t o = 0, i;
-    for (i = 0; s[i] && i < 60 && o + 5 < 256; i++) {
+    for (i = 0; i < n && s[i] && i < 60 && o + 5 < 256; i++) {
         unsigned char c = (unsigned char)s[i];
         if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(out + o, 256 - o, "\\x%02x", c);
         else out[o++] = (char)c;
@@ -493,114 +512,265 @@ static const char *pt__shown(char out[256], const char *s) {
     return out;
 }
 
-/* A step number: digits only, at most 18 of them. */
-static int pt__step_num(const char *s, size_t *out) {
-    size_t n = 0, v = 0;
-    if (!*s) return -1;
-    for (; *s; s++, n++) {
-        if (*s < '0' || *s > '9' || n >= 18) return -1;
-        v = v * 10 + (size_t)(*s - '0');
+/* Whether [s, s + n) spells `word`. */
+static int pt__is(const char *s, size_t n, const char *word) {
+    return strlen(word) == n && memcmp(s, word, n) == 0;
+}
+
+/* A number in [s, s + n): digits only, PT__MAX_POSITION at most (as parity's reader). */
+static int pt__num(const char *s, size_t n, size_t *out) {
+    size_t v = 0, i;
+    if (n == 0) return -1;
+    for (i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (size_t)(s[i] - '0'); /* v <= PT__MAX_POSITION before: cannot overflow */
+        if (v > PT__MAX_POSITION) return -1;
     }
     *out = v;
     return 0;
 }
 
+static int pt__range_cmp(const void *a, const void *b) {
+    const pt__range *x = (const pt__range *)a, *y = (const pt__range *)b;
+    return x->lo < y->lo ? -1 : x->lo > y->lo;
+}
+
+/* The list [s, s + n) of plan part `key` ("3,7-8": numbers and inclusive ranges a-b; `what`
+ * names a number) into *out, sorted, overlapping and touching ranges joined; empty items are
+ * skipped. At most PT__MAX_RANGES items. */
+static int pt__parse_ranges(pt_writer *w, const char *key, const char *what, const char *s,
+                            size_t n, pt__range **out, size_t *nout) {
+    pt__range *r = NULL;
+    size_t nr = 0, cap = 0, i, k;
+    char shown[256];
+    *out = NULL;
+    *nout = 0;
+    for (;;) {
+        const char *comma = (const char *)memchr(s, ',', n), *it = s, *lo, *hi, *dash;
+        size_t len = comma ? (size_t)(comma - s) : n, itn = len, lon, hin, a, b;
+        pt__trim(&it, &itn);
+        if (itn) {
+            dash = (const char *)memchr(it, '-', itn);
+            lo = it;
+            lon = dash ? (size_t)(dash - it) : itn;
+            hi = dash ? dash + 1 : it;
+            hin = dash ? itn - lon - 1 : itn;
+            pt__trim(&lo, &lon);
+            pt__trim(&hi, &hin);
+            if (pt__num(lo, lon, &a) || pt__num(hi, hin, &b)) {
+                pt__fail(w, "%s: '%s' is not a %s or a range a-b", key,
+                         pt__shown(shown, it, itn), what);
+                goto fail;
+            }
+            if (a > b) {
+                pt__fail(w, "%s: the range %zu-%zu runs backwards", key, a, b);
+                goto fail;
+            }
+            if (nr == PT__MAX_RANGES) {
+                pt__fail(w, "%s: more than %d items", key, PT__MAX_RANGES);
+                goto fail;
+            }
+            if (nr == cap) { /* cap <= PT__MAX_RANGES: the size cannot overflow */
+                pt__range *q;
+                cap = cap ? 2 * cap : 16;
+                if (!(q = (pt__range *)realloc(r, cap * sizeof *r))) {
+                    pt__fail(w, "%s", pt__oom);
+                    goto fail;
+                }
+                r = q;
+            }
+            r[nr].lo = a;
+            r[nr].hi = b;
+            nr++;
+        }
+        if (!comma) break;
+        n -= len + 1;
+        s = comma + 1;
+    }
+    if (nr > 1) {
+        qsort(r, nr, sizeof *r, pt__range_cmp);
+        for (i = 1, k = 0; i < nr; i++) {
+            if (r[i].lo <= r[k].hi || r[i].lo - 1 <= r[k].hi) { /* overlaps or touches */
+                if (r[i].hi > r[k].hi) r[k].hi = r[i].hi;
+            } else r[++k] = r[i];
+        }
+        nr = k + 1;
+    }
+    *out = r;
+    *nout = nr;
+    return 0;
+fail:
+    free(r);
+    return -1;
+}
+
+/* Ranges as a plan prints them: 3,4-5. */
+static void pt__put_ranges(pt__buf *b, const pt__range *r, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        if (i) pt__put(b, ",", 1);
+        if (r[i].lo == r[i].hi) pt__putf(b, "%zu", r[i].lo);
+        else pt__putf(b, "%zu-%zu", r[i].lo, r[i].hi);
+    }
+}
+
 int pt_set_record(pt_writer *w, const char *plan) {
+    static const char *const keys[4] = {"taps", "full", "kq_heads", "kq_rows"};
+    static const char *const what[4] = {"", "step number", "head number", "position"};
     unsigned char taps[64];
-    size_t (*full)[2] = NULL, nfull = 0;
-    int seen_taps = 0, seen_full = 0, d, all = 1;
-    const char *p = plan, *end;
-    char part[256], key[16], item[128], shown[256];
+    pt__range *lists[4] = {NULL, NULL, NULL, NULL};
+    size_t nl[4] = {0, 0, 0, 0};
+    int seen[4] = {0, 0, 0, 0}, all = 1, rc = -1, k, d;
+    const char *p = plan;
+    char shown[256];
+    pt__buf line = {NULL, 0, 0, 0};
     if (!w) return -1;
     memset(taps, 0, sizeof taps);
     while (p && *p) {
-        const char *eq;
-        end = strchr(p, ';');
+        const char *end = strchr(p, ';'), *part = p, *eq, *key, *val;
+        size_t n, kn, vn;
         if (!end) end = p + strlen(p);
-        pt__trim(part, sizeof part, p, (size_t)(end - p));
+        n = (size_t)(end - p);
         p = *end ? end + 1 : end;
-        if (!*part) continue;
-        if (!(eq = strchr(part, '='))) {
-            free(full);
-            return pt__fail(w, "'%s' is not key=value (taps=l_out,logits;full=3)", pt__shown(shown, part));
+        pt__trim(&part, &n);
+        if (!n) continue;
+        if (!(eq = (const char *)memchr(part, '=', n))) {
+            pt__fail(w, "'%s' is not key=value (taps=l_out,logits;full=3)",
+                     pt__shown(shown, part, n));
+            goto done;
         }
-        pt__trim(key, sizeof key, part, (size_t)(eq - part));
-        if (strcmp(key, "taps") && strcmp(key, "full")) {
-            free(full);
-            return pt__fail(w, "unknown part '%s' (taps=...;full=...)", pt__shown(shown, key));
+        key = part;
+        kn = (size_t)(eq - part);
+        val = eq + 1;
+        vn = (size_t)(part + n - val);
+        pt__trim(&key, &kn);
+        for (k = 0; k < 4 && !pt__is(key, kn, keys[k]); k++) continue;
+        if (k == 4) {
+            pt__fail(w, "unknown part '%s' (taps=...;full=...;kq_heads=...;kq_rows=...)",
+                     pt__shown(shown, key, kn));
+            goto done;
         }
-        if (!strcmp(key, "taps") ? seen_taps++ : seen_full++) {
-            free(full);
-            return pt__fail(w, "'%s' is given twice", key);
+        if (seen[k]++) {
+            pt__fail(w, "'%s' is given twice", keys[k]);
+            goto done;
         }
-        for (eq++; ; ) {
-            const char *comma = strchr(eq, ',');
-            size_t n = comma ? (size_t)(comma - eq) : strlen(eq);
-            pt__trim(item, sizeof item, eq, n);
-            if (!strcmp(key, "taps")) {
-                int tap = -1;
-                for (d = 0; d < PT__NTAPS; d++)
-                    if (!strcmp(item, pt__taps[d].name)) tap = d;
-                if (!strcmp(item, "all")) all = 2;
-                else if (tap < 0) {
-                    free(full);
-                    return pt__fail(w, "taps: unknown tap '%s' (docs/trace-format.md lists them)",
-                                    pt__shown(shown, item));
-                } else {
-                    taps[tap] = 1;
-                    if (all == 1) all = 0;
-                }
-            } else if (*item) {
-                char *dash = strchr(item, '-');
-                size_t a, b;
-                void *grown;
-                if (dash) *dash = 0;
-                if (pt__step_num(item, &a) || pt__step_num(dash ? dash + 1 : item, &b)) {
-                    free(full);
-                    return pt__fail(w, "full: '%s' is not a step number or a range a-b",
-                                    pt__shown(shown, item));
-                }
-                if (a > b) {
-                    free(full);
-                    return pt__fail(w, "full: the range %zu-%zu runs backwards", a, b);
-                }
-                if (!(grown = realloc(full, (nfull + 1) * sizeof *full))) {
-                    free(full);
-                    return pt__fail(w, "%s", pt__oom);
-                }
-                full = (size_t(*)[2])grown;
-                full[nfull][0] = a;
-                full[nfull][1] = b;
-                nfull++;
+        if (k > 0) {
+            if (pt__parse_ranges(w, keys[k], what[k], val, vn, &lists[k], &nl[k])) goto done;
+            if (k > 1 && nl[k] == 0) { /* full= is no step in full; kq_rows= keeps nothing */
+                pt__fail(w, "%s: no %s given", keys[k], what[k]);
+                goto done;
+            }
+            continue;
+        }
+        for (;;) {
+            const char *comma = (const char *)memchr(val, ',', vn), *it = val;
+            size_t len = comma ? (size_t)(comma - val) : vn, itn = len;
+            int tap = -1;
+            pt__trim(&it, &itn);
+            for (d = 0; d < PT__NTAPS; d++)
+                if (pt__is(it, itn, pt__taps[d].name)) tap = d;
+            if (pt__is(it, itn, "all")) all = 2;
+            else if (tap < 0) {
+                pt__fail(w, "taps: unknown tap '%s' (docs/trace-format.md lists them)",
+                         pt__shown(shown, it, itn));
+                goto done;
+            } else {
+                taps[tap] = 1;
+                if (all == 1) all = 0;
             }
             if (!comma) break;
-            eq = comma + 1;
+            vn -= len + 1;
+            val = comma + 1;
+        }
+    }
+    if (plan && *plan) { /* the canonical line, as parity prints it, for the manifest */
+        pt__puts(&line, "taps=");
+        if (all) pt__puts(&line, "all");
+        else
+            for (d = 0, k = 0; d < PT__NTAPS; d++)
+                if (taps[d]) {
+                    if (k++) pt__put(&line, ",", 1);
+                    pt__puts(&line, pt__taps[d].name);
+                }
+        for (k = 1; k < 4; k++)
+            if (nl[k]) {
+                pt__putf(&line, ";%s=", keys[k]);
+                pt__put_ranges(&line, lists[k], nl[k]);
+            }
+        if (line.oom) {
+            pt__fail(w, "%s", pt__oom);
+            goto done;
         }
     }
     free(w->rec_line);
     free(w->rec_full);
-    w->rec_line = NULL;
-    w->rec_full = full;
-    w->rec_nfull = nfull;
+    free(w->rec_heads);
+    free(w->rec_rows);
+    w->rec_line = line.p;
+    line.p = NULL;
+    w->rec_full = lists[1];
+    w->rec_heads = lists[2];
+    w->rec_rows = lists[3];
+    w->rec_nfull = nl[1];
+    w->rec_nheads = nl[2];
+    w->rec_nrows = nl[3];
+    lists[1] = lists[2] = lists[3] = NULL;
     memcpy(w->rec_tap, taps, sizeof taps);
     if (all) memset(w->rec_tap, 1, sizeof w->rec_tap);
-    if (plan && *plan && !(w->rec_line = pt__strdup(plan))) return pt__fail(w, "%s", pt__oom);
-    return 0;
+    rc = 0;
+done:
+    for (k = 0; k < 4; k++) free(lists[k]);
+    free(line.p);
+    return rc;
 }
 
 static int pt__wants_tap(const pt_writer *w, size_t step, int tap) {
     size_t i;
     if (!w->rec_line || w->rec_tap[tap]) return 1;
     for (i = 0; i < w->rec_nfull; i++)
-        if (w->rec_full[i][0] <= step && step <= w->rec_full[i][1]) return 1;
+        if (w->rec_full[i].lo <= step && step <= w->rec_full[i].hi) return 1;
+    return 0;
+}
+
+/* The part of lo..lo+n-1 (n > 0) that ranges r keep, as ranges into *out (*nout of them, 0:
+ * none kept); no ranges (nr 0): all of it. -1 when out of memory. */
+static int pt__kept(const pt__range *r, size_t nr, size_t lo, size_t n, pt__range **out,
+                    size_t *nout) {
+    size_t hi = lo + (n - 1), i, k = 0; /* lo + n - 1 fits: a step's positions are bounded */
+    *out = (pt__range *)malloc((nr ? nr : 1) * sizeof **out); /* nr <= PT__MAX_RANGES */
+    *nout = 0;
+    if (!*out) return -1;
+    if (!nr) {
+        (*out)[0].lo = lo;
+        (*out)[0].hi = hi;
+        *nout = 1;
+        return 0;
+    }
+    for (i = 0; i < nr; i++)
+        if (r[i].lo <= hi && r[i].hi >= lo) {
+            (*out)[k].lo = r[i].lo > lo ? r[i].lo : lo;
+            (*out)[k].hi = r[i].hi < hi ? r[i].hi : hi;
+            k++;
+        }
+    *nout = k;
     return 0;
 }
 
 int pt_wants(const pt_writer *w, const char *name) {
     int d;
+    size_t i;
     if (!w || !name || w->nsteps == 0) return 1;
     for (d = 0; d < PT__NTAPS; d++)
-        if (!strcmp(name, pt__taps[d].name)) return pt__wants_tap(w, w->nsteps - 1, d);
+        if (!strcmp(name, pt__taps[d].name)) {
+            const pt__stepinfo *st = &w->steps[w->nsteps - 1];
+            if (!pt__wants_tap(w, w->nsteps - 1, d)) return 0;
+            if (d != PT__KQ_SOFT_MAX || !w->rec_nrows) return 1;
+            for (i = 0; i < w->rec_nrows; i++) /* kq_rows keeps a position of the step */
+                if (w->rec_rows[i].lo <= st->positions[st->n - 1] &&
+                    w->rec_rows[i].hi >= st->positions[0])
+                    return 1;
+            return 0;
+        }
     return 1;
 }
 
@@ -1135,36 +1305,53 @@ static int pt__write_all(int fd, const void *data, size_t n) {
     return 0;
 }
 
+/* `n` floats as little-endian. */
+static int pt__write_floats(int fd, const float *data, size_t n) {
+    unsigned char buf[1 << 14];
+    size_t done = 0;
+    if (!pt__host_big_endian()) return pt__write_all(fd, data, n * sizeof(float));
+    while (done < n) {
+        size_t k = n - done < sizeof buf / 4 ? n - done : sizeof buf / 4, i;
+        memcpy(buf, data + done, k * 4);
+        for (i = 0; i < k; i++) {
+            unsigned char t = buf[4 * i];
+            buf[4 * i] = buf[4 * i + 3];
+            buf[4 * i + 3] = t;
+            t = buf[4 * i + 1];
+            buf[4 * i + 1] = buf[4 * i + 2];
+            buf[4 * i + 2] = t;
+        }
+        if (pt__write_all(fd, buf, k * 4) != 0) return -1;
+        done += k;
+    }
+    return 0;
+}
+
+/* A kq_soft_max [n_head, T, ...] cut to some heads and rows: `heads` (indices) and `rows`
+ * (positions; row0 that of the step's first row) as ranges, `inner` floats per row. */
+typedef struct pt__cut {
+    const pt__range *heads, *rows;
+    size_t nheads, nrows, row0, T, inner;
+} pt__cut;
+
 /* Create `path` new (O_EXCL: nothing already there, a link least of all, is opened) and write
- * the header then `nfloats` floats as little-endian (or raw bytes, `nfloats` = 0). */
+ * the header then `nfloats` floats as little-endian (or raw bytes, `nfloats` = 0), or with
+ * `cut` the heads and rows of `data` it keeps, in order. */
 static int pt__write_new(const char *path, const char *hdr, size_t hlen, const float *data,
-                         size_t nfloats) {
+                         size_t nfloats, const pt__cut *cut) {
     int fd, rc = 0, e;
     fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0666);
     if (fd < 0) return -1;
     if (pt__write_all(fd, hdr, hlen) != 0) rc = -1;
-    if (rc == 0 && nfloats > 0) {
-        if (!pt__host_big_endian()) {
-            rc = pt__write_all(fd, data, nfloats * sizeof(float));
-        } else {
-            unsigned char buf[1 << 14];
-            size_t done = 0;
-            while (rc == 0 && done < nfloats) {
-                size_t k = nfloats - done < sizeof buf / 4 ? nfloats - done : sizeof buf / 4, i;
-                memcpy(buf, data + done, k * 4);
-                for (i = 0; i < k; i++) {
-                    unsigned char t = buf[4 * i];
-                    buf[4 * i] = buf[4 * i + 3];
-                    buf[4 * i + 3] = t;
-                    t = buf[4 * i + 1];
-                    buf[4 * i + 1] = buf[4 * i + 2];
-                    buf[4 * i + 2] = t;
-                }
-                rc = pt__write_all(fd, buf, k * 4);
-                done += k;
-            }
-        }
-    }
+    if (rc == 0 && cut) {
+        size_t a, h, b;
+        for (a = 0; rc == 0 && a < cut->nheads; a++)
+            for (h = cut->heads[a].lo; rc == 0 && h <= cut->heads[a].hi; h++)
+                for (b = 0; rc == 0 && b < cut->nrows; b++) /* a run of rows is contiguous */
+                    rc = pt__write_floats(fd, data + (h * cut->T + (cut->rows[b].lo - cut->row0)) *
+                                                         cut->inner,
+                                          (cut->rows[b].hi - cut->rows[b].lo + 1) * cut->inner);
+    } else if (rc == 0 && nfloats > 0) rc = pt__write_floats(fd, data, nfloats);
     e = errno;
     if (close(fd) != 0 && rc == 0) { rc = -1; e = errno; }
     errno = e;
@@ -1184,11 +1371,14 @@ static void pt__file(char *out, size_t size, size_t step, int layer, int tap) {
 int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int ndim,
            const float *data) {
     const pt__stepinfo *st;
-    size_t step, i, axis;
+    size_t step, i, axis, wshape[PT_MAX_NDIM];
     uint64_t count = 1;
-    int tap = -1, d;
-    char key[96], shp[PT_MAX_NDIM * 22 + 4], rel[96], hdr[512], *path, *stepdir;
+    int tap = -1, d, rc = -1;
+    char key[96], shp[PT_MAX_NDIM * 22 + 4], rel[96], hdr[512], *path = NULL, *stepdir;
     size_t hlen;
+    pt__range *heads = NULL, *rows = NULL;
+    size_t nheads = 0, nrows = 0;
+    pt__cut cut;
     if (!w) return -1;
     if (w->broken) return -1;
     if (!name) return pt__fail(w, "pt_tap: tap name is NULL");
@@ -1218,6 +1408,7 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
             return pt__fail(w, "%s: shape %s holds more than %llu values", key, shp,
                             (unsigned long long)PT__MAX_ELEMENTS);
         count *= (uint64_t)shape[d];
+        wshape[d] = shape[d];
     }
     if (count > (uint64_t)((size_t)-1 / sizeof(float)))
         return pt__fail(w, "%s: shape %s does not fit in memory here", key, shp);
@@ -1228,10 +1419,39 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
     for (i = w->nentries; i > 0 && w->entries[i - 1].step == step; i--)
         if (w->entries[i - 1].tap == tap && w->entries[i - 1].layer == layer)
             return pt__fail(w, "%s recorded twice", key);
+    /* kq_soft_max [n_head, T, n_kv] under kq_heads / kq_rows: only the heads and rows kept
+     * (every column); nothing at all when the step keeps none. */
+    if (tap == PT__KQ_SOFT_MAX && (w->rec_nheads || w->rec_nrows)) {
+        if (ndim != 3)
+            return pt__fail(w, "%s: shape %s is not [n_head, T, n_kv], which the plan's "
+                               "kq_heads/kq_rows cut", key, shp);
+        if (pt__kept(w->rec_heads, w->rec_nheads, 0, shape[0], &heads, &nheads) ||
+            pt__kept(w->rec_rows, w->rec_nrows, st->positions[0], st->n, &rows, &nrows)) {
+            pt__fail(w, "%s", pt__oom);
+            goto done;
+        }
+        if (nheads == 0 || nrows == 0) {
+            rc = 0;
+            goto done;
+        }
+        cut.heads = heads;
+        cut.nheads = nheads;
+        cut.rows = rows;
+        cut.nrows = nrows;
+        cut.row0 = st->positions[0];
+        cut.T = st->n;
+        cut.inner = shape[2];
+        wshape[0] = wshape[1] = 0;
+        for (i = 0; i < nheads; i++) wshape[0] += heads[i].hi - heads[i].lo + 1;
+        for (i = 0; i < nrows; i++) wshape[1] += rows[i].hi - rows[i].lo + 1;
+    }
     if (w->nentries == w->capentries) {
         size_t cap = w->capentries ? w->capentries * 2 : 64;
-        pt__entry *q = (pt__entry *)realloc(w->entries, cap * sizeof *q);
-        if (!q) return pt__fail(w, "%s", pt__oom);
+        pt__entry *q;
+        if (cap > (size_t)-1 / sizeof *q || !(q = (pt__entry *)realloc(w->entries, cap * sizeof *q))) {
+            pt__fail(w, "%s", pt__oom);
+            goto done;
+        }
         w->entries = q;
         w->capentries = cap;
     }
@@ -1240,41 +1460,56 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
     hlen = 10 + (size_t)snprintf(hdr + 10, sizeof hdr - 10,
                                  "{'descr': '<f4', 'fortran_order': False, 'shape': (");
     for (d = 0; d < ndim; d++)
-        hlen += (size_t)snprintf(hdr + hlen, sizeof hdr - hlen, d ? ", %zu" : "%zu", shape[d]);
+        hlen += (size_t)snprintf(hdr + hlen, sizeof hdr - hlen, d ? ", %zu" : "%zu", wshape[d]);
     hlen += (size_t)snprintf(hdr + hlen, sizeof hdr - hlen, ndim == 1 ? ",), }" : "), }");
     while ((hlen + 1) % 64) hdr[hlen++] = ' ';
     hdr[hlen++] = '\n';
     hdr[8] = (char)((hlen - 10) & 0xff);
     hdr[9] = (char)((hlen - 10) >> 8);
     pt__file(rel, sizeof rel, step, layer, tap);
-    if (!(path = pt__join(w->tmp, rel))) return pt__fail(w, "%s", pt__oom);
-    stepdir = pt__strdup(path);
-    if (!stepdir) { free(path); return pt__fail(w, "%s", pt__oom); }
+    if (!(path = pt__join(w->tmp, rel))) {
+        pt__fail(w, "%s", pt__oom);
+        goto done;
+    }
+    if (!(stepdir = pt__strdup(path))) {
+        pt__fail(w, "%s", pt__oom);
+        goto done;
+    }
     *strrchr(stepdir, '/') = 0;
     if (mkdir(stepdir, 0777) != 0 && errno != EEXIST) {
-        int e = errno;
-        free(path);
-        pt__fatal(w, "cannot create the step folder", stepdir, e);
+        pt__fatal(w, "cannot create the step folder", stepdir, errno);
         free(stepdir);
-        return -1;
+        goto done;
     }
     free(stepdir);
-    if (pt__write_new(path, hdr, hlen, data, (size_t)count) != 0) {
+    if (pt__write_new(path, hdr, hlen, data, (size_t)count, heads ? &cut : NULL) != 0) {
         int e = errno;
         char what[140];
         snprintf(what, sizeof what, "writing %s to", key);
         pt__fatal(w, what, path, e);
-        free(path);
-        return -1;
+        goto done;
     }
+    {
+        pt__entry *en = &w->entries[w->nentries++];
+        en->step = step;
+        en->layer = layer;
+        en->tap = tap;
+        en->ndim = ndim;
+        for (d = 0; d < ndim; d++) en->shape[d] = wshape[d];
+        /* "heads" / "rows" whenever the plan has that part, even if it keeps them all. */
+        en->heads = w->rec_nheads ? heads : NULL;
+        en->nheads = w->rec_nheads ? nheads : 0;
+        en->rows = w->rec_nrows ? rows : NULL;
+        en->nrows = w->rec_nrows ? nrows : 0;
+        if (en->heads) heads = NULL;
+        if (en->rows) rows = NULL;
+    }
+    rc = 0;
+done:
     free(path);
-    w->entries[w->nentries].step = step;
-    w->entries[w->nentries].layer = layer;
-    w->entries[w->nentries].tap = tap;
-    w->entries[w->nentries].ndim = ndim;
-    for (d = 0; d < ndim; d++) w->entries[w->nentries].shape[d] = shape[d];
-    w->nentries++;
-    return 0;
+    free(heads);
+    free(rows);
+    return rc;
 }
 
 /* Graph order: step, then embd before every layer, layers in order, graph-wide taps last. */
@@ -1285,6 +1520,20 @@ static int pt__entry_cmp(const void *a, const void *b) {
     if (x->step != y->step) return x->step < y->step ? -1 : 1;
     if (gx != gy) return gx < gy ? -1 : 1;
     return x->tap < y->tap ? -1 : x->tap > y->tap;
+}
+
+/* Ranges as the JSON list of every number in them: [1, 3, 4]. */
+static void pt__put_list(pt__buf *b, const pt__range *r, size_t n) {
+    size_t i, v;
+    int first = 1;
+    pt__put(b, "[", 1);
+    for (i = 0; i < n; i++)
+        for (v = r[i].lo;; v++) {
+            pt__putf(b, first ? "%zu" : ", %zu", v);
+            first = 0;
+            if (v == r[i].hi || b->oom) break;
+        }
+    pt__put(b, "]", 1);
 }
 
 static void pt__manifest(pt_writer *w, pt__buf *b) {
@@ -1331,7 +1580,16 @@ static void pt__manifest(pt_writer *w, pt__buf *b) {
         else pt__puts(b, "\"layer\": null, ");
         pt__putf(b, "\"file\": \"%s\", \"shape\": [", rel);
         for (d = 0; d < e->ndim; d++) pt__putf(b, d ? ", %zu" : "%zu", e->shape[d]);
-        pt__puts(b, "], \"dtype\": \"<f4\"}");
+        pt__puts(b, "], \"dtype\": \"<f4\"");
+        if (e->heads) {
+            pt__puts(b, ", \"heads\": ");
+            pt__put_list(b, e->heads, e->nheads);
+        }
+        if (e->rows) {
+            pt__puts(b, ", \"rows\": ");
+            pt__put_list(b, e->rows, e->nrows);
+        }
+        pt__puts(b, "}");
     }
     pt__puts(b, "\n ]\n}\n");
 }
@@ -1430,6 +1688,10 @@ static void pt__free(pt_writer *w, int remove_tmp) {
         free(w->steps[i].positions);
     }
     free(w->steps);
+    for (i = 0; i < w->nentries; i++) {
+        free(w->entries[i].heads);
+        free(w->entries[i].rows);
+    }
     free(w->entries);
     free(w->dir);
     free(w->tmp);
@@ -1440,6 +1702,8 @@ static void pt__free(pt_writer *w, int remove_tmp) {
     free(w->settings);
     free(w->rec_line);
     free(w->rec_full);
+    free(w->rec_heads);
+    free(w->rec_rows);
     free(w);
 }
 
@@ -1461,7 +1725,7 @@ int pt_finish(pt_writer *w, char *err, size_t err_size) {
     if (rc == 0) {
         char *mp = pt__join(w->tmp, "manifest.json");
         if (!mp) rc = pt__fail(w, "%s", pt__oom);
-        else if (pt__write_new(mp, b.p, b.len, NULL, 0) != 0)
+        else if (pt__write_new(mp, b.p, b.len, NULL, 0, NULL) != 0)
             rc = pt__fatal(w, "cannot write", mp, errno);
         free(mp);
     }

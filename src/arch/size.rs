@@ -5,7 +5,7 @@
 
 use super::{records, tap_dims};
 use crate::model::Config;
-use crate::trace::{Tap, TapKey};
+use crate::trace::{Record, Tap, TapKey};
 
 /// The default budget for one run's trace: far above a check of a 7B model on a short prompt
 /// (about 0.2 GB), below what a long prompt's probabilities fill a disk with.
@@ -59,10 +59,12 @@ pub fn fed_steps(lens: impl IntoIterator<Item = usize>) -> Vec<(usize, usize)> {
 
 /// Bytes of every tap `keep` keeps, summed over the layers and `steps` (f32 values and a
 /// `.npy` header each; the manifest aside), and the share of the probabilities.
+/// `plan` cuts `kq_soft_max` to the heads and rows it keeps (`kq_heads`, `kq_rows`).
 pub fn trace_bytes(
     c: &Config,
     steps: &[(usize, usize)],
     keep: &dyn Fn(&TapKey) -> bool,
+    plan: Option<&Record>,
 ) -> (u64, u64) {
     let (mut all, mut probs) = (0u64, 0u64);
     for (s, &(pos0, t)) in steps.iter().enumerate() {
@@ -70,7 +72,13 @@ pub fn trace_bytes(
             if !records(c, tap) {
                 continue;
             }
-            let [a, b, d] = tap_dims(c, tap, t, pos0);
+            let [mut a, mut b, d] = tap_dims(c, tap, t, pos0);
+            if tap == Tap::KqSoftMax
+                && let Some(cut) = plan.and_then(|p| p.probs_cut(a, pos0, t))
+            {
+                a = cut.heads.map_or(a, |h| h.len());
+                b = cut.rows.map_or(b, |r| r.len());
+            }
             let bytes = 4 * (a as u64) * (b as u64) * (d as u64);
             let layers: Vec<Option<usize>> = if tap.per_layer() {
                 (0..c.n_layer).map(Some).collect()
@@ -78,7 +86,7 @@ pub fn trace_bytes(
                 vec![None]
             };
             for l in layers {
-                if keep(&TapKey::new(s, l, tap)) {
+                if bytes > 0 && keep(&TapKey::new(s, l, tap)) {
                     all = all.saturating_add(bytes + NPY_HEADER);
                     if tap == Tap::KqSoftMax {
                         probs = probs.saturating_add(bytes);

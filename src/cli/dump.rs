@@ -183,8 +183,12 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         }
         None => crate::arch::size::golden_feed(ids.len(), 0, steps, &[]),
     };
-    let (bytes, probs) =
-        crate::arch::size::trace_bytes(&model.config, &run, &|k| filter.matches(k));
+    let (bytes, probs) = crate::arch::size::trace_bytes(
+        &model.config,
+        &run,
+        &|k| filter.matches(k),
+        filter.record(),
+    );
     if let Some(msg) = crate::arch::size::over_budget(
         "this dump's trace",
         bytes,

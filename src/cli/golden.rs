@@ -209,9 +209,12 @@ fn prepare(a: &GoldenArgs) -> Result<Prepared> {
     // Turn ids are checked by the script; here only counted.
     let run = crate::arch::size::golden_feed(ids.len(), a.chunk, steps, &turns);
     let plan = super::dump::record_plan(a.record.as_deref())?;
-    let (bytes, probs) = crate::arch::size::trace_bytes(&model.config, &run, &|k| {
-        plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap))
-    });
+    let (bytes, probs) = crate::arch::size::trace_bytes(
+        &model.config,
+        &run,
+        &|k| plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap)),
+        plan.as_ref(),
+    );
     if let Some(msg) = crate::arch::size::over_budget(
         "this golden",
         bytes,

@@ -198,7 +198,11 @@ pub fn compare(
         }
         let a = base.get(key)?.expect("listed");
         let b = cand.get(key)?.expect("listed");
-        measured.push(measure(*key, &a, b.view())?);
+        match measure_cut(base, *key, &a, cand.cut(key).as_ref(), b.view()) {
+            CutMeasure::Whole => measured.push(measure(*key, &a, b.view())?),
+            CutMeasure::Shared(m) => measured.push(m),
+            CutMeasure::Disjoint => {}
+        }
     }
     assemble(base, cand, opt, token_mismatch, measured)
 }
@@ -214,6 +218,9 @@ fn measure_in_rows(
     let (Some(shape), Some(other)) = (base.shape(&key), cand.shape(&key)) else {
         return Ok(None);
     };
+    if base.cut(&key).is_some() || cand.cut(&key).is_some() {
+        return Ok(None);
+    }
     let values = crate::trace::row_slice_values();
     let total: usize = shape.iter().product();
     // Rows lead a tensor of two axes or more (a 1-d one is compared whole).
@@ -233,6 +240,62 @@ fn measure_in_rows(
         m.push(&a, &b);
     }
     Ok(Some(m.finish()))
+}
+
+/// How the two sides of a cut tap (`kq_soft_max` kept for some heads or rows) compare.
+enum CutMeasure {
+    /// Neither side is cut: measured whole.
+    Whole,
+    /// Measured on the values both hold.
+    Shared(Measured),
+    /// They hold no value in common: nothing to measure.
+    Disjoint,
+}
+
+/// `key` measured on the heads and rows both `base`'s tensor `a` and the candidate's `b`
+/// (cut as `cb`) hold, where either was cut.
+fn measure_cut(
+    base: &Trace,
+    key: TapKey,
+    a: &ArrayD<f32>,
+    cb: Option<&crate::trace::Cut>,
+    b: ArrayViewD<f32>,
+) -> CutMeasure {
+    let ca = base.cut(&key);
+    let Some(s) = base.manifest.steps.get(key.step) else {
+        return CutMeasure::Whole;
+    };
+    if (ca.is_none() && cb.is_none()) || a.ndim() != 3 || b.ndim() != 3 {
+        return CutMeasure::Whole;
+    }
+    let (a, b) = (a.as_standard_layout(), b.as_standard_layout());
+    let side = |v: &ArrayViewD<f32>| (v.shape()[0], v.shape()[1]);
+    let ((ha, ta), (hb, tb)) = (side(&a.view()), side(&b.view()));
+    let sa = crate::trace::Side {
+        data: a.as_slice().expect("standard"),
+        cut: ca.as_ref(),
+        n_head: ha,
+        t: ta,
+    };
+    let sb = crate::trace::Side {
+        data: b.as_slice().expect("standard"),
+        cut: cb,
+        n_head: hb,
+        t: tb,
+    };
+    let cols = a.shape()[2].min(b.shape()[2]);
+    match crate::trace::Cut::common(sa, sb, s.positions[0], cols) {
+        Some((x, y)) => {
+            let x = ArrayViewD::from_shape(ndarray::IxDyn(&[x.len()]), &x).expect("1-d");
+            let y = ArrayViewD::from_shape(ndarray::IxDyn(&[y.len()]), &y).expect("1-d");
+            CutMeasure::Shared(Measured {
+                key,
+                metrics: metrics(&x, &y),
+                logits: None,
+            })
+        }
+        None => CutMeasure::Disjoint,
+    }
 }
 
 fn same_model(base: &Trace, cand: &Trace, opt: &CompareOptions) -> Result<(), CompareError> {

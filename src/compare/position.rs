@@ -16,6 +16,10 @@ pub struct Position {
     pub rows: usize,
     /// The id at that position.
     pub token: u32,
+    /// Read from a tensor cut to rows from this one on (`kq_soft_max`, `kq_rows`) with no
+    /// whole tap after it to read earlier rows from: the rows before were not recorded.
+    #[serde(skip)]
+    pub cut_from: bool,
 }
 
 impl Position {
@@ -30,10 +34,11 @@ impl Position {
             self.row,
             self.rows,
             self.token,
-            if self.row > 0 {
-                "; the rows before it match"
-            } else {
-                ""
+            match (self.row, self.cut_from) {
+                (0, _) => "",
+                (_, false) => "; the rows before it match",
+                (_, true) =>
+                    "; kq_soft_max was recorded from this row on: the rows before it were not",
             }
         )
     }

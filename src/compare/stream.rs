@@ -82,7 +82,11 @@ impl<'b> Streamed<'b> {
         let Some(a) = self.base.get_once(&key)? else {
             return Ok(false);
         };
-        let m = measure(key, &a, b)?;
+        let m = match super::measure_cut(self.base, key, &a, None, b.view()) {
+            super::CutMeasure::Whole => measure(key, &a, b)?,
+            super::CutMeasure::Shared(m) => m,
+            super::CutMeasure::Disjoint => return Ok(false),
+        };
         Ok(self.enter(m))
     }
 

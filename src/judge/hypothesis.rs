@@ -1223,8 +1223,8 @@ fn finding(
                 text.push_str(&format!("\n  measured: {o}"));
             }
             if k.tap == Tap::KqSoftMax
-                && let (Some(ours), Some(theirs), Some(dims)) =
-                    (plain.kept.get(&k), cand.get(&k)?, cand.dims(&k))
+                && let Some(ours) = plain.kept.get(&k)
+                && let (Some(theirs), Some(dims)) = (cand.get_over(&k, ours)?, cand.dims(&k))
                 && let Some(row) = first_row(ours, &theirs, dims, k.tap, floor)
                 && let Some(o) = super::kv_fit::observed(model, cand, &k, row)?
             {

@@ -38,16 +38,47 @@ pub fn solve_row(
 ) -> Result<Option<Vec<Held>>, JudgeError> {
     let c = &model.config;
     let at = |tap| TapKey::new(step, Some(layer), tap);
-    let (Some(q), Some(p), Some([nh, t, n_kv])) = (
-        cand.get(&at(Tap::QRope))?,
-        cand.get(&at(Tap::KqSoftMax))?,
-        cand.dims(&at(Tap::KqSoftMax)),
-    ) else {
+    let (Some(q), Some([nh, t, n_kv])) =
+        (cand.get(&at(Tap::QRope))?, cand.dims(&at(Tap::KqSoftMax)))
+    else {
         return Ok(None);
     };
     let (hd, nkv) = (c.head_dim, c.n_head_kv);
     if row >= t || q.len() != t * nh * hd || nkv == 0 || nh % nkv != 0 {
         return Ok(None);
+    }
+    // The row's probabilities of each head the trace kept (`heads[x]`'s at `p[x][j]`): every
+    // head, or those a cut tensor kept where it kept this row.
+    let (_, pos0) = cand.step_shape(step).unwrap_or((t, 0));
+    let (heads, p): (Vec<usize>, Vec<&[f32]>);
+    let whole;
+    let cut_v;
+    match cand.cut_values(&at(Tap::KqSoftMax))? {
+        Some((cut, v)) => {
+            let rows = cut.row_index(pos0, t);
+            let Ok(r) = rows.binary_search(&row) else {
+                return Ok(None);
+            };
+            heads = cut.head_index(nh);
+            cut_v = v;
+            if cut_v.len() != heads.len() * rows.len() * n_kv {
+                return Ok(None);
+            }
+            p = (0..heads.len())
+                .map(|x| &cut_v[(x * rows.len() + r) * n_kv..][..n_kv])
+                .collect();
+        }
+        None => {
+            let Some(v) = cand.get(&at(Tap::KqSoftMax))? else {
+                return Ok(None);
+            };
+            whole = v;
+            heads = (0..nh).collect();
+            p = heads
+                .iter()
+                .map(|&h| &whole[(h * t + row) * n_kv..][..n_kv])
+                .collect();
+        }
     }
     // The cache's rows by position: each step's k after RoPE.
     let mut keys: Vec<Option<Vec<f32>>> = vec![None; n_kv];
@@ -65,7 +96,6 @@ pub fn solve_row(
             }
         }
     }
-    let (_, pos0) = cand.step_shape(step).unwrap_or((t, 0));
     let a = Attn::for_layer(c, layer, pos0, t);
     let i = pos0 + row;
     let group = nh / nkv;
@@ -86,35 +116,38 @@ pub fn solve_row(
     let seen: Vec<bool> = (0..n_kv)
         .map(|j| j <= i && (a.window == 0 || i - j < a.window))
         .collect();
-    let prob = |h: usize, j: usize| p[(h * t + row) * n_kv + j] as f64;
+    // The fit numbers the kept heads 0..: `x` is `heads[x]`.
+    let n = heads.len();
+    let prob = |x: usize, j: usize| p[x][j] as f64;
     // (head, log p) of each column's attending heads.
     let logp: Vec<Vec<(usize, f64)>> = (0..n_kv)
         .map(|j| {
-            (0..nh)
-                .filter(|&h| prob(h, j) > 1e-30)
-                .map(|h| (h, prob(h, j).ln()))
+            (0..n)
+                .filter(|&x| prob(x, j) > 1e-30)
+                .map(|x| (x, prob(x, j).ln()))
                 .collect()
         })
         .collect();
     let zero: Vec<bool> = (0..n_kv)
-        .map(|j| (0..nh).all(|h| prob(h, j) == 0.0))
+        .map(|j| (0..n).all(|x| prob(x, j) == 0.0))
         .collect();
     // A pass weighs every attended column against every key over the heads: past this the
     // row is not solved (a 2,048-token prompt's row is 2^27).
     let attended = zero.iter().filter(|z| !**z).count();
-    if attended * (n_kv + 1) * nh > MAX_WEIGHED {
+    if attended * (n_kv + 1) * n > MAX_WEIGHED {
         return Ok(None);
     }
     // Scores of the row against every cached key.
-    let scores: Vec<Vec<Option<f64>>> = (0..nh)
-        .map(|h| {
+    let scores: Vec<Vec<Option<f64>>> = heads
+        .iter()
+        .map(|&h| {
             keys.iter()
                 .map(|k| k.as_deref().map(|k| score(h, k)))
                 .collect()
         })
         .collect();
     Ok(read(&Row {
-        nh,
+        nh: n,
         seen,
         zero,
         logp,

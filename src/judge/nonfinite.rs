@@ -29,7 +29,10 @@ pub struct NonFinite {
 /// The first key of the candidate (graph order) holding a NaN or an Inf.
 pub fn first(cand: &Candidate) -> Result<Option<NonFinite>, JudgeError> {
     for k in cand.trace.keys() {
-        let Some(v) = cand.raw(k)? else { continue };
+        let v = match (cand.raw(k)?, cand.cut_values(k)?) {
+            (Some(v), _) | (None, Some((_, v))) => v,
+            (None, None) => continue,
+        };
         let nan = v.iter().filter(|x| x.is_nan()).count();
         let inf = v.iter().filter(|x| x.is_infinite()).count();
         if nan + inf > 0 {

@@ -5,7 +5,7 @@ use super::replay::{Candidate, Setup, Window, replay};
 use super::{JudgeError, Judgement};
 use crate::compare::position::{Position, first_row};
 use crate::model::Model;
-use crate::trace::TapKey;
+use crate::trace::{Tap, TapKey};
 use std::collections::BTreeSet;
 
 /// The first row of `key` out of `floor`, the reference's tensor `ours` against the
@@ -16,9 +16,11 @@ pub fn first_at(
     ours: &[f32],
     floor: f64,
 ) -> Result<Option<(usize, usize)>, JudgeError> {
-    let (Some((_, pos0)), Some(theirs), Some(dims)) =
-        (cand.step_shape(key.step), cand.get(key)?, cand.dims(key))
-    else {
+    let (Some((_, pos0)), Some(theirs), Some(dims)) = (
+        cand.step_shape(key.step),
+        cand.get_over(key, ours)?,
+        cand.dims(key),
+    ) else {
         return Ok(None);
     };
     Ok(first_row(ours, &theirs, dims, key.tap, floor).map(|r| (r, pos0 + r)))
@@ -36,7 +38,10 @@ pub fn locate(
     if f.flagged != f.key {
         keys.push(f.flagged);
     }
-    for key in keys {
+    let mut found: Vec<Position> = Vec::new();
+    let mut i = 0;
+    while let Some(&key) = keys.get(i) {
+        i += 1;
         let Some((rows, pos0)) = cand.step_shape(key.step) else {
             continue;
         };
@@ -55,12 +60,26 @@ pub fn locate(
                 row: 0,
                 rows,
                 token: token(0),
+                cut_from: false,
             }));
         }
-        let Some(op) = j.ops.iter().find(|o| o.key == key) else {
+        // Probabilities cut to some rows: the attention output after them (whole, fed by them
+        // and `v`) shows the rows they left out.
+        let after = TapKey::new(key.step, key.layer, Tap::KqvOut);
+        let cut = cand.cut(&key).is_some();
+        if cut && cand.contains(&after) {
+            keys.push(after);
+        }
+        // The attention output after a cut key is read at its own floor, as the cut key's op.
+        let Some(op) = j
+            .ops
+            .iter()
+            .find(|o| o.key == key)
+            .or_else(|| j.ops.iter().find(|o| o.key == f.key))
+        else {
             continue;
         };
-        let (Some(theirs), Some(dims)) = (cand.get(&key)?, cand.dims(&key)) else {
+        let Some(dims) = cand.dims(&key) else {
             continue;
         };
         let rounding = j
@@ -79,14 +98,26 @@ pub fn locate(
         let Some(ours) = replay(model, cand, &setup, &keep)?.kept.remove(&key) else {
             continue;
         };
+        let Some(theirs) = cand.get_over(&key, &ours)? else {
+            continue;
+        };
         if let Some(row) = first_row(&ours, &theirs, dims, key.tap, op.floor) {
-            return Ok(Some(Position {
+            let kept_from = cand
+                .cut(&key)
+                .and_then(|c| c.row_index(pos0, rows).first().copied())
+                .filter(|&r| r > 0);
+            found.push(Position {
                 position: pos0 + row,
                 row,
                 rows,
                 token: token(row),
-            }));
+                cut_from: kept_from == Some(row),
+            });
+            if !cut {
+                break;
+            }
         }
     }
-    Ok(None)
+    // The earliest row read (a cut key's, or the attention output's after it).
+    Ok(found.into_iter().min_by_key(|p| (p.row, p.cut_from)))
 }

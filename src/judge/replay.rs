@@ -52,8 +52,33 @@ impl<'t> Candidate<'t> {
         })
     }
 
+    /// Whether the candidate has `k` whole: what can feed the replay. A cut tensor
+    /// (`kq_soft_max` for some heads or rows, [`Candidate::cut`]) is judged, never fed.
     pub fn contains(&self, k: &TapKey) -> bool {
-        self.trace.contains(k)
+        self.trace.contains(k) && self.cut(k).is_none()
+    }
+
+    /// What `k` was cut to, where it keeps less than the whole tensor.
+    pub fn cut(&self, k: &TapKey) -> Option<crate::trace::Cut> {
+        let c = self.trace.cut(k)?;
+        let (t, pos0) = self.step_shape(k.step)?;
+        (!c.is_whole(self.config.n_head, pos0, t)).then_some(c)
+    }
+
+    /// A cut `k`'s values head-major (`[heads kept, rows kept, n_kv]`, a declared token-major
+    /// order undone), with its cut; None where `k` is not cut.
+    pub fn cut_values(
+        &self,
+        k: &TapKey,
+    ) -> Result<Option<(crate::trace::Cut, Vec<f32>)>, JudgeError> {
+        let (Some(c), Some(a)) = (self.cut(k), self.trace.get(k)?) else {
+            return Ok(None);
+        };
+        let a = match self.layouts.get(&k.tap) {
+            Some(Layout::SwapOuter) => a.permuted_axes(vec![1, 0, 2]),
+            _ => a,
+        };
+        Ok(Some((c, a.as_standard_layout().iter().copied().collect())))
     }
 
     /// Token count and first position of `step`.
@@ -71,6 +96,9 @@ impl<'t> Candidate<'t> {
 
     /// The tensor exactly as stored (flattened in its own order).
     pub fn raw(&self, k: &TapKey) -> Result<Option<Vec<f32>>, JudgeError> {
+        if !self.contains(k) {
+            return Ok(None);
+        }
         let Some(a) = self.trace.get(k)? else {
             return Ok(None);
         };
@@ -129,6 +157,34 @@ impl<'t> Candidate<'t> {
             }
             _ => Ok(Some(v)),
         }
+    }
+
+    /// The candidate's tensor at `k` in canonical order; where it is cut, `ours` (the
+    /// reference's whole tensor) with the candidate's kept heads and rows written over it:
+    /// what a row-by-row reading of both can compare (rows not kept then agree).
+    pub fn get_over(&self, k: &TapKey, ours: &[f32]) -> Result<Option<Vec<f32>>, JudgeError> {
+        let Some((c, v)) = self.cut_values(k)? else {
+            return self.get(k);
+        };
+        let (Some(dims), Some((_, pos0))) = (self.dims(k), self.step_shape(k.step)) else {
+            return Ok(None);
+        };
+        let [n_head, t, n_kv] = dims;
+        if ours.len() != n_head * t * n_kv {
+            return Ok(None);
+        }
+        let (heads, rows) = (c.head_index(n_head), c.row_index(pos0, t));
+        if v.len() != heads.len() * rows.len() * n_kv {
+            return Ok(None);
+        }
+        let mut out = ours.to_vec();
+        for (i, &h) in heads.iter().enumerate() {
+            for (j, &r) in rows.iter().enumerate() {
+                let (at, from) = ((h * t + r) * n_kv, (i * rows.len() + j) * n_kv);
+                out[at..at + n_kv].copy_from_slice(&v[from..from + n_kv]);
+            }
+        }
+        Ok(Some(out))
     }
 
     /// Whether the candidate stores `tap` in a declared non-canonical layout.
@@ -632,16 +688,19 @@ impl JudgeSink<'_, '_> {
 
 impl Sink for JudgeSink<'_, '_> {
     fn wants(&self, key: &TapKey) -> bool {
-        self.error.is_none() && self.map(key).is_some_and(|k| self.cand.contains(&k))
+        self.error.is_none() && self.map(key).is_some_and(|k| self.cand.trace.contains(&k))
     }
 
     fn replays(&self, key: &TapKey) -> bool {
-        self.wants(key)
+        self.map(key).is_some_and(|k| self.cand.contains(&k)) && self.wants(key)
             || (key.tap == self.entry() && (self.window.l0 > 0 || self.jitter.is_some()))
     }
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
         let Some(k) = self.map(&key) else { return };
+        if self.cand.cut(&k).is_some() {
+            return self.record_cut(k, shape, data);
+        }
         let c = match self.get(&k) {
             Ok(Some(c)) => c,
             Ok(None) => return,
@@ -728,6 +787,51 @@ impl Sink for JudgeSink<'_, '_> {
 }
 
 impl JudgeSink<'_, '_> {
+    /// A cut candidate tensor (`kq_soft_max` kept for some heads or rows) measured on what it
+    /// kept; the reference then goes on from its own values (nothing whole to substitute).
+    fn record_cut(&mut self, k: TapKey, shape: &[usize], data: &[f32]) {
+        let (c, v) = match self.cand.cut_values(&k) {
+            Ok(Some(x)) => x,
+            Ok(None) => return,
+            Err(e) => return self.fail(e),
+        };
+        let (Some((t, pos0)), &[n_head, rows, n_kv]) = (self.cand.step_shape(k.step), shape) else {
+            return self.fail(JudgeError::MissingStep(k.step));
+        };
+        // What the candidate stores: its heads and rows kept, every key of the step.
+        let want = c.heads.as_ref().map_or(n_head, Vec::len)
+            * c.rows.as_ref().map_or(t, Vec::len)
+            * (pos0 + t);
+        if v.len() != want {
+            return self.fail(JudgeError::Shape {
+                key: k,
+                found: vec![v.len()],
+                want,
+            });
+        }
+        let ours = crate::trace::Side {
+            data,
+            cut: None,
+            n_head,
+            t: rows,
+        };
+        let theirs = crate::trace::Side {
+            data: &v,
+            cut: Some(&c),
+            n_head,
+            t,
+        };
+        // (A prompt replayed to its first rows has as many keys: those columns are compared.)
+        if let Some((a, b)) = crate::trace::Cut::common(ours, theirs, pos0, n_kv) {
+            let va = ArrayViewD::from_shape(ndarray::IxDyn(&[a.len()]), &a).expect("1-d");
+            let vb = ArrayViewD::from_shape(ndarray::IxDyn(&[b.len()]), &b).expect("1-d");
+            self.out.metrics.insert(k, metrics(&va, &vb));
+            if self.keep.contains(&k) {
+                self.out.kept.insert(k, data.to_vec());
+            }
+        }
+    }
+
     /// The candidate's tensor in place of the reference's, where the candidate has one.
     fn replace(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         let w = self.window;
@@ -805,8 +909,22 @@ pub fn aligned_trace(trace: &Trace, config: &Config) -> Result<Option<Trace>, Ju
         return Ok(None);
     }
     let mut tensors = BTreeMap::new();
+    let mut cuts = BTreeMap::new();
     for k in trace.keys() {
         let a = trace.get(k)?.expect("listed");
+        if let Some(c) = trace.cut(k) {
+            // Kept cut, its rows and heads head-major as the cut lists them.
+            let a = match cand.declared(k.tap) {
+                Some(Layout::SwapOuter) if a.ndim() == 3 => a
+                    .permuted_axes(vec![1, 0, 2])
+                    .as_standard_layout()
+                    .into_owned(),
+                _ => a,
+            };
+            tensors.insert(*k, a);
+            cuts.insert(*k, c);
+            continue;
+        }
         let a = match cand.declared(k.tap) {
             Some(l) if l != Layout::Canonical => {
                 let dims = cand.dims(k).ok_or(JudgeError::MissingStep(k.step))?;
@@ -829,10 +947,13 @@ pub fn aligned_trace(trace: &Trace, config: &Config) -> Result<Option<Trace>, Ju
         };
         tensors.insert(*k, a);
     }
-    Ok(Some(Trace::from_memory(
-        trace.manifest.model.clone(),
-        trace.manifest.producer.clone(),
-        trace.manifest.steps.clone(),
-        tensors,
-    )))
+    Ok(Some(
+        Trace::from_memory(
+            trace.manifest.model.clone(),
+            trace.manifest.producer.clone(),
+            trace.manifest.steps.clone(),
+            tensors,
+        )
+        .with_cuts(cuts),
+    ))
 }

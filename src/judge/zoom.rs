@@ -3,23 +3,33 @@
 //! recorded whole: this says which step, and the recording plan (`parity_trace::Record`) that
 //! keeps the scan and adds that step, for `--record` or an engine's `PARITY_RECORD`. A step
 //! after the first also keeps `k_rope` and `v` at every step: its attention reads the K/V the
-//! earlier steps wrote, and without them `kq_soft_max` there is still a span.
+//! earlier steps wrote, and without them `kq_soft_max` there is still a span. A step of more
+//! than [`WHOLE_ROWS`] tokens keeps `kq_soft_max` for the rows from the first position out of
+//! its floor on ([`PROBS_ROWS`] of them, `kq_rows`): a 2,048-token prompt's whole
+//! probabilities are 11 GB on a 1.1B shape, the rows that show the finding a few MB.
 
 use super::Finding;
 use super::replay::Candidate;
 use crate::trace::{Record, Tap, Trace, Zoom};
+
+/// A step of at most this many tokens keeps its whole probabilities in a zoom.
+pub const WHOLE_ROWS: usize = 64;
+/// The rows of the probabilities a longer step keeps: from the first position out on.
+pub const PROBS_ROWS: usize = 16;
 
 /// The zoom `f` needs, if it was judged as a span at a step the trace did not record whole.
 pub fn plan(cand: &Candidate, f: &Finding) -> Option<Zoom> {
     if f.span_ops <= 1 {
         return None;
     }
-    step(cand.trace, f.key.step)
+    step(cand.trace, f.key.step, f.position.map(|p| p.position))
 }
 
 /// The zoom that records `step` of `trace` whole, the scan kept; None where the trace already
-/// has every tap its producer can give there (and the cache before it).
-pub fn step(trace: &Trace, step: usize) -> Option<Zoom> {
+/// has every tap its producer can give there (and the cache before it). `at`: the first
+/// position out of its floor there, where known (a long step keeps the probabilities' rows
+/// from it on).
+pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
     let earlier = step > 0;
     let keeps_cache = |r: &Record| {
         r.taps
@@ -43,13 +53,21 @@ pub fn step(trace: &Trace, step: usize) -> Option<Zoom> {
                     .map(|k| k.tap)
                     .collect(),
             ),
-            full: Vec::new(),
+            ..Record::default()
         },
     };
     if earlier && let Some(t) = &mut plan.taps {
         t.extend([Tap::KRope, Tap::V]);
     }
     plan.add_full(step..=step);
+    let shape = trace.manifest.steps.get(step);
+    if let (Some(s), Some(p)) = (shape, at)
+        && s.tokens.len() > WHOLE_ROWS
+        && plan.kq_rows.is_none()
+    {
+        let last = s.positions[0] + s.tokens.len() - 1;
+        plan.kq_rows = Some(vec![p.min(last)..=(p + PROBS_ROWS - 1).min(last)]);
+    }
     Some(Zoom {
         steps: vec![step],
         record: plan.to_string(),

@@ -1,8 +1,8 @@
 //! The trace folder: `manifest.json` + one `.npy` per (step, tap, layer).
 
 use super::{
-    Manifest, ModelRef, Producer, Record, Sink, StepInfo, TapFilter, TapKey, TensorEntry,
-    TraceError,
+    Cut, Cutting, Manifest, ModelRef, Producer, Record, Sink, StepInfo, TapFilter, TapKey,
+    TensorEntry, TraceError,
 };
 use ndarray::{ArrayD, IxDyn, ShapeBuilder};
 use parity_trace::archive::{Archive, ArchiveWriter};
@@ -193,6 +193,25 @@ impl Trace {
 
     pub fn contains(&self, key: &TapKey) -> bool {
         self.keys.contains_key(key)
+    }
+
+    /// What `key`'s tensor was cut to (`kq_soft_max` kept for some heads or rows); None:
+    /// whole, or not in the trace.
+    pub fn cut(&self, key: &TapKey) -> Option<Cut> {
+        self.keys
+            .get(key)
+            .and_then(|&i| self.manifest.tensors[i].cut())
+    }
+
+    /// This trace with `cuts` entered in its manifest: what a sink kept of each cut tensor.
+    pub fn with_cuts(mut self, cuts: BTreeMap<TapKey, Cut>) -> Trace {
+        for (k, c) in cuts {
+            if let Some(&i) = self.keys.get(&k) {
+                let e = &mut self.manifest.tensors[i];
+                (e.heads, e.rows) = (c.heads, c.rows);
+            }
+        }
+        self
     }
 
     /// The shape a tensor is listed with (None if the trace does not have it).
@@ -793,10 +812,28 @@ impl Sink for TraceWriter {
         self.error.is_none() && self.filter.matches(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
+        // The plan's cut, of the probabilities in their canonical (head-major) order.
+        let canonical = !self.layouts.contains_key(key.tap.name());
+        let (cut, kept) = match self.filter.cut(&key, shape, data) {
+            Cutting::Kept(c, sh, v) if canonical => (Some(c), Some((sh, v))),
+            Cutting::Nothing if canonical => return,
+            _ => (None, None),
+        };
+        let (shape, data) = match &kept {
+            Some((sh, v)) => (&sh[..], &v[..]),
+            None => (shape, data),
+        };
+        let entry = || {
+            let mut e = TensorEntry::f32(&key, shape);
+            if let Some(c) = cut.clone() {
+                (e.heads, e.rows) = (c.heads, c.rows);
+            }
+            e
+        };
         if let Some(a) = &mut self.archive {
             let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
             match a.add_parts(&key.file(), &[&npy::f32_header(shape), &bytes]) {
-                Ok(()) => self.entries.push(TensorEntry::f32(&key, shape)),
+                Ok(()) => self.entries.push(entry()),
                 Err(what) => self.error = Some(archive_err(&self.dir, what)),
             }
             return;
@@ -812,7 +849,7 @@ impl Sink for TraceWriter {
             _ => Ok(()),
         };
         match made.and_then(|()| write_npy_file(&path, shape, data)) {
-            Ok(()) => self.entries.push(TensorEntry::f32(&key, shape)),
+            Ok(()) => self.entries.push(entry()),
             Err(e) => self.error = Some(e),
         }
     }

@@ -13,8 +13,8 @@ pub use format::{Trace, TraceWriter, is_archive_path};
 /// The format itself (manifest, tap names, `.npy`, archives) is the `parity-trace` crate's,
 /// which engines depend on alone.
 pub use parity_trace::{
-    Error as TraceError, Manifest, ModelRef, Producer, Record, StepInfo, Tap, TapKey, TensorEntry,
-    npy,
+    Cut, Cutting, Error as TraceError, Manifest, ModelRef, Producer, Record, Side, StepInfo, Tap,
+    TapKey, TensorEntry, npy,
 };
 pub use zoom::Zoom;
 
@@ -138,10 +138,20 @@ impl Sink for ReplaySink<'_> {
         self.base.contains(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
-        self.inner.record(key, shape, data)
+        // Kept as the baseline cut it (all that is compared; a long prompt's whole
+        // probabilities would not fit).
+        match (self.base.cut(&key), shape) {
+            (Some(c), &[h, t, n]) => {
+                let (sh, v) = c.select([h, t, n], n - t, data);
+                self.inner.record(key, &sh, &v);
+                self.inner.cuts.insert(key, c);
+            }
+            _ => self.inner.record(key, shape, data),
+        }
     }
     fn replays(&self, key: &TapKey) -> bool {
-        self.base.contains(key)
+        // A cut tensor cannot stand in for the whole one: the backend goes on from its own.
+        self.base.contains(key) && self.base.cut(key).is_none()
     }
     fn substitute(&mut self, key: &TapKey, data: &mut [f32]) -> bool {
         match self.base.get(key) {
@@ -203,6 +213,15 @@ impl TapFilter {
         self.record.as_ref()
     }
 
+    /// What the plan keeps of `key`'s tensor (`kq_soft_max` `[n_head, T, n_kv]` of a step
+    /// from position `n_kv - T` is the one tap a plan cuts).
+    pub fn cut(&self, key: &TapKey, shape: &[usize], data: &[f32]) -> Cutting {
+        match (&self.record, key.tap, shape) {
+            (Some(r), Tap::KqSoftMax, &[h, t, n]) if n >= t => r.cut_probs([h, t, n], n - t, data),
+            _ => Cutting::Whole,
+        }
+    }
+
     pub fn matches(&self, key: &TapKey) -> bool {
         if let Some(r) = &self.record {
             if r.full_step(key.step) {
@@ -224,6 +243,9 @@ impl TapFilter {
 pub struct MemorySink {
     pub filter: TapFilter,
     pub tensors: BTreeMap<TapKey, ArrayD<f32>>,
+    /// The tensors kept cut (the plan's `kq_heads`/`kq_rows`): what each kept
+    /// ([`Trace::with_cuts`]).
+    pub cuts: BTreeMap<TapKey, Cut>,
     /// Takes the logits in slices of at most this many values, put together here per tap
     /// (a soft-capped model's two logits taps come interleaved) (`in_rows`).
     rows: Option<(usize, BTreeMap<TapKey, Vec<f32>>)>,
@@ -252,7 +274,15 @@ impl Sink for MemorySink {
         self.filter.matches(key)
     }
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
-        let a = ArrayD::from_shape_vec(IxDyn(shape), data.to_vec()).expect("shape matches data");
+        let (shape, data) = match self.filter.cut(&key, shape, data) {
+            Cutting::Whole => (shape.to_vec(), data.to_vec()),
+            Cutting::Nothing => return,
+            Cutting::Kept(c, sh, v) => {
+                self.cuts.insert(key, c);
+                (sh.to_vec(), v)
+            }
+        };
+        let a = ArrayD::from_shape_vec(IxDyn(&shape), data).expect("shape matches data");
         self.tensors.insert(key, a);
     }
     fn row_slice(&self, key: &TapKey) -> Option<usize> {

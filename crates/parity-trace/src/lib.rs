@@ -27,6 +27,7 @@
 //! The format itself is specified in parity's docs/trace-format.md.
 
 pub mod archive;
+mod cut;
 pub mod manifest;
 pub mod npy;
 mod record;
@@ -34,6 +35,7 @@ pub mod sha256;
 mod taps;
 mod writer;
 
+pub use cut::{Cut, Cutting, Side};
 pub use manifest::{
     FORMAT, GoldenStep, MAX_POSITION, MAX_TAP_ELEMENTS, Manifest, ModelRef, Producer, StepInfo,
     TensorEntry, VERSION, golden_ids, golden_steps,

@@ -54,6 +54,12 @@ pub struct TensorEntry {
     pub file: String,
     pub shape: Vec<usize>,
     pub dtype: String,
+    /// `kq_soft_max` cut to these heads (a plan's `kq_heads`): the stored head axis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heads: Option<Vec<usize>>,
+    /// `kq_soft_max` cut to the rows of these positions (a plan's `kq_rows`): the stored row axis.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Vec<usize>>,
 }
 
 impl TensorEntry {
@@ -66,7 +72,17 @@ impl TensorEntry {
             file: key.file(),
             shape: shape.to_vec(),
             dtype: "<f4".into(),
+            heads: None,
+            rows: None,
         }
+    }
+
+    /// The cut this entry's tensor was stored with (`kq_soft_max` alone); None: whole.
+    pub fn cut(&self) -> Option<crate::Cut> {
+        (self.heads.is_some() || self.rows.is_some()).then(|| crate::Cut {
+            heads: self.heads.clone(),
+            rows: self.rows.clone(),
+        })
     }
 
     /// The number of values the shape holds; None past what a tap may hold.
@@ -243,12 +259,70 @@ impl Manifest {
                 )));
             }
             let key = TapKey::new(t.step, t.layer, tap);
+            check_cut(&manifest, t, tap).map_err(|what| bad(format!("{key}: {what}")))?;
             if index.keys.insert(key, i).is_some() {
                 return Err(bad(format!("{key} is listed twice")));
             }
         }
         Ok((manifest, index))
     }
+}
+
+/// A cut entry (`heads`, `rows`): `kq_soft_max` alone, increasing lists of heads and of the
+/// step's own positions, as many as the stored axes hold (token-major: rows first).
+fn check_cut(m: &Manifest, t: &TensorEntry, tap: Tap) -> Result<(), String> {
+    if t.heads.is_none() && t.rows.is_none() {
+        return Ok(());
+    }
+    if tap != Tap::KqSoftMax {
+        return Err("only kq_soft_max can be cut to heads or rows".into());
+    }
+    if t.shape.len() != 3 {
+        return Err(format!(
+            "a cut kq_soft_max is stored [heads, rows, keys], not {}",
+            short(&format!("{:?}", t.shape))
+        ));
+    }
+    let token_major = m
+        .layouts
+        .get("kq_soft_max")
+        .is_some_and(|l| l == "token-major");
+    let (h_axis, r_axis) = if token_major { (1, 0) } else { (0, 1) };
+    let increasing = |v: &[usize]| !v.is_empty() && v.windows(2).all(|w| w[0] < w[1]);
+    if let Some(h) = &t.heads {
+        if !increasing(h) || h[h.len() - 1] > MAX_POSITION {
+            return Err("heads must list head numbers in increasing order, at least one".into());
+        }
+        if h.len() != t.shape[h_axis] {
+            return Err(format!(
+                "lists {} heads but stores {} on axis {h_axis}",
+                h.len(),
+                t.shape[h_axis]
+            ));
+        }
+    }
+    if let Some(r) = &t.rows {
+        let s = &m.steps[t.step];
+        let (lo, n) = (s.positions[0], s.positions.len());
+        if !increasing(r) {
+            return Err("rows must list positions in increasing order, at least one".into());
+        }
+        if let Some(p) = r.iter().find(|&&p| p < lo || p - lo >= n) {
+            return Err(format!(
+                "rows lists position {p}, which step {} does not hold ({lo}..{})",
+                t.step,
+                lo + n
+            ));
+        }
+        if r.len() != t.shape[r_axis] {
+            return Err(format!(
+                "lists {} rows but stores {} on axis {r_axis}",
+                r.len(),
+                t.shape[r_axis]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Steps index the tensors and feed position arithmetic (`pos0 + T`): their order and range

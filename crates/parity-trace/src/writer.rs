@@ -4,7 +4,7 @@
 
 use crate::archive::ArchiveWriter;
 use crate::manifest::{Manifest, ModelRef, Producer, StepInfo, TensorEntry};
-use crate::{Error, Record, Tap, TapKey, io_err, npy};
+use crate::{Cutting, Error, Record, Tap, TapKey, io_err, npy};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
@@ -266,6 +266,30 @@ impl TraceWriter {
         if self.seen.contains(&key) {
             return Err(bad(shown, format!("{key} recorded twice")));
         }
+        // The plan's cut of the probabilities ([n_head, T, n_kv], the step's rows).
+        let mut cut = None;
+        let cutting = match (tap, &self.record, shape) {
+            (Tap::KqSoftMax, Some(r), &[h, t, n]) => r.cut_probs([h, t, n], s.positions[0], data),
+            (Tap::KqSoftMax, Some(r), _) if r.cuts_probs() => {
+                return Err(bad(
+                    shown,
+                    format!(
+                        "{key}: shape {shape:?} is not [n_head, T, n_kv], which the plan's kq_heads/kq_rows cut"
+                    ),
+                ));
+            }
+            _ => Cutting::Whole,
+        };
+        let kept;
+        let (shape, data) = match cutting {
+            Cutting::Whole => (shape, data),
+            Cutting::Nothing => return Ok(()),
+            Cutting::Kept(c, sh, v) => {
+                cut = Some(c);
+                kept = (sh, v);
+                (&kept.0[..], &kept.1[..])
+            }
+        };
         let file = key.file();
         let bytes = npy::f32_file(shape, data);
         match &mut self.out {
@@ -287,7 +311,11 @@ impl TraceWriter {
             Out::Memory(a) => a.add(&file, &bytes).map_err(|what| bad(shown, what))?,
         }
         self.seen.insert(key);
-        self.entries.push(TensorEntry::f32(&key, shape));
+        let mut entry = TensorEntry::f32(&key, shape);
+        if let Some(c) = cut {
+            (entry.heads, entry.rows) = (c.heads, c.rows);
+        }
+        self.entries.push(entry);
         Ok(())
     }
 
