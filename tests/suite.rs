@@ -38,6 +38,7 @@ mod kit_rust;
 mod kv_caches;
 mod mutations;
 mod neon_qemu;
+mod probs_cut;
 mod readme;
 mod report_gate;
 mod report_html;

@@ -143,8 +143,14 @@ pub fn over_budget(what: &str, bytes: u64, probs: u64, budget: u64, fewer: &str)
     } else {
         format!("{}M", bytes.div_ceil(1_000_000))
     };
+    // Where the probabilities are most of it, cutting them is the cheapest way down.
+    let cut = if probs * 2 > bytes {
+        "; or keep kq_soft_max for some rows or heads alone (--record '…;kq_rows=A-B;kq_heads=C-D')"
+    } else {
+        ""
+    };
     Some(format!(
-        "{what} would be about {} ({} of it the attention probabilities, kq_soft_max), over the budget of {}: raise it with --max-trace-size {raise}, or {fewer}",
+        "{what} would be about {} ({} of it the attention probabilities, kq_soft_max), over the budget of {}: raise it with --max-trace-size {raise}, or {fewer}{cut}",
         human(bytes),
         human(probs),
         human(budget)

@@ -36,11 +36,25 @@ pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
             .as_ref()
             .is_none_or(|t| t.contains(&Tap::KRope) && t.contains(&Tap::V))
     };
+    // A long step's probabilities: the rows from the first position out on.
+    let rows = trace.manifest.steps.get(step).and_then(|s| {
+        let last = s.positions[0] + s.tokens.len() - 1;
+        at.filter(|_| s.tokens.len() > WHOLE_ROWS)
+            .map(|p| p.min(last)..=(p + PROBS_ROWS - 1).min(last))
+    });
+    let keeps_rows = |r: &Record| match (&r.kq_rows, &rows) {
+        (None, _) => true,
+        (Some(kept), Some(want)) => kept.iter().any(|k| k.contains(want.start())),
+        (Some(_), None) => false,
+    };
     let recorded = trace.manifest.record.as_deref().map(Record::parse);
     let mut plan = match recorded {
         // The producer already kept every tap it has at that step (and the cache before it):
         // asking again adds nothing.
-        Some(Ok(r)) if r.keeps_all() || (r.full_step(step) && (!earlier || keeps_cache(&r))) => {
+        Some(Ok(r))
+            if (r.taps.is_none() || (r.full_step(step) && (!earlier || keeps_cache(&r))))
+                && keeps_rows(&r) =>
+        {
             return None;
         }
         Some(Ok(r)) => r,
@@ -60,13 +74,8 @@ pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
         t.extend([Tap::KRope, Tap::V]);
     }
     plan.add_full(step..=step);
-    let shape = trace.manifest.steps.get(step);
-    if let (Some(s), Some(p)) = (shape, at)
-        && s.tokens.len() > WHOLE_ROWS
-        && plan.kq_rows.is_none()
-    {
-        let last = s.positions[0] + s.tokens.len() - 1;
-        plan.kq_rows = Some(vec![p.min(last)..=(p + PROBS_ROWS - 1).min(last)]);
+    if let Some(r) = rows {
+        plan.kq_rows = Some(vec![r]);
     }
     Some(Zoom {
         steps: vec![step],

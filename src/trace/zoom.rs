@@ -16,8 +16,17 @@ impl Zoom {
     /// The advice, one sentence.
     pub fn describe(&self) -> String {
         let steps: Vec<String> = self.steps.iter().map(usize::to_string).collect();
+        // A long step keeps its probabilities for the rows that show the finding alone.
+        let rows = match parity_trace::Record::parse(&self.record).ok().and_then(|r| r.kq_rows) {
+            Some(r) if !r.is_empty() => format!(
+                " (kq_soft_max for positions {}-{} only)",
+                r[0].start(),
+                r[r.len() - 1].end()
+            ),
+            _ => String::new(),
+        };
         format!(
-            "to judge it op by op, record step {} whole: --record '{}' (PARITY_RECORD for an engine writing through a parity kit)",
+            "to judge it op by op, record step {} whole{rows}: --record '{}' (PARITY_RECORD for an engine writing through a parity kit)",
             steps.join(", "),
             self.record
         )
