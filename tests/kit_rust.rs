@@ -329,3 +329,85 @@ fn the_docs_show_what_the_native_engine_prints() {
     let printed = (show(&o) + &show(&d)).replace(out.to_str().unwrap(), "trace");
     assert_shown("docs/instrument.md", "tests/kit_rust.rs: native", &printed);
 }
+
+/// The crate's writer cuts `kq_soft_max` to the plan in `PARITY_RECORD` (`kq_heads`,
+/// `kq_rows` by position) with no change to the engine: the entries list what was kept, a step
+/// holding none of the rows writes none, the clean trace passes and a bug in the kept rows is
+/// placed at kq_soft_max.
+#[test]
+fn native_engine_cuts_kq_soft_max_to_the_plan_from_the_environment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, bug: Option<&str>| {
+        let out = tmp.path().join(name);
+        let mut c = Command::new(engine());
+        c.arg(MODEL).arg(GOLDEN).arg(&out).current_dir(root());
+        if let Some(b) = bug {
+            c.args(["--bug", b]);
+        }
+        let o = c
+            .env("PARITY_RECORD", "kq_heads=1-2;kq_rows=12-15,21")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        out
+    };
+    let clean = run("clean", None);
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(clean.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(m["record"], "taps=all;kq_heads=1-2;kq_rows=12-15,21");
+    let probs: Vec<&Value> = m["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["tap"] == "kq_soft_max" && t["layer"] == 0)
+        .collect();
+    // The prompt is positions 0..20, then one decode step per position from 20.
+    let got: Vec<(u64, Value, Value, Value)> = probs
+        .iter()
+        .map(|t| {
+            (
+                t["step"].as_u64().unwrap(),
+                t["shape"].clone(),
+                t["heads"].clone(),
+                t["rows"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            (
+                0,
+                serde_json::json!([2, 4, 20]),
+                serde_json::json!([1, 2]),
+                serde_json::json!([12, 13, 14, 15])
+            ),
+            (
+                2,
+                serde_json::json!([2, 1, 22]),
+                serde_json::json!([1, 2]),
+                serde_json::json!([21])
+            ),
+        ]
+    );
+    let (code, j, o) = diff(&clean);
+    assert_eq!(code, Some(0), "{}", show(&o));
+    assert_eq!(own_inputs(&j)["verdict"], "parity", "{}", show(&o));
+
+    let bug = run("gqa", Some("gqa-modulo"));
+    let (code, j, o) = diff(&bug);
+    assert_eq!(code, Some(1), "{}", show(&o));
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "kq_soft_max"}),
+        "{d:#}"
+    );
+    assert!(
+        d["diagnosis"]
+            .as_str()
+            .unwrap()
+            .contains("confirmed by experiment: gqa-modulo"),
+        "{d:#}"
+    );
+}
