@@ -283,6 +283,8 @@ pub struct Judgement {
     /// judging went on, so `first` is the first divergence after them (or, when nothing else
     /// diverges, the last layout's finding).
     pub layouts: Vec<Finding>,
+    /// How many of the judged keys the trace kept cut (`kq_soft_max` for some heads or rows).
+    pub cut: usize,
 }
 
 impl Judgement {
@@ -315,6 +317,12 @@ impl Judgement {
                 "{} of {} keys are judged as spans of ops the trace has no taps inside (floors up to {widest:.0e}): there a bug is placed to the span, and one that moves it by less than its floor is seen only where a known bug explains it by experiment — dump every tap to judge each op on its own",
                 spans.len(),
                 self.ops.len()
+            ));
+        }
+        if self.cut > 0 {
+            v.push(format!(
+                "{} kq_soft_max tensors were kept for some heads or rows: judged on those alone, the attention output after each as a span of the two ops (where it was recorded)",
+                self.cut
             ));
         }
         v
@@ -573,7 +581,9 @@ fn judge_once(
             aligned,
             ties,
             layouts: Vec::new(),
+            cut: 0,
         };
+        j.cut = j.ops.iter().filter(|o| cand.cut(&o.key).is_some()).count();
         place(model, &cand, &mut j, remeasured.as_deref())?;
         if let Some((fl, kv2, note)) = retry {
             measured = Some(rounding::Measured {

@@ -17,7 +17,10 @@ impl Zoom {
     pub fn describe(&self) -> String {
         let steps: Vec<String> = self.steps.iter().map(usize::to_string).collect();
         // A long step keeps its probabilities for the rows that show the finding alone.
-        let rows = match parity_trace::Record::parse(&self.record).ok().and_then(|r| r.kq_rows) {
+        let rows = match parity_trace::Record::parse(&self.record)
+            .ok()
+            .and_then(|r| r.kq_rows)
+        {
             Some(r) if !r.is_empty() => format!(
                 " (kq_soft_max for positions {}-{} only)",
                 r[0].start(),
