@@ -139,6 +139,44 @@ def parse_ids(s, what):
     return ids
 
 
+def parse_plan(line):
+    """A recording plan (`parity golden --record`, checked by parity before it gets here):
+    (taps kept at every step or None for all, steps kept whole, kq_soft_max's heads kept,
+    its rows kept by position), the last three as inclusive ranges [(a, b), ...] and the kq
+    lists None when the plan has no such part. A plan parity would refuse raises ValueError."""
+    taps, lists = None, {"full": [], "kq_heads": None, "kq_rows": None}
+    for part in filter(None, (p.strip() for p in (line or "").split(";"))):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        if not eq:
+            raise ValueError(f"{part!r} is not key=value")
+        if key == "taps":
+            names = [t.strip() for t in value.split(",")]
+            taps = None if "all" in names else set(names)
+        elif key in lists:
+            ranges = []
+            for item in filter(None, (i.strip() for i in value.split(","))):
+                m = re.fullmatch(r"([0-9]+)(?:\s*-\s*([0-9]+))?", item)
+                if not m or int(m.group(1)) > int(m.group(2) or m.group(1)):
+                    raise ValueError(f"{key}: {item!r} is not a number or a range a-b")
+                ranges.append((int(m.group(1)), int(m.group(2) or m.group(1))))
+            if key != "full" and not ranges:
+                raise ValueError(f"{key}: empty")
+            lists[key] = ranges
+        else:
+            raise ValueError(f"unknown part {key!r}")
+    return taps, lists["full"], lists["kq_heads"], lists["kq_rows"]
+
+
+def kq_cut(kq_heads, kq_rows, positions, n_head):
+    """What a step of these positions keeps of kq_soft_max: (head indices, row indices within
+    the step), each None where the plan keeps every one; an empty list: none of it."""
+    def within(x, ranges):
+        return any(a <= x <= b for a, b in ranges)
+    heads = None if kq_heads is None else [h for h in range(n_head) if within(h, kq_heads)]
+    rows = None if kq_rows is None else [i for i, p in enumerate(positions) if within(p, kq_rows)]
+    return heads, rows
+
+
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -254,8 +292,9 @@ class Capture:
         self.synthetic = {}
         self.synthetic_src = {}
         self.keep = None  # node bases copied out at this step (None: every wanted node)
+        self.kq = (None, None)  # kq_soft_max's heads and rows kept at this step (None: all)
 
-    def reset(self, keep=None):
+    def reset(self, keep=None, kq=(None, None)):
         self.records = []
         self.seen = []
         self.error = None
@@ -268,6 +307,7 @@ class Capture:
         self.synthetic = {}      # address of an unnamed node -> the llama.cpp-style name we give it
         self.synthetic_src = {}  # given name -> the node's real name
         self.keep = keep
+        self.kq = kq
 
     @staticmethod
     def wanted(name):
@@ -279,10 +319,11 @@ class Capture:
     def kept(self, name):
         """Whether a wanted node is copied out at this step: the others are only followed (the
         node-mapping below needs their addresses, never their data)."""
-        if self.keep is None:
-            return True
         m = LAYER_NAME_RE.match(name)
-        return (m.group(1) if m else name) in self.keep
+        base = m.group(1) if m else name
+        if base == "kq_soft_max" and [] in self.kq:
+            return False  # the plan keeps none of its heads or rows at this step
+        return self.keep is None or base in self.keep
 
     def callback(self, t, ask, _ud):
         try:
@@ -353,7 +394,11 @@ class Capture:
                 return True
             op = self.ggml.lib.ggml_op_desc(t).decode()
             tname = self.ggml.lib.ggml_type_name(g.type).decode()
-            arr = self.to_f32(t, g, tname)
+            arr = None
+            if self.kq != (None, None) and name.startswith("kq_soft_max-"):
+                arr = self.to_f32_cut(t, g, tname, *self.kq)
+            if arr is None:
+                arr = self.to_f32(t, g, tname)
             if op == "ROPE" and name not in self.rope_params:
                 ff = None
                 if g.src[2]:
@@ -369,23 +414,65 @@ class Capture:
                 self.error = f"{type(e).__name__}: {e}"
             return False  # abort the graph
 
+    def dtype(self, g, tname):
+        np = self.np
+        if tname == "f32":
+            return np.dtype("<f4")
+        if tname == "f16":
+            return np.dtype("<f2")
+        if tname == "bf16":
+            return np.dtype("<u2")
+        if tname == "f64":
+            return np.dtype("<f8")
+        raise ValueError(f"node {g.name.decode()} has type {tname}; only f32/f16/bf16/f64 "
+                         f"activations are supported")
+
+    def widened(self, arr, tname):
+        np = self.np
+        if tname == "bf16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr.astype(np.float32)
+
+    def to_f32_cut(self, t, g, tname, heads, rows):
+        """A kq_soft_max node [n_kv, T, n_head, 1] (numpy [1, n_head, T, n_kv]) read only at the
+        plan's heads and rows (None: all), a run of consecutive rows at a time: a long prompt's
+        probabilities are never copied out whole. None where the node is not of that form (the
+        whole node is read then, and map_step says what is wrong with it)."""
+        np = self.np
+        dt = self.dtype(g, tname)
+        ne = [int(x) for x in g.ne]
+        nb = [int(x) for x in g.nb]
+        if ne[3] != 1 or nb[0] != dt.itemsize or nb[1] % dt.itemsize:
+            return None
+        heads = range(ne[2]) if heads is None else heads
+        rows = list(range(ne[1]) if rows is None else rows)
+        if any(h >= ne[2] for h in heads) or any(r >= ne[1] for r in rows):
+            return None
+        out = np.empty((len(heads), len(rows), ne[0]), dt)
+        runs, i = [], 0
+        while i < len(rows):
+            j = i
+            while j + 1 < len(rows) and rows[j + 1] == rows[j] + 1:
+                j += 1
+            runs.append((i, j - i + 1))
+            i = j + 1
+        for hi, h in enumerate(heads):
+            for i, n in runs:
+                span = (n - 1) * nb[1] + ne[0] * dt.itemsize
+                raw = (ctypes.c_uint8 * (span + (-span) % dt.itemsize))()
+                self.ggml.lib.ggml_backend_tensor_get(t, raw, h * nb[2] + rows[i] * nb[1], span)
+                base = np.frombuffer(raw, dtype=dt)
+                out[hi, i:i + n] = np.lib.stride_tricks.as_strided(
+                    base, shape=(n, ne[0]), strides=(nb[1], dt.itemsize))
+        return self.widened(out[None], tname)
+
     def to_f32(self, t, g, tname):
         np = self.np
         nbytes = self.ggml.lib.ggml_nbytes(t)
         raw = (ctypes.c_uint8 * nbytes)()
         self.ggml.lib.ggml_backend_tensor_get(t, raw, 0, nbytes)
         buf = np.frombuffer(raw, dtype=np.uint8)
-        if tname == "f32":
-            dt = np.dtype("<f4")
-        elif tname == "f16":
-            dt = np.dtype("<f2")
-        elif tname == "bf16":
-            dt = np.dtype("<u2")
-        elif tname == "f64":
-            dt = np.dtype("<f8")
-        else:
-            raise ValueError(f"node {g.name.decode()} has type {tname}; only f32/f16/bf16/f64 "
-                             f"activations are supported")
+        dt = self.dtype(g, tname)
         ne = [int(x) for x in g.ne]
         nb = [int(x) for x in g.nb]
         # pad the byte buffer to a whole number of elements, then view it strided
@@ -394,17 +481,15 @@ class Capture:
             buf = np.concatenate([buf, np.zeros(pad, np.uint8)])
         base = buf.view(dt)
         arr = np.lib.stride_tricks.as_strided(base, shape=tuple(ne[::-1]), strides=tuple(nb[::-1]))
-        arr = np.ascontiguousarray(arr)
-        if tname == "bf16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-        return arr.astype(np.float32)
+        return self.widened(np.ascontiguousarray(arr), tname)
 
 
 # --------------------------------------------------------------------------
 # mapping llama.cpp nodes -> taps
 # --------------------------------------------------------------------------
-def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
-    """Return (taps, notes): taps maps (tap, layer|None) -> numpy array in canonical shape."""
+def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np, kq=(None, None)):
+    """Return (taps, notes): taps maps (tap, layer|None) -> numpy array in canonical shape;
+    kq_soft_max cut to kq's heads and rows (None: all), as the capture read it."""
     by_name = {}
     for name, op, tname, ne, arr in records:
         lst = by_name.setdefault(name, [])
@@ -503,10 +588,12 @@ def map_step(records, n_layer, n_head, n_head_kv, T, n_kv, np):
 
         occ = [o for o in nm("kq_soft_max") if o[0] == "SOFT_MAX"] or nm("kq_soft_max")
         if occ:
-            a = occ[0][3]  # numpy [1, n_head, T, n_kv_pad]
-            if a.shape[0] != 1 or a.shape[1] != n_head or a.shape[2] != T or a.shape[3] < n_kv:
+            a = occ[0][3]  # numpy [1, n_head, T, n_kv_pad], or the plan's heads and rows of it
+            nh = n_head if kq[0] is None else len(kq[0])
+            nt = T if kq[1] is None else len(kq[1])
+            if a.shape[0] != 1 or a.shape[1] != nh or a.shape[2] != nt or a.shape[3] < n_kv:
                 raise ValueError(f"kq_soft_max-{il}: unexpected numpy shape {a.shape} "
-                                 f"(want [1, {n_head}, {T}, >={n_kv}])")
+                                 f"(want [1, {nh}, {nt}, >={n_kv}])")
             rest = a[0, :, :, n_kv:]
             if rest.size and float(np.max(np.abs(rest))) > 0.0:
                 raise ValueError(f"kq_soft_max-{il}: columns past n_kv={n_kv} are not zero "
@@ -699,7 +786,9 @@ class StepChecks:
         self.r_op = 2e-5 if tight else 5e-3
         self.k_all, self.v_all = {}, {}   # layer -> list of per-step arrays (positions in order)
 
-    def step(self, s, taps, positions, rope, lg_api, act_node="ffn_swiglu"):
+    def step(self, s, taps, positions, rope, lg_api, act_node="ffn_swiglu", kq=(None, None)):
+        """kq: the heads and rows (indices within the step; None: all) kq_soft_max holds: its
+        checks are made on those alone."""
         np = self.np
         r_exact, r_op = self.r_exact, self.r_op
         rules = self.rules
@@ -764,25 +853,30 @@ class StepChecks:
                 self.v_all.setdefault(il, []).append(g("v"))
             P = g("kq_soft_max")
             if P is not None:
+                # the heads and rows P holds (a plan's kq_heads/kq_rows cut the rest away)
+                hs = slice(None) if kq[0] is None else list(kq[0])
+                rs = slice(None) if kq[1] is None else list(kq[1])
                 nkv = P.shape[-1]
                 self.ck.close(f"kq_soft_max rows sum to 1 s{s} L{il}", P.astype(np.float64).sum(-1),
                          np.ones(P.shape[:2]), r_op)
-                mask = np.arange(nkv)[None, :] > np.asarray(pos)[:, None]    # [T, n_kv]
+                pk = np.asarray(pos)[rs]                                      # P's rows' positions
+                mask = np.arange(nkv)[None, :] > pk[:, None]                  # [rows, n_kv]
                 # sliding window (llama_hparams::is_masked_swa, STANDARD): query p sees key j
                 # iff p - j < n_swa
                 swa = (rules["n_swa"] > 0 and il < len(rules["swa_layers"])
                        and rules["swa_layers"][il])
                 if swa:
-                    mask |= (np.asarray(pos)[:, None] - np.arange(nkv)[None, :]) >= rules["n_swa"]
+                    mask |= (pk[:, None] - np.arange(nkv)[None, :]) >= rules["n_swa"]
                 self.ck.close(f"kq_soft_max causal zeros s{s} L{il}", np.where(mask[None], P, 0.0),
                          np.zeros(P.shape), 0.0, atol=0.0)
                 q = g("q_rope")
                 if q is not None and il in self.k_all and sum(x.shape[0] for x in self.k_all[il]) == nkv:
                     K = np.concatenate(self.k_all[il]).astype(np.float64)        # [n_kv, n_kv_head, hd]
                     group = self.n_head // self.n_head_kv
-                    Kx = np.repeat(K, group, axis=1)                          # [n_kv, n_head, hd]
+                    Kx = np.repeat(K, group, axis=1)[:, hs]                   # [n_kv, heads, hd]
                     scale = rules["kq_scale"] or 1.0 / np.sqrt(q.shape[-1])
-                    sc = np.einsum("thd,jhd->htj", q.astype(np.float64), Kx) * scale
+                    qk = q[rs][:, hs].astype(np.float64)                          # [rows, heads, hd]
+                    sc = np.einsum("thd,jhd->htj", qk, Kx) * scale
                     if rules["attn_softcap"]:
                         cap = rules["attn_softcap"]
                         sc = cap * np.tanh(sc / cap)
@@ -796,8 +890,11 @@ class StepChecks:
                     V = np.concatenate(self.v_all[il]).astype(np.float64)
                     group = self.n_head // self.n_head_kv
                     Vx = np.repeat(V, group, axis=1)                          # [n_kv, n_head, hd]
-                    o = np.einsum("htj,jhd->thd", P.astype(np.float64), Vx)
-                    self.ck.close(f"kqv_out=P.V s{s} L{il}", g("kqv_out"), o.reshape(o.shape[0], -1), r_op)
+                    o = np.einsum("htj,jhd->thd", P.astype(np.float64), Vx[:, hs])
+                    kqv = g("kqv_out")
+                    kqv = kqv.reshape(kqv.shape[0], -1, Vx.shape[-1])[rs][:, hs]
+                    self.ck.close(f"kqv_out=P.V s{s} L{il}", kqv.reshape(kqv.shape[0], -1),
+                                  o.reshape(o.shape[0], -1), r_op)
             if g("l_out") is not None:
                 prev = g("l_out")
         lg = taps.get(("logits", None))
@@ -855,7 +952,9 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
     ap.add_argument("--record", default=None,
                     help="a recording plan parity has checked: taps=A,B (kept at every step; "
-                         "left out: all) and full=3,7-8 (steps kept whole)")
+                         "left out: all), full=3,7-8 (steps kept whole), kq_heads=0-3 and "
+                         "kq_rows=40-47 (kq_soft_max's heads and rows, by position, kept; "
+                         "left out: all)")
     ap.add_argument("--list-nodes", action="store_true",
                     help="print every graph node of the prefill and the first decode step "
                          "with the tap it maps to (stderr)")
@@ -902,6 +1001,12 @@ def main(argv=None):
         n_steps = args.steps or 0
     if args.no_bos and args.tokens:
         pass  # --tokens never adds BOS; --no-bos is implied
+    # The recording plan (`parity golden --record`, checked by parity): taps kept at every step,
+    # steps kept whole, kq_soft_max's heads and rows (by position) kept.
+    try:
+        plan_taps, plan_full, plan_kq_heads, plan_kq_rows = parse_plan(args.record)
+    except ValueError as e:
+        die(f"--record: {e}")
 
     if not os.path.isfile(args.model):
         die(f"model file not found: {args.model}")
@@ -1041,18 +1146,6 @@ def main(argv=None):
             [(t, None) for t in GLOBAL_LAST]
     tensors = []
     nbytes_total = 0
-    # The recording plan (`parity golden --record`, checked by parity): taps kept at every step,
-    # steps kept whole.
-    plan_taps, plan_full = None, []
-    for part in (args.record or "").split(";"):
-        key, _, value = part.partition("=")
-        if key.strip() == "taps" and "all" not in value.split(","):
-            plan_taps = {t.strip() for t in value.split(",")}
-        elif key.strip() == "full":
-            for item in filter(None, (i.strip() for i in value.split(","))):
-                lo, _, hi = item.partition("-")
-                plan_full.append((int(lo), int(hi or lo)))
-
     def plan_wants(s, tap):
         return plan_taps is None or tap in plan_taps or any(a <= s <= b for a, b in plan_full)
 
@@ -1070,9 +1163,10 @@ def main(argv=None):
             keep |= TAP_NODES.get(tap, set())
         return keep
 
-    def write_step(s, taps):
+    def write_step(s, taps, positions, kq):
         """Each step goes to disk as soon as it is recorded: memory stays one step's taps (and
-        the K/V the attention checks need), whatever the number of steps."""
+        the K/V the attention checks need), whatever the number of steps. kq_soft_max is cut
+        already (kq: its heads and row indices); its entry lists them under a plan that cuts."""
         nonlocal nbytes_total
         os.makedirs(os.path.join(staging, f"s{s:03}"), exist_ok=True)
         for tap, il in order:
@@ -1083,12 +1177,19 @@ def main(argv=None):
             rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"
             np.save(os.path.join(staging, rel), a, allow_pickle=False)
             nbytes_total += a.nbytes
-            tensors.append({"step": s, "tap": tap, "layer": il, "file": rel,
-                            "shape": list(a.shape), "dtype": "<f4"})
+            e = {"step": s, "tap": tap, "layer": il, "file": rel, "shape": list(a.shape),
+                 "dtype": "<f4"}
+            if tap == "kq_soft_max" and plan_kq_heads is not None:
+                e["heads"] = list(kq[0])
+            if tap == "kq_soft_max" and plan_kq_rows is not None:
+                e["rows"] = [positions[i] for i in kq[1]]
+            tensors.append(e)
     listing = []
 
     def decode(tokens, pos0, step):
         nt = len(tokens)
+        positions = list(range(pos0, pos0 + nt))
+        kq = kq_cut(plan_kq_heads, plan_kq_rows, positions, n_head)
         batch = L.llama_batch_init(nt, 0, 1)
         try:
             batch.n_tokens = nt
@@ -1098,7 +1199,7 @@ def main(argv=None):
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
                 batch.logits[i] = 1
-            capture.reset(nodes_kept(step))
+            capture.reset(nodes_kept(step), kq)
             rc = L.llama_decode(ctx, batch)
         finally:
             L.llama_batch_free(batch)
@@ -1109,7 +1210,8 @@ def main(argv=None):
         lp = L.llama_get_logits(ctx)
         lg = np.ctypeslib.as_array(lp, shape=(nt * n_vocab,)).reshape(nt, n_vocab).copy()
         n_kv = pos0 + nt
-        taps, notes, source = map_step(capture.records, n_layer, n_head, n_head_kv, nt, n_kv, np)
+        taps, notes, source = map_step(capture.records, n_layer, n_head, n_head_kv, nt, n_kv, np,
+                                       kq)
         all_notes.update(notes)
         for given, real in capture.synthetic_src.items():
             how = ("MUL_MAT consuming result_norm" if given == "logits_uncapped" else
@@ -1119,12 +1221,11 @@ def main(argv=None):
             all_notes[given] = f"unnamed node {real!r} ({how}) taken as {given}"
         if args.list_nodes and step <= 1:
             listing.append((step, list(capture.seen), source, dict(capture.synthetic_src)))
-        positions = list(range(pos0, pos0 + nt))
         if checks is not None:
             checks.step(step, taps, positions, dict(capture.rope_params), lg,
-                         notes.get("ffn_act", "ffn_swiglu"))
+                         notes.get("ffn_act", "ffn_swiglu"), kq)
         try:
-            write_step(step, taps)
+            write_step(step, taps, positions, kq)
         except OSError as e:
             die(f"--out {out}: writing step {step} failed: {e.strerror or e}")
         steps_pos.append(positions)

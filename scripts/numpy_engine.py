@@ -567,8 +567,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
     ap.add_argument("--record", help="a recording plan, as parity diff prints it for a zoom "
-                                     "(taps=l_out,result_norm,logits;full=3); default: "
-                                     "PARITY_RECORD, which the parity_trace writer reads")
+                                     "(taps=l_out,result_norm,logits;full=3; kq_heads=0-1 and "
+                                     "kq_rows=20-23 cut kq_soft_max to those heads and rows); "
+                                     "default: PARITY_RECORD, which the parity_trace writer reads")
     ap.add_argument("--rounding", default="none",
                     choices=ROUNDINGS)
     ap.add_argument("--prefill-rounding", choices=ROUNDINGS,

@@ -298,7 +298,10 @@ fn the_size_estimate_counts_the_cut() {
     let o = run("whole", "taps=kq_soft_max");
     assert_eq!(o.status.code(), Some(2), "{}", show(&o));
     let e = String::from_utf8_lossy(&o.stderr);
-    let e = e.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+    let e = e
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default();
     assert!(
         e.contains("over the budget of 200 kB: raise it with --max-trace-size")
             && e.contains("or keep kq_soft_max for some rows or heads alone"),

@@ -19,6 +19,12 @@ arrays, torch tensors (any device, any float dtype, with or without grad) and ml
 are accepted; torch and mlx are never imported unless such an array is given. The same checks as
 parity's Rust TraceWriter refuse a wrong name, layer, shape or a repeated tap.
 
+A recording plan (`record=`, else PARITY_RECORD: `taps=l_out,logits;full=3;kq_heads=0-1;
+kq_rows=40-47`) is honoured without a change to the engine: taps it leaves out are dropped, and
+kq_soft_max, handed over whole, is stored cut to the plan's heads and rows (rows named by
+position; its manifest entry lists them as "heads" and "rows"), or not at all at a step that
+keeps none of them.
+
 Submodules: `parity_trace.hf` (forward hooks for a Hugging Face `transformers` Llama model, which
 imports torch and transformers only when used) and `parity_trace.testing`
 (`assert_trace_matches(golden, trace)`: `parity diff` as a pytest assertion).
@@ -33,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import zipfile
 
@@ -92,13 +99,60 @@ def _shown(text):
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:60])
 
 
+# The plan's lists of numbers (`full`, `kq_heads`, `kq_rows`): what an item of each names.
+_LISTS = {"full": "a step number", "kq_heads": "a head number", "kq_rows": "a position"}
+_PARTS = "taps=…;full=…;kq_heads=…;kq_rows=…"
+# Bounds of a plan's lists, as parity's: the largest number an item may name (a position or
+# layer index a manifest may hold) and the most items a list may have.
+_MAX_NUMBER, _MAX_ITEMS = 1 << 24, 4096
+
+
+def _ranges(key, value):
+    """`3,7-8` as merged inclusive ranges [(a, b), ...] in increasing order; a bad item raises
+    TraceError naming `key`."""
+    what = _LISTS[key]
+    ranges = []
+    for item in (i.strip() for i in value.split(",")):
+        if not item:
+            continue
+        if len(ranges) == _MAX_ITEMS:
+            raise TraceError(f"{key}: more than {_MAX_ITEMS} items")
+        ends = [e.strip() for e in item.split("-", 1)]
+        for e in ends:
+            if not re.fullmatch(r"[0-9]{1,9}", e) or int(e) > _MAX_NUMBER:
+                raise TraceError(f"{key}: '{_shown(e)}' is not {what} or a range a-b")
+        a, b = int(ends[0]), int(ends[-1])
+        if a > b:
+            raise TraceError(f"{key}: the range {a}-{b} runs backwards")
+        ranges.append((a, b))
+    return _merged(ranges)
+
+
+def _merged(ranges):
+    merged = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _printed(ranges):
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _merged(ranges))
+
+
 class Record:
-    """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8`: the taps kept at every step
-    (a scan; left out: all) and the steps kept whole. The same grammar as parity's (the Rust
-    crate's `parity_trace::Record`); a bad plan raises TraceError, one line naming its part."""
+    """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8;kq_heads=0-3;kq_rows=40-47`:
+    the taps kept at every step (a scan; left out: all), the steps kept whole, and the heads and
+    rows (by position) of kq_soft_max kept wherever it is kept (left out: all). The same grammar
+    as parity's (the Rust crate's `parity_trace::Record`); a bad plan raises TraceError, one line
+    naming its part."""
 
     def __init__(self, line):
         self.taps, self.full = None, []
+        # kq_soft_max's heads and rows (positions) kept, as merged ranges; None: all of them.
+        self.kq_heads = self.kq_rows = None
         seen = set()
         for part in (p.strip() for p in line.split(";")):
             if not part:
@@ -106,8 +160,8 @@ class Record:
             if "=" not in part:
                 raise TraceError(f"'{_shown(part)}' is not key=value (taps=l_out,logits;full=3)")
             key, value = (x.strip() for x in part.split("=", 1))
-            if key not in ("taps", "full"):
-                raise TraceError(f"unknown part '{_shown(key)}' (taps=...;full=...)")
+            if key not in ("taps", "full", "kq_heads", "kq_rows"):
+                raise TraceError(f"unknown part '{_shown(key)}' ({_PARTS})")
             if key in seen:
                 raise TraceError(f"'{key}' is given twice")
             seen.add(key)
@@ -121,18 +175,13 @@ class Record:
                         raise TraceError(f"taps: unknown tap '{_shown(n)}' (docs/trace-format.md "
                                          "lists them)")
                 self.taps = set(names)
+            elif key == "full":
+                self.full = _ranges(key, value)
             else:
-                for item in (i.strip() for i in value.split(",")):
-                    if not item:
-                        continue
-                    ends = item.split("-", 1)
-                    if not all(e.strip().isdigit() for e in ends):
-                        raise TraceError(f"full: '{_shown(item)}' is not a step number or a range a-b")
-                    a, b = int(ends[0]), int(ends[-1])
-                    if a > b:
-                        raise TraceError(f"full: the range {a}-{b} runs backwards")
-                    self.full.append((a, b))
-        self.full.sort()
+                ranges = _ranges(key, value)
+                if not ranges:
+                    raise TraceError(f"{key}: no {_LISTS[key][2:]} given")
+                setattr(self, key, ranges)
 
     @classmethod
     def from_env(cls):
@@ -149,19 +198,34 @@ class Record:
         return any(a <= step <= b for a, b in self.full)
 
     def wants(self, step, tap):
-        """Whether `tap` is kept at `step`."""
+        """Whether `tap` is kept at `step` (kq_soft_max: some of it, see kq_cut)."""
         return self.full_step(step) or self.taps is None or tap in self.taps
+
+    def cuts(self):
+        """Whether the plan keeps only some heads or rows of kq_soft_max."""
+        return self.kq_heads is not None or self.kq_rows is not None
+
+    def kq_cut(self, positions, n_head):
+        """What a step of these `positions` keeps of a kq_soft_max of `n_head` heads: (heads,
+        rows), the head numbers and the row indices within the step (i where positions[i] is
+        in kq_rows), increasing; each None where the plan keeps every one. An empty list: the
+        step keeps none of it (no file, no manifest entry)."""
+        heads = rows = None
+        if self.kq_heads is not None:
+            heads = [h for h in range(n_head) if any(a <= h <= b for a, b in self.kq_heads)]
+        if self.kq_rows is not None:
+            rows = [i for i, p in enumerate(positions)
+                    if any(a <= p <= b for a, b in self.kq_rows)]
+        return heads, rows
 
     def __str__(self):
         taps = "all" if self.taps is None else ",".join(t for t in TAPS if t in self.taps)
-        merged = []
-        for a, b in self.full:
-            if merged and a <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-            else:
-                merged.append((a, b))
-        full = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in merged)
-        return f"taps={taps}" + (f";full={full}" if full else "")
+        line = f"taps={taps}"
+        for key in ("full", "kq_heads", "kq_rows"):
+            ranges = getattr(self, key)
+            if ranges:
+                line += f";{key}={_printed(ranges)}"
+        return line
 
 
 class TraceWriter:
@@ -174,7 +238,9 @@ class TraceWriter:
         (docs/diagnosis.md, "Layouts"), e.g. {"q_rope": "head-major"}.
         record: a recording plan (a Record or its line; default: PARITY_RECORD, if set): taps
         it leaves out are accepted by tap() and not stored, so an engine honours the zoom
-        `parity diff` asks for without a change; wants(name) lets it skip computing them."""
+        `parity diff` asks for without a change; wants(name) lets it skip computing them. Its
+        kq_heads/kq_rows cut kq_soft_max (given whole, head-major or declared token-major)
+        to those heads and rows."""
         if isinstance(record, str):
             record = Record(record)
         self.record = record if record is not None else Record.from_env()
@@ -212,7 +278,12 @@ class TraceWriter:
         """Whether the current step keeps tap `name` under the recording plan."""
         if self.record is None or not self.steps:
             return True
-        return self.record.wants(self.steps[-1]["step"], name)
+        s = self.steps[-1]
+        if name == "kq_soft_max" and self.record.kq_rows is not None:
+            # no row of this step kept: kq_soft_max is not written here
+            if not self.record.kq_cut(s["positions"], 0)[1]:
+                return False
+        return self.record.wants(s["step"], name)
 
     @staticmethod
     def _layout_axis(name, layout):
@@ -273,6 +344,11 @@ class TraceWriter:
         if key in self.seen:
             raise TraceError(f"{name} (layer {layer}, step {s['step']}) recorded twice")
         self.seen.add(key)
+        cut = {}
+        if name == "kq_soft_max" and self.record is not None and self.record.cuts():
+            a, cut = self._kq_cut(a, layer, layout)
+            if a is None:
+                return  # none of its heads or rows kept at this step
         file = f"s{s['step']:03}/{name}.npy" if layer is None else f"s{s['step']:03}/{name}-{layer}.npy"
         a = np.ascontiguousarray(a, dtype="<f4")
         if self._zip is not None:
@@ -283,7 +359,35 @@ class TraceWriter:
             os.makedirs(os.path.join(self.out, os.path.dirname(file)), exist_ok=True)
             np.save(os.path.join(self.out, file), a)
         self.tensors.append({"step": s["step"], "tap": name, "layer": layer, "file": file,
-                             "shape": list(a.shape), "dtype": "<f4"})
+                             "shape": list(a.shape), "dtype": "<f4", **cut})
+
+    def _kq_cut(self, a, layer, layout):
+        """kq_soft_max `a` (the step's whole tensor, stored in `layout`) cut to the plan's heads
+        and rows: (the array, the entry's "heads"/"rows"), or (None, {}) when it keeps none."""
+        s = self.steps[-1]
+        if layout in (None, "head-major"):
+            head_axis, row_axis = 0, 1
+        elif layout == "token-major":
+            head_axis, row_axis = 1, 0
+        else:
+            raise TraceError(f"kq_soft_max (layer {layer}, step {s['step']}): the plan's "
+                             f"kq_heads/kq_rows cut a head-major or token-major tensor, not "
+                             f"{layout}")
+        if a.ndim != 3:
+            raise TraceError(f"kq_soft_max (layer {layer}, step {s['step']}): shape "
+                             f"{list(a.shape)} is not [n_head, T, n_kv] (or token-major "
+                             "[T, n_head, n_kv]): the plan's kq_heads/kq_rows cannot cut it")
+        heads, rows = self.record.kq_cut(s["positions"], a.shape[head_axis])
+        if heads == [] or rows == []:
+            return None, {}
+        cut = {}
+        if heads is not None:
+            a = np.take(a, heads, axis=head_axis)
+            cut["heads"] = heads
+        if rows is not None:
+            a = np.take(a, rows, axis=row_axis)
+            cut["rows"] = [s["positions"][i] for i in rows]
+        return a, cut
 
     def finish(self):
         """Write manifest.json; returns the manifest as a dict."""
@@ -317,11 +421,30 @@ def copy_trace(golden, out):
     `parity diff GOLDEN OUT` then says parity, bit-identical. Returns the writer."""
     with open(os.path.join(golden, "manifest.json")) as f:
         m = json.load(f)
-    w = TraceWriter(out, sha256=m["model"]["sha256"], engine="copy", backend="numpy")
+    w = TraceWriter(out, sha256=m["model"]["sha256"], engine="copy", backend="numpy",
+                    layouts=m.get("layouts"), record=m.get("record"))
     w.model["path"] = m["model"]["path"]
     for s in m["steps"]:
         w.step(s["tokens"], s["positions"])
         for t in (t for t in m["tensors"] if t["step"] == s["step"]):
-            w.tap(t["layer"], t["tap"], np.load(os.path.join(golden, t["file"])))
+            a = np.load(os.path.join(golden, t["file"]))
+            if "heads" in t or "rows" in t:
+                a = _uncut(a, t, s["positions"], (m.get("layouts") or {}).get(t["tap"]))
+            w.tap(t["layer"], t["tap"], a)
     w.finish()
     return w
+
+
+def _uncut(a, entry, positions, layout):
+    """A cut kq_soft_max put back in a whole step's shape (zeros where nothing was kept), so
+    that the writer, cutting it to the same plan, stores the same values."""
+    token_major = layout == "token-major"
+    head_axis, row_axis = (1, 0) if token_major else (0, 1)
+    heads = entry.get("heads", range(a.shape[head_axis]))
+    rows = [positions.index(p) for p in entry["rows"]] if "rows" in entry else range(len(positions))
+    shape = [0, 0, a.shape[2]]
+    shape[head_axis], shape[row_axis] = (max(heads) + 1 if len(heads) else 0), len(positions)
+    whole = np.zeros(shape, np.float32)
+    ix = np.ix_(list(rows), list(heads)) if token_major else np.ix_(list(heads), list(rows))
+    whole[ix] = a
+    return whole
