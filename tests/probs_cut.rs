@@ -338,7 +338,8 @@ fn a_manifest_whose_cut_does_not_hold_is_refused_in_one_line() {
         .iter()
         .position(|t| t["tap"] == "l_out")
         .unwrap();
-    let cases: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>, &str)> = vec![
+    type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "on l_out",
             Box::new(move |m| m["tensors"][l_out]["rows"] = serde_json::json!([0])),
