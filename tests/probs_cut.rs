@@ -382,3 +382,78 @@ fn a_manifest_whose_cut_does_not_hold_is_refused_in_one_line() {
         );
     }
 }
+
+/// An engine out of process (the numpy engine, through the Python kit) follows a scan's zoom
+/// of a long step against a real llama.cpp golden: the zoom asks for `kq_soft_max` at the 16
+/// rows from the first position out, the engine records to that plan, and the judge measures
+/// what the attention read there (a cache read 60 slots early for keys 60..70, from position
+/// 80 on) from the rows kept.
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn an_engine_follows_a_long_step_s_zoom_and_its_read_is_measured_from_the_kept_rows() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let g = tmp.path().join("golden");
+    let ids = long_prompt();
+    let o = parity(&[
+        "golden",
+        MODEL,
+        "--tokens",
+        &ids,
+        "--steps",
+        "2",
+        "--out",
+        path(&g),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    const READ: &str = "j - 60 if (i >= 80 and j >= 60 and j < 70) else j";
+    let engine = |out: &Path, plan: &str| {
+        numpy_engine_trace(
+            &py,
+            MODEL,
+            &g,
+            out,
+            None,
+            &["--taps", "all", "--record", plan, "--kv-read", READ],
+        );
+    };
+    let scan = tmp.path().join("scan");
+    engine(&scan, "taps=l_out,result_norm,logits");
+    let (code, j) = diffed(&g, &scan);
+    assert_eq!(code, Some(1), "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(d["position"]["position"], 80, "{d:#}");
+    let plan = d["zoom"]["record"].as_str().unwrap().to_string();
+    assert_eq!(plan, "taps=l_out,result_norm,logits;full=0;kq_rows=80-95");
+
+    let zoom = tmp.path().join("zoom");
+    engine(&zoom, &plan);
+    assert!(
+        probs(&zoom)
+            .iter()
+            .all(|(s, _, shape, _, _)| *s == 0 && shape[1] == 16),
+        "{:?}",
+        probs(&zoom)
+    );
+    let (code, j) = diffed(&g, &zoom);
+    assert_eq!(code, Some(1), "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "kq_soft_max"}),
+        "{d:#}"
+    );
+    assert_eq!(d["position"]["position"], 80, "{d:#}");
+    let text = d["diagnosis"].as_str().unwrap();
+    assert!(
+        text.contains("measured: the attention at position 80 read")
+            && text.contains("60→position 0's key")
+            && text.contains("each of those columns held the key 60 positions earlier"),
+        "{text}"
+    );
+}
