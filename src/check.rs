@@ -242,8 +242,8 @@ fn whole_steps(g: &Trace) -> Vec<usize> {
         .collect()
 }
 
-/// An op-by-op trace against a scan golden keeps only the steps the golden has whole: at the
-/// others its taps are spans of ops computed from the golden's, not ops.
+/// An op-by-op trace against a scan golden keeps only the steps (and at them the layers) the
+/// golden has whole: elsewhere its taps are spans of ops computed from the golden's, not ops.
 fn op_by_op_steps(
     plan: &Plan,
     tensors: std::collections::BTreeMap<TapKey, ndarray::ArrayD<f32>>,
@@ -251,7 +251,7 @@ fn op_by_op_steps(
     match &plan.record {
         Some(r) => tensors
             .into_iter()
-            .filter(|(k, _)| r.full_step(k.step))
+            .filter(|(k, _)| r.whole_at(k.step, k.layer))
             .collect(),
         None => tensors,
     }
@@ -457,13 +457,19 @@ pub fn zoom(r: &CheckReport) -> Option<crate::trace::Zoom> {
             .filter(|j| j.against_golden && j.comparison.diverged())
     };
     let step = diverged().filter_map(|j| first_step(&j.comparison)).min()?;
-    // The first position out there (a long step keeps the probabilities' rows from it on).
-    let at = diverged()
-        .filter_map(|j| j.comparison.first_divergence.as_ref())
-        .filter(|d| d.at.key.step == step)
+    // The first position and layer out there (a long step keeps the probabilities' rows from
+    // that position on, and its layers up to that one: an error carried end to end may first
+    // cross its threshold layers after the op at fault).
+    let firsts = || {
+        diverged()
+            .filter_map(|j| j.comparison.first_divergence.as_ref())
+            .filter(|d| d.at.key.step == step)
+    };
+    let at = firsts()
         .filter_map(|d| d.position.as_ref().map(|p| p.position))
         .min();
-    crate::judge::zoom::step(g, step, at)
+    let upto = firsts().map(|d| d.at.key.layer).min().flatten();
+    crate::judge::zoom::step(g, step, at, upto.map(|l| 0..=l))
 }
 
 /// The first step at which `c` diverged: a tap out of its threshold, an id that differs, or
@@ -729,7 +735,11 @@ fn plan<'m>(
     let (bytes, probs) = crate::arch::size::trace_bytes(
         &model.config,
         &run,
-        &|k| record.as_ref().is_none_or(|r| r.wants(k.step, k.tap)),
+        &|k| {
+            record
+                .as_ref()
+                .is_none_or(|r| r.keeps(k.step, k.layer, k.tap))
+        },
         record.as_ref(),
     );
     if let Some(msg) = crate::arch::size::over_budget(

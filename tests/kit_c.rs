@@ -661,6 +661,220 @@ fn parity_diff_judges_a_c_trace_with_a_cut_kq_soft_max() {
     assert_eq!(d["position"]["position"], 13, "{d:#}");
 }
 
+/// A plan's `layers` part narrows its full steps to those layers (the header does it; the toy
+/// engine has no code for it): under `taps=l_out,logits;full=0;layers=1` step 0 keeps every
+/// tap of layer 1, `l_out` of every layer and the graph-wide taps, the other steps `l_out` and
+/// `logits` alone, each file the whole run's; the manifest keeps the plan as parity prints it.
+/// `pt_wants_layer` answers the same rule, `pt_wants` whether a tap is kept at any layer.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_keeps_every_tap_of_the_plans_layers_at_its_full_steps() {
+    const PLAN: &str = "taps=l_out,logits;full=0;layers=1";
+    const GRAPH_WIDE: [&str; 5] = [
+        "embd",
+        "embd_scaled",
+        "result_norm",
+        "logits_uncapped",
+        "logits",
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let whole = tmp.path().join("whole");
+    let o = toy_to_plan(&toy, &whole, None, None);
+    assert!(o.status.success(), "{}", show(&o));
+    let wm = manifest_of(&whole);
+    let planned = tmp.path().join("planned");
+    let o = toy_to_plan(&toy, &planned, Some(PLAN), None);
+    assert!(o.status.success(), "{}", show(&o));
+    let pm = manifest_of(&planned);
+    assert_eq!(pm["record"], PLAN);
+
+    let kept = |t: &serde_json::Value| -> bool {
+        let tap = t["tap"].as_str().unwrap();
+        if tap == "l_out" || tap == "logits" {
+            return true;
+        }
+        t["step"] == 0 && (t["layer"].is_null() || t["layer"] == 1)
+    };
+    let wanted: Vec<serde_json::Value> = wm["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| kept(t))
+        .cloned()
+        .collect();
+    // Every tap of layer 1 at step 0 (16) plus layer 0's l_out and the three graph-wide taps
+    // the toy writes; l_out of both layers and logits at each of the four decode steps.
+    assert_eq!(wanted.len(), 16 + 1 + 3 + 4 * 3);
+    assert_eq!(
+        pm["tensors"].as_array().unwrap(),
+        &wanted,
+        "the entries kept are the whole run's, in its order"
+    );
+    for t in &wanted {
+        if t["layer"].is_null() {
+            assert!(GRAPH_WIDE.contains(&t["tap"].as_str().unwrap()), "{t}");
+        }
+        let file = t["file"].as_str().unwrap();
+        assert_eq!(
+            read_npy(&planned.join(file)),
+            read_npy(&whole.join(file)),
+            "{file}"
+        );
+    }
+    assert_eq!(npy_files(&planned).len(), wanted.len());
+
+    // Printed as parity prints a plan: parts in order, the list merged.
+    let canon = tmp.path().join("canon");
+    let o = toy_to_plan(
+        &toy,
+        &canon,
+        Some(" kq_rows=3 ; layers = 1-1, 0 ;full=0;taps=logits,l_out"),
+        None,
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        manifest_of(&canon)["record"],
+        "taps=l_out,logits;full=0;layers=0-1;kq_rows=3"
+    );
+
+    // The header's own answers, before a step, at a full step and at another.
+    let src = tmp.path().join("wants.c");
+    std::fs::write(
+        &src,
+        r#"#define PARITY_TRACE_IMPLEMENTATION
+#include "parity_trace.h"
+#include <stdio.h>
+
+int main(int argc, char **argv) {
+    uint32_t ids[2] = {1, 2};
+    size_t pos[3] = {0, 1, 2};
+    pt_writer *w = pt_create(argc > 1 ? argv[1] : "t", NULL, NULL, "wants", "cpu");
+    if (!w || pt_error(w) || pt_set_record(w, "taps=l_out,logits;full=0;layers=1")) return 1;
+    printf("before %d%d\n", pt_wants(w, "q"), pt_wants_layer(w, "q", 0));
+    if (pt_step(w, ids, pos, 2)) return 1;
+    printf("full q:%d%d%d%d l_out:%d%d embd:%d%d nope:%d\n", pt_wants(w, "q"),
+           pt_wants_layer(w, "q", -1), pt_wants_layer(w, "q", 0), pt_wants_layer(w, "q", 1),
+           pt_wants_layer(w, "l_out", 0), pt_wants_layer(w, "l_out", 7), pt_wants(w, "embd"),
+           pt_wants_layer(w, "embd", -1), pt_wants_layer(w, "nope", 0));
+    if (pt_step(w, ids, pos + 2, 1)) return 1;
+    printf("next q:%d%d%d l_out:%d%d embd:%d logits:%d\n", pt_wants(w, "q"),
+           pt_wants_layer(w, "q", 0), pt_wants_layer(w, "q", 1), pt_wants(w, "l_out"),
+           pt_wants_layer(w, "l_out", 0), pt_wants(w, "embd"), pt_wants_layer(w, "logits", -1));
+    pt_abort(w);
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let exe = build(tmp.path(), "cc", C99, src.to_str().unwrap(), "wants");
+    let o = run(&exe, &[&tmp.path().join("wants-trace")]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        stdout(&o),
+        "before 11\n\
+         full q:1101 l_out:11 embd:11 nope:1\n\
+         next q:000 l_out:11 embd:0 logits:1\n"
+    );
+    assert!(!tmp.path().join("wants-trace").exists());
+}
+
+/// A bad `layers` part stops the engine at pt_create with one line naming it, and nothing is
+/// written.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn c_header_refuses_a_bad_layers_part_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    for (bad, says) in [
+        (
+            "taps=l_out;full=0;layers=x",
+            "PARITY_RECORD: layers: 'x' is not a layer number or a range a-b",
+        ),
+        (
+            "full=0;layers=5-2",
+            "PARITY_RECORD: layers: the range 5-2 runs backwards",
+        ),
+        (
+            "full=0;layers=",
+            "PARITY_RECORD: layers: no layer number given",
+        ),
+        (
+            "layers=1;layers=2",
+            "PARITY_RECORD: 'layers' is given twice",
+        ),
+        (
+            "layer=1",
+            "PARITY_RECORD: unknown part 'layer' (taps=...;full=...;layers=...;",
+        ),
+    ] {
+        let out = tmp.path().join("bad");
+        let o = toy_to_plan(&toy, &out, Some(bad), None);
+        assert!(!o.status.success(), "{bad}: {}", show(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "{bad}: {err}");
+        assert!(err.contains(says), "{bad}: {err}");
+        assert!(!out.exists(), "{bad}");
+    }
+}
+
+/// `parity diff` reads a trace zoomed to one layer: the clean toy's is at parity, and the
+/// attention output added twice (in every layer) is found at step 0 in layer 0's `l_out`,
+/// judged as a span of the ops the trace has no taps inside, and named there by experiment.
+#[test]
+#[cfg_attr(
+    not(parity_cc),
+    ignore = "needs a C compiler and a C++ compiler as `cc` and `c++` (then touch build.rs)"
+)]
+fn parity_diff_judges_a_c_trace_zoomed_to_one_layer() {
+    const PLAN: &str = "taps=l_out,logits;full=0;layers=1";
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let diff = |out: &Path| {
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-f32",
+            out.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        let j: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+        (o.status.code(), j)
+    };
+
+    let clean = tmp.path().join("clean");
+    let o = toy_to_plan(&toy, &clean, Some(PLAN), None);
+    assert!(o.status.success(), "{}", show(&o));
+    let (code, j) = diff(&clean);
+    assert_eq!(code, Some(0), "{j:#}");
+    assert_eq!(j["verdict"], "parity", "{j:#}");
+
+    let bug = tmp.path().join("bug");
+    let o = toy_to_plan(&toy, &bug, Some(PLAN), Some("attn-out-twice"));
+    assert!(o.status.success(), "{}", show(&o));
+    let (code, j) = diff(&bug);
+    assert_eq!(code, Some(1), "{j:#}");
+    assert_eq!(j["verdict"], "diverged", "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 0, "tap": "l_out"}),
+        "{d:#}"
+    );
+    let why = d["diagnosis"].as_str().unwrap();
+    assert!(
+        why.contains("confirmed by experiment: attn-out-twice reproduces your l_out"),
+        "{why}"
+    );
+}
+
 /// Values no catalog lists, planted as a hobby engine gets them wrong (eps 1e-3, RoPE base
 /// 20000, scores divided by head_dim or not scaled): parity fits each and names it with its
 /// value, at its op in a full dump and at layer 0's l_out span in a sparse one.

@@ -103,14 +103,14 @@ fn a_long_step_s_zoom_keeps_the_rows_from_its_first_position_and_names_the_bug_t
     assert_eq!(d["position"]["position"], 70, "{d:#}");
     let plan = d["zoom"]["record"].as_str().unwrap().to_string();
     assert_eq!(
-        plan, "taps=l_out,result_norm,logits;full=0;kq_rows=70-85",
+        plan, "taps=l_out,result_norm,logits;full=0;layers=0;kq_rows=70-85",
         "{d:#}"
     );
     assert!(
         d["diagnosis"]
             .as_str()
             .unwrap()
-            .contains("record step 0 whole (kq_soft_max for positions 70-85 only)"),
+            .contains("record step 0 whole (layer 0 alone; kq_soft_max for positions 70-85 only)"),
         "{d:#}"
     );
 
@@ -121,7 +121,7 @@ fn a_long_step_s_zoom_keeps_the_rows_from_its_first_position_and_names_the_bug_t
         &["--mutate", "kv-ring-wrap=70", "--record", &plan],
     );
     let cut = probs(&zoom);
-    assert_eq!(cut.len(), 2, "one per layer, step 0 alone: {cut:?}");
+    assert_eq!(cut.len(), 1, "layer 0 of step 0 alone: {cut:?}");
     let rows: Vec<u64> = (70..86).collect();
     for (step, _, shape, heads, r) in &cut {
         assert_eq!(*step, 0);
@@ -148,6 +148,59 @@ fn a_long_step_s_zoom_keeps_the_rows_from_its_first_position_and_names_the_bug_t
     assert!(
         d.get("zoom").is_none_or(|z| z.is_null()),
         "asked again: {d:#}"
+    );
+
+    // The ring in layer 1 alone: the scan flags layer 1's l_out, and the zoom keeps that
+    // layer whole (the others' l_out as scanned), its probabilities from the scan's position.
+    let bug = ["--mutate", "kv-ring-wrap=70", "--mutate-from-layer", "1"];
+    let scan = tmp.path().join("scan1");
+    dump(
+        &scan,
+        Some(&g),
+        &[&bug[..], &["--record", "taps=l_out,result_norm,logits"]].concat(),
+    );
+    let (code, j) = diffed(&g, &scan);
+    assert_eq!(code, Some(1), "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(d["at"]["key"]["layer"], 1, "{d:#}");
+    // (Rows 70 and 71 of layer 1's output move by less than its floor: 72 first shows.)
+    let p = d["position"]["position"].as_u64().unwrap();
+    assert!((70..=72).contains(&p), "{d:#}");
+    let plan = d["zoom"]["record"].as_str().unwrap().to_string();
+    assert_eq!(
+        plan,
+        format!(
+            "taps=l_out,result_norm,logits;full=0;layers=1;kq_rows={p}-{}",
+            p + 15
+        )
+    );
+    let zoom = tmp.path().join("zoom1");
+    dump(&zoom, Some(&g), &[&bug[..], &["--record", &plan]].concat());
+    let m = manifest(&zoom);
+    for t in m["tensors"].as_array().unwrap() {
+        let (tap, layer) = (t["tap"].as_str().unwrap(), &t["layer"]);
+        let scanned = ["l_out", "result_norm", "logits"].contains(&tap);
+        assert!(
+            scanned || (t["step"] == 0 && (layer.is_null() || *layer == 1)),
+            "kept outside layer 1 of step 0: {t}"
+        );
+    }
+    let (code, j) = diffed(&g, &zoom);
+    assert_eq!(code, Some(1), "{j:#}");
+    let d = &own_inputs(&j)["first_divergence"];
+    assert_eq!(
+        d["at"]["key"],
+        serde_json::json!({"step": 0, "layer": 1, "tap": "kq_soft_max"}),
+        "{d:#}"
+    );
+    // Rows before the kept ones read through the attention output after them.
+    assert_eq!(d["position"]["position"], 70, "{d:#}");
+    assert!(
+        d["diagnosis"]
+            .as_str()
+            .unwrap()
+            .contains("confirmed by experiment: kv-ring-wrap reproduces your kq_soft_max"),
+        "{d:#}"
     );
 }
 
@@ -429,7 +482,10 @@ fn an_engine_follows_a_long_step_s_zoom_and_its_read_is_measured_from_the_kept_r
     let d = &own_inputs(&j)["first_divergence"];
     assert_eq!(d["position"]["position"], 80, "{d:#}");
     let plan = d["zoom"]["record"].as_str().unwrap().to_string();
-    assert_eq!(plan, "taps=l_out,result_norm,logits;full=0;kq_rows=80-95");
+    assert_eq!(
+        plan,
+        "taps=l_out,result_norm,logits;full=0;layers=0;kq_rows=80-95"
+    );
 
     let zoom = tmp.path().join("zoom");
     engine(&zoom, &plan);

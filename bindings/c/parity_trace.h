@@ -95,18 +95,27 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
  * step 3; a tap the plan leaves out is accepted by pt_tap and not written. pt_create starts
  * with the plan in the environment variable PARITY_RECORD, if set (a bad one fails pt_create).
  * NULL or "" records every tap. Returns -1 (pt_error says why) on a bad plan.
+ * "layers=5" narrows the full steps: there a per-layer tap that taps= leaves out is kept only
+ * at those layers (graph-wide taps and the taps listed in taps= are kept as before): tap t of
+ * layer l at step s is kept when t is in taps, or s is in full and (t is graph-wide, or no
+ * layers part, or l is in layers).
  * "kq_heads=0-3,7;kq_rows=1000-1015" cuts kq_soft_max, wherever it is kept, to those heads and
  * to the rows of those positions (every column kept): stored [heads, rows, n_kv], its manifest
  * entry listing "heads" and "rows" (by position); a step that keeps no row (or a model with no
- * head listed) writes no kq_soft_max. Lists (full, kq_heads, kq_rows) hold numbers and ranges
- * a-b, 4096 items and 2^24 at most; the manifest keeps the plan as parity prints it. */
+ * head listed) writes no kq_soft_max. Lists (full, layers, kq_heads, kq_rows) hold numbers and
+ * ranges a-b, 4096 items and 2^24 at most; the manifest keeps the plan as parity prints it. */
 int pt_set_record(pt_writer *w, const char *plan);
 
-/* Whether the current step keeps tap `name` under the plan: an engine may skip computing or
- * copying one it leaves out (kq_soft_max at a step none of whose positions kq_rows keeps).
- * 1 before the first step and for a name the format does not know (pt_tap then says what is
- * wrong). */
+/* Whether the current step keeps tap `name` under the plan at some layer: an engine may skip
+ * computing or copying one it leaves out (kq_soft_max at a step none of whose positions
+ * kq_rows keeps). 1 before the first step and for a name the format does not know (pt_tap
+ * then says what is wrong). The same as pt_wants_layer(w, name, -1). */
 int pt_wants(const pt_writer *w, const char *name);
+
+/* Whether the current step keeps tap `name` of layer `layer` (the plan's layers part): the
+ * layer as pt_tap takes it, -1 for a graph-wide tap; -1 (any negative) for a per-layer tap
+ * asks whether it is kept at any layer, as pt_wants does. */
+int pt_wants_layer(const pt_writer *w, const char *name, int layer);
 
 /* The message of the last call that failed (NULL if none has); "out of memory" for NULL. */
 const char *pt_error(const pt_writer *w);
@@ -462,13 +471,14 @@ struct pt_writer {
     int failed; /* some call failed: err holds its message */
     char err[512];
     /* The recording plan: rec_line (its canonical line) NULL records every tap; else
-     * rec_tap[t] keeps tap t at every step, and the steps in rec_full keep every tap. A kept
-     * kq_soft_max holds only the heads in rec_heads and the rows whose positions are in
-     * rec_rows (none listed: every head, every row). Each list is sorted and merged. */
+     * rec_tap[t] keeps tap t at every step, and the steps in rec_full keep every tap (every
+     * per-layer tap only at the layers in rec_layers, when it lists any). A kept kq_soft_max
+     * holds only the heads in rec_heads and the rows whose positions are in rec_rows (none
+     * listed: every head, every row). Each list is sorted and merged. */
     char *rec_line;
     unsigned char rec_tap[64];
-    pt__range *rec_full, *rec_heads, *rec_rows;
-    size_t rec_nfull, rec_nheads, rec_nrows;
+    pt__range *rec_full, *rec_layers, *rec_heads, *rec_rows;
+    size_t rec_nfull, rec_nlayers, rec_nheads, rec_nrows;
 };
 
 static const char pt__oom[] = "out of memory";
@@ -489,7 +499,8 @@ static int pt__fatal(pt_writer *w, const char *what, const char *path, int e) {
     return -1;
 }
 
-/* The most numbers and ranges one list of a recording plan may hold (full, kq_heads, kq_rows). */
+/* The most numbers and ranges one list of a recording plan may hold (full, layers, kq_heads,
+ * kq_rows). */
 #define PT__MAX_RANGES 4096
 
 /* [*s, *s + *n) without leading and trailing spaces. */
@@ -615,12 +626,14 @@ static void pt__put_ranges(pt__buf *b, const pt__range *r, size_t n) {
 }
 
 int pt_set_record(pt_writer *w, const char *plan) {
-    static const char *const keys[4] = {"taps", "full", "kq_heads", "kq_rows"};
-    static const char *const what[4] = {"", "step number", "head number", "position"};
+    /* In the order parity prints them. */
+    static const char *const keys[5] = {"taps", "full", "layers", "kq_heads", "kq_rows"};
+    static const char *const what[5] = {"", "step number", "layer number", "head number",
+                                        "position"};
     unsigned char taps[64];
-    pt__range *lists[4] = {NULL, NULL, NULL, NULL};
-    size_t nl[4] = {0, 0, 0, 0};
-    int seen[4] = {0, 0, 0, 0}, all = 1, rc = -1, k, d;
+    pt__range *lists[5] = {NULL, NULL, NULL, NULL, NULL};
+    size_t nl[5] = {0, 0, 0, 0, 0};
+    int seen[5] = {0, 0, 0, 0, 0}, all = 1, rc = -1, k, d;
     const char *p = plan;
     char shown[256];
     pt__buf line = {NULL, 0, 0, 0};
@@ -644,9 +657,10 @@ int pt_set_record(pt_writer *w, const char *plan) {
         val = eq + 1;
         vn = (size_t)(part + n - val);
         pt__trim(&key, &kn);
-        for (k = 0; k < 4 && !pt__is(key, kn, keys[k]); k++) continue;
-        if (k == 4) {
-            pt__fail(w, "unknown part '%s' (taps=...;full=...;kq_heads=...;kq_rows=...)",
+        for (k = 0; k < 5 && !pt__is(key, kn, keys[k]); k++) continue;
+        if (k == 5) {
+            pt__fail(w, "unknown part '%s' "
+                        "(taps=...;full=...;layers=...;kq_heads=...;kq_rows=...)",
                      pt__shown(shown, key, kn));
             goto done;
         }
@@ -656,7 +670,7 @@ int pt_set_record(pt_writer *w, const char *plan) {
         }
         if (k > 0) {
             if (pt__parse_ranges(w, keys[k], what[k], val, vn, &lists[k], &nl[k])) goto done;
-            if (k > 1 && nl[k] == 0) { /* full= is no step in full; kq_rows= keeps nothing */
+            if (k > 1 && nl[k] == 0) { /* full= is no step in full; layers= keeps nothing */
                 pt__fail(w, "%s: no %s given", keys[k], what[k]);
                 goto done;
             }
@@ -692,7 +706,7 @@ int pt_set_record(pt_writer *w, const char *plan) {
                     if (k++) pt__put(&line, ",", 1);
                     pt__puts(&line, pt__taps[d].name);
                 }
-        for (k = 1; k < 4; k++)
+        for (k = 1; k < 5; k++)
             if (nl[k]) {
                 pt__putf(&line, ";%s=", keys[k]);
                 pt__put_ranges(&line, lists[k], nl[k]);
@@ -704,32 +718,45 @@ int pt_set_record(pt_writer *w, const char *plan) {
     }
     free(w->rec_line);
     free(w->rec_full);
+    free(w->rec_layers);
     free(w->rec_heads);
     free(w->rec_rows);
     w->rec_line = line.p;
     line.p = NULL;
     w->rec_full = lists[1];
-    w->rec_heads = lists[2];
-    w->rec_rows = lists[3];
+    w->rec_layers = lists[2];
+    w->rec_heads = lists[3];
+    w->rec_rows = lists[4];
     w->rec_nfull = nl[1];
-    w->rec_nheads = nl[2];
-    w->rec_nrows = nl[3];
-    lists[1] = lists[2] = lists[3] = NULL;
+    w->rec_nlayers = nl[2];
+    w->rec_nheads = nl[3];
+    w->rec_nrows = nl[4];
+    lists[1] = lists[2] = lists[3] = lists[4] = NULL;
     memcpy(w->rec_tap, taps, sizeof taps);
     if (all) memset(w->rec_tap, 1, sizeof w->rec_tap);
     rc = 0;
 done:
-    for (k = 0; k < 4; k++) free(lists[k]);
+    for (k = 0; k < 5; k++) free(lists[k]);
     free(line.p);
     return rc;
 }
 
-static int pt__wants_tap(const pt_writer *w, size_t step, int tap) {
+/* Whether ranges r (n of them) hold v. */
+static int pt__in(const pt__range *r, size_t n, size_t v) {
     size_t i;
-    if (!w->rec_line || w->rec_tap[tap]) return 1;
-    for (i = 0; i < w->rec_nfull; i++)
-        if (w->rec_full[i].lo <= step && step <= w->rec_full[i].hi) return 1;
+    for (i = 0; i < n; i++)
+        if (r[i].lo <= v && v <= r[i].hi) return 1;
     return 0;
+}
+
+/* Whether the plan keeps tap `tap` of layer `layer` at `step`. A graph-wide tap has no layer
+ * (whatever `layer` says); layer < 0 for a per-layer one: at any layer (a layers part lists at
+ * least one). */
+static int pt__wants_tap(const pt_writer *w, size_t step, int tap, int layer) {
+    if (!w->rec_line || w->rec_tap[tap]) return 1;
+    if (!pt__in(w->rec_full, w->rec_nfull, step)) return 0;
+    if (!pt__taps[tap].per_layer || layer < 0 || !w->rec_nlayers) return 1;
+    return pt__in(w->rec_layers, w->rec_nlayers, (size_t)layer);
 }
 
 /* The part of lo..lo+n-1 (n > 0) that ranges r keep, as ranges into *out (*nout of them, 0:
@@ -756,14 +783,16 @@ static int pt__kept(const pt__range *r, size_t nr, size_t lo, size_t n, pt__rang
     return 0;
 }
 
-int pt_wants(const pt_writer *w, const char *name) {
+int pt_wants(const pt_writer *w, const char *name) { return pt_wants_layer(w, name, -1); }
+
+int pt_wants_layer(const pt_writer *w, const char *name, int layer) {
     int d;
     size_t i;
     if (!w || !name || w->nsteps == 0) return 1;
     for (d = 0; d < PT__NTAPS; d++)
         if (!strcmp(name, pt__taps[d].name)) {
             const pt__stepinfo *st = &w->steps[w->nsteps - 1];
-            if (!pt__wants_tap(w, w->nsteps - 1, d)) return 0;
+            if (!pt__wants_tap(w, w->nsteps - 1, d, layer)) return 0;
             if (d != PT__KQ_SOFT_MAX || !w->rec_nrows) return 1;
             for (i = 0; i < w->rec_nrows; i++) /* kq_rows keeps a position of the step */
                 if (w->rec_rows[i].lo <= st->positions[st->n - 1] &&
@@ -1394,7 +1423,7 @@ int pt_tap(pt_writer *w, int layer, const char *name, const size_t *shape, int n
                            "graph-wide tap)", name, layer, PT__MAX_POSITION);
     step = w->nsteps - 1;
     st = &w->steps[step];
-    if (!pt__wants_tap(w, step, tap)) return 0; /* left out by the recording plan */
+    if (!pt__wants_tap(w, step, tap, layer)) return 0; /* left out by the recording plan */
     pt__key(key, sizeof key, step, layer, tap);
     if (ndim < 1 || ndim > PT_MAX_NDIM)
         return pt__fail(w, "%s: %d axes (a tap has 1 to %d)", key, ndim, PT_MAX_NDIM);
@@ -1702,6 +1731,7 @@ static void pt__free(pt_writer *w, int remove_tmp) {
     free(w->settings);
     free(w->rec_line);
     free(w->rec_full);
+    free(w->rec_layers);
     free(w->rec_heads);
     free(w->rec_rows);
     free(w);

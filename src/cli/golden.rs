@@ -212,7 +212,10 @@ fn prepare(a: &GoldenArgs) -> Result<Prepared> {
     let (bytes, probs) = crate::arch::size::trace_bytes(
         &model.config,
         &run,
-        &|k| plan.as_ref().is_none_or(|p| p.wants(k.step, k.tap)),
+        &|k| {
+            plan.as_ref()
+                .is_none_or(|p| p.keeps(k.step, k.layer, k.tap))
+        },
         plan.as_ref(),
     );
     if let Some(msg) = crate::arch::size::over_budget(

@@ -119,12 +119,18 @@ fn experiments(
     let first_step = cand.steps().into_iter().min().unwrap_or(0);
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
     // (step, layer): layouts are tested on them, the fallback heuristics read them.
-    let keep: BTreeSet<TapKey> = cand
+    let mut keep: BTreeSet<TapKey> = cand
         .trace
         .keys()
         .filter(|x| x.step == k.step && x.layer == k.layer && **x <= k)
         .copied()
         .collect();
+    // Probabilities cut to some rows: the attention output after them shows the rows left out.
+    let after = TapKey::new(k.step, k.layer, Tap::KqvOut);
+    let cut = cand.cut(&k).is_some() && cand.contains(&after);
+    if cut {
+        keep.insert(after);
+    }
     let plain = replay(model, cand, &base, &keep)?;
 
     let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
@@ -134,11 +140,14 @@ fn experiments(
         // floor is where a ring of W slots or positions modulo W first act (position W), or
         // where a mask's remainder block starts (row W of the step; one block past the step
         // when it is row 0).
-        let first = match plain.kept.get(&k) {
-            Some(ours) => {
-                super::position::first_at(cand, &k, ours, floors.key(&k, &SpanOps::of(&sp)))?
-            }
-            None => None,
+        let floor = floors.key(&k, &SpanOps::of(&sp));
+        let first_of = |key: &TapKey| match plain.kept.get(key) {
+            Some(ours) => super::position::first_at(cand, key, ours, floor),
+            None => Ok(None),
+        };
+        let first = match (first_of(&k)?, if cut { first_of(&after)? } else { None }) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
         };
         let steps = crate::trace::step_shapes(cand.trace);
         let fitted = |m: Mutation| -> Mutation {

@@ -5,8 +5,9 @@
 //! after the first also keeps `k_rope` and `v` at every step: its attention reads the K/V the
 //! earlier steps wrote, and without them `kq_soft_max` there is still a span. A step of more
 //! than [`WHOLE_ROWS`] tokens keeps `kq_soft_max` for the rows from the first position out of
-//! its floor on ([`PROBS_ROWS`] of them, `kq_rows`): a 2,048-token prompt's whole
-//! probabilities are 11 GB on a 1.1B shape, the rows that show the finding a few MB.
+//! its floor on ([`PROBS_ROWS`] of them, `kq_rows`), and every tap of the layers that can hold
+//! the fault alone (`layers`): a 2,048-token prompt whole is 18.6 GB on a 1.1B shape (11.8 GB
+//! of it the probabilities), one layer with 16 rows of probabilities about 300 MB.
 
 use super::Finding;
 use super::replay::Candidate;
@@ -22,14 +23,26 @@ pub fn plan(cand: &Candidate, f: &Finding) -> Option<Zoom> {
     if f.span_ops <= 1 {
         return None;
     }
-    step(cand.trace, f.key.step, f.position.map(|p| p.position))
+    // Own inputs: the layer flagged is the layer at fault (each is replayed from the one
+    // before), so a long step keeps that layer alone.
+    step(
+        cand.trace,
+        f.key.step,
+        f.position.map(|p| p.position),
+        f.key.layer.map(|l| l..=l),
+    )
 }
 
 /// The zoom that records `step` of `trace` whole, the scan kept; None where the trace already
 /// has every tap its producer can give there (and the cache before it). `at`: the first
 /// position out of its floor there, where known (a long step keeps the probabilities' rows
-/// from it on).
-pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
+/// from it on); `layers`: the layers that can hold the fault (a long step keeps them alone).
+pub fn step(
+    trace: &Trace,
+    step: usize,
+    at: Option<usize>,
+    layers: Option<std::ops::RangeInclusive<usize>>,
+) -> Option<Zoom> {
     let earlier = step > 0;
     let keeps_cache = |r: &Record| {
         r.taps
@@ -47,12 +60,24 @@ pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
         (Some(kept), Some(want)) => kept.iter().any(|k| k.contains(want.start())),
         (Some(_), None) => false,
     };
+    let long = trace
+        .manifest
+        .steps
+        .get(step)
+        .is_some_and(|s| s.tokens.len() > WHOLE_ROWS);
+    let layers = layers.filter(|_| long);
+    let keeps_layers = |r: &Record| {
+        layers
+            .as_ref()
+            .is_none_or(|ls| ls.clone().all(|l| r.whole_at(step, Some(l))))
+    };
     let recorded = trace.manifest.record.as_deref().map(Record::parse);
     let mut plan = match recorded {
         // The producer already kept every tap it has at that step (and the cache before it):
         // asking again adds nothing.
         Some(Ok(r))
-            if (r.taps.is_none() || (r.full_step(step) && (!earlier || keeps_cache(&r))))
+            if (r.taps.is_none()
+                || (r.full_step(step) && keeps_layers(&r) && (!earlier || keeps_cache(&r))))
                 && keeps_rows(&r) =>
         {
             return None;
@@ -76,6 +101,9 @@ pub fn step(trace: &Trace, step: usize, at: Option<usize>) -> Option<Zoom> {
     plan.add_full(step..=step);
     if let Some(r) = rows {
         plan.kq_rows = Some(vec![r]);
+    }
+    if let Some(l) = layers {
+        plan.layers = Some(vec![l]);
     }
     Some(Zoom {
         steps: vec![step],

@@ -224,10 +224,10 @@ impl TapFilter {
 
     pub fn matches(&self, key: &TapKey) -> bool {
         if let Some(r) = &self.record {
-            if r.full_step(key.step) {
+            if r.whole_at(key.step, key.layer) {
                 return true;
             }
-            if !r.wants(key.step, key.tap) {
+            if !r.keeps(key.step, key.layer, key.tap) {
                 return false;
             }
         }

@@ -31,6 +31,9 @@ pub struct Record {
     pub taps: Option<BTreeSet<Tap>>,
     /// Steps kept whole, as inclusive ranges in increasing order.
     pub full: Vec<RangeInclusive<usize>>,
+    /// At a step kept whole, the layers whose taps are kept (beyond `taps`); `None`: every
+    /// layer. A long step whole is gigabytes; the layer a scan flags is a 22nd of it.
+    pub layers: Option<Vec<RangeInclusive<usize>>>,
     /// The heads of `kq_soft_max` kept; `None`: all of them.
     pub kq_heads: Option<Vec<RangeInclusive<usize>>>,
     /// The rows of `kq_soft_max` kept, by position; `None`: all of them.
@@ -47,6 +50,7 @@ impl Record {
         let (mut seen_taps, mut seen_full) = (false, false);
         let seen = |key: &str, r: &Record| match key {
             "kq_heads" => r.kq_heads.is_some(),
+            "layers" => r.layers.is_some(),
             _ => r.kq_rows.is_some(),
         };
         for part in line.split(';').map(str::trim).filter(|p| !p.is_empty()) {
@@ -81,27 +85,28 @@ impl Record {
                     seen_full = true;
                     r.full = parse_steps(value)?;
                 }
-                k @ ("kq_heads" | "kq_rows") if !seen(k, &r) => {
-                    let what = if k == "kq_heads" {
-                        "a head number"
-                    } else {
-                        "a position"
+                k @ ("layers" | "kq_heads" | "kq_rows") if !seen(k, &r) => {
+                    let what = match k {
+                        "layers" => "a layer number",
+                        "kq_heads" => "a head number",
+                        _ => "a position",
                     };
                     let list = parse_list(k, what, value)?;
                     if list.is_empty() {
                         return Err(format!("{k}: no {} given", what.trim_start_matches("a ")));
                     }
                     match k {
+                        "layers" => r.layers = Some(list),
                         "kq_heads" => r.kq_heads = Some(list),
                         _ => r.kq_rows = Some(list),
                     }
                 }
-                "taps" | "full" | "kq_heads" | "kq_rows" => {
+                "taps" | "full" | "layers" | "kq_heads" | "kq_rows" => {
                     return Err(format!("'{}' is given twice", key.trim()));
                 }
                 other => {
                     return Err(format!(
-                        "unknown part '{}' (taps=…;full=…;kq_heads=…;kq_rows=…)",
+                        "unknown part '{}' (taps=…;full=…;layers=…;kq_heads=…;kq_rows=…)",
                         crate::manifest::short(other)
                     ));
                 }
@@ -132,9 +137,25 @@ impl Record {
         self.full.iter().any(|r| r.contains(&step))
     }
 
-    /// Whether `tap` is kept at `step`.
+    /// Whether `tap` is kept at `step` (at some layer: a step whole keeps every tap at the
+    /// layers `layers` names).
     pub fn wants(&self, step: usize, tap: Tap) -> bool {
         self.full_step(step) || self.taps.as_ref().is_none_or(|t| t.contains(&tap))
+    }
+
+    /// Whether `tap` of `layer` (None: a graph-wide tap) is kept at `step`.
+    pub fn keeps(&self, step: usize, layer: Option<usize>, tap: Tap) -> bool {
+        self.whole_at(step, layer) || self.taps.as_ref().is_none_or(|t| t.contains(&tap))
+    }
+
+    /// Whether every tap of `layer` (None: the graph-wide ones) is kept at `step`: a step
+    /// kept whole, at a layer `layers` names (or any, without it).
+    pub fn whole_at(&self, step: usize, layer: Option<usize>) -> bool {
+        let in_layers = match (layer, &self.layers) {
+            (Some(l), Some(ls)) => ls.iter().any(|r| r.contains(&l)),
+            _ => true,
+        };
+        self.full_step(step) && in_layers
     }
 
     /// A plan that keeps every tap everywhere (nothing is filtered).
@@ -266,6 +287,9 @@ impl fmt::Display for Record {
         if !self.full.is_empty() {
             write!(f, ";full={}", show_list(&self.full))?;
         }
+        if let Some(l) = &self.layers {
+            write!(f, ";layers={}", show_list(l))?;
+        }
         if let Some(h) = &self.kq_heads {
             write!(f, ";kq_heads={}", show_list(h))?;
         }
@@ -298,6 +322,24 @@ mod tests {
         let mut z = Record::parse("taps=l_out;full=2,6").unwrap();
         z.add_full(3..=3);
         assert_eq!(z.to_string(), "taps=l_out;full=2-3,6");
+    }
+
+    #[test]
+    fn a_whole_step_keeps_every_tap_of_its_layers_alone() {
+        let r = Record::parse("layers=3,1-1; full=2 ;taps=l_out").unwrap();
+        assert_eq!(r.to_string(), "taps=l_out;full=2;layers=1,3");
+        assert_eq!(Record::parse(&r.to_string()).unwrap(), r);
+        let q = Tap::parse("q").unwrap();
+        let l_out = Tap::parse("l_out").unwrap();
+        let logits = Tap::parse("logits").unwrap();
+        assert!(r.keeps(2, Some(1), q) && r.keeps(2, Some(3), q));
+        assert!(!r.keeps(2, Some(2), q) && !r.keeps(1, Some(1), q));
+        assert!(r.keeps(2, Some(2), l_out) && r.keeps(0, Some(7), l_out));
+        assert!(r.keeps(2, None, logits) && !r.keeps(1, None, logits));
+        // Without a layer: kept at some layer.
+        assert!(r.wants(2, q) && !r.wants(1, q));
+        let all = Record::parse("full=2").unwrap();
+        assert!(all.keeps(2, Some(9), q));
     }
 
     #[test]
@@ -342,6 +384,10 @@ mod tests {
             ("kq_heads= , ", "kq_heads: no head number given"),
             ("kq_rows=1;kq_rows=2", "'kq_rows' is given twice"),
             ("kq_cols=1", "unknown part 'kq_cols'"),
+            ("layers=x", "layers: 'x' is not a layer number"),
+            ("layers=5-2", "layers: the range 5-2 runs backwards"),
+            ("layers=", "layers: no layer number given"),
+            ("layers=1;layers=2", "'layers' is given twice"),
         ] {
             let e = Record::parse(line).unwrap_err();
             assert!(e.contains(says), "{line}: {e}");

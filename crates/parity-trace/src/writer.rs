@@ -165,12 +165,21 @@ impl TraceWriter {
         self.record = plan;
     }
 
-    /// Whether the current step keeps tap `name` (of `layer`): an engine may skip computing
-    /// or copying a tap the plan leaves out. Before the first step, or for a name the format
-    /// does not know, `true` (`tap` then says what is wrong).
+    /// Whether the current step keeps tap `name` (at some layer): an engine may skip
+    /// computing or copying a tap the plan leaves out. Before the first step, or for a name
+    /// the format does not know, `true` (`tap` then says what is wrong).
     pub fn wants(&self, name: &str) -> bool {
         match (&self.record, self.steps.last(), Tap::parse(name)) {
             (Some(r), Some(s), Some(t)) => r.wants(s.step, t),
+            _ => true,
+        }
+    }
+
+    /// [`TraceWriter::wants`] for tap `name` of `layer` (None: a graph-wide tap): a plan's
+    /// `layers=` keeps a whole step's taps at some layers alone.
+    pub fn wants_at(&self, name: &str, layer: Option<usize>) -> bool {
+        match (&self.record, self.steps.last(), Tap::parse(name)) {
+            (Some(r), Some(s), Some(t)) => r.keeps(s.step, layer, t),
             _ => true,
         }
     }
@@ -243,7 +252,11 @@ impl TraceWriter {
             ));
         }
         let key = TapKey::new(s.step, layer, tap);
-        if self.record.as_ref().is_some_and(|r| !r.wants(s.step, tap)) {
+        if self
+            .record
+            .as_ref()
+            .is_some_and(|r| !r.keeps(s.step, layer, tap))
+        {
             return Ok(());
         }
         let n: Option<usize> = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
