@@ -141,10 +141,11 @@ def parse_ids(s, what):
 
 def parse_plan(line):
     """A recording plan (`parity golden --record`, checked by parity before it gets here):
-    (taps kept at every step or None for all, steps kept whole, kq_soft_max's heads kept,
-    its rows kept by position), the last three as inclusive ranges [(a, b), ...] and the kq
-    lists None when the plan has no such part. A plan parity would refuse raises ValueError."""
-    taps, lists = None, {"full": [], "kq_heads": None, "kq_rows": None}
+    (taps kept at every step or None for all, steps kept whole, the layers a whole step keeps
+    every tap of, kq_soft_max's heads kept, its rows kept by position), the last four as
+    inclusive ranges [(a, b), ...], the last three None when the plan has no such part. A plan
+    parity would refuse raises ValueError."""
+    taps, lists = None, {"full": [], "layers": None, "kq_heads": None, "kq_rows": None}
     for part in filter(None, (p.strip() for p in (line or "").split(";"))):
         key, eq, value = (x.strip() for x in part.partition("="))
         if not eq:
@@ -164,7 +165,20 @@ def parse_plan(line):
             lists[key] = ranges
         else:
             raise ValueError(f"unknown part {key!r}")
-    return taps, lists["full"], lists["kq_heads"], lists["kq_rows"]
+    return taps, lists["full"], lists["layers"], lists["kq_heads"], lists["kq_rows"]
+
+
+def in_ranges(x, ranges):
+    return any(a <= x <= b for a, b in ranges)
+
+
+def plan_keeps(taps, full, layers, s, tap, il):
+    """The plan's keep rule: whether tap `tap` of layer `il` (None: graph-wide) is kept at step
+    `s`: a tap of `taps` (None: all) everywhere, any tap at a whole step (`full`), a per-layer
+    one there only at `layers` (None: every layer)."""
+    if taps is None or tap in taps:
+        return True
+    return in_ranges(s, full) and (il is None or layers is None or in_ranges(il, layers))
 
 
 def kq_cut(kq_heads, kq_rows, positions, n_head):
@@ -291,7 +305,7 @@ class Capture:
         self.result_norm_ptr = None
         self.synthetic = {}
         self.synthetic_src = {}
-        self.keep = None  # node bases copied out at this step (None: every wanted node)
+        self.keep = None  # keep(base, layer): copied out at this step? (None: every wanted node)
         self.kq = (None, None)  # kq_soft_max's heads and rows kept at this step (None: all)
 
     def reset(self, keep=None, kq=(None, None)):
@@ -320,10 +334,10 @@ class Capture:
         """Whether a wanted node is copied out at this step: the others are only followed (the
         node-mapping below needs their addresses, never their data)."""
         m = LAYER_NAME_RE.match(name)
-        base = m.group(1) if m else name
+        base, il = (m.group(1), int(m.group(2))) if m else (name, None)
         if base == "kq_soft_max" and [] in self.kq:
             return False  # the plan keeps none of its heads or rows at this step
-        return self.keep is None or base in self.keep
+        return self.keep is None or self.keep(base, il)
 
     def callback(self, t, ask, _ud):
         try:
@@ -795,12 +809,15 @@ class StepChecks:
         group = None
         pos = positions
         layers = sorted({l for (_, l) in taps if l is not None})
+        # the layer's input: the embedding before layer 0, the previous layer's l_out after;
+        # None where the step does not hold it (a plan's layers= or taps= left it out)
         prev = taps.get(("embd_scaled", None))
         if prev is None:
             prev = taps.get(("embd", None))
+        prev_layer = -1
         for il in layers:
             g = lambda tap: taps.get((tap, il))
-            lin = prev
+            lin = prev if prev_layer == il - 1 else None
             # gemma2/3 add the post-normed branch outputs to the residual stream
             attn_br = "attn_post_norm" if g("attn_post_norm") is not None else "attn_out"
             ffn_br = "ffn_post_norm" if g("ffn_post_norm") is not None else "ffn_out"
@@ -896,7 +913,7 @@ class StepChecks:
                     self.ck.close(f"kqv_out=P.V s{s} L{il}", kqv.reshape(kqv.shape[0], -1),
                                   o.reshape(o.shape[0], -1), r_op)
             if g("l_out") is not None:
-                prev = g("l_out")
+                prev, prev_layer = g("l_out"), il
         lg = taps.get(("logits", None))
         if lg is not None:
             self.ck.close(f"logits=llama_get_logits s{s}", lg, lg_api, 0.0)
@@ -952,7 +969,8 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out folder")
     ap.add_argument("--record", default=None,
                     help="a recording plan parity has checked: taps=A,B (kept at every step; "
-                         "left out: all), full=3,7-8 (steps kept whole), kq_heads=0-3 and "
+                         "left out: all), full=3,7-8 (steps kept whole), layers=5 (the layers "
+                         "a whole step keeps every tap of; left out: all), kq_heads=0-3 and "
                          "kq_rows=40-47 (kq_soft_max's heads and rows, by position, kept; "
                          "left out: all)")
     ap.add_argument("--list-nodes", action="store_true",
@@ -1002,9 +1020,9 @@ def main(argv=None):
     if args.no_bos and args.tokens:
         pass  # --tokens never adds BOS; --no-bos is implied
     # The recording plan (`parity golden --record`, checked by parity): taps kept at every step,
-    # steps kept whole, kq_soft_max's heads and rows (by position) kept.
+    # steps kept whole (at some layers), kq_soft_max's heads and rows (by position) kept.
     try:
-        plan_taps, plan_full, plan_kq_heads, plan_kq_rows = parse_plan(args.record)
+        plan_taps, plan_full, plan_layers, plan_kq_heads, plan_kq_rows = parse_plan(args.record)
     except ValueError as e:
         die(f"--record: {e}")
 
@@ -1146,21 +1164,35 @@ def main(argv=None):
             [(t, None) for t in GLOBAL_LAST]
     tensors = []
     nbytes_total = 0
-    def plan_wants(s, tap):
-        return plan_taps is None or tap in plan_taps or any(a <= s <= b for a, b in plan_full)
+    def plan_wants(s, tap, il):
+        return plan_keeps(plan_taps, plan_full, plan_layers, s, tap, il)
 
     def nodes_kept(s):
-        """The node bases llama.cpp copies out at step s: the plan's taps there, and K and V
-        while the self-checks run and a later step is kept whole (it checks its attention
-        against the keys and values of every earlier step; they are the size of the cache;
-        RoPE is checked on the normed keys where an architecture norms them). Each node asked
-        for splits llama.cpp's graph there: a scan asks for few."""
-        if plan_taps is None or any(a <= s <= b for a, b in plan_full):
+        """Which nodes llama.cpp copies out at step s, as keep(base, layer) (None: every one):
+        the plan's taps there, every node of a whole step's layers (of `layers=`, else all) and
+        its graph-wide ones, and K and V at those layers while the self-checks run and a later
+        step is kept whole (it checks its attention against the keys and values of every
+        earlier step; they are the size of the cache; RoPE is checked on the normed keys where
+        an architecture norms them). Each node asked for splits llama.cpp's graph there: a scan
+        asks for few."""
+        whole = in_ranges(s, plan_full)
+        if plan_taps is None or (whole and plan_layers is None):
             return None
         later_whole = any(b >= s for _, b in plan_full)
-        keep = {"Kcur", "Kcur_normed", "Vcur"} if checks is not None and later_whole else set()
+        kv = {"Kcur", "Kcur_normed", "Vcur"} if checks is not None and later_whole else set()
+        every = set()
         for tap in plan_taps:
-            keep |= TAP_NODES.get(tap, set())
+            every |= TAP_NODES.get(tap, set())
+
+        def keep(base, il):
+            if base in every:
+                return True
+            if il is None:
+                # graph-wide nodes (and gemma2's unsuffixed per-layer ffn_post_norm, counted
+                # in graph order: the write drops the layers the plan leaves out)
+                return whole
+            at = plan_layers is None or in_ranges(il, plan_layers)
+            return at and (whole or base in kv)
         return keep
 
     def write_step(s, taps, positions, kq):
@@ -1171,7 +1203,7 @@ def main(argv=None):
         os.makedirs(os.path.join(staging, f"s{s:03}"), exist_ok=True)
         for tap, il in order:
             a = taps.get((tap, il))
-            if a is None or not plan_wants(s, tap):
+            if a is None or not plan_wants(s, tap, il):
                 continue
             a = np.ascontiguousarray(a, dtype="<f4")
             rel = f"s{s:03}/{tap}.npy" if il is None else f"s{s:03}/{tap}-{il}.npy"

@@ -567,7 +567,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4, help="decode steps without --forced/--golden")
     ap.add_argument("--taps", choices=["all", "sparse"], default="all")
     ap.add_argument("--record", help="a recording plan, as parity diff prints it for a zoom "
-                                     "(taps=l_out,result_norm,logits;full=3; kq_heads=0-1 and "
+                                     "(taps=l_out,result_norm,logits;full=3; layers=1 keeps the whole "
+                                     "step's other taps at that layer only; kq_heads=0-1 and "
                                      "kq_rows=20-23 cut kq_soft_max to those heads and rows); "
                                      "default: PARITY_RECORD, which the parity_trace writer reads")
     ap.add_argument("--rounding", default="none",
@@ -685,7 +686,8 @@ def main(argv=None):
         fail(str(e))
 
     def rec(tap, layer, x):
-        if a.taps == "sparse" and tap not in SPARSE or not w.wants(tap):
+        # the plan's keep rule at this layer (layers= keeps a whole step's taps at some only)
+        if a.taps == "sparse" and tap not in SPARSE or not w.wants(tap, layer):
             return
         if tap == "q_rope" and layout == "head-major":
             w.tap(layer, tap, np.ascontiguousarray(x.transpose(1, 0, 2)), layout=layout)

@@ -1280,7 +1280,7 @@ print(json.dumps(out))
         ("kq_rows=3;taps=all;kq_rows=4", "'kq_rows' is given twice"),
         (
             "kq_cols=1",
-            "unknown part 'kq_cols' (taps=…;full=…;kq_heads=…;kq_rows=…)",
+            "unknown part 'kq_cols' (taps=…;full=…;layers=…;kq_heads=…;kq_rows=…)",
         ),
     ];
     let lines = |v: Vec<&str>| serde_json::to_string(&v).unwrap();
@@ -1395,4 +1395,272 @@ fn a_golden_recorded_to_a_cut_plan_keeps_kq_soft_max_s_heads_and_rows() {
     assert_eq!(code, Some(1), "{first:#}");
     assert_eq!(first["at"]["key"]["step"], 2, "{first:#}");
     assert_eq!(first["at"]["key"]["tap"], "kq_soft_max", "{first:#}");
+}
+
+/// A zoom kept to one layer (`layers=`): step 0 of golden/tiny-llama-q8_0's ids whole at
+/// layer 1 alone, `l_out` and `logits` at every step and layer.
+const LAYERS: &str = "taps=l_out,logits;full=0;layers=1";
+
+/// Whether a plan `taps=<taps>;full=0;layers=1` keeps tap `tap` of `layer` at `step`: a tap
+/// of `taps` everywhere; at step 0 every tap of layer 1 and every graph-wide one.
+fn kept_at_layer_1(taps: &[&str], (step, tap, layer): &(u64, String, Option<u64>)) -> bool {
+    taps.contains(&tap.as_str()) || (*step == 0 && layer.is_none_or(|l| l == 1))
+}
+
+/// `planned`, a trace recorded to a plan whose keep rule is `keeps`, holds exactly the entries
+/// of `whole` (the same run recorded whole) that the rule keeps, each the same entry (file,
+/// shape) and the same values, bit for bit.
+fn assert_kept_of(
+    planned: &Path,
+    whole: &Path,
+    keeps: impl Fn(&(u64, String, Option<u64>)) -> bool,
+    what: &str,
+) {
+    let (p, w) = (entries(planned), entries(whole));
+    let want: Vec<_> = w.keys().filter(|k| keeps(k)).cloned().collect();
+    let got: Vec<_> = p.keys().cloned().collect();
+    assert_eq!(got, want, "{what}: the entries kept");
+    for (key, e) in &p {
+        assert_eq!(e, &w[key], "{what}: {key:?}");
+        let file = e["file"].as_str().unwrap();
+        let (a, b) = (read_npy(&planned.join(file)), read_npy(&whole.join(file)));
+        assert!(
+            a.0 == b.0
+                && a.1.len() == b.1.len()
+                && a.1
+                    .iter()
+                    .zip(&b.1)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{what}: {key:?} differs from the whole run's"
+        );
+    }
+    let files = npy_files(planned);
+    assert_eq!(
+        files.len(),
+        p.len(),
+        "{what}: a file per entry, no other: {files:?}"
+    );
+}
+
+/// The numpy engine, writing through the Python kit, honours a plan's `layers=` without a
+/// change to its code: the step `full=` keeps whole keeps every tap of layer 1 alone, `l_out`
+/// at every layer (a tap of `taps=`) and the graph-wide taps; the other steps keep `l_out` and
+/// `logits`; every value is the unplanned run's. The kit's `Record` reads and prints such plans
+/// as parity does, refuses bad ones in parity's words, and its keep rule (`wants`), asked with
+/// a layer, answers for that layer, without one for any.
+#[test]
+fn the_python_kit_keeps_a_whole_step_s_taps_at_the_plan_s_layers_only() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let golden = root().join("golden/tiny-llama-q8_0");
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let model = model.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = tmp.path().join("whole");
+    numpy_engine_trace(&py, model, &golden, &whole, None, &[]);
+    let planned = tmp.path().join("planned");
+    numpy_engine_trace(&py, model, &golden, &planned, None, &["--record", LAYERS]);
+    assert_eq!(manifest(&planned)["record"], LAYERS);
+    assert_kept_of(
+        &planned,
+        &whole,
+        |k| kept_at_layer_1(&["l_out", "logits"], k),
+        "numpy engine",
+    );
+    // Step 0: embd, l_out-0, layer 1's 16 taps, result_norm, logits; then l_out-0/1, logits.
+    let p = entries(&planned);
+    let at = |s: u64| p.keys().filter(|k| k.0 == s).count();
+    assert_eq!((at(0), at(1), at(4)), (20, 3, 3), "{:?}", p.keys());
+    assert!(p.contains_key(&(0, "kq_soft_max".into(), Some(1))));
+    assert!(!p.contains_key(&(0, "kq_soft_max".into(), Some(0))));
+
+    // The kit's Record and keep rule.
+    let script = r#"
+import json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+import parity_trace as p
+out = {"ok": {}, "bad": {}}
+for line in json.loads(sys.argv[2]):
+    out["ok"][line] = str(p.Record(line))
+    assert str(p.Record(out["ok"][line])) == out["ok"][line]
+for line in json.loads(sys.argv[3]):
+    try:
+        p.Record(line)
+        out["bad"][line] = None
+    except p.TraceError as e:
+        out["bad"][line] = str(e)
+r = p.Record(sys.argv[4])
+assert r.layers == [(1, 1)]
+# (step, tap, layer or None: any layer) -> kept
+for (s, tap, l), kept in [((0, "q", None), True), ((0, "q", 0), False), ((0, "q", 1), True),
+                          ((0, "l_out", 0), True), ((0, "embd", None), True),
+                          ((1, "q", None), False), ((1, "q", 1), False),
+                          ((1, "l_out", 0), True), ((1, "embd", None), False)]:
+    assert r.wants(s, tap, l) == kept, (s, tap, l)
+    assert (l is not None) or r.wants(s, tap) == kept, (s, tap)
+assert p.Record("taps=l_out;full=0").wants(0, "q", 0)
+d = tempfile.mkdtemp()
+w = p.TraceWriter(d + "/t", record=r)
+w.step([1, 2], [0, 1])
+assert w.wants("q") and w.wants("q", 1) and not w.wants("q", 0) and w.wants("l_out", 0)
+x = np.ones((2, 4, 8), np.float32)
+w.tap(0, "q", x)
+w.tap(1, "q", x)
+w.step([3], [2])
+assert not w.wants("q") and not w.wants("q", 1) and w.wants("l_out", 1)
+w.tap(1, "q", x[:1])
+m = w.finish()
+assert [(e["step"], e["tap"], e["layer"]) for e in m["tensors"]] == [(0, "q", 1)], m
+assert m["record"] == sys.argv[4]
+print(json.dumps(out))
+"#;
+    let good = [
+        LAYERS,
+        " layers = 3,1-2, 7 ; full=0;taps=l_out",
+        "kq_rows=4;layers=0;full=1-2;kq_heads=1",
+    ];
+    let bad = [
+        (
+            "layers=x",
+            "layers: 'x' is not a layer number or a range a-b",
+        ),
+        ("layers=5-2", "layers: the range 5-2 runs backwards"),
+        ("full=0;layers=", "layers: no layer number given"),
+        ("layers=1;full=0;layers=1", "'layers' is given twice"),
+        (
+            "layer=1",
+            "unknown part 'layer' (taps=…;full=…;layers=…;kq_heads=…;kq_rows=…)",
+        ),
+    ];
+    let lines = |v: Vec<&str>| serde_json::to_string(&v).unwrap();
+    let o = std::process::Command::new(&py)
+        .arg("-c")
+        .arg(script)
+        .arg(root().join("bindings/python"))
+        .arg(lines(good.to_vec()))
+        .arg(lines(bad.iter().map(|(l, _)| *l).collect()))
+        .arg(LAYERS)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let said: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(said["ok"][good[1]], "taps=l_out;full=0;layers=1-3,7");
+    assert_eq!(
+        said["ok"][good[2]],
+        "taps=all;full=1-2;layers=0;kq_heads=1;kq_rows=4"
+    );
+    for line in good {
+        let rust = parity_trace::Record::parse(line).unwrap().to_string();
+        assert_eq!(said["ok"][line], rust, "{line}");
+    }
+    for (line, says) in bad {
+        let e = said["bad"][line]
+            .as_str()
+            .unwrap_or_else(|| panic!("{line} accepted"));
+        assert_eq!(e, says, "{line}");
+        let rust = parity_trace::Record::parse(line).unwrap_err();
+        assert_eq!(e, rust, "{line}");
+    }
+}
+
+/// golden/tiny-llama-q8_0's prompt ids and forced decode ids, comma-separated.
+fn tiny_golden_ids() -> (String, String) {
+    let m = manifest(&root().join("golden/tiny-llama-q8_0"));
+    let steps = m["steps"].as_array().unwrap();
+    let ids = |s: &serde_json::Value| -> Vec<String> {
+        s["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.to_string())
+            .collect()
+    };
+    let forced: Vec<String> = steps[1..].iter().flat_map(ids).collect();
+    (ids(&steps[0]).join(","), forced.join(","))
+}
+
+/// llama.cpp's golden recorded to a plan kept to one layer (`golden --record …;layers=1`)
+/// stores what the numpy engine stores to that plan, the same entries, with the values of an
+/// unplanned golden of the same ids, bit for bit; its self-checks run where their inputs are
+/// (layer 1's residual sums on layer 0's `l_out`, its attention) and pass. `diff` of it
+/// against the numpy engine's trace to the same plan passes clean, and a bug is caught.
+#[test]
+#[cfg_attr(not(parity_llama_cpp), ignore = "needs llama-cpp-python (.venv)")]
+fn a_golden_recorded_to_a_layers_plan_keeps_its_whole_step_at_those_layers_only() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    const PLAN: &str = "taps=l_out,result_norm,logits;full=0;layers=1";
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let model = model.to_str().unwrap();
+    let (prompt, forced) = tiny_golden_ids();
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = |name: &str, plan: Option<&str>| {
+        let out = tmp.path().join(name);
+        let mut args = vec![
+            "golden",
+            model,
+            "--tokens",
+            &prompt,
+            "--forced",
+            &forced,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(p) = plan {
+            args.extend(["--record", p]);
+        }
+        let o = parity(&args);
+        assert!(o.status.success(), "{plan:?}: {}", show(&o));
+        assert!(stdout(&o).contains("self-check"), "{}", show(&o));
+        out
+    };
+    let whole = golden("whole", None);
+    let planned = golden("planned", Some(PLAN));
+    assert_eq!(manifest(&planned)["record"], PLAN);
+    assert_kept_of(
+        &planned,
+        &whole,
+        |k| kept_at_layer_1(&["l_out", "result_norm", "logits"], k),
+        "llama.cpp",
+    );
+    let check = &manifest(&planned)["producer"]["settings"]["self_check"];
+    assert_eq!(check["failed"], 0, "{check}");
+    for kind in [
+        "ffn_inp=l_in+attn_out",
+        "kq_soft_max=softmax(q.k*scale)",
+        "kqv_out=P.V",
+    ] {
+        assert!(
+            check["worst_rel_err"].get(kind).is_some(),
+            "{kind}: {check}"
+        );
+    }
+
+    let engine = tmp.path().join("engine");
+    numpy_engine_trace(&py, model, &planned, &engine, None, &["--record", PLAN]);
+    assert_eq!(entries(&engine), entries(&planned));
+    let (code, first) = judged(&planned, &engine);
+    assert_eq!(code, Some(0), "{first:#}");
+    for flags in [["--rms-eps", "1e-3"], ["--attn-scale", "0.1"]] {
+        let bug = tmp.path().join(format!("bug{}", &flags[0][2..]));
+        let mut args = flags.to_vec();
+        args.extend(["--record", PLAN]);
+        numpy_engine_trace(&py, model, &planned, &bug, None, &args);
+        let o = parity(&[
+            "diff",
+            planned.to_str().unwrap(),
+            bug.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        eprintln!("{flags:?}: {}", show(&o));
+        let (code, first) = judged(&planned, &bug);
+        assert_eq!(code, Some(1), "{flags:?}: {first:#}");
+    }
 }

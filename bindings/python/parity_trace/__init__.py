@@ -19,9 +19,10 @@ arrays, torch tensors (any device, any float dtype, with or without grad) and ml
 are accepted; torch and mlx are never imported unless such an array is given. The same checks as
 parity's Rust TraceWriter refuse a wrong name, layer, shape or a repeated tap.
 
-A recording plan (`record=`, else PARITY_RECORD: `taps=l_out,logits;full=3;kq_heads=0-1;
-kq_rows=40-47`) is honoured without a change to the engine: taps it leaves out are dropped, and
-kq_soft_max, handed over whole, is stored cut to the plan's heads and rows (rows named by
+A recording plan (`record=`, else PARITY_RECORD: `taps=l_out,logits;full=3;layers=5;
+kq_heads=0-1;kq_rows=40-47`) is honoured without a change to the engine: taps it leaves out are
+dropped (`layers=`: at a whole step, the per-layer taps outside `taps=` are kept at those layers
+only; `wants(name, layer)` says so to an engine that skips computing them), and kq_soft_max, handed over whole, is stored cut to the plan's heads and rows (rows named by
 position; its manifest entry lists them as "heads" and "rows"), or not at all at a step that
 keeps none of them.
 
@@ -99,9 +100,11 @@ def _shown(text):
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:60])
 
 
-# The plan's lists of numbers (`full`, `kq_heads`, `kq_rows`): what an item of each names.
-_LISTS = {"full": "a step number", "kq_heads": "a head number", "kq_rows": "a position"}
-_PARTS = "taps=…;full=…;kq_heads=…;kq_rows=…"
+# The plan's lists of numbers (`full`, `layers`, `kq_heads`, `kq_rows`): what an item of each
+# names, in the order the canonical line prints them.
+_LISTS = {"full": "a step number", "layers": "a layer number", "kq_heads": "a head number",
+          "kq_rows": "a position"}
+_PARTS = "taps=…;full=…;layers=…;kq_heads=…;kq_rows=…"
 # Bounds of a plan's lists, as parity's: the largest number an item may name (a position or
 # layer index a manifest may hold) and the most items a list may have.
 _MAX_NUMBER, _MAX_ITEMS = 1 << 24, 4096
@@ -143,16 +146,18 @@ def _printed(ranges):
 
 
 class Record:
-    """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8;kq_heads=0-3;kq_rows=40-47`:
-    the taps kept at every step (a scan; left out: all), the steps kept whole, and the heads and
-    rows (by position) of kq_soft_max kept wherever it is kept (left out: all). The same grammar
-    as parity's (the Rust crate's `parity_trace::Record`); a bad plan raises TraceError, one line
-    naming its part."""
+    """A recording plan, `taps=l_out,result_norm,logits;full=3,7-8;layers=5;kq_heads=0-3;
+    kq_rows=40-47`: the taps kept at every step (a scan; left out: all), the steps kept whole,
+    the layers a whole step keeps every tap of (left out: all; the others keep `taps=`'s, and
+    the graph-wide taps are kept whole), and the heads and rows (by position) of kq_soft_max
+    kept wherever it is kept (left out: all). The same grammar as parity's (the Rust crate's
+    `parity_trace::Record`); a bad plan raises TraceError, one line naming its part."""
 
     def __init__(self, line):
         self.taps, self.full = None, []
-        # kq_soft_max's heads and rows (positions) kept, as merged ranges; None: all of them.
-        self.kq_heads = self.kq_rows = None
+        # The layers a whole step keeps every tap of, and kq_soft_max's heads and rows
+        # (positions) kept, as merged ranges; None: all of them.
+        self.layers = self.kq_heads = self.kq_rows = None
         seen = set()
         for part in (p.strip() for p in line.split(";")):
             if not part:
@@ -160,7 +165,7 @@ class Record:
             if "=" not in part:
                 raise TraceError(f"'{_shown(part)}' is not key=value (taps=l_out,logits;full=3)")
             key, value = (x.strip() for x in part.split("=", 1))
-            if key not in ("taps", "full", "kq_heads", "kq_rows"):
+            if key != "taps" and key not in _LISTS:
                 raise TraceError(f"unknown part '{_shown(key)}' ({_PARTS})")
             if key in seen:
                 raise TraceError(f"'{key}' is given twice")
@@ -197,9 +202,14 @@ class Record:
     def full_step(self, step):
         return any(a <= step <= b for a, b in self.full)
 
-    def wants(self, step, tap):
-        """Whether `tap` is kept at `step` (kq_soft_max: some of it, see kq_cut)."""
-        return self.full_step(step) or self.taps is None or tap in self.taps
+    def wants(self, step, tap, layer=None):
+        """Whether `tap` is kept at `step` (kq_soft_max: some of it, see kq_cut): at layer
+        `layer`, or, without one (and for a graph-wide tap), at any layer."""
+        if self.taps is None or tap in self.taps:
+            return True
+        if not self.full_step(step):
+            return False
+        return layer is None or self.layers is None or any(a <= layer <= b for a, b in self.layers)
 
     def cuts(self):
         """Whether the plan keeps only some heads or rows of kq_soft_max."""
@@ -221,7 +231,7 @@ class Record:
     def __str__(self):
         taps = "all" if self.taps is None else ",".join(t for t in TAPS if t in self.taps)
         line = f"taps={taps}"
-        for key in ("full", "kq_heads", "kq_rows"):
+        for key in _LISTS:
             ranges = getattr(self, key)
             if ranges:
                 line += f";{key}={_printed(ranges)}"
@@ -240,7 +250,8 @@ class TraceWriter:
         it leaves out are accepted by tap() and not stored, so an engine honours the zoom
         `parity diff` asks for without a change; wants(name) lets it skip computing them. Its
         kq_heads/kq_rows cut kq_soft_max (given whole, head-major or declared token-major)
-        to those heads and rows."""
+        to those heads and rows; its layers keep a whole step's per-layer taps at those layers
+        only (wants(name, layer))."""
         if isinstance(record, str):
             record = Record(record)
         self.record = record if record is not None else Record.from_env()
@@ -274,8 +285,10 @@ class TraceWriter:
             self.layouts[tap] = layout
         self.steps, self.tensors, self.seen = [], [], set()
 
-    def wants(self, name):
-        """Whether the current step keeps tap `name` under the recording plan."""
+    def wants(self, name, layer=None):
+        """Whether the current step keeps tap `name` under the recording plan: at layer
+        `layer`, or, without one, at any layer (a plan's `layers=` keeps a whole step's other
+        per-layer taps at some layers only)."""
         if self.record is None or not self.steps:
             return True
         s = self.steps[-1]
@@ -283,7 +296,7 @@ class TraceWriter:
             # no row of this step kept: kq_soft_max is not written here
             if not self.record.kq_cut(s["positions"], 0)[1]:
                 return False
-        return self.record.wants(s["step"], name)
+        return self.record.wants(s["step"], name, layer)
 
     @staticmethod
     def _layout_axis(name, layout):
@@ -321,7 +334,7 @@ class TraceWriter:
             raise TraceError(f"tap '{name}' " + ("cannot have" if name in GRAPH_WIDE else "needs")
                              + " a layer")
         layer = None if layer is None else int(layer)
-        if not self.wants(name):
+        if not self.wants(name, layer):
             return
         a = np.asarray(to_numpy(data), dtype=np.float32)
         if shape is not None:
