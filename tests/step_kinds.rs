@@ -1642,25 +1642,74 @@ fn a_golden_recorded_to_a_layers_plan_keeps_its_whole_step_at_those_layers_only(
         );
     }
 
+    // The numpy engine to the same plan: the same entries; judged op by op against it, every
+    // key the plan keeps (layer 1's ops on their own, layer 0 as the span up to its l_out).
     let engine = tmp.path().join("engine");
     numpy_engine_trace(&py, model, &planned, &engine, None, &["--record", PLAN]);
     assert_eq!(entries(&engine), entries(&planned));
-    let (code, first) = judged(&planned, &engine);
-    assert_eq!(code, Some(0), "{first:#}");
-    for flags in [["--rms-eps", "1e-3"], ["--attn-scale", "0.1"]] {
-        let bug = tmp.path().join(format!("bug{}", &flags[0][2..]));
-        let mut args = flags.to_vec();
-        args.extend(["--record", PLAN]);
-        numpy_engine_trace(&py, model, &planned, &bug, None, &args);
+    let report = |trace: &Path| {
         let o = parity(&[
             "diff",
             planned.to_str().unwrap(),
-            bug.to_str().unwrap(),
+            trace.to_str().unwrap(),
             "--json",
             "-",
         ]);
-        eprintln!("{flags:?}: {}", show(&o));
-        let (code, first) = judged(&planned, &bug);
-        assert_eq!(code, Some(1), "{flags:?}: {first:#}");
+        let r: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+        (o.status.code(), own_inputs(&r).clone())
+    };
+    // (step, layer, tap) of each key judged, and whether it passed, in the judge's order.
+    let judged_keys = |own: &serde_json::Value| -> Vec<((u64, Option<u64>, String), bool)> {
+        own["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let k = &r["key"];
+                let key = (
+                    k["step"].as_u64().unwrap(),
+                    k["layer"].as_u64(),
+                    k["tap"].as_str().unwrap().to_string(),
+                );
+                (key, r["pass"] == true)
+            })
+            .collect()
+    };
+    let (code, own) = report(&engine);
+    assert_eq!(code, Some(0), "{own:#}");
+    let mut keys: Vec<_> = judged_keys(&own)
+        .into_iter()
+        .map(|((s, l, t), _)| (s, t, l))
+        .collect();
+    keys.sort();
+    assert_eq!(keys, entries(&planned).into_keys().collect::<Vec<_>>());
+    // A bug from layer 0 on: first seen at layer 0's l_out, the one tap kept there; in layer 1,
+    // kept whole, the first op out of its floor is the op the bug is in.
+    for (flags, op) in [
+        (["--rms-eps", "1e-3"], "attn_norm"),
+        (["--attn-scale", "0.1"], "kq_soft_max"),
+    ] {
+        let bug = tmp.path().join(format!("bug-{op}"));
+        let mut args = flags.to_vec();
+        args.extend(["--record", PLAN]);
+        numpy_engine_trace(&py, model, &planned, &bug, None, &args);
+        let (code, own) = report(&bug);
+        assert_eq!(code, Some(1), "{flags:?}: {own:#}");
+        let key = &own["first_divergence"]["at"]["key"];
+        assert_eq!(
+            (&key["step"], &key["layer"], &key["tap"]),
+            (
+                &serde_json::json!(0),
+                &serde_json::json!(0),
+                &serde_json::json!("l_out")
+            ),
+            "{flags:?}: {own:#}"
+        );
+        let first_in_layer_1 = judged_keys(&own)
+            .into_iter()
+            .find(|((s, l, _), pass)| *s == 0 && *l == Some(1) && !pass)
+            .map(|((_, _, t), _)| t);
+        assert_eq!(first_in_layer_1.as_deref(), Some(op), "{flags:?}: {own:#}");
     }
 }
