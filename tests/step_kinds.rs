@@ -1660,7 +1660,8 @@ fn a_golden_recorded_to_a_layers_plan_keeps_its_whole_step_at_those_layers_only(
         (o.status.code(), own_inputs(&r).clone())
     };
     // (step, layer, tap) of each key judged, and whether it passed, in the judge's order.
-    let judged_keys = |own: &serde_json::Value| -> Vec<((u64, Option<u64>, String), bool)> {
+    type Key = (u64, Option<u64>, String);
+    let judged_keys = |own: &serde_json::Value| -> Vec<(Key, bool)> {
         own["results"]
             .as_array()
             .unwrap()
