@@ -418,6 +418,11 @@ fn a_manifest_whose_cut_does_not_hold_is_refused_in_one_line() {
             Box::new(move |m| m["tensors"][i]["heads"] = serde_json::json!([])),
             "at least one",
         ),
+        (
+            "a head the model does not have",
+            Box::new(move |m| m["tensors"][i]["heads"] = serde_json::json!([1, 99])),
+            "the manifest lists head 99 kept, and the model has 4 heads",
+        ),
     ];
     for (what, edit, says) in cases {
         let t = tmp.path().join("crafted");

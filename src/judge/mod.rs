@@ -65,6 +65,12 @@ pub enum JudgeError {
     },
     #[error("{key}: the model has only {n_layer} layers")]
     NoSuchLayer { key: TapKey, n_layer: usize },
+    #[error("{key}: the manifest lists head {head} kept, and the model has {n_head} heads")]
+    NoSuchHead {
+        key: TapKey,
+        head: usize,
+        n_head: usize,
+    },
     #[error("the candidate has tensors for step {0} but its manifest lists no such step")]
     MissingStep(usize),
     #[error("manifest layouts: {what}")]
@@ -916,6 +922,19 @@ fn checked_steps(model: &Model, trace: &Trace, cand: &Candidate) -> Result<Vec<u
             return Err(JudgeError::NoSuchLayer {
                 key: *k,
                 n_layer: model.config.n_layer,
+            });
+        }
+        // A cut's heads are checked against the stored axis on load; here against the model.
+        let n_head = model.config.n_head;
+        if let Some(head) = trace
+            .cut(k)
+            .and_then(|c| c.heads)
+            .and_then(|h| h.into_iter().find(|&h| h >= n_head))
+        {
+            return Err(JudgeError::NoSuchHead {
+                key: *k,
+                head,
+                n_head,
             });
         }
     }
