@@ -1329,43 +1329,8 @@ fn a_golden_recorded_to_a_cut_plan_keeps_kq_soft_max_s_heads_and_rows() {
     };
     let model = root().join("fixtures/tiny-llama-q8_0.gguf");
     let model = model.to_str().unwrap();
-    let m = manifest(&root().join("golden/tiny-llama-q8_0"));
-    let steps = m["steps"].as_array().unwrap();
-    let ids = |s: &serde_json::Value| -> Vec<String> {
-        s["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.to_string())
-            .collect()
-    };
-    let prompt = ids(&steps[0]).join(",");
-    let forced = steps[1..]
-        .iter()
-        .flat_map(ids)
-        .collect::<Vec<_>>()
-        .join(",");
     let tmp = tempfile::tempdir().unwrap();
-    let golden = |name: &str, plan: Option<&str>| {
-        let out = tmp.path().join(name);
-        let mut args = vec![
-            "golden",
-            model,
-            "--tokens",
-            &prompt,
-            "--forced",
-            &forced,
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        if let Some(p) = plan {
-            args.extend(["--record", p]);
-        }
-        let o = parity(&args);
-        assert!(o.status.success(), "{plan:?}: {}", show(&o));
-        assert!(stdout(&o).contains("self-check"), "{}", show(&o));
-        out
-    };
+    let golden = |name: &str, plan: Option<&str>| planned_golden(&tmp.path().join(name), plan);
     let whole = golden("whole", None);
     let cut = golden("cut", Some(CUT));
     assert_cut_of(&cut, &whole, "llama.cpp");
@@ -1581,6 +1546,30 @@ fn tiny_golden_ids() -> (String, String) {
     (ids(&steps[0]).join(","), forced.join(","))
 }
 
+/// llama.cpp's golden of the tiny Q8_0 fixture's golden ids at `out`, to `plan` (None: every
+/// tap); its self-checks must run and pass.
+fn planned_golden(out: &Path, plan: Option<&str>) -> std::path::PathBuf {
+    let model = root().join("fixtures/tiny-llama-q8_0.gguf");
+    let (prompt, forced) = tiny_golden_ids();
+    let mut args = vec![
+        "golden",
+        model.to_str().unwrap(),
+        "--tokens",
+        &prompt,
+        "--forced",
+        &forced,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    if let Some(p) = plan {
+        args.extend(["--record", p]);
+    }
+    let o = parity(&args);
+    assert!(o.status.success(), "{plan:?}: {}", show(&o));
+    assert!(stdout(&o).contains("self-check"), "{}", show(&o));
+    out.to_path_buf()
+}
+
 /// llama.cpp's golden recorded to a plan kept to one layer (`golden --record …;layers=1`)
 /// stores what the numpy engine stores to that plan, the same entries, with the values of an
 /// unplanned golden of the same ids, bit for bit; its self-checks run where their inputs are
@@ -1598,28 +1587,8 @@ fn a_golden_recorded_to_a_layers_plan_keeps_its_whole_step_at_those_layers_only(
     const PLAN: &str = "taps=l_out,result_norm,logits;full=0;layers=1";
     let model = root().join("fixtures/tiny-llama-q8_0.gguf");
     let model = model.to_str().unwrap();
-    let (prompt, forced) = tiny_golden_ids();
     let tmp = tempfile::tempdir().unwrap();
-    let golden = |name: &str, plan: Option<&str>| {
-        let out = tmp.path().join(name);
-        let mut args = vec![
-            "golden",
-            model,
-            "--tokens",
-            &prompt,
-            "--forced",
-            &forced,
-            "--out",
-            out.to_str().unwrap(),
-        ];
-        if let Some(p) = plan {
-            args.extend(["--record", p]);
-        }
-        let o = parity(&args);
-        assert!(o.status.success(), "{plan:?}: {}", show(&o));
-        assert!(stdout(&o).contains("self-check"), "{}", show(&o));
-        out
-    };
+    let golden = |name: &str, plan: Option<&str>| planned_golden(&tmp.path().join(name), plan);
     let whole = golden("whole", None);
     let planned = golden("planned", Some(PLAN));
     assert_eq!(manifest(&planned)["record"], PLAN);
