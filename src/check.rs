@@ -1048,15 +1048,10 @@ fn judge_golden(model: &Model, golden: &(PathBuf, Trace)) -> Result<Judged, Chec
         // Its tie twins are still tried, as for any engine.
         opt.judge.roundings = vec![backend::Emulation::GgmlCpu];
     }
-    let d = crate::judge::verdict::diff(g, g, Some(model), &opt)?;
-    let j = d.judgement.as_ref().expect("judged with the model");
-    let label = format!(
-        "{}/{}",
-        g.manifest.producer.name, g.manifest.producer.backend
-    );
-    // Against itself end to end: the verdict is the judgement's alone, and the comparison
+    // Against itself end to end: the verdict is the judgement's alone, and its comparison
     // diverges exactly when it does.
-    let c = crate::judge::verdict::own_comparison(j, &d.verdict, &d.e2e, &label);
+    let d = crate::judge::verdict::diff(g, g, Some(model), &opt)?;
+    let c = d.own.expect("judged with the model");
     Ok(Judged {
         comparison: c,
         against_golden: true,

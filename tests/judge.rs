@@ -141,7 +141,7 @@ fn goldens_judged_as_candidates_pass(pairs: Vec<(PathBuf, PathBuf)>) {
             j.passed(),
             "{}: llama.cpp's own trace flagged: {}",
             gp.display(),
-            judge::render(&j)
+            parity::report::judgement(&j)
         );
         // Every key judged on its own (goldens dump every tap), nothing left unjudged.
         assert_eq!(j.ops.len(), g.keys().count(), "{}", gp.display());
@@ -165,7 +165,11 @@ fn catalog_dense(name: &str, rounding: Emulation) {
     let (model, g) = fixture(name);
     let clean = engine_trace(&model, &g, None, rounding, |_| true);
     let j = judged(&model, &clean);
-    assert!(j.passed(), "{name} clean: {}", judge::render(&j));
+    assert!(
+        j.passed(),
+        "{name} clean: {}",
+        parity::report::judgement(&j)
+    );
     assert_eq!(
         j.rounding,
         rounding_seen(&model, rounding),
@@ -249,7 +253,11 @@ fn catalog_through_a_sparse_trace_lands_on_the_layer() {
         let (model, g) = fixture(name);
         let clean = engine_trace(&model, &g, None, rounding, sparse);
         let j = judged(&model, &clean);
-        assert!(j.passed(), "{name} sparse clean: {}", judge::render(&j));
+        assert!(
+            j.passed(),
+            "{name} sparse clean: {}",
+            parity::report::judgement(&j)
+        );
         assert!(j.ops.iter().any(|o| o.span_ops > 1));
         // What a sparse dump cannot see is said with the verdict, and only there.
         let limits = j.limits();
@@ -327,7 +335,11 @@ fn declared_head_major_q_rope_passes_undeclared_is_named_layout() {
         .layouts
         .insert("q_rope".into(), "head-major".into());
     let j = judged(&model, &t);
-    assert!(j.passed(), "declared layout: {}", judge::render(&j));
+    assert!(
+        j.passed(),
+        "declared layout: {}",
+        parity::report::judgement(&j)
+    );
     assert_eq!(j.aligned, vec!["q_rope: head-major".to_string()]);
 }
 
@@ -499,13 +511,13 @@ fn a_bug_under_a_span_floor_is_found_by_experiment() {
     let g = Trace::open(root().join("golden/TinyStories-656K-Q8_0")).unwrap();
     let clean = engine_trace(&model, &g, None, Emulation::None, sparse);
     let j = judged(&model, &clean);
-    assert!(j.passed(), "clean: {}", judge::render(&j));
+    assert!(j.passed(), "clean: {}", parity::report::judgement(&j));
     assert!(
         j.below_floor
             .iter()
             .all(|b| b.cut() < judge::hypothesis::EXPLAINS),
         "{}",
-        judge::render(&j)
+        parity::report::judgement(&j)
     );
     let t = engine_trace(
         &model,
@@ -621,14 +633,18 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
     };
     for kv in [KvCache::F32, KvCache::F16] {
         let j = judged(&model, &trace(&kv.name(), None));
-        assert!(j.passed(), "{kv:?} clean: {}", judge::render(&j));
-        assert_eq!(j.kv, kv, "{}", judge::render(&j));
+        assert!(
+            j.passed(),
+            "{kv:?} clean: {}",
+            parity::report::judgement(&j)
+        );
+        assert_eq!(j.kv, kv, "{}", parity::report::judgement(&j));
         let [a, b] = [&j.kv_fits[0], &j.kv_fits[1]];
         // The matching cache reproduces attention to f32 noise; the other sits at f16's
         // rounding, orders above.
         let (hit, miss) = if kv == KvCache::F32 { (a, b) } else { (b, a) };
-        assert!(hit.median_nmse < 1e-13, "{}", judge::render(&j));
-        assert!(miss.median_nmse > 1e-9, "{}", judge::render(&j));
+        assert!(hit.median_nmse < 1e-13, "{}", parity::report::judgement(&j));
+        assert!(miss.median_nmse > 1e-9, "{}", parity::report::judgement(&j));
 
         let j = judged(&model, &trace(&kv.name(), Some("rms-eps-10x")));
         let f = j.first.as_ref().expect("found");
@@ -647,7 +663,7 @@ fn an_f16_kv_cache_is_measured_and_emulated() {
         },
     )
     .unwrap();
-    assert!(j.passed(), "{}", judge::render(&j));
+    assert!(j.passed(), "{}", parity::report::judgement(&j));
 }
 
 /// A prompt of `n` ids and two forced decode steps on `model`, dumped by the reference under

@@ -86,8 +86,12 @@ fn judged(model: &Model, t: &Trace) -> Judgement {
 /// Clean: passes, nothing confirmed, and no hypothesis cut an own error under the floors
 /// anywhere near `EXPLAINS`.
 fn assert_clean(what: &str, j: &Judgement) {
-    assert!(j.passed(), "{what}: flagged\n{}", judge::render(j));
-    let text = judge::render(j);
+    assert!(
+        j.passed(),
+        "{what}: flagged\n{}",
+        parity::report::judgement(j)
+    );
+    let text = parity::report::judgement(j);
     assert!(!text.contains("confirmed"), "{what}: {text}");
     for b in &j.below_floor {
         assert!(b.cut() < hypothesis::EXPLAINS, "{what}: {text}");
@@ -227,10 +231,12 @@ fn a_knob_with_evidence_everywhere_is_confirmed() {
     for (kn, keep) in [("full", all as Keep), ("sparse", sparse)] {
         let t = trace(steps.clone(), tensors.clone(), keep);
         let j = judged(&model, &t);
-        let f = j
-            .first
-            .as_ref()
-            .unwrap_or_else(|| panic!("{kn}: eps 1e-6 not found\n{}", judge::render(&j)));
+        let f = j.first.as_ref().unwrap_or_else(|| {
+            panic!(
+                "{kn}: eps 1e-6 not found\n{}",
+                parity::report::judgement(&j)
+            )
+        });
         assert_eq!(
             f.confirmed.as_deref(),
             Some("rms-eps=1e-6"),
@@ -276,7 +282,7 @@ fn a_layout_does_not_mask_the_bug_after_it() {
         }
         let t = trace(steps, tensors, all);
         let j = judged(&model, &t);
-        let text = judge::render(&j);
+        let text = parity::report::judgement(&j);
         let f = j.first.as_ref().expect("diverged");
         assert_eq!(j.layouts.len(), 1, "{bug:?}: {text}");
         let l = &j.layouts[0];
@@ -322,7 +328,7 @@ fn sparse_q4_0_sites_and_decode_off_by_ones() {
         ] {
             let (steps, tensors) = run(&model, &ids, &forced, Some(m), rounding);
             let j = judged(&model, &trace(steps, tensors, sparse));
-            let text = judge::render(&j);
+            let text = parity::report::judgement(&j);
             let f = j
                 .first
                 .as_ref()

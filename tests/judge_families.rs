@@ -69,14 +69,19 @@ fn assert_clean(model: &Path, golden: &Path, out: &Path, accepted: &[&str], what
 
     let m = Model::open(model).unwrap();
     let j = judge::judge(&m, &Trace::open(out).unwrap(), &JudgeOptions::default()).unwrap();
-    assert!(j.passed(), "{what}: {}", judge::render(&j));
+    assert!(j.passed(), "{what}: {}", parity::report::judgement(&j));
     // One rounding throughout is measured as one (not split by step kind).
-    assert_eq!(j.decode_rounding, None, "{what}: {}", judge::render(&j));
+    assert_eq!(
+        j.decode_rounding,
+        None,
+        "{what}: {}",
+        parity::report::judgement(&j)
+    );
     assert!(
         j.matmul_floor <= TIGHT,
         "{what}: matmul floor {:.0e}: {}",
         j.matmul_floor,
-        judge::render(&j)
+        parity::report::judgement(&j)
     );
 }
 
@@ -259,13 +264,17 @@ fn prefill_and_decode_are_measured_apart() {
         );
         let m = Model::open(&model).unwrap();
         let j = judge::judge(&m, &Trace::open(&out).unwrap(), &JudgeOptions::default()).unwrap();
-        assert!(j.passed(), "{taps}: {}", judge::render(&j));
+        assert!(j.passed(), "{taps}: {}", parity::report::judgement(&j));
         assert_eq!(
             j.decode_rounding,
             Some(parity::backend::Emulation::None),
             "{taps}"
         );
-        assert!(j.matmul_floor <= TIGHT, "{taps}: {}", judge::render(&j));
+        assert!(
+            j.matmul_floor <= TIGHT,
+            "{taps}: {}",
+            parity::report::judgement(&j)
+        );
     }
 }
 
@@ -333,7 +342,7 @@ fn planted_bugs_are_found_under_other_families() {
                 let f = j
                     .first
                     .as_ref()
-                    .unwrap_or_else(|| panic!("{what}: missed: {}", judge::render(&j)));
+                    .unwrap_or_else(|| panic!("{what}: missed: {}", parity::report::judgement(&j)));
                 // With no q/k taps, the HF Q/K row permutation under NORM RoPE *is* NEOX RoPE:
                 // named as an equal, and the text says the trace cannot tell them apart.
                 let named = f.catalog.as_deref() == Some(bug.name())

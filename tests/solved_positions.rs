@@ -94,7 +94,7 @@ fn assert_named(what: &str, j: &judge::Judgement, at: RopeAt, step: usize, tap: 
     let f = j
         .first
         .as_ref()
-        .unwrap_or_else(|| panic!("{what}: missed\n{}", judge::render(j)));
+        .unwrap_or_else(|| panic!("{what}: missed\n{}", parity::report::judgement(j)));
     assert_eq!(
         (f.key.step, f.key.layer, f.key.tap),
         (step, Some(0), tap),

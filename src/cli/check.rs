@@ -211,7 +211,12 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         say(&a, &crate::report::shown::line(&line));
         comparisons.extend(render(&a, z.report, Some(z.zoom.steps[0])));
     }
-    finish_with(&comparisons, &info, &a.report, &inputs)
+    finish_with(
+        &crate::judge::verdict::Outcome::of(comparisons),
+        &info,
+        &a.report,
+        &inputs,
+    )
 }
 
 /// A line of the report: on stdout, or on stderr when the JSON goes to stdout.

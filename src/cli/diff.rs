@@ -273,24 +273,16 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let Some((model_path, model)) = found else {
         // The same library call, without a model: end to end only.
         let d = judge::verdict::diff(&base, &cand, None, &opt)?;
-        let mut c = d.e2e;
-        crate::compare::judge_drift(&mut c, &base, &cand)?;
         show(
-            &c,
+            &d.e2e,
             &format!(
                 "== {} vs {} (end to end only: without the model, parity cannot recompute the candidate's ops; pass --model FILE)",
-                c.candidate, c.baseline
+                d.e2e.candidate, d.e2e.baseline
             ),
             true,
             &a.report,
         );
-        let diverged = c.diverged();
-        let code = finish_with(&[c], &info, &a.report, &inputs)?;
-        return Ok(if d.verdict.diverged || diverged {
-            ExitCode::from(1)
-        } else {
-            code
-        });
+        return finish_with(&d.outcome(), &info, &a.report, &inputs);
     };
 
     let to_stderr = a.report.json.as_deref() == Some(Path::new("-"));
@@ -307,17 +299,19 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
     let d = crate::report::progress::Progress::stage("judging each op", a.report.quiet, || {
         judge::verdict::diff(&base, &cand, Some(&model), &opt)
     })?;
-    let c = d.e2e;
-    let j = d.judgement.expect("judged with the model");
+    let c = &d.e2e;
+    let (Some(j), Some(jc)) = (&d.judgement, &d.own) else {
+        unreachable!("judged with the model")
+    };
     say(&format!(
         "== {} vs {}: end to end (the picture of drift; the verdict is the own-error judgement below)\n{}{}",
         report::shown(&c.candidate),
         report::shown(&c.baseline),
-        report::table_styled(&c, !to_stderr && report::colour_stdout()),
+        report::table_styled(c, !to_stderr && report::colour_stdout()),
         // Drift past the end-to-end tolerances (a NaN in the baseline) is a divergence too.
         // (Token ids that differ are the verdict below.)
         if c.diverged() && c.token_mismatch.is_none() {
-            format!("{}\n", report::verdict(&c))
+            format!("{}\n", report::verdict(c))
         } else {
             String::new()
         }
@@ -328,14 +322,9 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         report::shown(&model_path.display().to_string()),
         model.main_weight_type(),
         t0.elapsed().as_secs_f64(),
-        judge::render(&j)
+        report::judgement(j)
     ));
-    let label = format!(
-        "{}/{}",
-        cand.manifest.producer.name, cand.manifest.producer.backend
-    );
-    let jc = judge::verdict::own_comparison(&j, &d.verdict, &c, &label);
-    show(&jc, "== verdict", false, &a.report);
+    show(jc, "== verdict", false, &a.report);
     // The logits' agreement end to end, as a statistic beside the verdict.
     if let Some(l) = c.logits.last() {
         say(&format!(
@@ -343,18 +332,8 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
             l.kld_mean, l.top1_agree, l.rows
         ));
     }
-    // Both go to the reports (JSON, HTML, snapshot): the judgement first (it names the
-    // cause), the end-to-end comparison as the drift picture with the logit statistics. The
-    // end-to-end thresholds sit above llama.cpp's own spread, so drift beyond them is a
-    // finding of its own even when every op is within its floor. The exit code is the
-    // verdict's (the reports count the same divergences; a moved gate snapshot adds exit 1).
     inputs.push((&model_path, "the model"));
-    let code = finish_with(&[jc, c], &info, &a.report, &inputs)?;
-    Ok(if d.verdict.diverged {
-        ExitCode::from(1)
-    } else {
-        code
-    })
+    finish_with(&d.outcome(), &info, &a.report, &inputs)
 }
 
 fn parse_kv(s: &str) -> std::result::Result<judge::replay::KvCache, String> {

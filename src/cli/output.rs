@@ -5,6 +5,7 @@
 use super::{Result, err, repo_root};
 use crate::compare::Comparison;
 use crate::gguf::GgufFile;
+use crate::judge::verdict::Outcome;
 use crate::model::sha256_hex;
 use crate::model::tokenizer::Tokenizer;
 use crate::report::{self, RunInfo, snapshot};
@@ -214,12 +215,12 @@ fn command() -> String {
     }
 }
 
-/// Write the requested reports, run the gate, print the verdict line; exit 1 when a comparison
-/// diverged or the gate found numerics that moved.
+/// Render a run's outcome: write the requested reports, run the gate, print the verdict line;
+/// the exit code is the outcome's (`Outcome::exit_code`, given what the gate found).
 /// `inputs` are every path the run read (asked again here: `check` finds its golden only
 /// while it runs).
 pub fn finish_with(
-    comparisons: &[Comparison],
+    outcome: &Outcome,
     info: &RunInfo,
     out: &ReportArgs,
     inputs: &[(&Path, &str)],
@@ -237,6 +238,7 @@ pub fn finish_with(
         })?),
         None => None,
     };
+    let comparisons = &outcome.comparisons[..];
     let mut info = info.clone();
     let decoded;
     let comparisons = if out.html.is_some() || out.json.is_some() {
@@ -342,24 +344,19 @@ pub fn finish_with(
             ));
         }
     }
-    let diverged = comparisons.iter().filter(|c| c.diverged()).count();
+    let diverged = outcome.diverged();
     if diverged > 0 {
         say(format!(
             "verdict: {} of {} comparisons diverged",
             diverged,
             comparisons.len()
         ));
-        Ok(ExitCode::from(1))
     } else {
         say(format!(
             "verdict: {} ({} comparisons)",
             paint("parity", AnsiColor::Green),
             comparisons.len()
         ));
-        Ok(if moved_any {
-            ExitCode::from(1)
-        } else {
-            ExitCode::SUCCESS
-        })
     }
+    Ok(ExitCode::from(outcome.exit_code(moved_any)))
 }

@@ -124,11 +124,61 @@ pub fn verdict(e2e: &Comparison, j: Option<&Judgement>) -> Verdict {
 }
 
 /// Everything `diff` concluded: the end-to-end comparison (the picture of drift), the
-/// judgement (None without the model), and the verdict drawn from both.
+/// judgement (None without the model), the verdict drawn from both, and the judgement as a
+/// comparison (`own_comparison`, labelled with the candidate's producer).
 pub struct Diffed {
     pub e2e: Comparison,
     pub judgement: Option<Judgement>,
     pub verdict: Verdict,
+    pub own: Option<Comparison>,
+}
+
+impl Diffed {
+    /// What every report of this `diff` renders and its exit code follows: the judgement
+    /// first (it names the cause), then the end-to-end comparison as the picture of drift
+    /// (whose tolerances sit above llama.cpp's own spread, so drift past them is a finding
+    /// of its own even when every op is within its floor).
+    pub fn outcome(&self) -> Outcome {
+        Outcome {
+            comparisons: self.own.iter().chain([&self.e2e]).cloned().collect(),
+            verdict: Some(self.verdict.clone()),
+        }
+    }
+}
+
+/// Every decision of a comparison run (`diff`, `check`), for `report` to render in each
+/// format: the comparisons in the reports' order, `diff`'s verdict, and the exit code.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub comparisons: Vec<Comparison>,
+    /// `diff`'s verdict; None for `check`, whose comparisons are the verdict.
+    pub verdict: Option<Verdict>,
+}
+
+impl Outcome {
+    /// A run whose comparisons are its verdict (`check`).
+    pub fn of(comparisons: Vec<Comparison>) -> Outcome {
+        Outcome {
+            comparisons,
+            verdict: None,
+        }
+    }
+
+    /// How many comparisons diverged.
+    pub fn diverged(&self) -> usize {
+        self.comparisons.iter().filter(|c| c.diverged()).count()
+    }
+
+    /// A divergence was found: by the verdict, or by any comparison.
+    pub fn failed(&self) -> bool {
+        self.verdict.as_ref().is_some_and(|v| v.diverged) || self.diverged() > 0
+    }
+
+    /// 1 for a divergence, or for numerics that moved against the CI gate's snapshot
+    /// (`gate_moved`), else 0.
+    pub fn exit_code(&self, gate_moved: bool) -> u8 {
+        u8::from(self.failed() || gate_moved)
+    }
 }
 
 /// `parity diff BASELINE CANDIDATE` as a library call. A layout the candidate declares is
@@ -149,14 +199,25 @@ pub fn diff(
         Some(m) => Some(judge(m, cand, &opt.judge)?),
         None => None,
     };
-    if let (Some(m), Some(j)) = (model, &judgement) {
-        follow_the_rounding(&mut e2e, baseline, shown, m, j)?;
+    match (model, &judgement) {
+        (Some(m), Some(j)) => follow_the_rounding(&mut e2e, baseline, shown, m, j)?,
+        // Without the model the drift is all the evidence there is: every tap held to its
+        // end-to-end threshold, the first over it the divergence.
+        _ => crate::compare::judge_drift(&mut e2e, baseline, shown)?,
     }
     let verdict = verdict(&e2e, judgement.as_ref());
+    let label = format!(
+        "{}/{}",
+        cand.manifest.producer.name, cand.manifest.producer.backend
+    );
+    let own = judgement
+        .as_ref()
+        .map(|j| own_comparison(j, &verdict, &e2e, &label));
     Ok(Diffed {
         e2e,
         judgement,
         verdict,
+        own,
     })
 }
 

@@ -1,15 +1,18 @@
 //! Renders comparisons: for people (a per-layer table coloured by closeness to the threshold, a
 //! one-paragraph verdict, an HTML page), for machines (a versioned JSON schema) and for CI (a
-//! bucketed snapshot and the gate against it). Knows compare and trace only.
+//! bucketed snapshot and the gate against it); a judgement's own text (judgement.rs). Decides
+//! nothing: what diverged and the exit code are the run's `judge::verdict::Outcome`.
 
 pub mod html;
 pub mod info;
 pub mod json;
+pub mod judgement;
 pub mod progress;
 pub mod shown;
 pub mod snapshot;
 
 pub use info::{RunInfo, TraceInfo};
+pub use judgement::judgement;
 pub use shown::shown;
 
 use crate::compare::{Comparison, PairKind};
