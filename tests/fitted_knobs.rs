@@ -294,9 +294,10 @@ fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
 /// other rounding and cache, against that setup's own clean replay, and the trace judged
 /// again under the one that explains it. On 52555f2's code none of the ten was named (eight
 /// missed, exit 0; two unnamed, one of them placed at step 3); the clean engines pass. The
-/// last four were missed (exit 0) on a76c357: where no cache reproduces the attention (the
+/// next four were missed (exit 0) on a76c357: where no cache reproduces the attention (the
 /// best fit 1.2e-5, a clean trace's 0) and nothing cuts 2×, each cache is tried with every
-/// knob fitted again under it (`judge::under_other_caches`).
+/// knob fitted again under it (`judge::under_other_caches`); the last two on 7342566, where
+/// the layers' rounding was hidden too (under the measured one's tie twin, each cache).
 #[test]
 #[cfg_attr(
     not(parity_gguf_py),
@@ -312,7 +313,7 @@ fn a_knob_hidden_by_the_engine_s_cache_is_fitted_under_it() {
     let model = dir.join("TinyStories-656K-Q8_0.gguf");
     let golden = root().join("golden/TinyStories-656K-Q8_0");
     // (the engine's rounding and cache, its wrong value, the fitted name)
-    let cases: [(&str, &str, [&str; 2], &str); 14] = [
+    let cases: [(&str, &str, [&str; 2], &str); 16] = [
         ("q8k", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
         ("ggml", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
         ("none", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
@@ -336,6 +337,9 @@ fn a_knob_hidden_by_the_engine_s_cache_is_fitted_under_it() {
         // The layers' rounding hidden (ggml-cpu measured, ggml's reference quantizers used):
         // judged again under the screen's rounding, which its tie twin no longer replaces.
         ("q8_1", "f32", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        // Both hidden: each cache tried under the measured rounding's tie twin too.
+        ("ggml-scalar", "f16", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
+        ("q8_1", "q8_0", ["--rms-eps", "1e-3"], "rms-eps=1e-3"),
     ];
     let mut clean_done: Vec<(&str, &str)> = Vec::new();
     for (rounding, kv, set, name) in cases {

@@ -1233,7 +1233,8 @@ const CACHE_UNSURE: f64 = 1e-6;
 /// bug's own effect drowns in the cache's rounding (eps 1e-3 cuts 1.1×). At each check (the
 /// first that explains one stands) every hypothesis is tried again under each other cache, each knob
 /// fitted there, and held against that cache's own clean replay as `under_other_setups` holds
-/// them; the layers' rounding stays the measured one (a matmul is judged on its own inputs).
+/// them; under the measured rounding of the layers and its tie twins (a matmul is judged on its
+/// own inputs, so no other family is in question).
 fn under_other_caches(
     model: &Model,
     cand: &Candidate,
@@ -1242,32 +1243,54 @@ fn under_other_caches(
     c: &hypothesis::BelowFloor,
     opt: &JudgeOptions,
 ) -> Result<Option<(Floors, KvCache, String)>, JudgeError> {
-    let mut best: Option<(KvCache, f64)> = None;
-    for kv2 in rounding::plain_caches(opt, Some(kv)) {
-        let (Some(bar), tried) = hypothesis::tried_under(model, cand, floors, kv2, c.key, c.rows)?
-        else {
-            continue;
+    let out_now = floors.output.unwrap_or(floors.rounding);
+    // The layers' rounding as measured, and its tie twins: on data the bug moved the twin
+    // that fits closer can be the wrong one of the two (ggml's reference quantizers measured
+    // as ggml-cpu), and then both the rounding and the cache are hidden.
+    let roundings = std::iter::once(floors.rounding)
+        .chain(rounding::twins(model, floors.rounding))
+        .filter(|r| opt.roundings.contains(r));
+    let mut best: Option<(Floors, KvCache, f64)> = None;
+    for r in roundings {
+        let fl = match r == floors.rounding {
+            true => floors.clone(),
+            false => floors.rounded(model, r, Some(out_now)),
         };
-        for t in tried {
-            let cuts =
-                t.nmse * hypothesis::EXPLAINS <= bar && t.nmse * hypothesis::EXPLAINS <= c.own_nmse;
-            if cuts && best.is_none_or(|b| t.nmse < b.1) {
-                best = Some((kv2, t.nmse));
+        let mut caches = rounding::plain_caches(opt, Some(kv));
+        if r != floors.rounding {
+            caches.insert(0, kv);
+        }
+        for kv2 in caches {
+            let (Some(bar), tried) = hypothesis::tried_under(model, cand, &fl, kv2, c.key, c.rows)?
+            else {
+                continue;
+            };
+            for t in tried {
+                let cuts = t.nmse * hypothesis::EXPLAINS <= bar
+                    && t.nmse * hypothesis::EXPLAINS <= c.own_nmse;
+                if cuts && best.as_ref().is_none_or(|b| t.nmse < b.2) {
+                    best = Some((fl.clone(), kv2, t.nmse));
+                }
             }
         }
     }
-    let Some((kv2, _)) = best else {
+    let Some((fl, kv2, _)) = best else {
         return Ok(None);
     };
+    let layers = match fl.rounding == floors.rounding {
+        true => String::new(),
+        false => format!("the layers rounded as {} and ", short(fl.rounding)),
+    };
     let note = format!(
-        "\n  confirmed with {} {} K/V cache: the bug moved the data the cache was measured on (no cache reproduced the attention; under {} {} cache no hypothesis explained {} under its floor)",
+        "\n  confirmed with {layers}{} {} K/V cache: the bug moved the data the cache was measured on (no cache reproduced the attention; under {} and {} {} cache no hypothesis explained {} under its floor)",
         article(&kv2.name()),
         kv2.name(),
+        short(floors.rounding),
         article(&kv.name()),
         kv.name(),
         c.key,
     );
-    Ok(Some((floors.clone(), kv2, note)))
+    Ok(Some((fl, kv2, note)))
 }
 
 /// A catalog bug or a fitted value, as a setup sets it (None: a layout, or no such name).

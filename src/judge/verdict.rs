@@ -363,3 +363,77 @@ pub fn own_comparison(
         limits: j.limits(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compare::LogitStep;
+
+    /// A comparison that diverged only where its logits' mean KLD (`kld`) crosses 1e-4.
+    fn comparison(kld: f64) -> Comparison {
+        Comparison {
+            baseline: "golden".into(),
+            candidate: "engine".into(),
+            pair: PairKind::DifferentRounding,
+            weight_type: GgmlType::Q8_0,
+            token_mismatch: None,
+            results: Vec::new(),
+            logits: vec![LogitStep {
+                step: 0,
+                kld_mean: kld,
+                kld_max: kld,
+                top1_agree: 1,
+                rows: 1,
+                top5_overlap_mean: 1.0,
+            }],
+            kld_threshold: 1e-4,
+            first_divergence: None,
+            only_in_baseline: 0,
+            only_in_candidate: 0,
+            rounding_family: None,
+            output_rounding: None,
+            kv_cache: None,
+            kv_cache_decode: None,
+            limits: Vec::new(),
+        }
+    }
+
+    fn verdict(diverged: bool) -> Verdict {
+        Verdict {
+            diverged,
+            basis: if diverged {
+                Basis::OwnError
+            } else {
+                Basis::Parity
+            },
+            place: None,
+            named: None,
+            also: Vec::new(),
+            layouts: Vec::new(),
+            below_floor_cut: None,
+        }
+    }
+
+    #[test]
+    fn the_exit_code_is_the_outcome_s() {
+        let clean = Outcome::of(vec![comparison(1e-6), comparison(1e-6)]);
+        assert_eq!((clean.diverged(), clean.failed()), (0, false));
+        assert_eq!(clean.exit_code(false), 0);
+        // Numerics that moved against the gate's snapshot fail a clean run.
+        assert_eq!(clean.exit_code(true), 1);
+        let one = Outcome::of(vec![comparison(1e-6), comparison(1e-3)]);
+        assert_eq!((one.diverged(), one.exit_code(false)), (1, 1));
+        // diff's verdict fails the run even where no comparison diverged (a bug under the
+        // floors is confirmed on the verdict), and passes it only where none did.
+        let judged = Outcome {
+            comparisons: vec![comparison(1e-6)],
+            verdict: Some(verdict(true)),
+        };
+        assert_eq!((judged.diverged(), judged.exit_code(false)), (0, 1));
+        let passed = Outcome {
+            comparisons: vec![comparison(1e-3)],
+            verdict: Some(verdict(false)),
+        };
+        assert_eq!(passed.exit_code(false), 1);
+    }
+}
