@@ -401,7 +401,8 @@ fn time_ours(model: &Model, ids: &[u32], a: &BenchArgs, threads: usize) -> Resul
     Ok(out)
 }
 
-pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+/// The options a run cannot start with (one line, exit 2).
+fn check_args(a: &BenchArgs) -> Result<()> {
     if a.reps == 0 {
         return Err(err("--reps must be at least 1"));
     }
@@ -427,7 +428,101 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             "--peak-gbs {p}: give the bandwidth in GB/s, > 0"
         )));
     }
-    let model = Model::open(&a.model)?;
+    Ok(())
+}
+
+/// The machine a run timed on.
+struct Machine {
+    cpu: String,
+    cores: usize,
+    /// The quantized dot products' instruction set ("Avx2+AVX-VNNI").
+    simd: String,
+    threads: usize,
+}
+
+impl Machine {
+    fn here(threads: usize) -> Machine {
+        let simd = format!(
+            "{:?}{}",
+            crate::quant::cpu::simd(),
+            match (crate::quant::cpu::use_vnni(), crate::quant::cpu::vnni()) {
+                (true, Some(crate::quant::cpu::Vnni::Avx)) => "+AVX-VNNI",
+                (true, Some(crate::quant::cpu::Vnni::Avx512)) => "+AVX512-VNNI",
+                _ => "",
+            }
+        );
+        Machine {
+            cpu: cpu_model(),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            simd,
+            threads,
+        }
+    }
+}
+
+/// Everything one run measured, and the comparisons read from it; the renderers only print.
+struct Measured {
+    machine: Machine,
+    ids: Vec<u32>,
+    /// What llama.cpp's matmuls read per token: the file's bytes.
+    file_weight_bytes: u64,
+    ours: Vec<Ours>,
+    /// `None` with `--no-llama`.
+    llama: Option<std::result::Result<serde_json::Value, LlamaUnavailable>>,
+}
+
+impl Measured {
+    fn theirs(&self) -> Option<&serde_json::Value> {
+        match &self.llama {
+            Some(Ok(j)) => Some(j),
+            _ => None,
+        }
+    }
+
+    fn their_pp(&self) -> Option<f64> {
+        self.theirs().and_then(|j| j["pp_tok_s"].as_f64())
+    }
+
+    fn their_tg(&self) -> Option<f64> {
+        self.theirs().and_then(|j| j["tg_tok_s"].as_f64())
+    }
+
+    fn their_gbs(&self) -> Option<f64> {
+        self.their_tg()
+            .map(|r| self.file_weight_bytes as f64 * r / 1e9)
+    }
+
+    /// (prompt, decode) rates of one of ours over llama.cpp's.
+    fn ratios(&self, o: &Ours) -> (Option<f64>, Option<f64>) {
+        let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+            _ => None,
+        };
+        (
+            ratio(Some(o.timing.pp_tok_s), self.their_pp()),
+            ratio(o.timing.tg_tok_s, self.their_tg()),
+        )
+    }
+
+    /// How long two greedy continuations agree (llama.cpp's F16 KV cache may part them).
+    fn agree(&self, o: &Ours) -> Option<usize> {
+        self.theirs()
+            .and_then(|j| j["generated"].as_array())
+            .map(|g| {
+                g.iter()
+                    .zip(&o.timing.generated)
+                    .take_while(|(x, y)| x.as_u64() == Some(**y as u64))
+                    .count()
+            })
+    }
+
+    fn fast(&self) -> Option<&Ours> {
+        self.ours.iter().find(|o| o.name == "fast")
+    }
+}
+
+/// Time parity's backends, then llama.cpp (unless `--no-llama`), on the same ids.
+fn measure(a: &BenchArgs, model: &Model) -> Result<Measured> {
     let c = &model.config;
     if a.prompt_tokens + a.n_gen > c.n_ctx_train {
         return Err(err(format!(
@@ -436,282 +531,286 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             c.n_ctx_train
         )));
     }
-    let threads = super::backends::resolve_threads(a.threads);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cpu = cpu_model();
-    let simd = format!(
-        "{:?}{}",
-        crate::quant::cpu::simd(),
-        match (crate::quant::cpu::use_vnni(), crate::quant::cpu::vnni()) {
-            (true, Some(crate::quant::cpu::Vnni::Avx)) => "+AVX-VNNI",
-            (true, Some(crate::quant::cpu::Vnni::Avx512)) => "+AVX512-VNNI",
-            _ => "",
-        }
-    );
-    let ids = prompt_ids(&model, a.prompt_tokens);
-    let file_bytes = model.file.bytes().len();
-    let wtype = model.main_weight_type();
-    // What llama.cpp's matmuls read per token: the file's bytes.
-    let file_weight_bytes = weight_bytes(&model, &[]);
+    let machine = Machine::here(super::backends::resolve_threads(a.threads));
+    let ids = prompt_ids(model, a.prompt_tokens);
+    let ours = time_ours(model, &ids, a, machine.threads)?;
+    let llama = (!a.no_llama).then(|| time_llama(&a.model, &ids, a, machine.threads));
+    Ok(Measured {
+        file_weight_bytes: weight_bytes(model, &[]),
+        machine,
+        ids,
+        ours,
+        llama,
+    })
+}
 
-    let ours = time_ours(&model, &ids, &a, threads)?;
-    let llama = if a.no_llama {
-        None
-    } else {
-        Some(time_llama(&a.model, &ids, &a, threads))
-    };
-    let theirs = match &llama {
-        Some(Ok(j)) => Some(j),
-        _ => None,
-    };
-    let their_pp = theirs.and_then(|j| j["pp_tok_s"].as_f64());
-    let their_tg = theirs.and_then(|j| j["tg_tok_s"].as_f64());
-    let their_gbs = their_tg.map(|r| file_weight_bytes as f64 * r / 1e9);
-    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
-        _ => None,
-    };
-    let ratios = |o: &Ours| {
-        (
-            ratio(Some(o.timing.pp_tok_s), their_pp),
-            ratio(o.timing.tg_tok_s, their_tg),
-        )
-    };
-    // How long two greedy continuations agree (llama.cpp's F16 KV cache may part them).
-    let agree = |o: &Ours| {
-        theirs.and_then(|j| j["generated"].as_array()).map(|g| {
-            g.iter()
-                .zip(&o.timing.generated)
-                .take_while(|(x, y)| x.as_u64() == Some(**y as u64))
-                .count()
+fn render_json(a: &BenchArgs, model: &Model, m: &Measured) -> Result<()> {
+    let parity: serde_json::Map<String, serde_json::Value> = m
+        .ours
+        .iter()
+        .map(|o| {
+            let mut v = serde_json::to_value(o).unwrap_or_default();
+            let (pp, tg) = m.ratios(o);
+            v["ratio"] = serde_json::json!({ "pp": pp, "tg": tg });
+            v["greedy_agree"] = serde_json::json!(m.agree(o));
+            (o.name.clone(), v)
         })
-    };
-    let fast = ours.iter().find(|o| o.name == "fast");
+        .collect();
+    let fast = m.fast();
+    let (pp_ratio, tg_ratio) = fast.map_or((None, None), |o| m.ratios(o));
+    let j = serde_json::json!({
+        "model": a.model.display().to_string(),
+        "file_bytes": model.file.bytes().len(),
+        "weight_type": model.main_weight_type().name(),
+        "machine": { "cpu": m.machine.cpu, "cores": m.machine.cores, "simd": m.machine.simd },
+        "threads": m.machine.threads,
+        "prompt_tokens": m.ids.len(),
+        "gen_tokens": a.n_gen,
+        "reps": a.reps,
+        "warmup": a.warmup,
+        "prompt_ids": m.ids,
+        "backends": m.ours.iter().map(|o| &o.name).collect::<Vec<_>>(),
+        "parity": parity,
+        // The fast backend's entry under its historical names (scripts read these).
+        "parity_fast": fast.map(|o| &o.timing),
+        "ratio": { "pp": pp_ratio, "tg": tg_ratio },
+        "greedy_agree": fast.and_then(|o| m.agree(o)),
+        "llama_cpp": m.theirs(),
+        "llama_cpp_weight_bytes_per_token": m.file_weight_bytes,
+        "llama_cpp_tg_weight_gb_s": m.their_gbs(),
+        "llama_cpp_error": match &m.llama { Some(Err(LlamaUnavailable(e))) => Some(e), _ => None },
+    });
+    println!(
+        "{}",
+        crate::report::shown::json(serde_json::to_string_pretty(&j)?)
+    );
+    Ok(())
+}
 
-    if a.json {
-        let parity: serde_json::Map<String, serde_json::Value> = ours
-            .iter()
-            .map(|o| {
-                let mut v = serde_json::to_value(o).unwrap_or_default();
-                let (pp, tg) = ratios(o);
-                v["ratio"] = serde_json::json!({ "pp": pp, "tg": tg });
-                v["greedy_agree"] = serde_json::json!(agree(o));
-                (o.name.clone(), v)
-            })
-            .collect();
-        let (pp_ratio, tg_ratio) = fast.map_or((None, None), ratios);
-        let j = serde_json::json!({
-            "model": a.model.display().to_string(),
-            "file_bytes": file_bytes,
-            "weight_type": wtype.name(),
-            "machine": { "cpu": cpu, "cores": cores, "simd": simd },
-            "threads": threads,
-            "prompt_tokens": ids.len(),
-            "gen_tokens": a.n_gen,
-            "reps": a.reps,
-            "warmup": a.warmup,
-            "prompt_ids": ids,
-            "backends": ours.iter().map(|o| &o.name).collect::<Vec<_>>(),
-            "parity": parity,
-            // The fast backend's entry under its historical names (scripts read these).
-            "parity_fast": fast.map(|o| &o.timing),
-            "ratio": { "pp": pp_ratio, "tg": tg_ratio },
-            "greedy_agree": fast.and_then(agree),
-            "llama_cpp": theirs,
-            "llama_cpp_weight_bytes_per_token": file_weight_bytes,
-            "llama_cpp_tg_weight_gb_s": their_gbs,
-            "llama_cpp_error": match &llama { Some(Err(LlamaUnavailable(e))) => Some(e), _ => None },
-        });
+/// Driver and adapter strings come from the driver, llama.cpp's settings from a child's
+/// output: each is escaped like a file's where it is printed.
+fn sh(s: &str) -> String {
+    crate::report::shown::shown(s).into_owned()
+}
+
+fn render_text(a: &BenchArgs, model: &Model, m: &Measured) {
+    print_setting(a, model, m);
+    println!();
+    print_table(m);
+    print_footnotes(a, m);
+}
+
+/// The machine, the model, the work, the devices and llama.cpp's settings.
+fn print_setting(a: &BenchArgs, model: &Model, m: &Measured) {
+    let c = &model.config;
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| {
+            l.split_whitespace()
+                .next()
+                .map(|v| format!(", load average {v}"))
+        })
+        .unwrap_or_default();
+    let Machine {
+        cpu,
+        cores,
+        simd,
+        threads,
+    } = &m.machine;
+    println!("machine: {cpu}, {cores} cores ({simd}){load}; {threads} threads for both engines");
+    println!(
+        "model: {} ({}, {:.1} MB, {} layers, n_embd {}, n_ff {}, n_vocab {})",
+        a.model.display(),
+        model.main_weight_type().name(),
+        model.file.bytes().len() as f64 / 1e6,
+        c.n_layer,
+        c.n_embd,
+        c.n_ff,
+        c.n_vocab
+    );
+    println!(
+        "work: prompt of {} ids, then {} greedy decode steps; median of {} reps after {} warm-up",
+        m.ids.len(),
+        a.n_gen,
+        a.reps,
+        a.warmup
+    );
+    for o in &m.ours {
+        let Some(d) = &o.device else { continue };
         println!(
-            "{}",
-            crate::report::shown::json(serde_json::to_string_pretty(&j)?)
+            "gpu: {} ({}, {}, driver {})",
+            sh(&d.adapter),
+            sh(&d.device_type),
+            sh(&d.api),
+            sh(&d.driver)
         );
-    } else {
-        let load = std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .and_then(|l| {
-                l.split_whitespace()
-                    .next()
-                    .map(|v| format!(", load average {v}"))
-            })
-            .unwrap_or_default();
-        let sh = |s: &str| crate::report::shown::shown(s).into_owned();
-        println!(
-            "machine: {cpu}, {cores} cores ({simd}){load}; {threads} threads for both engines"
-        );
-        println!(
-            "model: {} ({}, {:.1} MB, {} layers, n_embd {}, n_ff {}, n_vocab {})",
-            a.model.display(),
-            wtype.name(),
-            file_bytes as f64 / 1e6,
-            c.n_layer,
-            c.n_embd,
-            c.n_ff,
-            c.n_vocab
-        );
-        println!(
-            "work: prompt of {} ids, then {} greedy decode steps; median of {} reps after {} warm-up",
-            ids.len(),
-            a.n_gen,
-            a.reps,
-            a.warmup
-        );
-        for o in &ours {
-            let Some(d) = &o.device else { continue };
-            // Driver strings come from the driver: escaped like a file's.
+        if d.cpu_device {
             println!(
-                "gpu: {} ({}, {}, driver {})",
-                sh(&d.adapter),
-                sh(&d.device_type),
-                sh(&d.api),
-                sh(&d.driver)
+                "gpu: the adapter is a CPU device (software Vulkan such as lavapipe): its figures measure the CPU, on it only correctness counts"
             );
-            if d.cpu_device {
-                println!(
-                    "gpu: the adapter is a CPU device (software Vulkan such as lavapipe): its figures measure the CPU, on it only correctness counts"
-                );
-            }
-        }
-        if let Some(j) = theirs {
-            let s = &j["settings"];
-            let fa = match (s["flash_attn"].as_str(), s["flash_attn_resolved"].as_str()) {
-                (Some(r), Some(u)) if r != u => format!("{r} -> {u}"),
-                (Some(r), _) => r.to_string(),
-                _ => "?".into(),
-            };
-            // "on (q4_0_8x8 × 154 tensors)": which layouts llama.cpp actually repacked into.
-            let kinds: Vec<String> = s["repacked_tensors"]
-                .as_object()
-                .map(|m| {
-                    m.iter()
-                        .map(|(k, n)| format!("{} x {n} tensors", sh(k)))
-                        .collect()
-                })
-                .unwrap_or_default();
-            let repack = match s["weight_repacking"].as_bool() {
-                Some(true) if kinds.is_empty() => "on (no tensor repacked)".to_string(),
-                Some(true) => format!("on ({})", kinds.join(", ")),
-                Some(false) => "off".into(),
-                None => "?".into(),
-            };
-            // The script's JSON is a child's output: one escaped line.
-            let line = format!(
-                "llama.cpp: {} (llama-cpp-python {}): KV cache {}/{}, flash attention {}, weight repacking {}, n_ubatch {}",
-                s["mode"].as_str().unwrap_or("?"),
-                j["llama_cpp_python"].as_str().unwrap_or("?"),
-                s["type_k"].as_str().unwrap_or("?"),
-                s["type_v"].as_str().unwrap_or("?"),
-                fa,
-                repack,
-                s["n_ubatch"]
-            );
-            println!("{}", crate::report::shown::line(&line));
-        }
-        println!();
-        // One column per engine: parity's backends, then llama.cpp when it ran.
-        let mut head = vec![String::new()];
-        head.extend(ours.iter().map(|o| format!("parity {}", o.name)));
-        let row = |label: &str, ours_v: Vec<String>, theirs_v: String| {
-            let mut v = vec![label.to_string()];
-            v.extend(ours_v);
-            if theirs.is_some() {
-                v.push(theirs_v);
-            }
-            v
-        };
-        let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{}x", fmt_rate(Some(x))));
-        let mut rows = vec![
-            row(
-                "prompt (pp) tok/s",
-                ours.iter()
-                    .map(|o| fmt_rate(Some(o.timing.pp_tok_s)))
-                    .collect(),
-                fmt_rate(their_pp),
-            ),
-            row(
-                "decode (tg) tok/s",
-                ours.iter().map(|o| fmt_rate(o.timing.tg_tok_s)).collect(),
-                fmt_rate(their_tg),
-            ),
-            row(
-                "decode weights GB/s",
-                ours.iter().map(|o| fmt_rate(o.tg_weight_gb_s)).collect(),
-                fmt_rate(their_gbs),
-            ),
-        ];
-        if theirs.is_some() {
-            head.push("llama.cpp".into());
-            rows.push(row(
-                "pp vs llama.cpp",
-                ours.iter().map(|o| r(ratios(o).0)).collect(),
-                String::new(),
-            ));
-            rows.push(row(
-                "tg vs llama.cpp",
-                ours.iter().map(|o| r(ratios(o).1)).collect(),
-                String::new(),
-            ));
-        }
-        for line in std::iter::once(&head).chain(&rows) {
-            let mut s = format!("{:<22}", line[0]);
-            for c in &line[1..] {
-                s += &format!(" {c:>14}");
-            }
-            println!("{}", s.trim_end());
-        }
-        let mb = |b: u64| b as f64 / 1e6;
-        println!(
-            "decode weights: the matmul weights read once per token ({:.1} MB as stored in the file), × decode tok/s",
-            mb(file_weight_bytes)
-        );
-        for o in &ours {
-            let Some(d) = &o.device else { continue };
-            if !d.dequantized_at_load.is_empty() {
-                println!(
-                    "gpu: {} matmul weights held as f32 on the device ({:.1} MB read per token)",
-                    d.dequantized_at_load.len(),
-                    mb(o.weight_bytes_per_token)
-                );
-            }
-            match (d.peak_gb_s, d.tg_share_of_peak) {
-                (Some(p), Some(s)) => println!(
-                    "gpu: decode read weights at {:.1}% of {}'s memory bandwidth ({p:.0} GB/s, from {})",
-                    100.0 * s,
-                    sh(&d.adapter),
-                    d.peak_from.unwrap_or("?")
-                ),
-                _ if d.cpu_device => {}
-                _ => println!(
-                    "gpu: memory bandwidth of {} unknown: pass --peak-gbs to see decode's share of it",
-                    sh(&d.adapter)
-                ),
-            }
-        }
-        if let Some(m) = ours.iter().find_map(|o| o.timing.main_thread.as_ref()) {
-            let waited = m.waiting_for_cpu_s / m.wall_s;
-            if waited > 0.02 {
-                println!(
-                    "note: parity's main thread waited for a CPU {:.0}% of the timed wall time: \
-                     the machine was busy, so every column is pessimistic",
-                    100.0 * waited
-                );
-            }
-        }
-        for o in &ours {
-            if let Some(n) = agree(o) {
-                println!(
-                    "greedy continuations of parity {} and llama.cpp agree on the first {n} of {} tokens",
-                    o.name, a.n_gen
-                );
-            }
         }
     }
-    match llama {
+    if let Some(j) = m.theirs() {
+        println!("{}", crate::report::shown::line(&llama_settings(j)));
+    }
+}
+
+/// llama.cpp's settings as the script reported them, in one line.
+fn llama_settings(j: &serde_json::Value) -> String {
+    let s = &j["settings"];
+    let fa = match (s["flash_attn"].as_str(), s["flash_attn_resolved"].as_str()) {
+        (Some(r), Some(u)) if r != u => format!("{r} -> {u}"),
+        (Some(r), _) => r.to_string(),
+        _ => "?".into(),
+    };
+    // "on (q4_0_8x8 × 154 tensors)": which layouts llama.cpp actually repacked into.
+    let kinds: Vec<String> = s["repacked_tensors"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, n)| format!("{} x {n} tensors", sh(k)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let repack = match s["weight_repacking"].as_bool() {
+        Some(true) if kinds.is_empty() => "on (no tensor repacked)".to_string(),
+        Some(true) => format!("on ({})", kinds.join(", ")),
+        Some(false) => "off".into(),
+        None => "?".into(),
+    };
+    format!(
+        "llama.cpp: {} (llama-cpp-python {}): KV cache {}/{}, flash attention {}, weight repacking {}, n_ubatch {}",
+        s["mode"].as_str().unwrap_or("?"),
+        j["llama_cpp_python"].as_str().unwrap_or("?"),
+        s["type_k"].as_str().unwrap_or("?"),
+        s["type_v"].as_str().unwrap_or("?"),
+        fa,
+        repack,
+        s["n_ubatch"]
+    )
+}
+
+/// One column per engine: parity's backends, then llama.cpp when it ran.
+fn print_table(m: &Measured) {
+    let ours = &m.ours;
+    let ran = m.theirs().is_some();
+    let mut head = vec![String::new()];
+    head.extend(ours.iter().map(|o| format!("parity {}", o.name)));
+    let row = |label: &str, ours_v: Vec<String>, theirs_v: String| {
+        let mut v = vec![label.to_string()];
+        v.extend(ours_v);
+        if ran {
+            v.push(theirs_v);
+        }
+        v
+    };
+    let r = |x: Option<f64>| x.map_or("-".into(), |x| format!("{}x", fmt_rate(Some(x))));
+    let mut rows = vec![
+        row(
+            "prompt (pp) tok/s",
+            ours.iter()
+                .map(|o| fmt_rate(Some(o.timing.pp_tok_s)))
+                .collect(),
+            fmt_rate(m.their_pp()),
+        ),
+        row(
+            "decode (tg) tok/s",
+            ours.iter().map(|o| fmt_rate(o.timing.tg_tok_s)).collect(),
+            fmt_rate(m.their_tg()),
+        ),
+        row(
+            "decode weights GB/s",
+            ours.iter().map(|o| fmt_rate(o.tg_weight_gb_s)).collect(),
+            fmt_rate(m.their_gbs()),
+        ),
+    ];
+    if ran {
+        head.push("llama.cpp".into());
+        rows.push(row(
+            "pp vs llama.cpp",
+            ours.iter().map(|o| r(m.ratios(o).0)).collect(),
+            String::new(),
+        ));
+        rows.push(row(
+            "tg vs llama.cpp",
+            ours.iter().map(|o| r(m.ratios(o).1)).collect(),
+            String::new(),
+        ));
+    }
+    for line in std::iter::once(&head).chain(&rows) {
+        let mut s = format!("{:<22}", line[0]);
+        for c in &line[1..] {
+            s += &format!(" {c:>14}");
+        }
+        println!("{}", s.trim_end());
+    }
+}
+
+/// What the table's figures mean, the devices' bandwidth, a busy machine, greedy agreement.
+fn print_footnotes(a: &BenchArgs, m: &Measured) {
+    let mb = |b: u64| b as f64 / 1e6;
+    println!(
+        "decode weights: the matmul weights read once per token ({:.1} MB as stored in the file), × decode tok/s",
+        mb(m.file_weight_bytes)
+    );
+    for o in &m.ours {
+        let Some(d) = &o.device else { continue };
+        if !d.dequantized_at_load.is_empty() {
+            println!(
+                "gpu: {} matmul weights held as f32 on the device ({:.1} MB read per token)",
+                d.dequantized_at_load.len(),
+                mb(o.weight_bytes_per_token)
+            );
+        }
+        match (d.peak_gb_s, d.tg_share_of_peak) {
+            (Some(p), Some(s)) => println!(
+                "gpu: decode read weights at {:.1}% of {}'s memory bandwidth ({p:.0} GB/s, from {})",
+                100.0 * s,
+                sh(&d.adapter),
+                d.peak_from.unwrap_or("?")
+            ),
+            _ if d.cpu_device => {}
+            _ => println!(
+                "gpu: memory bandwidth of {} unknown: pass --peak-gbs to see decode's share of it",
+                sh(&d.adapter)
+            ),
+        }
+    }
+    if let Some(t) = m.ours.iter().find_map(|o| o.timing.main_thread.as_ref()) {
+        let waited = t.waiting_for_cpu_s / t.wall_s;
+        if waited > 0.02 {
+            println!(
+                "note: parity's main thread waited for a CPU {:.0}% of the timed wall time: \
+                 the machine was busy, so every column is pessimistic",
+                100.0 * waited
+            );
+        }
+    }
+    for o in &m.ours {
+        if let Some(n) = m.agree(o) {
+            println!(
+                "greedy continuations of parity {} and llama.cpp agree on the first {n} of {} tokens",
+                o.name, a.n_gen
+            );
+        }
+    }
+}
+
+pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    check_args(&a)?;
+    let model = Model::open(&a.model)?;
+    let m = measure(&a, &model)?;
+    if a.json {
+        render_json(&a, &model, &m)?;
+    } else {
+        render_text(&a, &model, &m);
+    }
+    match &m.llama {
         Some(Err(LlamaUnavailable(why))) => {
             // `why` quotes the script's last stderr line: one escaped line.
             eprintln!(
                 "llama.cpp could not be run ({}); {INSTALL_HINT}",
-                crate::report::shown::line(&why)
+                crate::report::shown::line(why)
             );
             Ok(ExitCode::from(2))
         }

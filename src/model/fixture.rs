@@ -140,7 +140,27 @@ pub fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
 }
 
 /// Build the GGUF image of a fixture.
-pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
+/// What a spec makes, checked: the file's architecture and the sizes its tensors take.
+struct Shape<'s> {
+    /// `--arch` as given (`llama3` included).
+    preset: &'s str,
+    /// `general.architecture` (llama3 is a llama file with rope_freqs.weight).
+    arch: &'s str,
+    head_dim: usize,
+    /// RoPE base.
+    theta: f32,
+    /// phi3 (LongRoPE) is trained for 32x the original context.
+    n_ctx_train: usize,
+}
+
+impl Shape<'_> {
+    fn gemma(&self) -> bool {
+        self.arch.starts_with("gemma")
+    }
+}
+
+/// The spec's sizes checked against each other and the weight type (one line each).
+fn shape(spec: &FixtureSpec) -> Result<Shape<'_>, String> {
     let preset = spec.arch.as_str();
     if !FIXTURE_ARCHS.contains(&preset) {
         return Err(format!(
@@ -148,9 +168,7 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
             FIXTURE_ARCHS.join(", ")
         ));
     }
-    // llama3 is a llama file with rope_freqs.weight.
     let arch = if preset == "llama3" { "llama" } else { preset };
-    let gemma = arch.starts_with("gemma");
     let wt = spec.weight_type;
     if wt == GgmlType::Q8_K || wt == GgmlType::Q8_1 {
         return Err(format!(
@@ -182,8 +200,31 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     if arch == "phi3" && spec.n_ctx < 2 {
         return Err("phi3 needs n_ctx >= 2".into());
     }
+    let theta = match preset {
+        "qwen2" | "qwen3" | "gemma3" => 1_000_000.0,
+        "llama3" => 500_000.0,
+        _ => 10_000.0,
+    };
+    // phi3: llama.cpp uses the short factors while its context is at most the original (the
+    // goldens' 256), the long ones beyond.
+    let n_ctx_train = if arch == "phi3" {
+        spec.n_ctx * 32
+    } else {
+        spec.n_ctx
+    };
+    Ok(Shape {
+        preset,
+        arch,
+        head_dim,
+        theta,
+        n_ctx_train,
+    })
+}
+
+/// The built-in vocabulary, with phi3's special tokens and the spec's padding.
+fn vocabulary(spec: &FixtureSpec, s: &Shape) -> Result<(Vec<String>, Vec<f32>, Vec<i32>), String> {
     let (mut tokens, mut scores, mut types) = vocab();
-    if arch == "phi3" {
+    if s.arch == "phi3" {
         // llama.cpp's vocabulary loader looks these up by text for phi3 (std::map::at: a
         // phi3 file without them does not load); control tokens, as in Phi-3's own vocab.
         for t in PHI3_SPECIAL {
@@ -205,27 +246,40 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
             types.push(1);
         }
     }
+    Ok((tokens, scores, types))
+}
+
+/// A deterministic model for `spec`, as a GGUF writer: metadata, tokenizer, then weights.
+pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
+    let s = shape(spec)?;
+    let (tokens, scores, types) = vocabulary(spec, &s)?;
     let n_vocab = tokens.len();
-    let mut rng = Rng(spec.seed);
     let mut w = GgufWriter::new();
-    let k = |s: &str| format!("{arch}.{s}");
+    write_hparams(&mut w, spec, &s);
+    write_tokenizer(&mut w, &s, tokens, scores, types);
+    write_weights(&mut w, spec, &s, n_vocab);
+    w.set(
+        "general.file_type",
+        Value::U32(llama_ftype(spec.weight_type)),
+    );
+    Ok(w)
+}
+
+/// The architecture's hyperparameters and the features each fixture switches on.
+fn write_hparams(w: &mut GgufWriter, spec: &FixtureSpec, s: &Shape) {
+    let (arch, wt, head_dim) = (s.arch, spec.weight_type, s.head_dim);
+    let k = |key: &str| format!("{arch}.{key}");
     w.set("general.architecture", Value::String(arch.into()));
     w.set(
         "general.name",
         Value::String(format!(
-            "parity-fixture-{preset}-{}-s{}",
+            "parity-fixture-{}-{}-s{}",
+            s.preset,
             wt.name(),
             spec.seed
         )),
     );
-    // phi3 (LongRoPE): trained for 32x the original context; llama.cpp uses the short factors
-    // while its context is at most the original (the goldens' 256), the long ones beyond.
-    let n_ctx_train = if arch == "phi3" {
-        spec.n_ctx * 32
-    } else {
-        spec.n_ctx
-    };
-    w.set(&k("context_length"), Value::U32(n_ctx_train as u32));
+    w.set(&k("context_length"), Value::U32(s.n_ctx_train as u32));
     w.set(&k("embedding_length"), Value::U32(spec.n_embd as u32));
     w.set(&k("block_count"), Value::U32(spec.n_layer as u32));
     w.set(&k("feed_forward_length"), Value::U32(spec.n_ff as u32));
@@ -239,13 +293,8 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         w.set(&k("attention.key_length"), Value::U32(head_dim as u32));
         w.set(&k("attention.value_length"), Value::U32(head_dim as u32));
     }
-    let theta = match preset {
-        "qwen2" | "qwen3" | "gemma3" => 1_000_000.0,
-        "llama3" => 500_000.0,
-        _ => 10_000.0,
-    };
-    w.set(&k("rope.freq_base"), Value::F32(theta));
-    let eps = if gemma { 1e-6 } else { 1e-5 };
+    w.set(&k("rope.freq_base"), Value::F32(s.theta));
+    let eps = if s.gemma() { 1e-6 } else { 1e-5 };
     w.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(eps));
     match arch {
         "gemma2" => {
@@ -287,7 +336,7 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
                 Value::U32(spec.n_ctx as u32),
             );
             // the converter's LongRoPE attention factor: sqrt(1 + ln(scale) / ln(n_orig))
-            let scale = (n_ctx_train as f64) / (spec.n_ctx as f64);
+            let scale = (s.n_ctx_train as f64) / (spec.n_ctx as f64);
             let f = (1.0 + scale.ln() / (spec.n_ctx as f64).ln()).sqrt();
             w.set(&k("rope.scaling.attn_factor"), Value::F32(f as f32));
         }
@@ -297,7 +346,20 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         w.set(&k("rope.scaling.type"), Value::String("linear".into()));
         w.set(&k("rope.scaling.factor"), Value::F32(f));
     }
-    w.set(&k("vocab_size"), Value::U32(n_vocab as u32));
+}
+
+/// A SentencePiece tokenizer over the vocabulary, BOS added.
+fn write_tokenizer(
+    w: &mut GgufWriter,
+    s: &Shape,
+    tokens: Vec<String>,
+    scores: Vec<f32>,
+    types: Vec<i32>,
+) {
+    w.set(
+        &format!("{}.vocab_size", s.arch),
+        Value::U32(tokens.len() as u32),
+    );
     w.set("tokenizer.ggml.model", Value::String("llama".into()));
     w.set(
         "tokenizer.ggml.tokens",
@@ -319,8 +381,13 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     w.set("tokenizer.ggml.unknown_token_id", Value::U32(0));
     w.set("tokenizer.ggml.add_bos_token", Value::Bool(true));
     w.set("tokenizer.ggml.add_eos_token", Value::Bool(false));
+}
 
-    let (e, ff, hd) = (spec.n_embd, spec.n_ff, head_dim);
+/// Every tensor, drawn from one generator in file order (the same seed, the same bytes).
+fn write_weights(w: &mut GgufWriter, spec: &FixtureSpec, s: &Shape, n_vocab: usize) {
+    let (arch, wt) = (s.arch, spec.weight_type);
+    let mut rng = Rng(spec.seed);
+    let (e, ff, hd) = (spec.n_embd, spec.n_ff, s.head_dim);
     let (q, kv) = (spec.n_head * hd, spec.n_head_kv * hd);
     // Uniform weights scaled by 1/sqrt(n_in) keep activations O(1) through the layers.
     // llama.cpp's use_more_bits(): the first and last eighth of the layers and every third
@@ -352,19 +419,68 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
     // Embedding rows with unit-ish scale (like trained models' pre-norm residual stream);
     // gemma's are scaled by sqrt(n_embd) in the graph, so they are stored that much smaller.
     {
-        let a = if gemma { (3.0 / e as f32).sqrt() } else { 1.0 };
+        let a = if s.gemma() {
+            (3.0 / e as f32).sqrt()
+        } else {
+            1.0
+        };
         let data: Vec<f32> = (0..e * n_vocab).map(|_| rng.uniform(a)).collect();
         let bytes = quant::quantize_row(wt, &data).expect("whole blocks");
         w.add_tensor("token_embd.weight", &[e as u64, n_vocab as u64], wt, bytes);
     }
-    // RoPE frequency factors, one per rotated pair (global tensors).
-    let half = hd / 2;
-    if preset == "llama3" {
-        let data = llama3_rope_factors(hd, theta, 8.0, 1.0, 4.0, 64.0);
+    write_rope_factors(w, s);
+    for l in 0..spec.n_layer {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        vector(w, &mut rng, &n("attn_norm.weight"), e, 1.0, 0.2);
+        if arch == "phi3" {
+            matrix(w, &mut rng, &n("attn_qkv.weight"), e, q + 2 * kv);
+        } else {
+            matrix(w, &mut rng, &n("attn_q.weight"), e, q);
+            matrix(w, &mut rng, &n("attn_k.weight"), e, kv);
+            matrix(w, &mut rng, &n("attn_v.weight"), e, kv);
+        }
+        if arch == "qwen2" {
+            vector(w, &mut rng, &n("attn_q.bias"), q, 0.0, 0.5);
+            vector(w, &mut rng, &n("attn_k.bias"), kv, 0.0, 0.5);
+            vector(w, &mut rng, &n("attn_v.bias"), kv, 0.0, 0.5);
+        }
+        if arch == "qwen3" || arch == "gemma3" {
+            vector(w, &mut rng, &n("attn_q_norm.weight"), hd, 1.0, 0.5);
+            vector(w, &mut rng, &n("attn_k_norm.weight"), hd, 1.0, 0.5);
+        }
+        matrix(w, &mut rng, &n("attn_output.weight"), q, e);
+        if arch == "gemma2" || arch == "gemma3" {
+            vector(w, &mut rng, &n("post_attention_norm.weight"), e, 1.0, 0.5);
+        }
+        vector(w, &mut rng, &n("ffn_norm.weight"), e, 1.0, 0.2);
+        if arch == "phi3" {
+            // gate rows first, then up rows: ggml_swiglu's split
+            matrix(w, &mut rng, &n("ffn_up.weight"), e, 2 * ff);
+        } else {
+            matrix(w, &mut rng, &n("ffn_gate.weight"), e, ff);
+            matrix(w, &mut rng, &n("ffn_up.weight"), e, ff);
+        }
+        matrix(w, &mut rng, &n("ffn_down.weight"), ff, e);
+        if arch == "gemma2" || arch == "gemma3" {
+            vector(w, &mut rng, &n("post_ffw_norm.weight"), e, 1.0, 0.5);
+        }
+    }
+    vector(w, &mut rng, "output_norm.weight", e, 1.0, 0.2);
+    // gemma and gemma2 have no output.weight (llama.cpp reads token_embd.weight).
+    if !spec.tied && arch != "gemma" && arch != "gemma2" {
+        matrix(w, &mut rng, "output.weight", e, n_vocab);
+    }
+}
+
+/// RoPE frequency factors, one per rotated pair (global tensors, not drawn from the generator).
+fn write_rope_factors(w: &mut GgufWriter, s: &Shape) {
+    let half = s.head_dim / 2;
+    if s.preset == "llama3" {
+        let data = llama3_rope_factors(s.head_dim, s.theta, 8.0, 1.0, 4.0, 64.0);
         let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
         w.add_tensor("rope_freqs.weight", &[half as u64], GgmlType::F32, bytes);
     }
-    if arch == "phi3" {
+    if s.arch == "phi3" {
         // increasing with the pair index, like real LongRoPE factors; long ones much larger
         for (name, top) in [
             ("rope_factors_long.weight", 16.0f32),
@@ -377,56 +493,11 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
             w.add_tensor(name, &[half as u64], GgmlType::F32, bytes);
         }
     }
-    for l in 0..spec.n_layer {
-        let n = |s: &str| format!("blk.{l}.{s}");
-        vector(&mut w, &mut rng, &n("attn_norm.weight"), e, 1.0, 0.2);
-        if arch == "phi3" {
-            matrix(&mut w, &mut rng, &n("attn_qkv.weight"), e, q + 2 * kv);
-        } else {
-            matrix(&mut w, &mut rng, &n("attn_q.weight"), e, q);
-            matrix(&mut w, &mut rng, &n("attn_k.weight"), e, kv);
-            matrix(&mut w, &mut rng, &n("attn_v.weight"), e, kv);
-        }
-        if arch == "qwen2" {
-            vector(&mut w, &mut rng, &n("attn_q.bias"), q, 0.0, 0.5);
-            vector(&mut w, &mut rng, &n("attn_k.bias"), kv, 0.0, 0.5);
-            vector(&mut w, &mut rng, &n("attn_v.bias"), kv, 0.0, 0.5);
-        }
-        if arch == "qwen3" || arch == "gemma3" {
-            vector(&mut w, &mut rng, &n("attn_q_norm.weight"), hd, 1.0, 0.5);
-            vector(&mut w, &mut rng, &n("attn_k_norm.weight"), hd, 1.0, 0.5);
-        }
-        matrix(&mut w, &mut rng, &n("attn_output.weight"), q, e);
-        if arch == "gemma2" || arch == "gemma3" {
-            vector(
-                &mut w,
-                &mut rng,
-                &n("post_attention_norm.weight"),
-                e,
-                1.0,
-                0.5,
-            );
-        }
-        vector(&mut w, &mut rng, &n("ffn_norm.weight"), e, 1.0, 0.2);
-        if arch == "phi3" {
-            // gate rows first, then up rows: ggml_swiglu's split
-            matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, 2 * ff);
-        } else {
-            matrix(&mut w, &mut rng, &n("ffn_gate.weight"), e, ff);
-            matrix(&mut w, &mut rng, &n("ffn_up.weight"), e, ff);
-        }
-        matrix(&mut w, &mut rng, &n("ffn_down.weight"), ff, e);
-        if arch == "gemma2" || arch == "gemma3" {
-            vector(&mut w, &mut rng, &n("post_ffw_norm.weight"), e, 1.0, 0.5);
-        }
-    }
-    vector(&mut w, &mut rng, "output_norm.weight", e, 1.0, 0.2);
-    // gemma and gemma2 have no output.weight (llama.cpp reads token_embd.weight).
-    if !spec.tied && arch != "gemma" && arch != "gemma2" {
-        matrix(&mut w, &mut rng, "output.weight", e, n_vocab);
-    }
-    // llama.cpp's LLAMA_FTYPE for the main weight type (informational).
-    let ftype = match wt {
+}
+
+/// llama.cpp's LLAMA_FTYPE for the main weight type (informational).
+fn llama_ftype(wt: GgmlType) -> u32 {
+    match wt {
         GgmlType::F32 => 0,
         GgmlType::F16 => 1,
         GgmlType::Q4_0 => 2,
@@ -443,9 +514,7 @@ pub fn build(spec: &FixtureSpec) -> Result<GgufWriter, String> {
         GgmlType::IQ4_XS => 30,
         GgmlType::BF16 => 32,
         _ => 0,
-    };
-    w.set("general.file_type", Value::U32(ftype));
-    Ok(w)
+    }
 }
 
 /// Llama 3.1's RoPE frequency factors (what convert_hf_to_gguf.py writes as rope_freqs.weight
