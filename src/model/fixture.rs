@@ -96,9 +96,12 @@ impl Rng {
     }
 }
 
+/// Tokens, their SentencePiece scores and their token types, index by index.
+pub type Vocab = (Vec<String>, Vec<f32>, Vec<i32>);
+
 /// The fixture vocabulary: `<unk> <s> </s>`, 256 byte tokens, then SentencePiece pieces for
 /// single characters and a few story words with every prefix (SPM merges need them).
-pub fn vocab() -> (Vec<String>, Vec<f32>, Vec<i32>) {
+pub fn vocab() -> Vocab {
     let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
     let mut types = vec![2, 3, 3];
     for b in 0..256 {
@@ -222,7 +225,7 @@ fn shape(spec: &FixtureSpec) -> Result<Shape<'_>, String> {
 }
 
 /// The built-in vocabulary, with phi3's special tokens and the spec's padding.
-fn vocabulary(spec: &FixtureSpec, s: &Shape) -> Result<(Vec<String>, Vec<f32>, Vec<i32>), String> {
+fn vocabulary(spec: &FixtureSpec, s: &Shape) -> Result<Vocab, String> {
     let (mut tokens, mut scores, mut types) = vocab();
     if s.arch == "phi3" {
         // llama.cpp's vocabulary loader looks these up by text for phi3 (std::map::at: a
