@@ -85,28 +85,27 @@ pub enum EngineRounding {
 }
 
 impl EngineRounding {
-    /// Its name in selftest's rows (ggml-cpu keeps selftest's historic `ggml`).
+    /// Its name in selftest's rows: the family's (`backend::family::FAMILIES`), or `tf32`.
     pub fn name(self) -> &'static str {
         match self {
-            EngineRounding::Family(Emulation::GgmlCpu) => "ggml",
             EngineRounding::Family(e) => e.name(),
             EngineRounding::Tf32 => "tf32",
         }
     }
 
-    /// `none`, `ggml` or `ggml-cpu`, a family's name, `q8_1` for `q8_1-gpu`, or `tf32`.
+    /// A family's name or alias (`backend::family::FAMILIES`), or `tf32`.
     pub fn parse(s: &str) -> Option<EngineRounding> {
         match s {
-            "ggml" => Some(EngineRounding::Family(Emulation::GgmlCpu)),
-            "q8_1" => Some(EngineRounding::Family(Emulation::Q8_1Gpu)),
             "tf32" => Some(EngineRounding::Tf32),
             _ => Emulation::parse(s).map(EngineRounding::Family),
         }
     }
 
-    /// Its name for scripts/numpy_engine.py's `--rounding`.
+    /// Its name in scripts/numpy_engine.py's own vocabulary (`--rounding`).
     fn numpy_name(self) -> &'static str {
         match self {
+            EngineRounding::Family(Emulation::None) => "none",
+            EngineRounding::Family(Emulation::GgmlCpu) => "ggml",
             EngineRounding::Family(Emulation::Q8_1Gpu) => "q8_1",
             r => r.name(),
         }
@@ -166,8 +165,7 @@ impl Rounding {
 
     /// Every name `parse` takes, for error messages.
     pub fn names() -> String {
-        let mut v: Vec<&str> = vec!["ggml"];
-        v.extend(FAMILIES.iter().map(|f| f.name));
+        let mut v: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
         v.push("tf32");
         format!("{}, PREFILL/DECODE, or ROUNDING+lm=OUTPUT", v.join(", "))
     }

@@ -745,7 +745,7 @@ fn a_gpu_golden_is_compared_as_a_different_rounding() {
     );
     // The golden's own ops: a plain-f32 engine's, measured so and clean.
     assert_eq!(comps[0]["pair"], "own-inputs", "{}", comps[0]);
-    assert_eq!(comps[0]["rounding_family"], "none", "{}", comps[0]);
+    assert_eq!(comps[0]["rounding_family"], "plain-f32", "{}", comps[0]);
     assert!(comps[0]["first_divergence"].is_null(), "{}", comps[0]);
     for c in comps
         .iter()

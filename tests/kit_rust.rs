@@ -112,7 +112,7 @@ fn assert_parity(trace: &Path, backend: &str) {
     // The own-error judgement ran (the model was found) and found plain f32 rounding.
     let own = own_inputs(&j);
     assert_eq!(own["verdict"], "parity", "{}", show(&o));
-    assert_eq!(own["rounding_family"], "none", "{}", show(&o));
+    assert_eq!(own["rounding_family"], "plain-f32", "{}", show(&o));
 }
 
 /// The own-error comparison (each op recomputed from the candidate's own inputs).

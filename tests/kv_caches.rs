@@ -438,7 +438,7 @@ fn a_long_prompt_through_an_f16_cache_does_not_hide_a_sparse_dump_s_layers_round
     let own = own_inputs(&r);
     // Q8_K inputs on rows of 128 are quantized as Q8_0's: ggml-cpu's arithmetic here.
     assert_eq!(own["rounding_family"], "ggml-cpu", "{text}");
-    assert_eq!(own["output_rounding"], "none", "{text}");
+    assert_eq!(own["output_rounding"], "plain-f32", "{text}");
     assert_eq!(own["kv_cache"], "f16", "{text}");
     // Bugs in the same engine: placed at the first layer and named, a knob with its value
     // (fitted again under the rounding and cache that reproduce the engine).
@@ -550,7 +550,7 @@ fn a_quantized_cache_does_not_hide_a_sparse_dump_s_layers_rounding() {
     assert_eq!(code, 0, "{text}");
     let own = own_inputs(&r);
     assert_eq!(own["rounding_family"], "ggml-cpu", "{text}");
-    assert_eq!(own["output_rounding"], "none", "{text}");
+    assert_eq!(own["output_rounding"], "plain-f32", "{text}");
     assert_eq!(own["kv_cache"], "q8_0", "{text}");
     // A bug in the same engine: placed at the first layer and named under that cache.
     let out = tmp.path().join("kv-slot-late.npz");

@@ -345,7 +345,7 @@ fn selftest_runs_rounding_families_beyond_ggml() {
         if r["case"] == "clean" {
             let measured = r["measured"].as_str().unwrap();
             match r["rounding"].as_str().unwrap() {
-                "f16-acc/none" => assert!(
+                "f16-acc/plain-f32" => assert!(
                     measured.contains("prefill: f16-acc") && measured.contains("decode:"),
                     "{r}"
                 ),
@@ -395,7 +395,7 @@ fn selftest_refuses_a_rounding_its_engine_cannot_run() {
         ("tf32", "--rounding tf32 needs --engine numpy"),
         (
             "f16-acc/none",
-            "--rounding f16-acc/none needs --engine numpy",
+            "--rounding f16-acc/plain-f32 needs --engine numpy",
         ),
         ("fp8", "unknown --rounding 'fp8'"),
     ] {
@@ -665,16 +665,9 @@ fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
                 assert_eq!(r["ok"], true, "{name}: {r}");
                 let rounding = r["rounding"].as_str().unwrap();
                 let (layers, lm) = rounding.split_once("+lm=").unwrap();
-                let short = |n: &str| {
-                    match n {
-                        "ggml" => "ggml-cpu",
-                        "none" => "plain-f32",
-                        n => n,
-                    }
-                    .to_string()
-                };
+                // Rows and verdicts spell a family alike (`ggml` and `none` given).
                 if r["case"] == "clean" {
-                    let want = format!("{}; output projection: {}", short(layers), short(lm));
+                    let want = format!("{layers}; output projection: {lm}");
                     assert_eq!(r["measured"].as_str(), Some(want.as_str()), "{r}");
                     assert_eq!(r["matmul_floor"].as_f64(), Some(1e-10), "{r}");
                 } else if !r["case"].as_str().unwrap().ends_with("(declared)") {
@@ -719,5 +712,5 @@ fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
         .find(|c| c["pair"] == "own-inputs")
         .unwrap();
     assert_eq!(own["rounding_family"], "q8k", "{own}");
-    assert_eq!(own["output_rounding"], "none", "{own}");
+    assert_eq!(own["output_rounding"], "plain-f32", "{own}");
 }

@@ -89,8 +89,11 @@ pub enum Gelu {
 
 pub struct Family {
     pub emulation: Emulation,
-    /// Its name on the command line (`--emulate`, `diff --rounding`) and in reports.
+    /// Its one spelling: the command line's (`--emulate`, `diff --rounding`), every report's,
+    /// every trace's and JSON's.
     pub name: &'static str,
+    /// Other spellings accepted on input (older names, engines' own), never printed.
+    pub aliases: &'static [&'static str],
     /// What it does, in the judge's words.
     pub about: &'static str,
     /// What it does to activations, in a backend line (`parity run`).
@@ -111,7 +114,8 @@ pub struct Family {
 pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::None,
-        name: "none",
+        name: "plain-f32",
+        aliases: &["none"],
         about: "plain f32",
         activations: "plain f32 activations",
         engines: "f32 engines (transformers, candle in f32, parity's reference)",
@@ -124,6 +128,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::GgmlCpu,
         name: "ggml-cpu",
+        aliases: &["ggml"],
         about: "ggml-cpu (matmul inputs quantized to the weight's vec_dot type)",
         activations: "activations rounded as llama.cpp's CPU backend does",
         engines: "llama.cpp's CPU backend (x86 AVX/AVX2, ARM NEON)",
@@ -136,6 +141,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::F16,
         name: "f16",
+        aliases: &[],
         about: "f16 (matmul inputs rounded to f16)",
         activations: "activations rounded to f16",
         engines: "GPU engines with f16 activations (cuBLAS f16 GEMMs)",
@@ -148,6 +154,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::GgmlScalar,
         name: "ggml-scalar",
+        aliases: &[],
         about: "ggml-scalar (matmul inputs quantized by ggml's reference quantizers: ties half away from zero)",
         activations: "activations rounded as ggml's scalar reference quantizers do",
         engines: "engines that port ggml's quantize_row_*_ref (roundf)",
@@ -160,6 +167,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::Q8K,
         name: "q8k",
+        aliases: &[],
         about: "q8k (inputs of every quantized matmul quantized to Q8_K, as AVX512-VNNI engines)",
         activations: "activations quantized to Q8_K before every quantized matmul",
         engines: "AVX512-VNNI engines (Q8_K activations for Q8_0 weights too)",
@@ -172,6 +180,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::Q8_1Gpu,
         name: "q8_1-gpu",
+        aliases: &["q8_1"],
         about: "q8_1-gpu (inputs of every quantized matmul quantized to Q8_1 as llama.cpp's GPU MMVQ)",
         activations: "activations quantized as llama.cpp's GPU MMVQ does (Q8_1)",
         engines: "llama.cpp CUDA/Vulkan integer-dot matmuls (MMVQ)",
@@ -184,6 +193,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::Bf16,
         name: "bf16",
+        aliases: &[],
         about: "bf16 (matmul inputs rounded to bf16)",
         activations: "activations rounded to bf16",
         engines: "engines with bf16 activations",
@@ -196,6 +206,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::F16Acc,
         name: "f16-acc",
+        aliases: &[],
         about: "f16-acc (matmul inputs and weights rounded to f16, products summed in one f16 running sum as llama.cpp Vulkan's mul_mm orders them)",
         activations: "activations and weights rounded to f16, products summed in f16",
         engines: "GPU tiled matmuls with f16 accumulators (llama.cpp Vulkan prefill of more than 8 tokens)",
@@ -208,6 +219,7 @@ pub const FAMILIES: &[Family] = &[
     Family {
         emulation: Emulation::F16AccUnfused,
         name: "f16-acc-unfused",
+        aliases: &[],
         about: "f16-acc-unfused (as f16-acc, each product rounded to f16 before its add: no fused multiply-add)",
         activations: "activations and weights rounded to f16, products rounded and summed in f16",
         engines: "llama.cpp Vulkan's tiled prefill on drivers that split fma (Mesa lavapipe)",
@@ -245,8 +257,17 @@ impl Emulation {
         self.family().name
     }
 
+    /// A family by its name or one of its aliases.
     pub fn parse(s: &str) -> Option<Emulation> {
-        FAMILIES.iter().find(|f| f.name == s).map(|f| f.emulation)
+        FAMILIES
+            .iter()
+            .find(|f| f.name == s || f.aliases.contains(&s))
+            .map(|f| f.emulation)
+    }
+
+    /// Every family's name, for error messages.
+    pub fn names() -> String {
+        FAMILIES.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
     }
 
     pub fn tie_twins(self) -> &'static [Emulation] {
@@ -294,6 +315,10 @@ mod tests {
         for e in Emulation::ALL {
             assert_eq!(FAMILIES.iter().filter(|f| f.emulation == e).count(), 1);
             assert_eq!(Emulation::parse(e.name()), Some(e));
+            for a in e.family().aliases {
+                assert_eq!(Emulation::parse(a), Some(e), "{a}");
+                assert!(FAMILIES.iter().all(|f| f.name != *a), "{a} is a name");
+            }
             for t in e.tie_twins() {
                 assert!(
                     t.tie_twins().contains(&e),

@@ -26,7 +26,6 @@ pub fn make_backend<'m>(
 fn reference_family(name: &str) -> Option<Emulation> {
     match name {
         "reference" => Some(Emulation::None),
-        "emulated" => Some(Emulation::GgmlCpu),
         _ => Emulation::parse(name.strip_prefix("reference:")?),
     }
 }
@@ -124,25 +123,25 @@ pub fn check_context(model: &Model, n_prompt: usize, what: &str, steps: usize) -
 
 /// The backend name for `--backend B --emulate E` (E unset: the backend's own rounding).
 pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
-    match (backend, emulate) {
-        (b, None) => Ok(b.to_string()),
-        ("reference", Some("none")) => Ok("reference".into()),
-        ("reference", Some(e)) if Emulation::parse(e).is_some() => Ok(format!("reference:{e}")),
-        (b, Some(e @ ("none" | "ggml-cpu"))) => {
-            let entry = backend::registry::find(b)?;
-            if entry.rounding.name() == e {
-                Ok(b.to_string())
-            } else {
-                Err(err(format!(
-                    "--backend {b} always rounds activations as '{}'; --emulate {e} is for the reference backend",
-                    entry.rounding.name()
-                )))
-            }
-        }
-        (_, Some(e)) => Err(err(format!(
-            "unknown --emulate '{e}' ({})",
-            Emulation::ALL.map(|e| e.name()).join(", ")
-        ))),
+    let Some(e) = emulate else {
+        return Ok(backend.to_string());
+    };
+    let family = Emulation::parse(e)
+        .ok_or_else(|| err(format!("unknown --emulate '{e}' ({})", Emulation::names())))?;
+    if backend == "reference" {
+        return Ok(match family {
+            Emulation::None => "reference".into(),
+            f => format!("reference:{}", f.name()),
+        });
+    }
+    let entry = backend::registry::find(backend)?;
+    if entry.rounding == family {
+        Ok(backend.to_string())
+    } else {
+        Err(err(format!(
+            "--backend {backend} always rounds activations as '{}'; --emulate {e} is for the reference backend",
+            entry.rounding.name()
+        )))
     }
 }
 

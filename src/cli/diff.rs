@@ -253,7 +253,7 @@ pub fn diff(a: DiffArgs) -> Result<ExitCode> {
         Some(s) => Some(Emulation::parse(s).ok_or_else(|| {
             err(format!(
                 "unknown rounding '{s}' (known: {})",
-                Emulation::ALL.map(|e| e.name()).join(", ")
+                Emulation::names()
             ))
         })?),
     };

@@ -100,12 +100,13 @@ pub struct SelftestArgs {
     /// separate process), the numpy engine (scripts/numpy_engine.py), or both.
     #[arg(long, default_value = "parity", value_parser = ["parity", "numpy", "both"])]
     engine: String,
-    /// Activation rounding of the engine, comma-separated: none (plain f32), ggml (as ggml's
-    /// CPU), both (none,ggml), any family `parity diff --rounding` knows (ggml-scalar, q8k,
-    /// q8_1-gpu, f16, bf16, f16-acc, f16-acc-unfused), and for the numpy engine also tf32 (a
-    /// rounding parity does not model), PREFILL/DECODE (the prompt step rounding otherwise,
-    /// e.g. f16-acc/none as llama.cpp Vulkan) and ROUNDING+lm=OUTPUT (the output projection
-    /// rounding otherwise, e.g. q8k+lm=ggml).
+    /// Activation rounding of the engine, comma-separated: any family `parity diff
+    /// --rounding` knows (plain-f32, ggml-cpu, ggml-scalar, q8k, q8_1-gpu, f16, bf16, f16-acc,
+    /// f16-acc-unfused; `none` and `ggml` are accepted for the first two), both
+    /// (plain-f32,ggml-cpu), and for the numpy engine also tf32 (a rounding parity does not
+    /// model), PREFILL/DECODE (the prompt step rounding otherwise, e.g. f16-acc/plain-f32 as
+    /// llama.cpp Vulkan) and ROUNDING+lm=OUTPUT (the output projection rounding otherwise,
+    /// e.g. q8k+lm=ggml-cpu).
     #[arg(long, default_value = "both", value_delimiter = ',')]
     rounding: Vec<String>,
     /// Dump only embd, l_out per layer, result_norm and logits (what engine authors dump
@@ -137,7 +138,7 @@ pub struct SelftestArgs {
     keep: Option<PathBuf>,
 }
 
-/// `--rounding`'s list, `both` standing for none and ggml.
+/// `--rounding`'s list, `both` standing for plain-f32 and ggml-cpu.
 fn roundings(names: &[String]) -> Result<Vec<Rounding>> {
     let mut v = Vec::new();
     for n in names {

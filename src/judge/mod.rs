@@ -36,7 +36,7 @@ use crate::trace::{Tap, TapKey, Trace, TraceError};
 use floor::{Floors, OpClass, class, median};
 use layout::Layout;
 use replay::{Candidate, KvCache, Setup, Window, replay};
-pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name, short};
+pub use rounding::{EXACT_FIT, KvFit, ROUNDINGS, RoundingFit, rounding_name};
 use serde::Serialize;
 use span::{SpanOps, span};
 use std::collections::BTreeSet;
@@ -1108,8 +1108,8 @@ fn under_other_roundings(
     let cache = other_cache(kv2, kv);
     let note = format!(
         "\n  confirmed with {which} rounded as {}{cache}: the bug moved the data that rounding was measured on (no hypothesis reproduces it under {} and {} {} cache)",
-        short(r),
-        short(r_now),
+        r.name(),
+        r_now.name(),
         article(&kv.name()),
         kv.name(),
     );
@@ -1213,8 +1213,8 @@ fn screen_closest(
     let cache = other_cache(kv2, kv);
     let note = format!(
         "\n  confirmed with the layers rounded as {}{cache}: the bug moved the data that rounding was measured on (under {} and {} {} cache no hypothesis explained {} under its floor)",
-        short(fl.rounding),
-        short(floors.rounding),
+        fl.rounding.name(),
+        floors.rounding.name(),
         article(&kv.name()),
         kv.name(),
         c.key,
@@ -1279,13 +1279,13 @@ fn under_other_caches(
     };
     let layers = match fl.rounding == floors.rounding {
         true => String::new(),
-        false => format!("the layers rounded as {} and ", short(fl.rounding)),
+        false => format!("the layers rounded as {} and ", fl.rounding.name()),
     };
     let note = format!(
         "\n  confirmed with {layers}{} {} K/V cache: the bug moved the data the cache was measured on (no cache reproduced the attention; under {} and {} {} cache no hypothesis explained {} under its floor)",
         article(&kv2.name()),
         kv2.name(),
-        short(floors.rounding),
+        floors.rounding.name(),
         article(&kv.name()),
         kv.name(),
         c.key,
@@ -1399,7 +1399,7 @@ fn layers_with_the_bug(
     }
     let note = format!(
         "\n  the layers round as {}: measured with {} in place (it moved the data the rounding was first measured on)",
-        short(r),
+        r.name(),
         m.name()
     );
     Ok(Some((fl, note)))
@@ -1409,11 +1409,11 @@ fn layers_with_the_bug(
 /// `prefill: F, decode: G` where the decode steps round otherwise.
 pub fn rounding_label(j: &Judgement) -> String {
     let steps = match j.decode_rounding {
-        Some(d) => format!("prefill: {}, decode: {}", short(j.rounding), short(d)),
-        None => short(j.rounding).to_string(),
+        Some(d) => format!("prefill: {}, decode: {}", j.rounding.name(), d.name()),
+        None => j.rounding.name().to_string(),
     };
     match j.output_rounding {
-        Some(o) => format!("{steps}; output projection: {}", short(o)),
+        Some(o) => format!("{steps}; output projection: {}", o.name()),
         None => steps,
     }
 }

@@ -864,10 +864,3 @@ pub fn decode_cache(
     Ok((best, fits))
 }
 
-pub fn short(r: Emulation) -> &'static str {
-    match r {
-        Emulation::None => "plain-f32",
-        Emulation::GgmlCpu => "ggml-cpu",
-        e => e.name(),
-    }
-}

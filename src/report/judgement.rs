@@ -3,7 +3,7 @@
 
 use crate::judge::hypothesis;
 use crate::judge::replay::KvCache;
-use crate::judge::{EXACT_FIT, Judgement, RoundingFit, rounding_label, rounding_name, short};
+use crate::judge::{EXACT_FIT, Judgement, RoundingFit, rounding_label, rounding_name};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -11,7 +11,7 @@ use std::fmt::Write;
 fn fits_text(fits: &[RoundingFit]) -> String {
     let v: Vec<String> = fits
         .iter()
-        .map(|f| format!("{} {:.1e}", short(f.rounding), f.median_nmse))
+        .map(|f| format!("{} {:.1e}", f.rounding.name(), f.median_nmse))
         .collect();
     v.join(", ")
 }
@@ -56,7 +56,7 @@ pub fn judgement(j: &Judgement) -> String {
             s,
             "per step kind: {} (the first decode step's median matmul own NMSE, the prefill under {}: {}); decode: {}",
             rounding_label(j),
-            short(j.rounding),
+            j.rounding.name(),
             fits,
             rounding_name(d)
         );
@@ -68,7 +68,7 @@ pub fn judgement(j: &Judgement) -> String {
             "output projection: {} (the first step's logits own NMSE under each: {}); the layers: {}",
             rounding_name(o),
             fits,
-            short(j.rounding)
+            j.rounding.name()
         );
     }
     if j.kv_fits.len() > 1 {
@@ -119,7 +119,7 @@ pub fn judgement(j: &Judgement) -> String {
         let _ = writeln!(s, "declared layouts aligned: {}", j.aligned.join(", "));
     }
     if !j.ties.is_empty() {
-        let twins: BTreeSet<&str> = j.ties.iter().map(|(_, t)| short(*t)).collect();
+        let twins: BTreeSet<&str> = j.ties.iter().map(|(_, t)| t.name()).collect();
         let _ = writeln!(
             s,
             "rounding twins: {} keys reproduced closer by {} (the same matmul grid with the other tie rule, or GELU in f32 instead of ggml-cpu's f16 table: an element on a tie may take either neighbour; judged under it, never a finding)",
