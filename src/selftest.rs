@@ -1,16 +1,19 @@
 //! `parity selftest` as a library call: the clean engine and each catalog bug
-//! (`backend::mutation`) write their trace as a separate process, exactly as an external
-//! engine's dump is made, and `diff`'s own library call judges it; each [`Row`] says whether
+//! (`backend::mutation`) write their trace to a file, parity's own engine through `parity
+//! dump`'s library call (`backend::dump`), the numpy engine as a process of its own, exactly
+//! as an external engine's dump is made; `diff`'s own library call judges it; each [`Row`] says whether
 //! the clean run passes and each bug is found at its place and named. What each bug must show
 //! (its place in a full and a sparse dump, its name) is the catalog's, beside it in
 //! `backend/mutation.rs`. The CLI renders the rows; nothing here prints.
 
+use crate::backend::Reference;
+use crate::backend::dump;
 use crate::backend::family::{Emulation, FAMILIES};
 use crate::backend::mutation::{Mutation, MutationKind};
 use crate::judge::verdict::{DiffOptions, Diffed, diff};
 use crate::judge::{JudgeError, rounding_label};
 use crate::model::Model;
-use crate::trace::{TapKey, Trace, TraceError};
+use crate::trace::{TapFilter, TapKey, Trace, TraceError, TraceWriter};
 use std::path::{Path, PathBuf};
 
 mod worker;
@@ -60,7 +63,7 @@ pub enum SelftestError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
-    /// parity's reference, as `parity dump --mutate` in its own process.
+    /// parity's reference, through `parity dump --mutate`'s library call.
     Parity,
     /// scripts/numpy_engine.py.
     Numpy,
@@ -177,11 +180,10 @@ impl serde::Serialize for Rounding {
     }
 }
 
-/// How each engine is started as its own process.
+/// How the numpy engine is started as its own process (parity's own engine runs in this one,
+/// through `parity dump`'s library call).
 #[derive(Clone, Debug)]
 pub struct Programs {
-    /// The parity executable (`parity dump`).
-    pub parity: PathBuf,
     /// The Python that runs the numpy engine, and its script.
     pub python: PathBuf,
     pub numpy_engine: PathBuf,
@@ -345,8 +347,7 @@ pub fn run(
     Ok(rows)
 }
 
-/// One case through one engine configuration: its trace written by the engine's own process
-/// into `tmp`, judged by `diff`'s library call against the golden, and the row (with the
+/// One case through one engine configuration: its trace written by the engine into `tmp`, judged by `diff`'s library call against the golden, and the row (with the
 /// trace, which the clean case hands to the bug cases).
 #[allow(clippy::too_many_arguments)]
 fn one_row(
@@ -369,7 +370,9 @@ fn one_row(
         rounding.name().replace('/', "+"),
         case.label().replace([' ', '(', ')'], "")
     ));
-    write_trace(engine, model_path, case, rounding, opt, &dir, pool)?;
+    write_trace(
+        engine, model, model_path, golden, case, rounding, opt, &dir, pool,
+    )?;
     let cand = Trace::open(&dir)?;
     let o = outcome(golden, &cand, model)?;
     // In a sparse trace a small bug can leave the first layers' outputs bit-identical
@@ -553,10 +556,29 @@ fn outcome(golden: &Trace, cand: &Trace, model: &Model) -> Result<Diffed, Selfte
     )?)
 }
 
-/// Write the case's trace into `dir` by running the engine as a separate process, as an
-/// external engine's dump would be made.
+/// Write the case's trace into `dir`: parity's own engine through `parity dump`'s library
+/// call, the numpy engine as a process of its own, as an external engine's dump is made.
+#[allow(clippy::too_many_arguments)]
 fn write_trace(
     engine: Engine,
+    model: &Model,
+    model_path: &Path,
+    golden: &Trace,
+    case: Case,
+    rounding: Rounding,
+    opt: &SelftestOptions,
+    dir: &Path,
+    pool: &worker::Pool,
+) -> Result<(), SelftestError> {
+    match engine {
+        Engine::Parity => own_engine(model, model_path, golden, case, rounding, opt, dir),
+        Engine::Numpy => numpy_engine(model_path, case, rounding, opt, dir, pool),
+    }
+}
+
+/// The numpy engine writes the case's trace, through a kept worker where every argument is
+/// text (JSON carries the lines); a path that is not UTF-8 gets a process of its own.
+fn numpy_engine(
     model_path: &Path,
     case: Case,
     rounding: Rounding,
@@ -564,83 +586,103 @@ fn write_trace(
     dir: &Path,
     pool: &worker::Pool,
 ) -> Result<(), SelftestError> {
-    let mut cmd = match engine {
-        Engine::Parity => {
-            let mut c = std::process::Command::new(&opt.programs.parity);
-            c.arg("dump")
-                .arg(model_path)
-                .arg("--golden")
-                .arg(&opt.golden);
-            // `cases` let only the numpy engine take tf32 or a prefill of its own.
-            if let EngineRounding::Family(e) = rounding.decode {
-                c.args(["--emulate", e.name()]);
-            }
-            if opt.sparse {
-                c.args(["--taps", SPARSE_TAPS]);
-            }
-            match case {
-                Case::Clean => {}
-                Case::Bug(m) => {
-                    c.args(["--mutate", m.name()]);
-                    if opt.from_layer > 0 {
-                        c.arg("--mutate-from-layer").arg(opt.from_layer.to_string());
-                    }
-                }
-                Case::Declared(m) => {
-                    c.args(["--mutate", m.name(), "--declare-layout"]);
-                }
-            }
-            c.arg("--force").arg("--out").arg(dir);
-            c
-        }
-        Engine::Numpy => {
-            let args = numpy_args(model_path, case, rounding, opt, dir);
-            // Through a kept worker where every argument is text (JSON carries the lines);
-            // a path that is not UTF-8 gets a process of its own.
-            let text: Option<Vec<String>> = args
-                .iter()
-                .map(|a| a.to_str().map(str::to_string))
-                .collect();
-            if let Some(text) = text {
-                let a = pool.run(&text).map_err(|e| SelftestError::Spawn {
-                    program: opt.programs.python.display().to_string(),
-                    case: case.label(),
-                    source: e,
-                })?;
-                if a.rc != 0 {
-                    return Err(SelftestError::EngineFailed {
-                        engine: "numpy",
-                        case: case.label(),
-                        last: a.stderr.lines().last().unwrap_or("").trim().to_string(),
-                    });
-                }
-                return Ok(());
-            }
-            let mut c = std::process::Command::new(&opt.programs.python);
-            // Isolated (`-I`): no working folder or script folder on sys.path, no PYTHON*
-            // variables, no user site, so a `numpy.py` where selftest runs is not imported.
-            c.arg("-I").arg(&opt.programs.numpy_engine);
-            crate::trace::staging::isolate_python(&mut c);
-            c.args(args);
-            c
-        }
+    let failed = |stderr: &str| SelftestError::EngineFailed {
+        engine: "numpy",
+        case: case.label(),
+        last: stderr.lines().last().unwrap_or("").trim().to_string(),
     };
-    let out = cmd.output().map_err(|e| SelftestError::Spawn {
-        program: cmd.get_program().to_string_lossy().into_owned(),
+    let args = numpy_args(model_path, case, rounding, opt, dir);
+    let text: Option<Vec<String>> = args
+        .iter()
+        .map(|a| a.to_str().map(str::to_string))
+        .collect();
+    if let Some(text) = text {
+        let a = pool.run(&text).map_err(|e| SelftestError::Spawn {
+            program: opt.programs.python.display().to_string(),
+            case: case.label(),
+            source: e,
+        })?;
+        return match a.rc {
+            0 => Ok(()),
+            _ => Err(failed(&a.stderr)),
+        };
+    }
+    let mut c = std::process::Command::new(&opt.programs.python);
+    // Isolated (`-I`): no working folder or script folder on sys.path, no PYTHON* variables,
+    // no user site, so a `numpy.py` where selftest runs is not imported.
+    c.arg("-I").arg(&opt.programs.numpy_engine);
+    crate::trace::staging::isolate_python(&mut c);
+    c.args(args);
+    let out = c.output().map_err(|e| SelftestError::Spawn {
+        program: opt.programs.python.display().to_string(),
         case: case.label(),
         source: e,
     })?;
-    if !out.status.success() {
-        let msg = String::from_utf8_lossy(&out.stderr);
-        return Err(SelftestError::EngineFailed {
-            engine: match engine {
-                Engine::Parity => "parity dump",
-                Engine::Numpy => "numpy",
-            },
-            case: case.label(),
-            last: msg.lines().last().unwrap_or("").trim().to_string(),
-        });
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(failed(&String::from_utf8_lossy(&out.stderr))),
     }
+}
+
+/// parity's reference engine writes the case's trace, as `parity dump MODEL --golden G
+/// [--emulate E] [--taps SPARSE] [--mutate M [--declare-layout]]` would, through the same
+/// library call (`backend::dump`).
+fn own_engine(
+    model: &Model,
+    model_path: &Path,
+    golden: &Trace,
+    case: Case,
+    rounding: Rounding,
+    opt: &SelftestOptions,
+    dir: &Path,
+) -> Result<(), SelftestError> {
+    let failed = |last: String| SelftestError::EngineFailed {
+        engine: "parity dump",
+        case: case.label(),
+        last,
+    };
+    // `cases` let only the numpy engine take tf32 or a prefill or output rounding of its own.
+    let EngineRounding::Family(family) = rounding.decode else {
+        return Err(SelftestError::RoundingNeedsNumpy(rounding.name()));
+    };
+    let (prompt, feed) =
+        dump::replay(golden).ok_or_else(|| failed("the golden has no prompt ids".into()))?;
+    let (bug, from_layer, declared) = match case {
+        Case::Clean => (None, 0, false),
+        Case::Bug(m) => (Some(m), opt.from_layer, false),
+        Case::Declared(m) => (Some(m), 0, true),
+    };
+    let prompt = match bug {
+        Some(m) => dump::mutate_ids(&prompt, m, model).map_err(|e| failed(e.to_string()))?,
+        None => prompt,
+    };
+    // A token bug is in the ids alone; the others are the reference's hooks.
+    let hooks = bug.filter(|m| m.kind() != MutationKind::Tokens);
+    let mut engine = Reference::new(model, family, prompt.len() + feed.n_ids())
+        .with_mutation(hooks)
+        .mutation_from_layer(from_layer);
+    let filter = if opt.sparse {
+        TapFilter::regex(SPARSE_TAPS).map_err(|e| failed(e.to_string()))?
+    } else {
+        TapFilter::all()
+    };
+    let mut sink = TraceWriter::create(dir, filter, true)?;
+    if declared && let Some((tap, layout)) = bug.and_then(|m| m.declared_layout()) {
+        sink.declare_layout(tap, layout);
+    }
+    let settings = serde_json::json!({
+        "bos_policy": format!("ids replayed from the golden {}", opt.golden.display()),
+        "selftest": case.label(),
+    });
+    dump::write(
+        &mut engine,
+        &prompt,
+        &feed,
+        sink,
+        dump::model_ref(model_path, model),
+        settings,
+    )
+    .map_err(|e| failed(e.to_string()))?;
     Ok(())
 }
 

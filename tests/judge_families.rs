@@ -65,7 +65,10 @@ fn assert_clean(model: &Path, golden: &Path, out: &Path, accepted: &[&str], what
         .expect("an own-inputs comparison");
     let fam = own["rounding_family"].as_str().unwrap_or("(none)");
     assert!(accepted.contains(&fam), "{what}: named {fam}: {text}");
-    assert!(own["baseline"].as_str().unwrap().ends_with(fam), "{what}: {own}");
+    assert!(
+        own["baseline"].as_str().unwrap().ends_with(fam),
+        "{what}: {own}"
+    );
 
     let m = Model::open(model).unwrap();
     let j = judge::judge(&m, &Trace::open(out).unwrap(), &JudgeOptions::default()).unwrap();

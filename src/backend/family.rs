@@ -267,7 +267,11 @@ impl Emulation {
 
     /// Every family's name, for error messages.
     pub fn names() -> String {
-        FAMILIES.iter().map(|f| f.name).collect::<Vec<_>>().join(", ")
+        FAMILIES
+            .iter()
+            .map(|f| f.name)
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     pub fn tie_twins(self) -> &'static [Emulation] {

@@ -1,6 +1,7 @@
 //! Backends: the same forward pass over the same model, each recording the same taps.
 //! `reference` is the readable truth; `fast` is held to it tap by tap.
 
+pub mod dump;
 pub mod f16acc;
 pub mod family;
 pub mod fast;

@@ -308,6 +308,15 @@ impl Mutation {
             .join(", ")
     }
 
+    /// The tap and layout an engine with this layout bug declares in its manifest
+    /// (`"layouts"`) when it knows it stores the tap so; `None` for other bugs.
+    pub fn declared_layout(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Mutation::HeadMajorQRope => Some(("q_rope", "head-major")),
+            _ => None,
+        }
+    }
+
     /// One line a user reads: what the engine does wrong.
     pub fn describe(self) -> &'static str {
         match self {

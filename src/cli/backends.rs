@@ -2,11 +2,9 @@
 //! registry's names, a planted mutation, threads, the context, and how a trace names its producer.
 
 use super::{Result, err};
-use crate::backend::mutation::{self, Mutation, MutationKind};
+use crate::backend::mutation::{Mutation, MutationKind};
 use crate::backend::{self, Backend, Emulation, Reference};
 use crate::model::Model;
-use crate::trace::{ModelRef, Producer};
-use std::path::Path;
 
 /// A backend by its registry name (`backend::registry`).
 pub fn make_backend<'m>(
@@ -78,25 +76,6 @@ pub fn make_mutated_backend<'m>(
     ))
 }
 
-/// The ids an engine with a token bug feeds: BOS dropped or doubled. Refused when the prompt
-/// does not start with the model's BOS (the bug cannot show then).
-pub fn mutate_ids(ids: &[u32], m: Mutation, model: &Model) -> Result<Vec<u32>> {
-    let bos = mutation::bos_id(model);
-    let starts = bos.is_some() && ids.first().copied() == bos;
-    match m {
-        Mutation::NoBos | Mutation::DoubleBos if !starts => Err(err(format!(
-            "--mutate {m}: the prompt ids do not start with the model's BOS ({})",
-            bos.map_or("it has none".to_string(), |b| b.to_string())
-        ))),
-        Mutation::NoBos if ids.len() < 2 => {
-            Err(err("--mutate no-bos: the prompt is BOS alone".to_string()))
-        }
-        Mutation::NoBos => Ok(ids[1..].to_vec()),
-        Mutation::DoubleBos => Ok([&ids[..1], ids].concat()),
-        _ => Ok(ids.to_vec()),
-    }
-}
-
 /// `--threads 0` means every core; more than 4 per core is capped, with a note on stderr.
 pub fn resolve_threads(n: usize) -> usize {
     let r = backend::registry::resolve_threads(n);
@@ -142,29 +121,5 @@ pub fn backend_name(backend: &str, emulate: Option<&str>) -> Result<String> {
             "--backend {backend} always rounds activations as '{}'; --emulate {e} is for the reference backend",
             entry.rounding.name()
         )))
-    }
-}
-
-/// The producer of a trace made by `backend`; its activation rounding is recorded in the
-/// settings so that no reader has to guess it from the backend's name.
-pub fn producer(backend: &dyn Backend, settings: serde_json::Value) -> Producer {
-    let mut settings = match settings {
-        serde_json::Value::Object(m) => m,
-        _ => serde_json::Map::new(),
-    };
-    settings.insert("rounding".into(), backend.rounding().name().into());
-    Producer {
-        name: "parity".into(),
-        backend: backend.name(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        settings: settings.into(),
-    }
-}
-
-pub fn model_ref(path: &Path, model: &Model) -> ModelRef {
-    ModelRef {
-        path: path.display().to_string(),
-        sha256: model.sha256().to_string(),
-        size: Some(model.file.bytes().len() as u64),
     }
 }

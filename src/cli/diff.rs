@@ -41,8 +41,9 @@ pub struct DiffArgs {
     /// Compare even if the manifests (or --model) name different model sha256.
     #[arg(long)]
     allow_model_mismatch: bool,
-    /// Judge under this activation rounding only (none, ggml-cpu, f16, ggml-scalar, q8k, q8_1-gpu,
-    /// bf16, f16-acc, f16-acc-unfused) instead of measuring which one reproduces the engine.
+    /// Judge under this activation rounding only (plain-f32, ggml-cpu, f16, ggml-scalar, q8k,
+    /// q8_1-gpu, bf16, f16-acc, f16-acc-unfused; `none` and `ggml` are accepted for the first
+    /// two) instead of measuring which one reproduces the engine.
     #[arg(long)]
     rounding: Option<String>,
     /// Judge with this K/V cache only instead of the one the candidate declares or the one

@@ -1,13 +1,12 @@
 //! `parity dump`: one backend's trace of a prompt and its decode steps, every tap or a plan's.
 
 use super::backends::{
-    backend_name, check_context, make_mutated_backend, model_ref, mutate_ids, parse_mutation,
-    producer, resolve_threads,
+    backend_name, check_context, make_mutated_backend, parse_mutation, resolve_threads,
 };
 use super::input::{InputArgs, ids_text};
 use super::{Result, err};
+use crate::backend::dump;
 use crate::backend::mutation::MutationKind;
-use crate::backend::{self};
 use crate::model::Model;
 use crate::report::shown::shown;
 use crate::trace::{TapFilter, Trace, TraceWriter};
@@ -42,10 +41,10 @@ pub struct DumpArgs {
     record: Option<String>,
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding of the reference backend: none (plain f32, the default), ggml-cpu
-    /// (as llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
-    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`). The fast backend always rounds as
-    /// ggml-cpu.
+    /// Activation rounding of the reference backend: plain-f32 (the default), ggml-cpu (as
+    /// llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
+    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`); `none` and `ggml` are accepted for the
+    /// first two. The fast backend always rounds as ggml-cpu.
     #[arg(long, value_name = "ROUNDING")]
     emulate: Option<String>,
     /// Overwrite the trace already at --out (a folder's or an archive's; never other files).
@@ -92,8 +91,7 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
     let plan = record_plan(a.record.as_deref())?;
     let model = Model::open(&a.model)?;
     // A golden fed in chunks or with further turns is replayed step by step, as it was fed.
-    let mut later: Option<Vec<Vec<u32>>> = None;
-    let (mut ids, policy, forced) = match &a.golden {
+    let (mut ids, policy, feed) = match &a.golden {
         Some(dir) => {
             let g = Trace::open(dir)?;
             let want = &g.manifest.model.sha256;
@@ -106,19 +104,18 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
                     &model.sha256()[..12]
                 )));
             }
-            let ids = g.manifest.steps.first().map(|s| s.tokens.clone());
-            let ids = ids
-                .filter(|t| !t.is_empty())
+            let (ids, feed) = dump::replay(&g)
                 .ok_or_else(|| err(format!("{}: the golden has no prompt ids", dir.display())))?;
-            let policy = format!("ids replayed from the golden {}", dir.display());
-            let steps: Vec<Vec<u32>> = g.manifest.steps[1..]
-                .iter()
-                .map(|s| s.tokens.clone())
-                .collect();
-            if steps.iter().any(|t| t.len() != 1) {
-                later = Some(steps);
+            if let Some(s) = a.steps
+                && s != feed.n_ids()
+            {
+                return Err(err(format!(
+                    "--steps {s} disagrees with the golden's {} decode ids: give one of them",
+                    feed.n_ids()
+                )));
             }
-            (ids, policy, Some(g.manifest.decode_tokens()))
+            let policy = format!("ids replayed from the golden {}", dir.display());
+            (ids, policy, feed)
         }
         None if !a.input.given() => {
             return Err(err(
@@ -127,7 +124,23 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         }
         None => {
             let (ids, policy) = a.input.resolve(&model.file)?;
-            (ids, policy, a.forced.clone())
+            let feed = match (&a.forced, a.steps) {
+                (Some(f), Some(s)) if s != f.len() => {
+                    return Err(err(format!(
+                        "--steps {s} disagrees with --forced ({} ids): give one of them",
+                        f.len()
+                    )));
+                }
+                (Some(f), _) => dump::Feed::Steps {
+                    n: f.len(),
+                    forced: Some(f.clone()),
+                },
+                (None, s) => dump::Feed::Steps {
+                    n: s.unwrap_or(4),
+                    forced: None,
+                },
+            };
+            (ids, policy, feed)
         }
     };
     let mutate = a
@@ -147,29 +160,15 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
                 a.mutate_from_layer, model.config.n_layer
             )));
         }
-        ids = mutate_ids(&ids, m, &model)?;
+        ids = dump::mutate_ids(&ids, m, &model)?;
         eprintln!("mutation: {m} — {}", m.describe());
     }
     eprintln!("prompt ids: {} — {policy}", ids_text(&ids));
-    let steps = match (&forced, a.steps) {
-        (Some(f), Some(s)) if s != f.len() => {
-            let from = if a.golden.is_some() {
-                format!("the golden's {} decode ids", f.len())
-            } else {
-                format!("--forced ({} ids)", f.len())
-            };
-            return Err(err(format!(
-                "--steps {s} disagrees with {from}: give one of them"
-            )));
-        }
-        (Some(f), _) => f.len(),
-        (None, s) => s.unwrap_or(4),
+    let what = match &feed {
+        dump::Feed::Steps { forced: None, .. } => "--steps",
+        _ => "forced decode ids",
     };
-    let what = if forced.is_some() {
-        "forced decode ids"
-    } else {
-        "--steps"
-    };
+    let steps = feed.n_ids();
     check_context(&model, ids.len(), what, steps)?;
     let threads = resolve_threads(a.threads);
     let filter = match &a.taps {
@@ -177,11 +176,11 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         None => TapFilter::all(),
     };
     let filter = filter.with_record(plan);
-    let run = match &later {
-        Some(l) => {
+    let run = match &feed {
+        dump::Feed::Chunks(l) => {
             crate::arch::size::fed_steps(std::iter::once(ids.len()).chain(l.iter().map(Vec::len)))
         }
-        None => crate::arch::size::golden_feed(ids.len(), 0, steps, &[]),
+        dump::Feed::Steps { .. } => crate::arch::size::golden_feed(ids.len(), 0, steps, &[]),
     };
     let (bytes, probs) = crate::arch::size::trace_bytes(
         &model.config,
@@ -208,18 +207,19 @@ pub fn dump(a: DumpArgs) -> Result<ExitCode> {
         a.mutate_from_layer,
     )?;
     let mut sink = TraceWriter::create(&a.out, filter, a.force)?;
-    if a.declare_layout {
-        sink.declare_layout("q_rope", "head-major");
+    if a.declare_layout
+        && let Some((tap, layout)) = mutate.and_then(|m| m.declared_layout())
+    {
+        sink.declare_layout(tap, layout);
     }
-    let info = match &later {
-        Some(l) => backend::run_steps(b.as_mut(), &ids, l, &mut sink)?,
-        None => backend::run(b.as_mut(), &ids, steps, forced.as_deref(), &mut sink)?,
-    };
     let settings = serde_json::json!({ "bos_policy": policy, "command": std::env::args_os().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>().join(" ") });
-    let m = sink.finish(
-        model_ref(&a.model, &model),
-        producer(b.as_ref(), settings),
-        info,
+    let m = dump::write(
+        b.as_mut(),
+        &ids,
+        &feed,
+        sink,
+        dump::model_ref(&a.model, &model),
+        settings,
     )?;
     eprintln!(
         "wrote {} tensors over {} steps to {}",

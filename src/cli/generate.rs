@@ -2,7 +2,7 @@
 //! other token by token).
 
 use super::backends::{
-    backend_name, check_context, make_mutated_backend, mutate_ids, parse_mutation, resolve_threads,
+    backend_name, check_context, make_mutated_backend, parse_mutation, resolve_threads,
 };
 use super::input::{InputArgs, ids_text};
 use super::{Result, err};
@@ -24,10 +24,10 @@ pub struct GenerateArgs {
     /// Backend: reference or fast.
     #[arg(long, default_value = "reference")]
     backend: String,
-    /// Activation rounding of the reference backend: none (plain f32, the default), ggml-cpu
-    /// (as llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
-    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`). The fast backend always rounds as
-    /// ggml-cpu.
+    /// Activation rounding of the reference backend: plain-f32 (the default), ggml-cpu (as
+    /// llama.cpp's CPU backend rounds matmul inputs) or another engine family (ggml-scalar,
+    /// q8k, q8_1-gpu, f16, bf16; `parity diff --help`); `none` and `ggml` are accepted for the
+    /// first two. The fast backend always rounds as ggml-cpu.
     #[arg(long, value_name = "ROUNDING")]
     emulate: Option<String>,
     /// Keep going past EOS.
@@ -55,7 +55,7 @@ pub fn generate(a: GenerateArgs) -> Result<ExitCode> {
         .map(|n| parse_mutation(n, &model))
         .transpose()?;
     if let Some(m) = mutate {
-        ids = mutate_ids(&ids, m, &model)?;
+        ids = crate::backend::dump::mutate_ids(&ids, m, &model)?;
         eprintln!("mutation: {m} — {}", m.describe());
     }
     eprintln!("prompt ids: {} — {policy}", ids_text(&ids));

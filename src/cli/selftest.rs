@@ -96,8 +96,9 @@ pub struct SelftestArgs {
     /// goldens that ship with parity).
     #[arg(long)]
     golden: Option<PathBuf>,
-    /// Which engine writes the traces: parity's reference (`parity dump --mutate`, run as a
-    /// separate process), the numpy engine (scripts/numpy_engine.py), or both.
+    /// Which engine writes the traces: parity's reference (what `parity dump --mutate` writes,
+    /// through its library call), the numpy engine (scripts/numpy_engine.py, a process of its
+    /// own), or both.
     #[arg(long, default_value = "parity", value_parser = ["parity", "numpy", "both"])]
     engine: String,
     /// Activation rounding of the engine, comma-separated: any family `parity diff
@@ -227,7 +228,6 @@ pub fn selftest(a: SelftestArgs) -> Result<ExitCode> {
         keep: a.keep.clone(),
         jobs: a.jobs,
         programs: Programs {
-            parity: std::env::current_exe()?,
             python: super::python(),
             numpy_engine: super::script("numpy_engine.py"),
         },

@@ -863,4 +863,3 @@ pub fn decode_cache(
         .map(|f| f.kv);
     Ok((best, fits))
 }
-
