@@ -160,6 +160,13 @@ fn a_token_mismatch_report_validates_with_both_texts_decoded() {
         assert!(!c["token_mismatch"].is_null(), "{c:#}");
         assert!(c["first_divergence"].is_null(), "{}", c["first_divergence"]);
     }
+    // The verdict rests on the ids, at the prompt step's embd, named by their difference.
+    assert_eq!(
+        j["finding"],
+        serde_json::json!({"diverged": true, "basis": "tokens",
+            "place": {"step": 0, "layer": null, "tap": "embd"},
+            "named": "bos-missing", "also": [], "layouts": []}),
+    );
     let t = &j["comparisons"][0]["token_mismatch"];
     assert_eq!(t["kind"], "bos-missing");
     assert_eq!(t["baseline_ids"][0], 1);
@@ -272,4 +279,54 @@ fn every_rounding_family_is_documented() {
         assert!(row.contains(&name), "docs/report-json.md lacks {name}");
         assert!(field.contains(&name), "the schema lacks {name}");
     }
+}
+
+/// `diff`'s verdict is in its JSON as the terminal states it: a planted bug's place and name,
+/// a clean trace's parity; `check` writes no finding (its comparisons are its verdict).
+#[test]
+fn diff_json_carries_the_finding() {
+    let tmp = tempfile::tempdir().unwrap();
+    let finding = |mutate: Option<&str>, exit: i32| {
+        let t = tmp
+            .path()
+            .join(format!("{}.npz", mutate.unwrap_or("clean")));
+        let mut args = vec![
+            "dump",
+            "fixtures/tiny-llama-q8_0.gguf",
+            "--golden",
+            "golden/tiny-llama-q8_0",
+            "--out",
+            t.to_str().unwrap(),
+        ];
+        if let Some(m) = mutate {
+            args.extend(["--mutate", m]);
+        }
+        let o = parity(&args);
+        assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+        let o = parity(&[
+            "diff",
+            "golden/tiny-llama-q8_0",
+            t.to_str().unwrap(),
+            "--json",
+            "-",
+        ]);
+        assert_eq!(o.status.code(), Some(exit), "{}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        validate(&j, "diff --json -");
+        j["finding"].clone()
+    };
+    assert_eq!(
+        finding(Some("rope-neox"), 1),
+        serde_json::json!({"diverged": true, "basis": "own-error",
+            "place": {"step": 0, "layer": 0, "tap": "q_rope"},
+            "named": "rope-neox", "also": [], "layouts": []}),
+    );
+    assert_eq!(
+        finding(None, 0),
+        serde_json::json!({"diverged": false, "basis": "parity", "place": null,
+            "named": null, "also": [], "layouts": []}),
+    );
+    let o = parity(&["check", "--json", "-", "-q"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(j.get("finding").is_none(), "{j:#}");
 }

@@ -258,6 +258,7 @@ pub fn finish_with(
         let text = report::shown::json(serde_json::to_string_pretty(&report::json::report(
             comparisons,
             &info,
+            outcome.verdict.as_ref(),
         ))?) + "\n";
         if out.json_to_stdout() {
             json_stdout = Some(text);

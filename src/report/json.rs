@@ -10,6 +10,7 @@
 
 use super::info::{RunInfo, TraceInfo};
 use crate::compare::{Comparison, PairKind, TapResult};
+use crate::judge::verdict as judged;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +34,47 @@ pub struct Report {
     pub traces: Vec<TraceReport>,
     /// Every comparison, in the order they were printed.
     pub comparisons: Vec<ComparisonReport>,
+    /// `diff`'s verdict: what it rests on, where, and the cause named by experiment, as the
+    /// terminal's verdict paragraph states them; absent for `check`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finding: Option<FindingReport>,
+}
+
+/// `diff`'s verdict, in the terms a script checks.
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FindingReport {
+    /// A divergence was found: `diff` exits 1.
+    pub diverged: bool,
+    pub basis: Basis,
+    /// Where: the step whose token ids differ (at its `embd`), else the op whose own error
+    /// diverged, else the first end-to-end divergence; absent when nothing diverged.
+    pub place: Option<KeyReport>,
+    /// The cause's name: the token difference's kind (`bos-missing`, …), else the hypothesis
+    /// an experiment confirmed (a catalog bug's name such as `rope-neox`, or a fitted knob
+    /// such as `rms-eps=1e-3`); absent when no experiment reproduced the divergence.
+    pub named: Option<String>,
+    /// Other hypotheses that reproduce the candidate as well as the named one.
+    pub also: Vec<String>,
+    /// Layouts the candidate did not declare, named by experiment and aligned before the
+    /// judging went on (catalog names, else `layout:<name>` at their tap).
+    pub layouts: Vec<String>,
+}
+
+/// What `diff`'s verdict rests on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Basis {
+    /// The token ids differ.
+    Tokens,
+    /// An op's own error, recomputed from the candidate's own inputs (out of its floor, or
+    /// under it and explained by experiment).
+    OwnError,
+    /// Only the end-to-end comparison against the baseline crossed its tolerance (the model
+    /// was not at hand, or no op's own error explains the drift).
+    EndToEnd,
+    /// No divergence.
+    Parity,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -423,8 +465,12 @@ fn trace(t: &TraceInfo) -> TraceReport {
     }
 }
 
-/// The whole report.
-pub fn report(comparisons: &[Comparison], info: &RunInfo) -> Report {
+/// The whole report; `verdict` is `diff`'s (None for `check`).
+pub fn report(
+    comparisons: &[Comparison],
+    info: &RunInfo,
+    verdict: Option<&judged::Verdict>,
+) -> Report {
     let diverged = comparisons.iter().filter(|c| c.diverged()).count();
     Report {
         schema_version: SCHEMA_VERSION,
@@ -433,6 +479,27 @@ pub fn report(comparisons: &[Comparison], info: &RunInfo) -> Report {
         diverged,
         traces: info.traces.iter().map(trace).collect(),
         comparisons: comparisons.iter().map(comparison).collect(),
+        finding: verdict.map(finding),
+    }
+}
+
+fn finding(v: &judged::Verdict) -> FindingReport {
+    FindingReport {
+        diverged: v.diverged,
+        basis: match v.basis {
+            judged::Basis::Tokens => Basis::Tokens,
+            judged::Basis::OwnError => Basis::OwnError,
+            judged::Basis::EndToEnd => Basis::EndToEnd,
+            judged::Basis::Parity => Basis::Parity,
+        },
+        place: v.place.map(|k| KeyReport {
+            step: k.step,
+            layer: k.layer,
+            tap: k.tap.name().to_string(),
+        }),
+        named: v.named.clone(),
+        also: v.also.clone(),
+        layouts: v.layouts.clone(),
     }
 }
 
