@@ -379,7 +379,7 @@ fn one_row(
     // (activation rounding to 8 bits absorbs it): it cannot be placed before the first key
     // where the trace differs at all.
     let observable = match (clean, case) {
-        (Some(c), Case::Bug(_)) if opt.sparse => first_difference(c, &cand)?,
+        (Some(c), Case::Bug(_)) if opt.sparse => c.first_difference(&cand)?,
         _ => None,
     };
     let steps = crate::trace::step_shapes(golden);
@@ -720,23 +720,6 @@ fn numpy_args(
     c.push("--out".into());
     c.push(dir.into());
     c
-}
-
-/// The first key (graph order) where two traces of the same ids differ in any bit.
-fn first_difference(a: &Trace, b: &Trace) -> Result<Option<TapKey>, TraceError> {
-    for k in a.keys() {
-        let (Some(x), Some(y)) = (a.get(k)?, b.get(k)?) else {
-            continue;
-        };
-        if x.len() != y.len()
-            || x.iter()
-                .zip(y.iter())
-                .any(|(p, q)| p.to_bits() != q.to_bits())
-        {
-            return Ok(Some(*k));
-        }
-    }
-    Ok(None)
 }
 
 /// What a row is judged against besides the verdict: where a sparse trace first differs from

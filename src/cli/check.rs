@@ -304,29 +304,6 @@ fn render(a: &CheckArgs, r: crate::check::CheckReport, zoomed: Option<usize>) ->
     comparisons
 }
 
-/// The first tap both traces hold whose tensors differ in any bit.
-fn first_difference(
-    a: &crate::trace::Trace,
-    b: &crate::trace::Trace,
-) -> Result<Option<crate::trace::TapKey>> {
-    for k in a.keys().filter(|k| b.contains(k)) {
-        let (x, y) = (a.get(k)?, b.get(k)?);
-        let same = match (&x, &y) {
-            (Some(x), Some(y)) => {
-                x.shape() == y.shape()
-                    && x.iter()
-                        .zip(y.iter())
-                        .all(|(p, q)| p.to_bits() == q.to_bits())
-            }
-            _ => x.is_none() && y.is_none(),
-        };
-        if !same {
-            return Ok(Some(*k));
-        }
-    }
-    Ok(None)
-}
-
 /// A zoom's result: the check against the zoom golden, and where that golden is kept.
 struct Zoomed {
     zoom: crate::trace::Zoom,
@@ -443,7 +420,7 @@ fn zoom_check(
     // llama.cpp on the CPU repeats itself bit for bit: a zoom golden that does not (another
     // build, threads that split sums otherwise, a GPU) is a run other than the scan's.
     if let Some((_, zg)) = &report.golden
-        && let Some(k) = first_difference(g, zg)?
+        && let Some(k) = g.first_difference(zg)?
     {
         report.notes.push(format!(
             "zoom: llama.cpp run again differs from the scan golden at {k}: the zoom shows a run of its own, not the scan's"

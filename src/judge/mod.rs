@@ -1176,7 +1176,7 @@ fn screen_closest(
     let window = Window::for_key(cand, &c.key);
     let mut caches = vec![kv];
     caches.extend(rounding::plain_caches(opt, Some(kv)));
-    let mut best: Option<(Floors, KvCache, f64)> = None;
+    let mut best = Explains::default();
     for r in rounding::tried(opt) {
         let fl = floors.rounded(model, r, Some(out_now));
         for &kv2 in &caches {
@@ -1196,18 +1196,13 @@ fn screen_closest(
                     knob,
                     ..clean.clone()
                 };
-                let Some(n) = nmse_at(model, cand, &setup, &c.key)? else {
-                    continue;
-                };
-                let cuts =
-                    n * hypothesis::EXPLAINS <= bar && n * hypothesis::EXPLAINS <= c.own_nmse;
-                if cuts && best.as_ref().is_none_or(|b| n < b.2) {
-                    best = Some((fl.clone(), kv2, n));
+                if let Some(n) = nmse_at(model, cand, &setup, &c.key)? {
+                    best.offer(c, bar, n, &fl, kv2);
                 }
             }
         }
     }
-    let Some((fl, kv2, _)) = best else {
+    let Some((fl, kv2, _)) = best.0 else {
         return Ok(None);
     };
     let cache = other_cache(kv2, kv);
@@ -1250,7 +1245,7 @@ fn under_other_caches(
     let roundings = std::iter::once(floors.rounding)
         .chain(rounding::twins(model, floors.rounding))
         .filter(|r| opt.roundings.contains(r));
-    let mut best: Option<(Floors, KvCache, f64)> = None;
+    let mut best = Explains::default();
     for r in roundings {
         let fl = match r == floors.rounding {
             true => floors.clone(),
@@ -1266,15 +1261,11 @@ fn under_other_caches(
                 continue;
             };
             for t in tried {
-                let cuts = t.nmse * hypothesis::EXPLAINS <= bar
-                    && t.nmse * hypothesis::EXPLAINS <= c.own_nmse;
-                if cuts && best.as_ref().is_none_or(|b| t.nmse < b.2) {
-                    best = Some((fl.clone(), kv2, t.nmse));
-                }
+                best.offer(c, bar, t.nmse, &fl, kv2);
             }
         }
     }
-    let Some((fl, kv2, _)) = best else {
+    let Some((fl, kv2, _)) = best.0 else {
         return Ok(None);
     };
     let layers = match fl.rounding == floors.rounding {
@@ -1291,6 +1282,21 @@ fn under_other_caches(
         c.key,
     );
     Ok(Some((fl, kv2, note)))
+}
+
+/// The setup (floors, cache, own NMSE) under which a hypothesis best explains a check under
+/// the floors: it cuts the check's key `EXPLAINS`-fold below both that setup's clean replay
+/// (`bar`) and the own error the judge measured.
+#[derive(Default)]
+struct Explains(Option<(Floors, KvCache, f64)>);
+
+impl Explains {
+    fn offer(&mut self, c: &hypothesis::BelowFloor, bar: f64, n: f64, fl: &Floors, kv: KvCache) {
+        let cuts = n * hypothesis::EXPLAINS <= bar && n * hypothesis::EXPLAINS <= c.own_nmse;
+        if cuts && self.0.as_ref().is_none_or(|b| n < b.2) {
+            self.0 = Some((fl.clone(), kv, n));
+        }
+    }
 }
 
 /// A catalog bug or a fitted value, as a setup sets it (None: a layout, or no such name).

@@ -221,6 +221,24 @@ impl Trace {
             .map(|&i| self.manifest.tensors[i].shape.as_slice())
     }
 
+    /// The first tap (in this trace's order) both traces hold whose tensors differ in shape or
+    /// in any bit: where two runs that should repeat each other part, if anywhere.
+    pub fn first_difference(&self, other: &Trace) -> Result<Option<TapKey>, TraceError> {
+        for k in self.keys().filter(|k| other.contains(k)) {
+            let (Some(x), Some(y)) = (self.get(k)?, other.get(k)?) else {
+                continue;
+            };
+            let same = x.shape() == y.shape()
+                && x.iter()
+                    .zip(y.iter())
+                    .all(|(p, q)| p.to_bits() == q.to_bits());
+            if !same {
+                return Ok(Some(*k));
+            }
+        }
+        Ok(None)
+    }
+
     /// Read one tensor (None if the trace does not have it).
     pub fn get(&self, key: &TapKey) -> Result<Option<ArrayD<f32>>, TraceError> {
         self.read(key, true)
@@ -890,6 +908,46 @@ mod tests {
         }
         let c = small.cached();
         assert_eq!((c.tensors.len(), c.bytes), (1, first));
+    }
+
+    /// Two traces part at the first tap (in the first one's order) whose tensors differ in a
+    /// bit or in shape; taps only one holds do not count, and a trace is its own twin.
+    #[test]
+    fn first_difference_is_the_first_tap_that_differs_in_any_bit() {
+        let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("golden/tiny-llama-q8_0");
+        let g = Trace::open(&golden).unwrap();
+        let all: BTreeMap<TapKey, ArrayD<f32>> =
+            g.keys().map(|k| (*k, g.get(k).unwrap().unwrap())).collect();
+        let made = |t: BTreeMap<TapKey, ArrayD<f32>>| {
+            Trace::from_memory(
+                g.manifest.model.clone(),
+                g.manifest.producer.clone(),
+                g.manifest.steps.clone(),
+                t,
+            )
+        };
+        assert_eq!(g.first_difference(&made(all.clone())).unwrap(), None);
+        let keys: Vec<TapKey> = all.keys().copied().collect();
+        let (early, late) = (keys[3], keys[keys.len() - 2]);
+        // One value one ulp off.
+        let mut one_bit = all.clone();
+        let x = one_bit.get_mut(&late).unwrap();
+        let v = x.iter_mut().next().unwrap();
+        *v = f32::from_bits(v.to_bits() ^ 1);
+        assert_eq!(
+            g.first_difference(&made(one_bit.clone())).unwrap(),
+            Some(late)
+        );
+        // A reshaped tensor with the same values differs; a tap the other lacks does not.
+        let t = one_bit.remove(&early).unwrap();
+        let n = t.len();
+        one_bit.insert(early, t.into_shape_with_order(vec![n]).unwrap());
+        assert_eq!(
+            g.first_difference(&made(one_bit.clone())).unwrap(),
+            Some(early)
+        );
+        one_bit.remove(&early);
+        assert_eq!(g.first_difference(&made(one_bit)).unwrap(), Some(late));
     }
 
     /// Rows read alone are the whole tensor's rows: from a folder (C order, a seek; Fortran
