@@ -29,8 +29,12 @@ struct CatalogRun {
     setup: Setup,
 }
 
+/// A knob's value as a user writes it: `10000`, `1e-5`; a fitted value of 1000 or more (a
+/// RoPE base) to the unit, the fit being no finer (`15447`, not `1.5446748e4`).
 fn fmt_num(x: f32) -> String {
-    if x >= 1.0 && x.fract() == 0.0 {
+    if x >= 1000.0 {
+        format!("{}", x.round())
+    } else if x >= 1.0 && x.fract() == 0.0 {
         format!("{x}")
     } else {
         format!("{x:e}")
@@ -1813,6 +1817,14 @@ fn locate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_knob_s_value_is_written_as_a_user_writes_it() {
+        assert_eq!(knob_name(Knob::RopeTheta, 15446.748), "rope-theta=15447");
+        assert_eq!(knob_name(Knob::RopeTheta, 10000.0), "rope-theta=10000");
+        assert_eq!(knob_name(Knob::RmsEps, 1e-4), "rms-eps=1e-4");
+        assert_eq!(knob_name(Knob::RmsEps, 3.16e-6), "rms-eps=3.16e-6");
+    }
 
     #[test]
     fn a_factor_is_fitted_as_an_engine_writes_it() {

@@ -3,6 +3,7 @@
 
 use super::context::{Context, WG};
 use super::quant::{QuantMatmul, Reduction};
+use std::sync::OnceLock;
 use wgpu::{Buffer, CommandEncoder, ComputePipeline};
 
 pub struct Kernels {
@@ -15,8 +16,9 @@ pub struct Kernels {
     rope: ComputePipeline,
     probs: ComputePipeline,
     values: ComputePipeline,
-    /// Used only by the test bug that reads the weight transposed (an f32 copy of it).
-    matmul: ComputePipeline,
+    /// Used only by the test bug that reads the weight transposed (an f32 copy of it):
+    /// compiled when that bug first runs, not at every start.
+    matmul: OnceLock<ComputePipeline>,
     /// Every real matmul: weights in their GGUF bytes, decoded in the shader.
     pub quant: QuantMatmul,
 }
@@ -50,7 +52,7 @@ impl Kernels {
             rope: cx.pipeline(ROPE, "rope"),
             probs: cx.pipeline(ATTENTION, "probs"),
             values: cx.pipeline(ATTENTION, "values"),
-            matmul: cx.pipeline(MATMUL, "matmul"),
+            matmul: OnceLock::new(),
             // Compiled on first use: a model needs two pipelines per weight type it has.
             quant: QuantMatmul::lazy(
                 &cx.device,
@@ -224,7 +226,8 @@ impl Kernels {
         transposed: bool,
     ) {
         let p = [n_in as u32, n_out as u32, t as u32, transposed as u32];
-        cx.dispatch(enc, &self.matmul, &p, &[w, x, y], n_out as u32);
+        let matmul = self.matmul.get_or_init(|| cx.pipeline(MATMUL, "matmul"));
+        cx.dispatch(enc, matmul, &p, &[w, x, y], n_out as u32);
     }
 }
 
