@@ -526,7 +526,14 @@ fn judge_once(
                 let redo = match &f.confirmed {
                     _ if remeasured.is_some() => None,
                     None if opt.hypotheses => {
-                        under_other_roundings(model, &cand, &floors, kv, o, &ops, &f, unsure, opt)?
+                        match under_other_roundings(
+                            model, &cand, &floors, kv, o, &ops, &f, unsure, opt,
+                        )? {
+                            None if cache_unsure(kv, &kv_fits) => {
+                                flagged_under_other_caches(model, &cand, &floors, kv, o, &ops, opt)?
+                            }
+                            r => r,
+                        }
                     }
                     Some(_) if unsure.layers => layers_with_the_bug(
                         model, &cand, &floors, kv, o, &ops, &f, first_step, opt,
@@ -1232,6 +1239,52 @@ fn cache_unsure(kv: KvCache, fits: &[rounding::KvFit]) -> bool {
     let chosen = fits.iter().find(|f| f.kv == kv).map(|f| f.median_nmse);
     best > CACHE_UNSURE
         || chosen.is_some_and(|c| fits.iter().any(|f| f.kv != kv && f.median_nmse < 2.0 * c))
+}
+
+/// A flagged key no hypothesis reproduces, where the cache choice was unsure
+/// (`cache_unsure`): the whole diagnosis again under each other cache, the knobs fitted there.
+/// Under the kept cache the engine's own cache rounding is in every replay, and no value of a
+/// knob beats the key's own error (RoPE base 8000 in a plain-f32 engine with a Q8_0 cache,
+/// TinyStories-656K-Q8_0, sparse: the cache measured f32 9.9e-6, Q8_0 1.2e-5; under Q8_0 the
+/// base is fitted and confirmed). The first cache under which a hypothesis is confirmed, held
+/// to the key's floor there, is returned with the note; the trace is judged again under it.
+fn flagged_under_other_caches(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    kv: KvCache,
+    o: &OpResult,
+    ops: &[OpResult],
+    opt: &JudgeOptions,
+) -> Result<Option<(Floors, KvCache, String)>, JudgeError> {
+    for kv2 in rounding::plain_caches(opt, Some(kv)) {
+        let window = Window::for_key(cand, &o.key);
+        let d = ambiguity::distance(
+            model,
+            cand,
+            &hypothesis::clean_setup(floors, kv2, window),
+            &o.key,
+        )?;
+        let at = OpResult {
+            floor: o.floor.max(ambiguity::FACTOR * d),
+            ..o.clone()
+        };
+        if hypothesis::diagnose(model, cand, floors, kv2, &at, ops, true)?
+            .confirmed
+            .is_some()
+        {
+            let note = format!(
+                "\n  confirmed with {} {} K/V cache: the bug moved the data the cache was measured on (under {} {} cache no hypothesis reproduces {})",
+                article(&kv2.name()),
+                kv2.name(),
+                article(&kv.name()),
+                kv.name(),
+                o.key,
+            );
+            return Ok(Some((floors.clone(), kv2, note)));
+        }
+    }
+    Ok(None)
 }
 
 /// No hypothesis under the floors cut anything, and no cache reproduced the attention
