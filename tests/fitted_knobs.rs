@@ -350,7 +350,12 @@ fn a_knob_hidden_by_the_engine_s_cache_is_fitted_under_it() {
         // base beats the own error there; the diagnosis under each other cache names it
         // (placed at step 1, unnamed, on 2d00d31).
         ("none", "q8_0", ["--rope-theta", "8000"], "rope-theta=8000"),
-        ("none", "q8_0", ["--rope-theta", "15000"], "rope-theta=15000"),
+        (
+            "none",
+            "q8_0",
+            ["--rope-theta", "15000"],
+            "rope-theta=15000",
+        ),
     ];
     let mut clean_done: Vec<(&str, &str)> = Vec::new();
     for (rounding, kv, set, name) in cases {
