@@ -591,17 +591,18 @@ fn numpy_engine(
         case: case.label(),
         last: stderr.lines().last().unwrap_or("").trim().to_string(),
     };
+    let spawn = |e| SelftestError::Spawn {
+        program: opt.programs.python.display().to_string(),
+        case: case.label(),
+        source: e,
+    };
     let args = numpy_args(model_path, case, rounding, opt, dir);
     let text: Option<Vec<String>> = args
         .iter()
         .map(|a| a.to_str().map(str::to_string))
         .collect();
     if let Some(text) = text {
-        let a = pool.run(&text).map_err(|e| SelftestError::Spawn {
-            program: opt.programs.python.display().to_string(),
-            case: case.label(),
-            source: e,
-        })?;
+        let a = pool.run(&text).map_err(spawn)?;
         return match a.rc {
             0 => Ok(()),
             _ => Err(failed(&a.stderr)),
@@ -613,11 +614,7 @@ fn numpy_engine(
     c.arg("-I").arg(&opt.programs.numpy_engine);
     crate::trace::staging::isolate_python(&mut c);
     c.args(args);
-    let out = c.output().map_err(|e| SelftestError::Spawn {
-        program: opt.programs.python.display().to_string(),
-        case: case.label(),
-        source: e,
-    })?;
+    let out = c.output().map_err(spawn)?;
     match out.status.success() {
         true => Ok(()),
         false => Err(failed(&String::from_utf8_lossy(&out.stderr))),

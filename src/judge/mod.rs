@@ -1036,20 +1036,7 @@ fn under_other_roundings(
     // The key's floor under a rounding and cache, as their clean replays differ when their
     // inputs are nudged (a quantized cache is noisier than the measured one), and the whole
     // diagnosis there: confirmed or not.
-    let diagnosed = |fl: &Floors, kv2: KvCache| -> Result<bool, JudgeError> {
-        let d = ambiguity::distance(
-            model,
-            cand,
-            &hypothesis::clean_setup(fl, kv2, Window::for_key(cand, &o.key)),
-            &o.key,
-        )?;
-        let o = &OpResult {
-            floor: o.floor.max(ambiguity::FACTOR * d),
-            ..o.clone()
-        };
-        let g = hypothesis::diagnose(model, cand, fl, kv2, o, ops, true)?;
-        Ok(g.confirmed.is_some())
-    };
+    let diagnosed = |fl: &Floors, kv2: KvCache| confirmed_under(model, cand, fl, kv2, o, ops);
     let mut found = None;
     if let Some((fl, n)) = screen(&tries, &closest, kv)?
         && n <= o.floor
@@ -1241,6 +1228,33 @@ fn cache_unsure(kv: KvCache, fits: &[rounding::KvFit]) -> bool {
         || chosen.is_some_and(|c| fits.iter().any(|f| f.kv != kv && f.median_nmse < 2.0 * c))
 }
 
+/// Whether the whole diagnosis of the flagged `o` confirms a hypothesis under the rounding of
+/// `fl` and the cache `kv2`, its floor widened to that setup's ambiguity (a quantized cache is
+/// noisier than the measured one: its clean replays differ more when their inputs are nudged).
+fn confirmed_under(
+    model: &Model,
+    cand: &Candidate,
+    fl: &Floors,
+    kv2: KvCache,
+    o: &OpResult,
+    ops: &[OpResult],
+) -> Result<bool, JudgeError> {
+    let window = Window::for_key(cand, &o.key);
+    let d = ambiguity::distance(
+        model,
+        cand,
+        &hypothesis::clean_setup(fl, kv2, window),
+        &o.key,
+    )?;
+    let at = OpResult {
+        floor: o.floor.max(ambiguity::FACTOR * d),
+        ..o.clone()
+    };
+    Ok(hypothesis::diagnose(model, cand, fl, kv2, &at, ops, true)?
+        .confirmed
+        .is_some())
+}
+
 /// A flagged key no hypothesis reproduces, where the cache choice was unsure
 /// (`cache_unsure`): the whole diagnosis again under each other cache, the knobs fitted there.
 /// Under the kept cache the engine's own cache rounding is in every replay, and no value of a
@@ -1258,21 +1272,7 @@ fn flagged_under_other_caches(
     opt: &JudgeOptions,
 ) -> Result<Option<(Floors, KvCache, String)>, JudgeError> {
     for kv2 in rounding::plain_caches(opt, Some(kv)) {
-        let window = Window::for_key(cand, &o.key);
-        let d = ambiguity::distance(
-            model,
-            cand,
-            &hypothesis::clean_setup(floors, kv2, window),
-            &o.key,
-        )?;
-        let at = OpResult {
-            floor: o.floor.max(ambiguity::FACTOR * d),
-            ..o.clone()
-        };
-        if hypothesis::diagnose(model, cand, floors, kv2, &at, ops, true)?
-            .confirmed
-            .is_some()
-        {
+        if confirmed_under(model, cand, floors, kv2, o, ops)? {
             let note = format!(
                 "\n  confirmed with {} {} K/V cache: the bug moved the data the cache was measured on (under {} {} cache no hypothesis reproduces {})",
                 article(&kv2.name()),
