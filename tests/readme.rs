@@ -140,7 +140,8 @@ fn the_readme_walkthrough_runs_as_written() {
 
 /// A newcomer's test command is CI's run: the README's first block runs `.ci/run`, and
 /// `.ci/run` installs every tool build.rs probes for (so that no test is ignored), makes
-/// build.rs look again after an install, and ends in `cargo test --workspace` over the whole suite (the kits' crates too).
+/// build.rs look again after an install, and ends in `cargo test --workspace` over the whole suite (the kits' crates too),
+/// with the gpu backend's broken kernels built (`gpu-test-bugs`), which the GPU bug tests plant.
 #[test]
 fn the_readme_test_command_is_ci_run() {
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
@@ -157,7 +158,10 @@ fn the_readme_test_command_is_ci_run() {
         .map(str::trim)
         .rfind(|l| !l.is_empty() && !l.starts_with('#'))
         .unwrap();
-    assert_eq!(last, "cargo test --workspace --no-fail-fast \"$@\"");
+    assert_eq!(
+        last,
+        "cargo test --workspace --features parity/gpu-test-bugs --no-fail-fast \"$@\""
+    );
     for what in [
         "llama-cpp-python",
         "qemu-user-static",

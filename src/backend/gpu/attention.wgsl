@@ -31,7 +31,8 @@ fn first_visible(pos: u32) -> u32 {
 // workgroup reductions. Keys a query does not see are 0.
 @compute @workgroup_size(256)
 fn probs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-         @builtin(local_invocation_index) lid: u32) {
+         lane: Lane) {
+    let lid = lane.lid;
     let hi = wid.x + wid.y * nwg.x;
     if hi >= p.n_head * p.n_tokens {
         return;
@@ -60,7 +61,7 @@ fn probs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
             out[o + j] = 0.0;
         }
     }
-    let mx = wg_max(m, lid);
+    let mx = wg_max(m, lane);
     var sum = 0.0;
     for (var j = lid; j < p.n_kv; j += WG) {
         if j >= first && j <= pos {
@@ -69,7 +70,7 @@ fn probs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: ve
             sum += e;
         }
     }
-    let inv = 1.0 / wg_sum(sum, lid);
+    let inv = 1.0 / wg_sum(sum, lane);
     for (var j = lid; j < p.n_kv; j += WG) {
         if j >= first && j <= pos {
             out[o + j] = out[o + j] * inv;

@@ -10,6 +10,80 @@ pub const NO_ADAPTER: &str = "no GPU adapter: install a Vulkan driver, e.g. Debi
 /// Invocations per workgroup of every kernel: 256 is the most every device must allow.
 pub const WG: u32 = 256;
 
+/// How a workgroup adds its invocations' values: the one pair of reductions every kernel
+/// that reduces uses (norms, attention, the matmuls).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    /// `subgroupAdd`, then shared memory across subgroups (needs `Features::SUBGROUP`).
+    Subgroup,
+    /// A shared-memory tree (any device).
+    Tree,
+}
+
+/// The WGSL of `r`: `WG`, `struct Lane` (the builtins a reducing entry point takes),
+/// `wg_sums` (`CH` values at once: the including source declares `CH`), `wg_sum` and
+/// `wg_max`.
+pub fn reduction_source(r: Reduction) -> &'static str {
+    match r {
+        Reduction::Subgroup => include_str!("reduce_subgroup.wgsl"),
+        Reduction::Tree => include_str!("reduce_shared.wgsl"),
+    }
+}
+
+/// The whole WGSL of a kernel file `src` (not a matmul's: see `quant::shader_source`) on a
+/// device that reduces by `r`: one value per reduction.
+pub fn kernel_source(r: Reduction, src: &str) -> String {
+    format!("const CH: u32 = 1u;\n{}\n{src}", reduction_source(r))
+}
+
+/// The one way a kernel is dispatched: binding 0 a uniform holding `params` (zero-padded to
+/// 16 bytes), bindings 1.. the buffer windows `binds`, and a grid of `groups` workgroups laid
+/// over x and y (over y only past the per-dimension limit; kernels recover the linear index
+/// as `wid.x + wid.y * nwg.x`), `gz` deep. At least one workgroup is dispatched.
+pub fn dispatch(
+    device: &wgpu::Device,
+    enc: &mut wgpu::CommandEncoder,
+    pipe: &wgpu::ComputePipeline,
+    params: &[u8],
+    binds: &[wgpu::BufferBinding],
+    groups: u64,
+    gz: u64,
+) {
+    let max = u64::from(device.limits().max_compute_workgroups_per_dimension.max(1));
+    let gx = groups.clamp(1, max);
+    let gy = groups.div_ceil(gx).max(1);
+    assert!(
+        gy <= max && gz <= max,
+        "a grid of {groups}×{gz} workgroups exceeds the device's limits"
+    );
+    let mut words = params.to_vec();
+    words.resize(params.len().div_ceil(16).max(1) * 16, 0);
+    let uni = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: None,
+        contents: &words,
+        usage: wgpu::BufferUsages::UNIFORM,
+    });
+    let mut entries = vec![wgpu::BindGroupEntry {
+        binding: 0,
+        resource: uni.as_entire_binding(),
+    }];
+    for (i, b) in binds.iter().enumerate() {
+        entries.push(wgpu::BindGroupEntry {
+            binding: i as u32 + 1,
+            resource: wgpu::BindingResource::Buffer(b.clone()),
+        });
+    }
+    let bg = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &entries,
+    });
+    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+    pass.set_pipeline(pipe);
+    pass.set_bind_group(0, &bg, &[]);
+    pass.dispatch_workgroups(gx as u32, gy as u32, gz as u32);
+}
+
 /// What `parity gpu` prints and the kernels are built for.
 #[derive(Clone, Debug)]
 pub struct GpuInfo {
@@ -221,19 +295,22 @@ impl Context {
         })
     }
 
-    /// A compute pipeline for `entry` of the WGSL `src`, with the reduction helpers of this
-    /// device (subgroup ops or shared memory) prepended.
+    /// How this device's kernels reduce over a workgroup.
+    pub fn reduction(&self) -> Reduction {
+        match self.info.subgroups {
+            true => Reduction::Subgroup,
+            false => Reduction::Tree,
+        }
+    }
+
+    /// A compute pipeline for `entry` of the WGSL `src` (one value per reduction: `CH` = 1),
+    /// with this device's reduction (`reduction_source`) prepended.
     pub fn pipeline(&self, src: &str, entry: &str) -> wgpu::ComputePipeline {
-        let reduce = if self.info.subgroups {
-            include_str!("reduce_subgroup.wgsl")
-        } else {
-            include_str!("reduce_shared.wgsl")
-        };
         let module = self
             .device
             .create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(entry),
-                source: wgpu::ShaderSource::Wgsl(Cow::Owned(format!("{reduce}\n{src}"))),
+                source: wgpu::ShaderSource::Wgsl(Cow::Owned(kernel_source(self.reduction(), src))),
             });
         self.device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -272,10 +349,8 @@ impl Context {
             })
     }
 
-    /// Record one dispatch of `pipe` into `enc`: binding 0 is a uniform holding `params`
-    /// (u32 words, f32 given by `to_bits`), bindings 1.. are `bufs`. `groups` workgroups
-    /// are spread over x and y when they exceed the per-dimension limit; kernels recover
-    /// the linear index as `wid.x + wid.y * nwg.x`.
+    /// Record one dispatch of `pipe` into `enc` (see [`dispatch`]): `params` as u32 words
+    /// (f32 given by `to_bits`), `bufs` bound whole, `groups` workgroups.
     pub fn dispatch(
         &self,
         enc: &mut wgpu::CommandEncoder,
@@ -284,40 +359,16 @@ impl Context {
         bufs: &[&wgpu::Buffer],
         groups: u32,
     ) {
-        let mut words = params.to_vec();
-        words.resize(params.len().div_ceil(4).max(1) * 4, 0);
-        let uni = self
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: None,
-                contents: bytemuck::cast_slice(&words),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: uni.as_entire_binding(),
-        }];
-        for (i, b) in bufs.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
-            });
-        }
-        let bg = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipe.get_bind_group_layout(0),
-            entries: &entries,
-        });
-        let max = self.info.max_groups_per_dim.max(1);
-        let (x, y) = if groups <= max {
-            (groups.max(1), 1)
-        } else {
-            (max, groups.div_ceil(max))
-        };
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-        pass.set_pipeline(pipe);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(x, y, 1);
+        let binds: Vec<_> = bufs.iter().map(|b| b.as_entire_buffer_binding()).collect();
+        dispatch(
+            &self.device,
+            enc,
+            pipe,
+            bytemuck::cast_slice(params),
+            &binds,
+            groups.into(),
+            1,
+        );
     }
 
     /// Submit `enc` and read `n` f32 from `buf` at element `offset`.

@@ -2,8 +2,7 @@
 //! dispatched: its parameters (binding 0) and its buffers (bindings 1..).
 
 use super::context::{Context, WG};
-use super::quant::{QuantMatmul, Reduction};
-use std::sync::OnceLock;
+use super::quant::QuantMatmul;
 use wgpu::{Buffer, CommandEncoder, ComputePipeline};
 
 pub struct Kernels {
@@ -16,18 +15,17 @@ pub struct Kernels {
     rope: ComputePipeline,
     probs: ComputePipeline,
     values: ComputePipeline,
-    /// Used only by the test bug that reads the weight transposed (an f32 copy of it):
-    /// compiled when that bug first runs, not at every start.
-    matmul: OnceLock<ComputePipeline>,
-    /// Every real matmul: weights in their GGUF bytes, decoded in the shader.
+    /// Every matmul: weights in their GGUF bytes, decoded in the shader.
     pub quant: QuantMatmul,
+    /// The tests' broken kernels (feature `gpu-test-bugs`).
+    #[cfg(feature = "gpu-test-bugs")]
+    pub bugs: super::test_bugs::BugKernels,
 }
 
 const NORM: &str = include_str!("norm.wgsl");
 const ELEMENTWISE: &str = include_str!("elementwise.wgsl");
 const ROPE: &str = include_str!("rope.wgsl");
 const ATTENTION: &str = include_str!("attention.wgsl");
-const MATMUL: &str = include_str!("matmul_f32.wgsl");
 
 fn f(x: f32) -> u32 {
     x.to_bits()
@@ -52,15 +50,10 @@ impl Kernels {
             rope: cx.pipeline(ROPE, "rope"),
             probs: cx.pipeline(ATTENTION, "probs"),
             values: cx.pipeline(ATTENTION, "values"),
-            matmul: OnceLock::new(),
             // Compiled on first use: a model needs two pipelines per weight type it has.
-            quant: QuantMatmul::lazy(
-                &cx.device,
-                match cx.info.subgroups {
-                    true => Reduction::Subgroup,
-                    false => Reduction::Tree,
-                },
-            ),
+            quant: QuantMatmul::lazy(&cx.device, cx.reduction()),
+            #[cfg(feature = "gpu-test-bugs")]
+            bugs: Default::default(),
         };
         match pollster::block_on(scope.pop()) {
             None => Ok(k),
@@ -84,10 +77,26 @@ impl Kernels {
         n: usize,
         rows: usize,
         eps: f32,
-        bug: bool,
     ) {
-        let p = [n as u32, rows as u32, f(eps), bug as u32];
-        cx.dispatch(enc, &self.rms_norm, &p, &[x, w, y], rows as u32);
+        self.rms_norm_with(&self.rms_norm, cx, enc, x, w, y, n, rows, eps);
+    }
+
+    /// [`rms_norm`](Self::rms_norm) through `pipe` (the real kernel, or a test's broken one).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_with(
+        &self,
+        pipe: &ComputePipeline,
+        cx: &Context,
+        enc: &mut CommandEncoder,
+        x: &Buffer,
+        w: &Buffer,
+        y: &Buffer,
+        n: usize,
+        rows: usize,
+        eps: f32,
+    ) {
+        let p = [n as u32, rows as u32, f(eps)];
+        cx.dispatch(enc, pipe, &p, &[x, w, y], rows as u32);
     }
 
     /// `x · s` in place (`dummy` fills the unused binding).
@@ -210,25 +219,6 @@ impl Kernels {
         let n = a.n_tokens * a.n_head * a.head_dim;
         cx.dispatch(enc, &self.values, &p, &[probs, vc, out], groups(n));
     }
-
-    /// `y = x · Wᵀ` for an f32 weight `w` [n_out rows of n_in].
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f32(
-        &self,
-        cx: &Context,
-        enc: &mut CommandEncoder,
-        w: &Buffer,
-        x: &Buffer,
-        y: &Buffer,
-        n_in: usize,
-        n_out: usize,
-        t: usize,
-        transposed: bool,
-    ) {
-        let p = [n_in as u32, n_out as u32, t as u32, transposed as u32];
-        let matmul = self.matmul.get_or_init(|| cx.pipeline(MATMUL, "matmul"));
-        cx.dispatch(enc, matmul, &p, &[w, x, y], n_out as u32);
-    }
 }
 
 fn attn_params(a: &crate::arch::Attn) -> [u32; 10] {
@@ -244,4 +234,36 @@ fn attn_params(a: &crate::arch::Attn) -> [u32; 10] {
         f(a.kq_scale),
         f(a.softcap.unwrap_or(0.0)),
     ]
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::backend::gpu::context::{Reduction, kernel_source};
+    use wgpu::naga;
+
+    /// Every kernel's WGSL parses and validates (naga, as wgpu does before any driver sees it)
+    /// with either reduction: runs on machines without a GPU too.
+    #[test]
+    fn every_kernel_validates() {
+        for red in [Reduction::Subgroup, Reduction::Tree] {
+            for (name, src) in [
+                ("norm", NORM),
+                ("elementwise", ELEMENTWISE),
+                ("rope", ROPE),
+                ("attention", ATTENTION),
+            ] {
+                validate(&format!("{name} {red:?}"), &kernel_source(red, src));
+            }
+        }
+    }
+
+    pub(crate) fn validate(name: &str, src: &str) {
+        let caps = naga::valid::Capabilities::all();
+        let module = naga::front::wgsl::parse_str(src)
+            .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(src)));
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(src)));
+    }
 }

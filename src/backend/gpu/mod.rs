@@ -15,6 +15,8 @@
 pub mod context;
 pub mod kernels;
 pub mod quant;
+#[cfg(feature = "gpu-test-bugs")]
+pub mod test_bugs;
 
 use super::{Backend, BackendError, Emulation};
 use crate::arch::{self, Attn, Ops, Rope};
@@ -25,35 +27,8 @@ use context::Context;
 use kernels::Kernels;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
-
-/// A deliberately broken kernel, for the tests that prove a GPU bug is found at its tap and
-/// named. Reached only through [`Gpu::with_bug`] or the `PARITY_GPU_TEST_BUG` variable
-/// (`matmul-transposed`, `rope-pairs`, `reduction-tail`, optionally `@LAYER`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GpuBug {
-    /// Every matmul reads its weight transposed.
-    MatmulTransposed,
-    /// RoPE pairs the other way (halves for NORM models, adjacent for NEOX).
-    RopePairs,
-    /// RMSNorm's reduction drops the last subgroup of active lanes.
-    ReductionTail,
-}
-
-impl GpuBug {
-    pub fn parse(s: &str) -> Option<(GpuBug, usize)> {
-        let (name, layer) = match s.split_once('@') {
-            Some((n, l)) => (n, l.parse().ok()?),
-            None => (s, 0),
-        };
-        let bug = match name {
-            "matmul-transposed" => GpuBug::MatmulTransposed,
-            "rope-pairs" => GpuBug::RopePairs,
-            "reduction-tail" => GpuBug::ReductionTail,
-            _ => return None,
-        };
-        Some((bug, layer))
-    }
-}
+#[cfg(feature = "gpu-test-bugs")]
+use test_bugs::GpuBug;
 
 /// An activation on the device: `len` f32.
 pub struct GpuBuf {
@@ -80,7 +55,7 @@ pub struct Gpu<'m> {
     model: &'m Model,
     dev: Arc<(Context, Kernels)>,
     n_ctx: usize,
-    /// Norm weights, biases (and a test bug's transposed matmul weights) as f32, by data
+    /// Norm weights, biases (and a test bug's matmul weights) as f32, by data
     /// offset, uploaded on first use.
     weights: HashMap<u64, wgpu::Buffer>,
     /// Matmul weights by data offset, uploaded on first use: the type the shader decodes
@@ -93,10 +68,13 @@ pub struct Gpu<'m> {
     /// Commands recorded since the last submit.
     enc: Option<wgpu::CommandEncoder>,
     last_logits: Vec<f32>,
+    /// The broken kernel a test planted, from which layer on.
+    #[cfg(feature = "gpu-test-bugs")]
     bug: Option<(GpuBug, usize)>,
 }
 
 /// The layer a GGUF tensor belongs to (`blk.N.…`).
+#[cfg(feature = "gpu-test-bugs")]
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
 }
@@ -146,9 +124,6 @@ impl<'m> Gpu<'m> {
         }
         let k_cache = (0..c.n_layer).map(|_| cx.buffer(kv)).collect();
         let v_cache = (0..c.n_layer).map(|_| cx.buffer(kv)).collect();
-        let bug = std::env::var("PARITY_GPU_TEST_BUG")
-            .ok()
-            .and_then(|s| GpuBug::parse(&s));
         Ok(Gpu {
             model,
             dev: dev.clone(),
@@ -160,14 +135,9 @@ impl<'m> Gpu<'m> {
             v_cache,
             enc: None,
             last_logits: Vec::new(),
-            bug,
+            #[cfg(feature = "gpu-test-bugs")]
+            bug: GpuBug::planted(),
         })
-    }
-
-    /// Behave like a GPU engine with a broken kernel `bug`, from `layer` on (tests only).
-    pub fn with_bug(mut self, bug: Option<(GpuBug, usize)>) -> Self {
-        self.bug = bug;
-        self
     }
 
     pub fn info(&self) -> &context::GpuInfo {
@@ -179,6 +149,7 @@ impl<'m> Gpu<'m> {
         &self.dequantized
     }
 
+    #[cfg(feature = "gpu-test-bugs")]
     fn bugged(&self, b: GpuBug, layer: Option<usize>) -> bool {
         self.bug
             .is_some_and(|(x, from)| x == b && layer.is_none_or(|l| l >= from))
@@ -358,14 +329,21 @@ impl Ops for Gpu<'_> {
     }
 
     fn rms_norm(&mut self, x: &GpuBuf, w: &TensorInfo, eps: f32) -> GpuBuf {
-        let bug = self.bugged(GpuBug::ReductionTail, layer_of(&w.name));
         let n = w.rows().0;
         let y = self.new_buf(x.len);
+        #[cfg(feature = "gpu-test-bugs")]
+        let tail = self.bugged(GpuBug::ReductionTail, layer_of(&w.name));
         self.weight(w);
         self.enc();
         let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
         let enc = self.enc.as_mut().expect("made above");
-        k.rms_norm(cx, enc, &x.buf, wb, &y.buf, n, x.len / n, eps, bug);
+        #[cfg(feature = "gpu-test-bugs")]
+        if tail {
+            let pipe = k.bugs.rms_norm_tail(cx);
+            k.rms_norm_with(pipe, cx, enc, &x.buf, wb, &y.buf, n, x.len / n, eps);
+            return y;
+        }
+        k.rms_norm(cx, enc, &x.buf, wb, &y.buf, n, x.len / n, eps);
         y
     }
 
@@ -377,13 +355,15 @@ impl Ops for Gpu<'_> {
         let (n_in, n_out) = w.rows();
         let t = x.len / n_in;
         let y = self.new_buf(t * n_out);
+        #[cfg(feature = "gpu-test-bugs")]
         if self.bugged(GpuBug::MatmulTransposed, layer_of(&w.name)) {
-            // The broken kernel of the tests: the plain f32 matmul reading W transposed.
+            // The broken kernel: an f32 copy of W read transposed.
             self.weight(w);
             self.enc();
             let (cx, k, wb) = (&self.dev.0, &self.dev.1, &self.weights[&w.offset]);
             let enc = self.enc.as_mut().expect("made above");
-            k.matmul_f32(cx, enc, wb, &x.buf, &y.buf, n_in, n_out, t, true);
+            k.bugs
+                .matmul_transposed(cx, enc, wb, &x.buf, &y.buf, n_in, n_out, t);
             return y;
         }
         self.mat(w);
@@ -414,11 +394,14 @@ impl Ops for Gpu<'_> {
         x
     }
 
+    #[cfg_attr(not(feature = "gpu-test-bugs"), allow(unused_variables))]
     fn rope(&mut self, x: GpuBuf, layer: usize, pos0: usize, n_heads: usize, r: &Rope) -> GpuBuf {
         let t = x.len / (n_heads * r.head_dim);
         let table = self.rope_table(t, pos0, r);
         let cs = self.dev.0.upload(&table);
+        #[allow(unused_mut)]
         let mut neox = r.kind == RopeType::Neox;
+        #[cfg(feature = "gpu-test-bugs")]
         if self.bugged(GpuBug::RopePairs, Some(layer)) {
             neox = !neox;
         }

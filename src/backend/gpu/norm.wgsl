@@ -4,8 +4,6 @@ struct P {
     n: u32,
     rows: u32,
     eps: f32,
-    // Test-only bug: the reduction drops the last subgroup of active lanes.
-    bug: u32,
 }
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> x: array<f32>;
@@ -13,8 +11,8 @@ struct P {
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
 @compute @workgroup_size(256)
-fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
+fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, lane: Lane) {
+    let lid = lane.lid;
     let row = wid.x + wid.y * nwg.x;
     if row >= p.rows {
         return;
@@ -25,15 +23,7 @@ fn rms_norm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg:
         let v = x[base + i];
         s += v * v;
     }
-    let sz = sg_size();
-    if p.bug != 0u {
-        let act = min(p.n, WG);
-        let last = ((act - 1u) / sz) * sz;
-        if lid >= last && lid < act {
-            s = 0.0;
-        }
-    }
-    let total = wg_sum(s, lid);
+    let total = wg_sum(s, lane);
     let scale = 1.0 / sqrt(total / f32(p.n) + p.eps);
     for (var i = lid; i < p.n; i += WG) {
         y[base + i] = (x[base + i] * scale) * w[i];

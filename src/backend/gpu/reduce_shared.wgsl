@@ -1,32 +1,50 @@
-// Workgroup reductions in shared memory (devices without subgroup ops): a tree over the 256
-// lanes. `sg_size` is the group a broken-reduction test drops (32, a common subgroup width).
+// Workgroup reductions in shared memory, for devices without subgroup ops: the same functions
+// as reduce_subgroup.wgsl (the host prepends `const CH`, the values one `wg_sums` call
+// reduces), each a tree over the 256 lanes, CH values at a time.
 const WG: u32 = 256u;
-var<workgroup> red: array<f32, 256>;
 
-fn sg_size() -> u32 {
-    return 32u;
+// The invocation's place: each reducing entry point takes it (`lane: Lane`).
+struct Lane {
+    @builtin(local_invocation_index) lid: u32,
 }
 
-fn wg_sum(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
+var<workgroup> red: array<f32, 256u * CH>;
+
+// The workgroup's sums of each lane's v[j].
+fn wg_sums(v: array<f32, CH>, lane: Lane) -> array<f32, CH> {
+    var a = v;
+    for (var j = 0u; j < CH; j++) {
+        red[j * WG + lane.lid] = a[j];
+    }
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            red[lid] = red[lid] + red[lid + s];
+        if lane.lid < s {
+            for (var j = 0u; j < CH; j++) {
+                red[j * WG + lane.lid] += red[j * WG + lane.lid + s];
+            }
         }
         workgroupBarrier();
     }
-    let t = red[0];
+    var out: array<f32, CH>;
+    for (var j = 0u; j < CH; j++) {
+        out[j] = red[j * WG];
+    }
     workgroupBarrier();
-    return t;
+    return out;
 }
 
-fn wg_max(v: f32, lid: u32) -> f32 {
-    red[lid] = v;
+fn wg_sum(v: f32, lane: Lane) -> f32 {
+    var a: array<f32, CH>;
+    a[0] = v;
+    return wg_sums(a, lane)[0];
+}
+
+fn wg_max(v: f32, lane: Lane) -> f32 {
+    red[lane.lid] = v;
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if lid < s {
-            red[lid] = max(red[lid], red[lid + s]);
+        if lane.lid < s {
+            red[lane.lid] = max(red[lane.lid], red[lane.lid + s]);
         }
         workgroupBarrier();
     }

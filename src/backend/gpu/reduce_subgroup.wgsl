@@ -1,49 +1,69 @@
-// Workgroup reductions with subgroup ops: each subgroup reduces in registers, one elected
-// lane per subgroup leaves its partial in shared memory, and the first invocation sums the
-// partials in invocation order (no assumption about how lanes are grouped into subgroups) and
-// hands the total to all. One lane sums, not all: every lane looping over all 256 slots made
-// each reduction cost 256 × 256 loads, which dominated a CPU device's (lavapipe's) run time.
+// Workgroup reductions with subgroup ops, for every kernel that reduces (norms, attention,
+// the matmuls). The host prepends `const CH`: how many values one `wg_sums` call reduces (1
+// for the norms and attention, up to 8 for a matmul tile). Each subgroup reduces in registers
+// and its first lane leaves the partial in shared memory, indexed by subgroup_id (any grouping
+// of lanes into subgroups of 4 or more: at most 64 of a 256-invocation workgroup); lane j < CH
+// adds value j's partials in subgroup order, and every lane reads the totals. One lane per
+// value sums, not all: every lane looping over the partials made each reduction cost 256 ×
+// 256 loads on a CPU device (lavapipe).
 const WG: u32 = 256u;
-var<workgroup> red: array<f32, 256>;
-var<workgroup> red_total: f32;
 
-// The subgroup's first lane (WGSL's subgroupElect, which Naga lacks).
-fn sg_first() -> bool {
-    return subgroupExclusiveAdd(1u) == 0u;
+// The invocation's place: each reducing entry point takes it (`lane: Lane`).
+struct Lane {
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(subgroup_invocation_id) sl: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) ns: u32,
 }
 
-fn sg_size() -> u32 {
-    return subgroupAdd(1u);
-}
+var<workgroup> part: array<f32, 64u * CH>;
+var<workgroup> total: array<f32, CH>;
 
-fn wg_sum(v: f32, lid: u32) -> f32 {
-    let s = subgroupAdd(v);
-    red[lid] = select(0.0, s, sg_first());
+// The workgroup's sums of each lane's v[j]. A following call writes `part` first and `total`
+// only after its first barrier, which every lane reaches after reading the totals here.
+fn wg_sums(v: array<f32, CH>, lane: Lane) -> array<f32, CH> {
+    var a = v;
+    for (var j = 0u; j < CH; j++) {
+        let s = subgroupAdd(a[j]);
+        if lane.sl == 0u {
+            part[lane.sg * CH + j] = s;
+        }
+    }
     workgroupBarrier();
-    if lid == 0u {
+    if lane.lid < CH {
         var t = 0.0;
-        for (var k = 0u; k < WG; k++) {
-            t += red[k];
+        for (var g = 0u; g < lane.ns; g++) {
+            t += part[g * CH + lane.lid];
         }
-        red_total = t;
+        total[lane.lid] = t;
     }
     workgroupBarrier();
-    // The next reduction's writes come after its first barrier, which every lane reaches only
-    // after this read.
-    return red_total;
+    var out: array<f32, CH>;
+    for (var j = 0u; j < CH; j++) {
+        out[j] = total[j];
+    }
+    return out;
 }
 
-fn wg_max(v: f32, lid: u32) -> f32 {
+fn wg_sum(v: f32, lane: Lane) -> f32 {
+    var a: array<f32, CH>;
+    a[0] = v;
+    return wg_sums(a, lane)[0];
+}
+
+fn wg_max(v: f32, lane: Lane) -> f32 {
     let s = subgroupMax(v);
-    red[lid] = select(-3.0e38, s, sg_first());
-    workgroupBarrier();
-    if lid == 0u {
-        var t = -3.0e38;
-        for (var k = 0u; k < WG; k++) {
-            t = max(t, red[k]);
-        }
-        red_total = t;
+    if lane.sl == 0u {
+        part[lane.sg * CH] = s;
     }
     workgroupBarrier();
-    return red_total;
+    if lane.lid == 0u {
+        var t = -3.0e38;
+        for (var g = 0u; g < lane.ns; g++) {
+            t = max(t, part[g * CH]);
+        }
+        total[0] = t;
+    }
+    workgroupBarrier();
+    return total[0];
 }

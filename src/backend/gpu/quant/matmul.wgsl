@@ -4,10 +4,10 @@
 // decoded once and used for every token of the tile (one weight read per TT tokens), sums in
 // f32. The rows of the grid are split over x and y (≤ 65535 workgroups per dimension), token
 // tiles over z. x, y and w are bound in windows (the host splits rows and tokens so that each
-// fits one binding); offsets inside them are in Params. The host prepends `const TT`, `const CH`, the format's decoder as `DEQ`, and
-// appends the reduction (subgroupAdd, or a shared-memory tree) with the entry point.
+// fits one binding); offsets inside them are in Params. The host prepends `const TT` and
+// `const CH` (accumulators per reduction), names the format's decoder as `DEQ`, and appends
+// the decoders and the device's reduction (`wg_sums`, `WG`, `Lane`: ../reduce_*.wgsl).
 
-const WG: u32 = 256u;
 const R: u32 = 4u;
 const NA: u32 = R * TT;
 
@@ -100,5 +100,20 @@ fn store(i: u32, v: f32, wg: vec3<u32>, nwg: vec3<u32>) {
     let tok = tl.y + i % TT;
     if (row < p.n_rows && tok < p.n_tokens) {
         y[p.y_off + tok * p.n_out + p.row0 + row] = v;
+    }
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, lane: Lane) {
+    accumulate(lane.lid, wg, nwg);
+    for (var b = 0u; b < NA; b += CH) {
+        var v: array<f32, CH>;
+        for (var j = 0u; j < CH; j++) {
+            v[j] = acc[b + j];
+        }
+        var s = wg_sums(v, lane);
+        if (lane.lid < CH) {
+            store(b + lane.lid, s[lane.lid], wg, nwg);
+        }
     }
 }

@@ -40,22 +40,13 @@ pub const TYPES: [GgmlType; 11] = [
     GgmlType::Q6_K,
 ];
 
-/// How a workgroup adds its invocations' partial sums.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Reduction {
-    /// `subgroupAdd`, then shared memory across subgroups (needs `Features::SUBGROUP`).
-    Subgroup,
-    /// A shared-memory tree (any device).
-    Tree,
-}
+pub use super::context::Reduction;
 
 const COMMON: &str = include_str!("common.wgsl");
 const MATMUL: &str = include_str!("matmul.wgsl");
 const FLOAT: &str = include_str!("float.wgsl");
 const Q32: &str = include_str!("q32.wgsl");
 const KQUANT: &str = include_str!("kquant.wgsl");
-const REDUCE_SUBGROUP: &str = include_str!("reduce_subgroup.wgsl");
-const REDUCE_TREE: &str = include_str!("reduce_tree.wgsl");
 const ROWS: &str = include_str!("rows.wgsl");
 
 /// The WGSL decoder of `ty` (its function name and the file that defines it).
@@ -90,10 +81,7 @@ pub fn shader_source(ty: GgmlType, tile_tokens: u32, reduction: Reduction) -> Op
     s.push_str(&MATMUL.replace("DEQ(", &format!("{deq}(")));
     s.push_str(COMMON);
     s.push_str(family);
-    s.push_str(match reduction {
-        Reduction::Subgroup => REDUCE_SUBGROUP,
-        Reduction::Tree => REDUCE_TREE,
-    });
+    s.push_str(super::context::reduction_source(reduction));
     Some(s)
 }
 
@@ -133,7 +121,6 @@ struct Params {
 
 /// The quantized-matmul pipelines of one device.
 pub struct QuantMatmul {
-    layout: wgpu::BindGroupLayout,
     pipeline_layout: wgpu::PipelineLayout,
     reduction: Reduction,
     /// `[type][0: decode (1 token), 1: prefill (TILE_TOKENS)]`, compiled on first use unless
@@ -144,23 +131,6 @@ pub struct QuantMatmul {
 }
 
 impl QuantMatmul {
-    /// Compiles every pipeline, with `subgroupAdd` when the device was created with
-    /// `Features::SUBGROUP`.
-    pub fn new(device: &wgpu::Device) -> QuantMatmul {
-        let reduction = if device.features().contains(wgpu::Features::SUBGROUP) {
-            Reduction::Subgroup
-        } else {
-            Reduction::Tree
-        };
-        let m = Self::lazy(device, reduction);
-        for ty in TYPES {
-            for tt in [1, TILE_TOKENS] {
-                m.pipeline(device, ty, tt);
-            }
-        }
-        m
-    }
-
     /// Pipelines compiled on first use, with the given reduction (`Tree` forces the fallback
     /// on a device that has subgroups). Panics if `Subgroup` is asked of a device without them.
     pub fn lazy(device: &wgpu::Device, reduction: Reduction) -> QuantMatmul {
@@ -201,7 +171,6 @@ impl QuantMatmul {
             immediate_size: 0,
         });
         QuantMatmul {
-            layout,
             pipeline_layout,
             reduction,
             pipelines: TYPES.iter().map(|_| Default::default()).collect(),
@@ -254,8 +223,8 @@ impl QuantMatmul {
         })
     }
 
-    /// One dispatch: `params` as the uniform, the three (buffer, offset, size) windows as
-    /// bindings 1..=3, a grid of `groups` workgroups laid over x and y, `gz` deep.
+    /// One dispatch through the device's one path ([`super::context::dispatch`]), the
+    /// three (buffer, offset, size) windows bound as 1..=3.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &self,
@@ -267,44 +236,12 @@ impl QuantMatmul {
         groups: u64,
         gz: u64,
     ) {
-        let max_groups = device.limits().max_compute_workgroups_per_dimension.max(1) as u64;
-        let gx = groups.min(max_groups);
-        let gy = groups.div_ceil(gx);
-        assert!(
-            gy <= max_groups && gz <= max_groups,
-            "quant matmul: a grid of {groups}×{gz} workgroups exceeds the device's limits"
-        );
-        let ubuf = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("quant matmul params"),
-            contents: params,
-            usage: wgpu::BufferUsages::UNIFORM,
+        let binds = windows.map(|(buffer, offset, size)| wgpu::BufferBinding {
+            buffer,
+            offset,
+            size: std::num::NonZeroU64::new(size),
         });
-        let mut entries = vec![wgpu::BindGroupEntry {
-            binding: 0,
-            resource: ubuf.as_entire_binding(),
-        }];
-        for (i, (buffer, offset, size)) in windows.into_iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer,
-                    offset,
-                    size: std::num::NonZeroU64::new(size),
-                }),
-            });
-        }
-        let bind = device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("quant matmul"),
-            layout: &self.layout,
-            entries: &entries,
-        });
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-            label: Some("quant matmul"),
-            timestamp_writes: None,
-        });
-        pass.set_pipeline(pipeline);
-        pass.set_bind_group(0, &bind, &[]);
-        pass.dispatch_workgroups(gx as u32, gy as u32, gz as u32);
+        super::context::dispatch(device, enc, pipeline, params, &binds, groups, gz);
     }
 
     /// y[T, n_out] = x[T, n_in] · Wᵀ, W = the tensor's GGUF bytes (uploaded as is, padded to 4
