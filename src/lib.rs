@@ -1,7 +1,7 @@
 //! parity: find where an LLM inference engine stops agreeing with llama.cpp.
 //!
 //! Layers, dependencies pointing down only (docs/architecture.md; tests/house_order.rs checks
-//! it): `cli`, `selftest`, `check`, `report`, `judge`, `compare`, `backend`, `arch` (the
+//! it): `cli`, `selftest`, `check`, `golden` (llama.cpp's run, made), `report`, `judge`, `compare`, `backend`, `arch` (the
 //! forward), `trace`, `model`, `arch::spec`, `tokenizer`, `gguf`, `quant`.
 
 pub mod arch;
@@ -10,6 +10,7 @@ pub mod check;
 pub mod cli;
 pub mod compare;
 pub mod gguf;
+pub mod golden;
 pub mod judge;
 pub mod model;
 pub mod quant;

@@ -13,6 +13,7 @@ const ORDER: &[&str] = &[
     "cli",
     "selftest",
     "check",
+    "golden",
     "report",
     "judge",
     "compare",

@@ -1,11 +1,11 @@
 //! `parity golden` and `parity check` (the terminal side of `crate::check`).
 
-use super::golden::{Aside, GoldenArgs, join_ids, make_golden};
 use super::input::InputArgs;
 use super::output::{ReportArgs, finish_with, run_info, show};
 use super::{Result, err, repo_root};
 use crate::check::{CheckOptions, Event};
 use crate::compare::{Comparison, PairKind};
+use crate::golden::{Aside, join_ids};
 use crate::model::Model;
 use crate::report::progress::Progress;
 use crate::trace::goldens;
@@ -155,6 +155,13 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
                 b.inc(1)
             }
         }
+        Event::Zooming { step, record } => {
+            if !quiet {
+                eprintln!(
+                    "zoom: the check diverged at step {step} of a scan golden: running llama.cpp again with that step recorded whole (--record '{record}')"
+                );
+            }
+        }
     };
     let mut r = crate::check::run(&model, &model_path, &opt, &mut on_event)?;
     if !quiet {
@@ -178,8 +185,19 @@ pub fn check(a: CheckArgs) -> Result<ExitCode> {
         }
     }
     // A scan golden's check that diverged zooms: llama.cpp again for that step whole.
+    let aside = if quiet { Aside::Quiet } else { Aside::Stderr };
     let zoom = match crate::check::zoom(&r).filter(|_| !a.no_zoom) {
-        Some(z) => zoom_check(&a, &model, &model_path, &opt, &r, z, &mut on_event)?,
+        Some(z) => Some(crate::check::zoom_check(
+            &model,
+            &model_path,
+            &opt,
+            &r,
+            z,
+            a.zoom_out.as_deref(),
+            &super::golden::tools(),
+            aside,
+            &mut on_event,
+        )?),
         None => None,
     };
     if let Some(Err(why)) = &zoom {
@@ -302,135 +320,6 @@ fn render(a: &CheckArgs, r: crate::check::CheckReport, zoomed: Option<usize>) ->
         }
     }
     comparisons
-}
-
-/// A zoom's result: the check against the zoom golden, and where that golden is kept.
-struct Zoomed {
-    zoom: crate::trace::Zoom,
-    report: crate::check::CheckReport,
-    kept: Option<PathBuf>,
-}
-
-/// Runs llama.cpp again on the scan golden's ids, fed in the same calls with the same
-/// settings, recording `zoom`'s plan (into --zoom-out, else a temporary folder removed at the
-/// end), and checks again against that golden. Err: why no zoom was made, one line for the
-/// report (the scan's verdict stands on its own).
-fn zoom_check(
-    a: &CheckArgs,
-    model: &Model,
-    model_path: &Path,
-    opt: &CheckOptions,
-    r: &crate::check::CheckReport,
-    zoom: crate::trace::Zoom,
-    on_event: &mut dyn FnMut(Event),
-) -> Result<Option<std::result::Result<Zoomed, String>>> {
-    let (_, g) = r.golden.as_ref().expect("a zoom has a golden");
-    let step = zoom.steps[0];
-    let by_hand = format!(
-        "make it with `parity golden` and the scan's own ids and settings, adding --record '{}', then check against it",
-        zoom.record
-    );
-    let Some(feed) = goldens::feed(g) else {
-        return Ok(Some(Err(format!(
-            "zoom: not made — the golden's steps do not match how its settings say it was fed; {by_hand}"
-        ))));
-    };
-    let tmp;
-    let out = match &a.zoom_out {
-        Some(d) => d.clone(),
-        None => {
-            tmp = tempfile::Builder::new()
-                .prefix("parity-zoom-")
-                .tempdir()
-                .map_err(|e| err(format!("a temporary folder for the zoom golden: {e}")))?;
-            tmp.path().join("golden")
-        }
-    };
-    let s = &g.manifest.producer.settings;
-    let text = |k: &str| s.get(k).and_then(|v| v.as_str());
-    // Only values `parity golden` accepts are passed on (the manifest is an input).
-    let cache = |k: &str| {
-        text(k)
-            .filter(|t| ["f32", "f16", "q8_0", "q4_0"].contains(t))
-            .map(String::from)
-    };
-    let flash_attn = match s.get("flash_attn") {
-        Some(serde_json::Value::Bool(b)) => Some(if *b { "on" } else { "off" }),
-        Some(serde_json::Value::String(t)) => match t.as_str() {
-            "enabled" | "on" => Some("on"),
-            "disabled" | "off" => Some("off"),
-            "auto" => Some("auto"),
-            _ => None,
-        },
-        _ => None,
-    };
-    let args = GoldenArgs {
-        model: model_path.to_path_buf(),
-        input: InputArgs {
-            prompt: None,
-            tokens: Some(feed.prompt.clone()),
-            no_bos: false,
-            no_eos: false,
-        },
-        steps: Some(feed.steps),
-        forced: feed.forced.clone(),
-        out: Some(out.clone()),
-        llama_defaults: s.get("llama_defaults").and_then(|v| v.as_bool()) == Some(true),
-        chunk: feed.chunk,
-        turn: feed.turns.iter().map(|t| join_ids(t)).collect(),
-        cache_type_k: cache("type_k"),
-        cache_type_v: cache("type_v"),
-        flash_attn: flash_attn.map(String::from),
-        threads: s
-            .get("n_threads")
-            .and_then(|v| v.as_u64())
-            .map_or(1, |t| t.clamp(1, 1024) as usize),
-        gpu_layers: s
-            .get("n_gpu_layers")
-            .and_then(|v| v.as_i64())
-            .map_or(0, |l| l.clamp(-1, i32::MAX as i64) as i32),
-        force: false,
-        record: Some(zoom.record.clone()),
-        max_trace_size: a.max_trace_size,
-        verbose: false,
-    };
-    if !a.report.quiet {
-        eprintln!(
-            "zoom: the check diverged at step {step} of a scan golden: running llama.cpp again with that step recorded whole (--record '{}')",
-            zoom.record
-        );
-    }
-    let aside = if a.report.quiet {
-        Aside::Quiet
-    } else {
-        Aside::Stderr
-    };
-    if let Err(e) = make_golden(args, aside) {
-        return Ok(Some(Err(format!(
-            "zoom: not made — llama.cpp could not run again ({}); {by_hand}",
-            e.to_string().trim()
-        ))));
-    }
-    let zopt = CheckOptions {
-        golden: Some(out.clone()),
-        prompt: None,
-        ..opt.clone()
-    };
-    let mut report = crate::check::run(model, model_path, &zopt, on_event)?;
-    // llama.cpp on the CPU repeats itself bit for bit: a zoom golden that does not (another
-    // build, threads that split sums otherwise, a GPU) is a run other than the scan's.
-    if let Some((_, zg)) = &report.golden
-        && let Some(k) = g.first_difference(zg)?
-    {
-        report.notes.push(format!(
-            "zoom: llama.cpp run again differs from the scan golden at {k}: the zoom shows a run of its own, not the scan's"
-        ));
-    }
-    Ok(Some(Ok(Zoomed {
-        zoom,
-        report,
-        kept: a.zoom_out.clone(),
-    })))
 }
 
 fn prompt_from_golden(r: &crate::check::CheckReport) -> bool {

@@ -14,6 +14,9 @@ use crate::trace::{
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+mod zoom;
+pub use zoom::{Zoomed, zoom, zoom_check, zoom_spec};
+
 #[derive(Debug, thiserror::Error)]
 pub enum CheckError {
     #[error(
@@ -68,6 +71,8 @@ pub enum CheckError {
     Compare(#[from] CompareError),
     #[error(transparent)]
     Judge(#[from] crate::judge::JudgeError),
+    #[error("a temporary folder for the zoom golden: {0}")]
+    ZoomFolder(std::io::Error),
 }
 
 /// Ids as text: `1 388 268`.
@@ -122,6 +127,12 @@ pub enum Event {
         n: usize,
     },
     Compared,
+    /// A scan golden's check diverged at `step`: llama.cpp runs again with that step recorded
+    /// whole (`record`, the plan).
+    Zooming {
+        step: usize,
+        record: String,
+    },
 }
 
 /// One backend run: its time and the process's peak resident memory after it.
@@ -441,51 +452,6 @@ fn run_with(
         passes,
         notes,
     })
-}
-
-/// The zoom of a check against a scan golden (`golden --record`): the first step at which a
-/// comparison against the golden diverged, and the plan that records that step whole with the
-/// scan kept (and the K/V taps of every step before it). llama.cpp run again to that plan
-/// gives a golden against which every tap of the step is compared and its own ops are judged
-/// one by one (`parity check` does both by itself). None where nothing diverged against the
-/// golden, the golden is not a scan, or it already has every tap of that step.
-pub fn zoom(r: &CheckReport) -> Option<crate::trace::Zoom> {
-    let (_, g) = r.golden.as_ref().filter(|(_, g)| golden_is_scan(g))?;
-    let diverged = || {
-        r.comparisons
-            .iter()
-            .filter(|j| j.against_golden && j.comparison.diverged())
-    };
-    let step = diverged().filter_map(|j| first_step(&j.comparison)).min()?;
-    // The first position and layer out there (a long step keeps the probabilities' rows from
-    // that position on, and its layers up to that one: an error carried end to end may first
-    // cross its threshold layers after the op at fault).
-    let firsts = || {
-        diverged()
-            .filter_map(|j| j.comparison.first_divergence.as_ref())
-            .filter(|d| d.at.key.step == step)
-    };
-    let at = firsts()
-        .filter_map(|d| d.position.as_ref().map(|p| p.position))
-        .min();
-    let upto = firsts().map(|d| d.at.key.layer).min().flatten();
-    crate::judge::zoom::step(g, step, at, upto.map(|l| 0..=l))
-}
-
-/// The first step at which `c` diverged: a tap out of its threshold, an id that differs, or
-/// the logits' mean KLD over its bound.
-fn first_step(c: &Comparison) -> Option<usize> {
-    [
-        c.token_mismatch.as_ref().map(|t| t.step),
-        c.first_divergence.as_ref().map(|d| d.at.key.step),
-        c.logits
-            .iter()
-            .find(|l| l.kld_mean > c.kld_threshold)
-            .map(|l| l.step),
-    ]
-    .into_iter()
-    .flatten()
-    .min()
 }
 
 /// Stage 3b: in the default set (`device_optional`), a device backend (gpu) runs only on a
