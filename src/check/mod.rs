@@ -1,7 +1,8 @@
 //! `parity check` as a library call: find the model's golden, settle the ids, run every
 //! backend (end to end, and op by op on the golden's inputs), and compare each against the
 //! golden and against each other. The terminal, JSON, HTML and snapshot printers all render
-//! the [`CheckReport`] this returns; nothing here prints.
+//! the [`CheckReport`] this returns; nothing here prints (a zoom's llama.cpp run reports where
+//! its `golden::Aside` says).
 
 use crate::backend::lockstep::{Fanout, Lockstep};
 use crate::backend::{self, BackendError, registry};

@@ -20,9 +20,9 @@ pub enum Reduction {
     Tree,
 }
 
-/// The WGSL of `r`: `WG`, `struct Lane` (the builtins a reducing entry point takes),
-/// `wg_sums` (`CH` values at once: the including source declares `CH`), `wg_sum` and
-/// `wg_max`.
+/// The WGSL of `r`: `WG`, `struct Lane` (the builtins a reducing entry point takes), the
+/// steps of a reduction of `CH` values at once (`red_put`, `red_combine`, `red_total`: the
+/// including source declares `CH`), and `wg_sum`, `wg_max` of one value.
 pub fn reduction_source(r: Reduction) -> &'static str {
     match r {
         Reduction::Subgroup => include_str!("reduce_subgroup.wgsl"),

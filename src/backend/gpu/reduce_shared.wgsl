@@ -1,6 +1,6 @@
 // Workgroup reductions in shared memory, for devices without subgroup ops: the same functions
-// as reduce_subgroup.wgsl (the host prepends `const CH`, the values one `wg_sums` call
-// reduces), each a tree over the 256 lanes, CH values at a time.
+// as reduce_subgroup.wgsl (the host prepends `const CH`, the values one reduction carries),
+// each a tree over the 256 lanes, CH values at a time.
 const WG: u32 = 256u;
 
 // The invocation's place: each reducing entry point takes it (`lane: Lane`).
@@ -10,12 +10,11 @@ struct Lane {
 
 var<workgroup> red: array<f32, 256u * CH>;
 
-// The workgroup's sums of each lane's v[j].
-fn wg_sums(v: array<f32, CH>, lane: Lane) -> array<f32, CH> {
-    var a = v;
-    for (var j = 0u; j < CH; j++) {
-        red[j * WG + lane.lid] = a[j];
-    }
+fn red_put(j: u32, v: f32, lane: Lane) {
+    red[j * WG + lane.lid] = v;
+}
+
+fn red_combine(lane: Lane) {
     workgroupBarrier();
     for (var s = WG / 2u; s > 0u; s >>= 1u) {
         if lane.lid < s {
@@ -25,18 +24,18 @@ fn wg_sums(v: array<f32, CH>, lane: Lane) -> array<f32, CH> {
         }
         workgroupBarrier();
     }
-    var out: array<f32, CH>;
-    for (var j = 0u; j < CH; j++) {
-        out[j] = red[j * WG];
-    }
-    workgroupBarrier();
-    return out;
+}
+
+fn red_total(j: u32, lane: Lane) -> f32 {
+    return red[j * WG];
 }
 
 fn wg_sum(v: f32, lane: Lane) -> f32 {
-    var a: array<f32, CH>;
-    a[0] = v;
-    return wg_sums(a, lane)[0];
+    red_put(0u, v, lane);
+    red_combine(lane);
+    let t = red[0];
+    workgroupBarrier();
+    return t;
 }
 
 fn wg_max(v: f32, lane: Lane) -> f32 {

@@ -6,7 +6,7 @@
 // tiles over z. x, y and w are bound in windows (the host splits rows and tokens so that each
 // fits one binding); offsets inside them are in Params. The host prepends `const TT` and
 // `const CH` (accumulators per reduction), names the format's decoder as `DEQ`, and appends
-// the decoders and the device's reduction (`wg_sums`, `WG`, `Lane`: ../reduce_*.wgsl).
+// the decoders and the device's reduction (`red_*`, `WG`, `Lane`: ../reduce_*.wgsl).
 
 const R: u32 = 4u;
 const NA: u32 = R * TT;
@@ -107,13 +107,13 @@ fn store(i: u32, v: f32, wg: vec3<u32>, nwg: vec3<u32>) {
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>, lane: Lane) {
     accumulate(lane.lid, wg, nwg);
     for (var b = 0u; b < NA; b += CH) {
-        var v: array<f32, CH>;
         for (var j = 0u; j < CH; j++) {
-            v[j] = acc[b + j];
+            red_put(j, acc[b + j], lane);
         }
-        var s = wg_sums(v, lane);
+        red_combine(lane);
         if (lane.lid < CH) {
-            store(b + lane.lid, s[lane.lid], wg, nwg);
+            store(b + lane.lid, red_total(lane.lid, lane), wg, nwg);
         }
+        workgroupBarrier();
     }
 }

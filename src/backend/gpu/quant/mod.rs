@@ -73,10 +73,16 @@ pub fn shader_source(ty: GgmlType, tile_tokens: u32, reduction: Reduction) -> Op
     let na = ROWS_PER_WORKGROUP * tile_tokens;
     // No `enable subgroups;`: naga 30 rejects it and takes the builtins when the device has
     // Features::SUBGROUP.
+    // Accumulators per reduction: all of them in one round of barriers with subgroups (64·NA
+    // floats of shared memory), 8 at a time in the tree (256 floats each: 16 KiB is all a
+    // device must offer). Barriers are what a CPU device (lavapipe) pays most for.
+    let ch = match reduction {
+        Reduction::Subgroup => na,
+        Reduction::Tree => na.min(8),
+    };
     let mut s = String::new();
     s.push_str(&format!(
-        "const TT: u32 = {tile_tokens}u;\nconst CH: u32 = {}u;\n",
-        na.min(8)
+        "const TT: u32 = {tile_tokens}u;\nconst CH: u32 = {ch}u;\n"
     ));
     s.push_str(&MATMUL.replace("DEQ(", &format!("{deq}(")));
     s.push_str(COMMON);
