@@ -504,7 +504,6 @@ pub fn measure(
     }
     // The output's rounding and fits, where the layers' replaced them.
     let mut switched: Option<(Emulation, Vec<RoundingFit>)> = None;
-    let exact = |fits: &[RoundingFit]| fits.iter().any(|f| f.median_nmse <= EXACT_FIT);
     // Whether some rounding reproduced the layers' matmuls to f32 noise.
     let mut layers_exact = !no_layers && exact(&fits);
     // Measured only where the output's rounding leaves the layers within what a rounding can
@@ -586,6 +585,76 @@ pub fn measure(
         }
     }
 
+    let (output, output_fits, unsure_output) = measure_output(
+        model,
+        cand,
+        none,
+        first_step,
+        &roundings,
+        rounding,
+        (no_layers, layers_exact),
+        switched,
+        &fits,
+    )?;
+    unsure.output = unsure_output;
+    let (decode, decode_fits) = measure_decode(
+        model,
+        cand,
+        (first_step, detect, no_layers),
+        &roundings,
+        rounding,
+        output,
+    )?;
+    // The detection replay ran the decode steps under the prefill's rounding, and the output
+    // projection under its step's.
+    let best =
+        best.map(|(r, f, rep, whole)| (r, f, rep, whole && decode.is_none() && output.is_none()));
+
+    let (kv, kv_fits) = measure_cache(
+        model,
+        cand,
+        opt,
+        none,
+        first_step,
+        (rounding, decode, output),
+    )?;
+    Ok(Measured {
+        rounding,
+        decode,
+        decode_fits,
+        output,
+        output_fits,
+        unsure,
+        fits,
+        best,
+        kv,
+        kv_fits,
+        kv_decode: None,
+        kv_decode_fits: Vec::new(),
+    })
+}
+
+/// Whether some rounding reproduced what was measured to f32 noise.
+fn exact(fits: &[RoundingFit]) -> bool {
+    fits.iter().any(|f| f.median_nmse <= EXACT_FIT)
+}
+
+/// The output projection's rounding, measured on its own where the trace has it on its own
+/// (result_norm and logits at the first step), under the step's `rounding`; with how each
+/// rounding fitted there, and whether none reproduced it exactly where the layers' did.
+/// `switched`: the output's rounding and fits where the layers' replaced them.
+#[allow(clippy::too_many_arguments)]
+fn measure_output(
+    model: &Model,
+    cand: &Candidate,
+    none: &BTreeSet<TapKey>,
+    first_step: usize,
+    roundings: &[Emulation],
+    rounding: Emulation,
+    (no_layers, layers_exact): (bool, bool),
+    switched: Option<(Emulation, Vec<RoundingFit>)>,
+    fits: &[RoundingFit],
+) -> Result<(Option<Emulation>, Vec<RoundingFit>, bool), JudgeError> {
     // The output projection's rounding, measured on its own where the trace has it on its
     // own (result_norm and logits at the first step): an engine may run its lm_head through
     // another kernel than its layers (a Rust engine's layers on Q8_K inputs, its output
@@ -593,6 +662,7 @@ pub fn measure(
     // (4x), so a bug in the projection is not taken for a rounding.
     let mut output = None;
     let mut output_fits = Vec::new();
+    let mut unsure_output = false;
     let lm = TapKey::new(first_step, None, Tap::Logits);
     if no_layers {
         // The detection measured the output projection alone: its rounding is measured.
@@ -618,12 +688,8 @@ pub fn measure(
                 }
             }
         }
-        let measured = if output.is_some() {
-            &output_fits
-        } else {
-            &fits
-        };
-        unsure.output = !exact(measured) && layers_exact;
+        let measured = if output.is_some() { &output_fits } else { fits };
+        unsure_output = !exact(measured) && layers_exact;
     } else if roundings.len() > 1 && cand.contains(&lm) && span(cand, &lm).len() == 1 {
         let window = Window::for_key(cand, &lm);
         // The first step's logits: the prefill's rounding, the output projection's varied.
@@ -644,8 +710,22 @@ pub fn measure(
             output_fits = fits_o;
             output = (o != rounding).then_some(o);
         }
-        unsure.output = !exact(&output_fits) && layers_exact;
+        unsure_output = !exact(&output_fits) && layers_exact;
     }
+    Ok((output, output_fits, unsure_output))
+}
+
+/// The decode steps' rounding where it differs from the prefill's `rounding`, and how each
+/// rounding fitted the first decode step (empty: not measured).
+fn measure_decode(
+    model: &Model,
+    cand: &Candidate,
+    (first_step, detect, no_layers): (usize, Window, bool),
+    roundings: &[Emulation],
+    rounding: Emulation,
+    output: Option<Emulation>,
+) -> Result<(Option<Emulation>, Vec<RoundingFit>), JudgeError> {
+    let n_layer = model.config.n_layer;
     // The decode steps' rounding, measured on their own (GPU engines may tile the prefill
     // and not the decode): the first decode step in the detection window's layers, the prefill
     // under `rounding`; each step's keys depend only on that step's rounding. The prefill's
@@ -676,7 +756,7 @@ pub fn measure(
             output,
             ..Setup::clean(rounding, window)
         };
-        let under = replay::replay_last_step_under(model, cand, &setup, &roundings)?;
+        let under = replay::replay_last_step_under(model, cand, &setup, roundings)?;
         let d1_fits: Vec<(Emulation, Option<f64>)> = roundings
             .iter()
             .zip(&under)
@@ -692,11 +772,20 @@ pub fn measure(
             decode = (d != rounding).then_some(d);
         }
     }
-    // The detection replay ran the decode steps under the prefill's rounding, and the output
-    // projection under its step's.
-    let best =
-        best.map(|(r, f, rep, whole)| (r, f, rep, whole && decode.is_none() && output.is_none()));
+    Ok((decode, decode_fits))
+}
 
+/// The K/V cache type among `opt.kv_caches` (the first unless another reproduces the
+/// attention clearly better), and how each fitted.
+fn measure_cache(
+    model: &Model,
+    cand: &Candidate,
+    opt: &JudgeOptions,
+    none: &BTreeSet<TapKey>,
+    first_step: usize,
+    (rounding, decode, output): (Emulation, Option<Emulation>, Option<Emulation>),
+) -> Result<(KvCache, Vec<KvFit>), JudgeError> {
+    let n_layer = model.config.n_layer;
     // The K/V cache type: the one whose replay reproduces the candidate's attention best, in
     // the first step's first two layers (every prompt row reads the cache, its own K/V too).
     // An f16 cache (llama.cpp's default) moves attention by ~1e-8..1e-7 and a whole-layer
@@ -759,20 +848,7 @@ pub fn measure(
             kv = best.kv;
         }
     }
-    Ok(Measured {
-        rounding,
-        decode,
-        decode_fits,
-        output,
-        output_fits,
-        unsure,
-        fits,
-        best,
-        kv,
-        kv_fits,
-        kv_decode: None,
-        kv_decode_fits: Vec::new(),
-    })
+    Ok((kv, kv_fits))
 }
 
 /// A decode step's attention that the prompt's cache reproduces this closely leaves no cache
