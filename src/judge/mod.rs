@@ -420,12 +420,10 @@ fn judge_once(
     cand.layouts.extend(layouts.iter().copied());
     let steps = checked_steps(model, trace, &cand)?;
     steps.iter().max().ok_or(JudgeError::Empty)?;
-    let none = BTreeSet::new();
     let first_step = steps.iter().copied().min().unwrap_or(0);
 
     // The guard: a NaN or an Inf in the candidate is the finding, and no experiment runs on it.
     let bad = nonfinite::first(&cand)?;
-    let experiments = opt.hypotheses;
     let guarded = JudgeOptions {
         hypotheses: opt.hypotheses && bad.is_none(),
         kv_caches: match opt.kv_caches.is_empty() {
@@ -434,9 +432,18 @@ fn judge_once(
         },
         ..opt.clone()
     };
-    let opt = &guarded;
+    let at = Judging {
+        model,
+        cand: &cand,
+        opt: &guarded,
+        steps: &steps,
+        first_step,
+        declared: layouts,
+        bad,
+        experiments: opt.hypotheses,
+    };
 
-    let mut measured = Some(rounding::measure(model, &cand, opt, first_step, &none)?);
+    let mut measured = rounding::measure(model, &cand, &guarded, first_step, &BTreeSet::new())?;
     // A rounding measured again with the bug in view (`under_other_roundings`,
     // `layers_with_the_bug`) judges the trace once more under it, with this note.
     let mut remeasured: Option<String> = None;
@@ -444,21 +451,132 @@ fn judge_once(
     // (`under_other_setups`): it stands where judging again confirms nothing.
     let mut held: Option<Judgement> = None;
     loop {
+        let unsure = measured.unsure;
+        let (mut j, floors) = at.pass(measured, held.is_some())?;
+        let again = match at.first_out(&mut j, &floors, unsure, remeasured.is_some())? {
+            Outcome::Again(again) => again,
+            Outcome::Judged {
+                first,
+                below_floor,
+                retry,
+            } => {
+                j.first = first;
+                j.below_floor = below_floor;
+                j.remeasured = remeasured.is_some();
+                place(model, &cand, &mut j, remeasured.as_deref())?;
+                let Some(again) = retry else {
+                    // Judged again only for a bug under the floors: without one confirmed
+                    // there, the measured setup's judgement stands.
+                    return Ok(match held {
+                        Some(h) if j.first.as_ref().is_none_or(|f| f.confirmed.is_none()) => h,
+                        _ => j,
+                    });
+                };
+                measured = measured_again(&j, &again);
+                remeasured = Some(again.note);
+                held = Some(j);
+                continue;
+            }
+        };
+        measured = measured_again(&j, &again);
+        remeasured = Some(again.note);
+    }
+}
+
+/// Another setup to judge the trace under: its rounding (the floors'), its cache, and the
+/// note that says why.
+struct Again {
+    floors: Floors,
+    kv: KvCache,
+    note: String,
+}
+
+impl From<(Floors, KvCache, String)> for Again {
+    fn from((floors, kv, note): (Floors, KvCache, String)) -> Again {
+        Again { floors, kv, note }
+    }
+}
+
+/// What a pass's first op out of its floor comes to (or, with none, the screen under the
+/// floors).
+enum Outcome {
+    /// The finding (none: the trace passed), the checks under the floors, and another setup
+    /// that screen asks to judge the trace under (the finding made there stands only where
+    /// it confirms a bug).
+    Judged {
+        first: Option<Finding>,
+        below_floor: Vec<hypothesis::BelowFloor>,
+        retry: Option<Again>,
+    },
+    /// A bug named under a rounding measured again with it in view: judge the trace again
+    /// under that rounding at once.
+    Again(Again),
+}
+
+/// The setup a judgement measured, kept but for its rounding (the floors') and cache, to
+/// judge the trace again under those.
+fn measured_again(j: &Judgement, again: &Again) -> rounding::Measured {
+    rounding::Measured {
+        rounding: again.floors.rounding,
+        decode: j.decode_rounding,
+        decode_fits: j.decode_fits.clone(),
+        output: again.floors.output,
+        output_fits: j.output_fits.clone(),
+        unsure: rounding::Unsure::default(),
+        fits: j.fits.clone(),
+        best: None,
+        kv: again.kv,
+        kv_fits: j.kv_fits.clone(),
+        kv_decode: j.kv_decode,
+        kv_decode_fits: j.kv_decode_fits.clone(),
+    }
+}
+
+/// What one judgement holds fixed across its passes.
+struct Judging<'a> {
+    model: &'a Model,
+    cand: &'a Candidate<'a>,
+    /// The options guarded: no experiments on non-finite data, the caches to try.
+    opt: &'a JudgeOptions,
+    steps: &'a [usize],
+    first_step: usize,
+    /// The layouts named by experiment before this judgement (the rest `cand` aligns were
+    /// declared).
+    declared: &'a [(Tap, Layout)],
+    /// The candidate's first non-finite values.
+    bad: Option<nonfinite::NonFinite>,
+    /// Whether experiments were asked for (the guard turns them off on non-finite data; the
+    /// non-finite finding still says what they would have tried).
+    experiments: bool,
+}
+
+impl Judging<'_> {
+    /// The trace judged under a measured setup, each op against its floor, before its first
+    /// finding; `held`: under the setup a below-floor screen chose, that rounding given (its
+    /// tie twin, closer nowhere worse on data the bug moved, would take its place again in
+    /// `rounding::refit_ties`).
+    fn pass(&self, m: rounding::Measured, held: bool) -> Result<(Judgement, Floors), JudgeError> {
         let rounding::Measured {
             rounding,
             decode,
             decode_fits,
             output,
             output_fits,
-            unsure,
+            unsure: _,
             fits,
             best,
             kv,
             kv_fits,
             kv_decode,
             kv_decode_fits,
-        } = measured.take().expect("measured once per pass");
-
+        } = m;
+        let opt = match held {
+            true => JudgeOptions {
+                roundings: vec![rounding],
+                ..self.opt.clone()
+            },
+            false => self.opt.clone(),
+        };
         let Pass {
             rounding,
             kv,
@@ -466,21 +584,12 @@ fn judge_once(
             kv_decode_fits,
             ties,
             floors,
-            mut ops,
+            ops,
         } = pass(
-            model,
-            &cand,
-            // Judged again under the setup a below-floor screen chose: that rounding is
-            // given (its tie twin, closer nowhere worse on data the bug moved, would take
-            // its place again in `rounding::refit_ties`).
-            &match held {
-                Some(_) => JudgeOptions {
-                    roundings: vec![rounding],
-                    ..opt.clone()
-                },
-                None => opt.clone(),
-            },
-            &steps,
+            self.model,
+            self.cand,
+            &opt,
+            self.steps,
             Measure {
                 rounding,
                 decode,
@@ -492,151 +601,142 @@ fn judge_once(
                 kv_decode_fits,
             },
         )?;
-        let mut below_floor = Vec::new();
-        let mut retry: Option<(Floors, KvCache, String)> = None;
-        // Non-finite data (the candidate's, else the recomputation's) is the finding. (A tap the
-        // model's graph has no op for is not judged, its values neither.)
-        let bad = match bad.and_then(|b| Some((b, ops.iter().find(|o| o.key == b.key)?))) {
-            Some((b, o)) => Some(nonfinite::candidate(
-                model,
-                &cand,
-                &floors,
-                kv,
-                &b,
-                o,
-                experiments,
-                &opt.roundings,
-            )?),
-            None => None,
-        };
-        let first = match ops.iter().find(|o| !o.pass) {
-            _ if bad.is_some() => bad,
-            Some(o) if o.metrics.non_finite_failure() => {
-                let b = nonfinite::NonFinite {
-                    key: o.key,
-                    nan: o.metrics.nan_a,
-                    inf: o.metrics.inf_a,
-                    n: o.metrics.n,
-                    whose: "the reference's recomputation from the candidate's finite inputs",
-                };
-                Some(nonfinite::recomputed(&b, o))
-            }
-            Some(o) => {
-                let f = hypothesis::diagnose(model, &cand, &floors, kv, o, &ops, opt.hypotheses)?;
-                let redo = match &f.confirmed {
-                    _ if remeasured.is_some() => None,
-                    None if opt.hypotheses => {
-                        match under_other_roundings(
-                            model, &cand, &floors, kv, o, &ops, &f, unsure, opt,
-                        )? {
-                            None if cache_unsure(kv, &kv_fits) => {
-                                flagged_under_other_caches(model, &cand, &floors, kv, o, &ops, opt)?
-                            }
-                            r => r,
-                        }
-                    }
-                    Some(_) if unsure.layers => layers_with_the_bug(
-                        model, &cand, &floors, kv, o, &ops, &f, first_step, opt,
-                    )?
-                    .map(|(fl, note)| (fl, kv, note)),
-                    _ => None,
-                };
-                if let Some((fl, kv, note)) = redo {
-                    measured = Some(rounding::Measured {
-                        rounding: fl.rounding,
-                        decode,
-                        decode_fits,
-                        output: fl.output,
-                        output_fits,
-                        unsure: rounding::Unsure::default(),
-                        fits,
-                        best: None,
-                        kv,
-                        kv_fits,
-                        kv_decode,
-                        kv_decode_fits,
-                    });
-                    remeasured = Some(note);
-                    continue;
-                }
-                Some(f)
-            }
-            None => {
-                let (checks, found) =
-                    hypothesis::below_floor(model, &cand, &floors, kv, &ops, opt.hypotheses)?;
-                if found.is_none() && opt.hypotheses && remeasured.is_none() {
-                    // No cache reproduced the attention (a clean trace's cache fits to its
-                    // own rounding): the cache was measured on data a bug moved.
-                    let cache_unsure = cache_unsure(kv, &kv_fits);
-                    retry =
-                        under_other_setups(model, &cand, &floors, kv, &checks, cache_unsure, opt)?;
-                }
-                below_floor = checks;
-                if let Some(f) = &found
-                    && let Some(o) = ops.iter_mut().find(|o| o.key == f.flagged)
-                {
-                    // Not noise: a known bug reproduces it.
-                    o.pass = false;
-                }
-                found
-            }
-        };
-        let aligned = cand
+        let aligned = self
+            .cand
             .layouts
             .iter()
-            .filter(|(t, _)| !layouts.iter().any(|(n, _)| n == *t))
+            .filter(|(t, _)| !self.declared.iter().any(|(n, _)| n == *t))
             .map(|(t, l)| format!("{t}: {}", l.name(*t)))
             .collect();
-        let mut j = Judgement {
+        let cut = ops
+            .iter()
+            .filter(|o| self.cand.cut(&o.key).is_some())
+            .count();
+        let j = Judgement {
             rounding,
             decode_rounding: decode,
             fits,
             decode_fits,
             output_rounding: output,
             output_fits,
-            remeasured: remeasured.is_some(),
+            remeasured: false,
             kv,
             kv_fits,
             kv_decode,
             kv_decode_fits,
             matmul_floor: floors.matmul(),
             ops,
-            first,
-            below_floor,
+            first: None,
+            below_floor: Vec::new(),
             aligned,
             ties,
             layouts: Vec::new(),
-            cut: 0,
+            cut,
         };
-        j.cut = j.ops.iter().filter(|o| cand.cut(&o.key).is_some()).count();
-        place(model, &cand, &mut j, remeasured.as_deref())?;
-        if let Some((fl, kv2, note)) = retry {
-            measured = Some(rounding::Measured {
-                rounding: fl.rounding,
-                decode: j.decode_rounding,
-                decode_fits: j.decode_fits.clone(),
-                output: fl.output,
-                output_fits: j.output_fits.clone(),
-                unsure: rounding::Unsure::default(),
-                fits: j.fits.clone(),
-                best: None,
-                kv: kv2,
-                kv_fits: j.kv_fits.clone(),
-                kv_decode: j.kv_decode,
-                kv_decode_fits: j.kv_decode_fits.clone(),
-            });
-            remeasured = Some(note);
-            held = Some(j);
-            continue;
-        }
-        // Judged again only for a bug under the floors: without one confirmed there, the
-        // measured setup's judgement stands.
-        if let Some(h) = held
-            && j.first.as_ref().is_none_or(|f| f.confirmed.is_none())
+        Ok((j, floors))
+    }
+
+    /// The first finding of a pass: non-finite data (the candidate's, else the
+    /// recomputation's), else the first op out of its floor diagnosed, else a bug a known
+    /// hypothesis confirms under the floors. (A tap the model's graph has no op for is not
+    /// judged, its values neither.) `remeasured`: this pass is already the judgement again.
+    fn first_out(
+        &self,
+        j: &mut Judgement,
+        floors: &Floors,
+        unsure: rounding::Unsure,
+        remeasured: bool,
+    ) -> Result<Outcome, JudgeError> {
+        let (model, cand, opt, kv) = (self.model, self.cand, self.opt, j.kv);
+        let found = |first| Outcome::Judged {
+            first: Some(first),
+            below_floor: Vec::new(),
+            retry: None,
+        };
+        if let Some((b, o)) = self
+            .bad
+            .and_then(|b| Some((b, j.ops.iter().find(|o| o.key == b.key)?)))
         {
-            return Ok(h);
+            let f = nonfinite::candidate(
+                model,
+                cand,
+                floors,
+                kv,
+                &b,
+                o,
+                self.experiments,
+                &opt.roundings,
+            )?;
+            return Ok(found(f));
         }
-        return Ok(j);
+        let Some(o) = j.ops.iter().find(|o| !o.pass) else {
+            return self.below_floors(j, floors, remeasured);
+        };
+        if o.metrics.non_finite_failure() {
+            let b = nonfinite::NonFinite {
+                key: o.key,
+                nan: o.metrics.nan_a,
+                inf: o.metrics.inf_a,
+                n: o.metrics.n,
+                whose: "the reference's recomputation from the candidate's finite inputs",
+            };
+            return Ok(found(nonfinite::recomputed(&b, o)));
+        }
+        let ops = &j.ops;
+        let f = hypothesis::diagnose(model, cand, floors, kv, o, ops, opt.hypotheses)?;
+        let again = match &f.confirmed {
+            _ if remeasured => None,
+            None if opt.hypotheses => {
+                match under_other_roundings(model, cand, floors, kv, o, ops, &f, unsure, opt)? {
+                    None if cache_unsure(kv, &j.kv_fits) => {
+                        flagged_under_other_caches(model, cand, floors, kv, o, ops, opt)?
+                    }
+                    r => r,
+                }
+            }
+            Some(_) if unsure.layers => {
+                layers_with_the_bug(model, cand, floors, kv, o, ops, &f, self.first_step, opt)?
+                    .map(|(fl, note)| (fl, kv, note))
+            }
+            _ => None,
+        };
+        Ok(match again {
+            Some(a) => Outcome::Again(a.into()),
+            None => found(f),
+        })
+    }
+
+    /// Every op within its floor: the own errors above f32 noise tested by experiment; where
+    /// none is a known bug, the screen under another rounding and cache (`under_other_setups`)
+    /// may ask to judge the trace again.
+    fn below_floors(
+        &self,
+        j: &mut Judgement,
+        floors: &Floors,
+        remeasured: bool,
+    ) -> Result<Outcome, JudgeError> {
+        let (model, cand, opt, kv) = (self.model, self.cand, self.opt, j.kv);
+        let (checks, found) =
+            hypothesis::below_floor(model, cand, floors, kv, &j.ops, opt.hypotheses)?;
+        let mut retry = None;
+        if found.is_none() && opt.hypotheses && !remeasured {
+            // No cache reproduced the attention (a clean trace's cache fits to its own
+            // rounding): the cache was measured on data a bug moved.
+            let unsure = cache_unsure(kv, &j.kv_fits);
+            retry =
+                under_other_setups(model, cand, floors, kv, &checks, unsure, opt)?.map(Again::from);
+        }
+        if let Some(f) = &found
+            && let Some(o) = j.ops.iter_mut().find(|o| o.key == f.flagged)
+        {
+            // Not noise: a known bug reproduces it.
+            o.pass = false;
+        }
+        Ok(Outcome::Judged {
+            first: found,
+            below_floor: checks,
+            retry,
+        })
     }
 }
 
