@@ -14,6 +14,24 @@ use crate::gguf::GgmlType;
 use crate::quant;
 use half::f16;
 
+/// A block quantizer: a row of f32 to its blocks.
+type Quantize = fn(&[f32], &mut [u8]);
+
+/// How a plain Q8_0 cache rounds its rows to their grid. Engines write this quantizer their
+/// own way, and the ways differ on exact ties, which are common where the K/V projections
+/// accumulate in f16 (their outputs sit on a coarse grid: an element at half its block's
+/// step). The judge replays the others as the cache's tie twins ([`KvCache::tie_twins`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Quantizer {
+    /// ggml's CPU backend (x86 `quantize_row_q8_0`): `127 / max|x|`, ties to even.
+    #[default]
+    Ggml,
+    /// ggml's `quantize_row_q8_0_ref`: `1 / (max|x| / 127)`, ties away from zero.
+    Reference,
+    /// `1 / (max|x| / 127)`, ties to even (numpy's `rint` over ggml's formula).
+    InverseEven,
+}
+
 /// How one cache (K or V) stores its rows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum CacheType {
@@ -67,8 +85,26 @@ impl CacheType {
     /// Round `row` as the cache stores it and reads it back. A row that is not whole blocks
     /// is left as it is (callers check [`CacheType::fits`] first).
     pub fn store(self, row: &mut [f32]) {
-        if self != CacheType::F32 {
-            round_to(self.ggml(), row);
+        self.store_as(Quantizer::Ggml, row)
+    }
+
+    /// [`CacheType::store`] with a Q8_0 cache's rows rounded by `q`.
+    pub fn store_as(self, q: Quantizer, row: &mut [f32]) {
+        let other: Option<Quantize> = match (self, q) {
+            (CacheType::Q8_0, Quantizer::Reference) => Some(quant::q8_0::quantize),
+            (CacheType::Q8_0, Quantizer::InverseEven) => Some(quant::q8_0::quantize_inverse_even),
+            _ => None,
+        };
+        match other {
+            Some(f) if self.fits(row.len()) => {
+                let ty = self.ggml();
+                let mut b = vec![0u8; row.len() / ty.block_size() * ty.type_size()];
+                f(row, &mut b);
+                quant::dequantize_row(ty, &b, row).expect("sized from the row");
+            }
+            Some(_) => {}
+            None if self != CacheType::F32 => round_to(self.ggml(), row),
+            None => {}
         }
     }
 
@@ -116,6 +152,8 @@ pub struct KvCache {
     /// over a padded cache of 512 cells or more is split into one chunk per thread, each
     /// accumulated on its own and the partials reduced in chunk order (0: one pass).
     pub threads: u16,
+    /// How a plain Q8_0 cache rounds its rows (ggml's, but in the judge's tie twins).
+    pub quantizer: Quantizer,
 }
 
 impl KvCache {
@@ -130,6 +168,7 @@ impl KvCache {
             ggml: false,
             flash: false,
             threads: 0,
+            quantizer: Quantizer::Ggml,
         }
     }
 
@@ -141,6 +180,7 @@ impl KvCache {
             ggml: true,
             flash,
             threads: 0,
+            quantizer: Quantizer::Ggml,
         }
     }
 
@@ -174,6 +214,24 @@ impl KvCache {
             .collect()
     }
 
+    /// The same cache under the other ways engines round a plain Q8_0 cache (none for other
+    /// caches, nor for llama.cpp's, whose quantizer is ggml's).
+    pub fn tie_twins(self) -> Vec<KvCache> {
+        let q8 = self.k == CacheType::Q8_0 || self.v == CacheType::Q8_0;
+        if self.ggml || !q8 {
+            return Vec::new();
+        }
+        [
+            Quantizer::Ggml,
+            Quantizer::Reference,
+            Quantizer::InverseEven,
+        ]
+        .into_iter()
+        .filter(|&q| q != self.quantizer)
+        .map(|quantizer| KvCache { quantizer, ..self })
+        .collect()
+    }
+
     /// What a user reads: `f16`, `q8_0`, `K q8_0 / V f16`, then how it is computed
     /// (`, llama.cpp's arithmetic`, `, flash attention`).
     pub fn name(&self) -> String {
@@ -187,6 +245,11 @@ impl KvCache {
         }
         if self.flash {
             s.push_str(", flash attention");
+        }
+        match self.quantizer {
+            Quantizer::Ggml => {}
+            Quantizer::Reference => s.push_str(", rounded as ggml's reference quantizer"),
+            Quantizer::InverseEven => s.push_str(", rounded by 1/(max/127) to even"),
         }
         // Threads matter only to flash attention's split decode.
         if self.flash && self.threads > 1 {
@@ -213,6 +276,7 @@ impl KvCache {
             ggml: false,
             flash: false,
             threads: 0,
+            quantizer: Quantizer::Ggml,
         };
         for p in parts {
             match p {
@@ -419,6 +483,37 @@ impl serde::Serialize for KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The three Q8_0 quantizers differ on ties only, each as its formula says; a plain Q8_0
+    /// cache has the two others as tie twins, llama.cpp's and unquantized caches none.
+    #[test]
+    fn a_plain_q8_0_cache_s_quantizers_differ_on_ties() {
+        // max 127: scale 1 under every formula; 2.5 is a tie (to even: 2, away: 3).
+        let mut row = vec![0.0f32; 32];
+        row[0] = 127.0;
+        row[1] = 2.5;
+        let stored = |q: Quantizer| {
+            let mut r = row.clone();
+            CacheType::Q8_0.store_as(q, &mut r);
+            r[1]
+        };
+        assert_eq!(stored(Quantizer::Ggml), 2.0);
+        assert_eq!(stored(Quantizer::InverseEven), 2.0);
+        assert_eq!(stored(Quantizer::Reference), 3.0);
+        let twins = KvCache::plain(CacheType::Q8_0).tie_twins();
+        let qs: Vec<Quantizer> = twins.iter().map(|t| t.quantizer).collect();
+        assert_eq!(qs, [Quantizer::Reference, Quantizer::InverseEven]);
+        assert!(twins.iter().all(|t| t.k == CacheType::Q8_0 && !t.ggml));
+        assert!(
+            twins[1].name().ends_with("1/(max/127) to even"),
+            "{}",
+            twins[1].name()
+        );
+        assert!(KvCache::F32.tie_twins().is_empty());
+        assert!(KvCache::F16.tie_twins().is_empty());
+        let ggml = KvCache::llama_cpp(CacheType::Q8_0, CacheType::Q8_0, true);
+        assert!(ggml.tie_twins().is_empty());
+    }
 
     #[test]
     fn hadamard_is_orthonormal_and_its_own_inverse() {

@@ -228,19 +228,10 @@ mod tests {
             let caches = [
                 KvCache::F32,
                 KvCache {
-                    k: CacheType::F16,
-                    v: CacheType::F16,
-                    ggml: true,
-                    flash: true,
                     threads: 2,
+                    ..KvCache::llama_cpp(CacheType::F16, CacheType::F16, true)
                 },
-                KvCache {
-                    k: CacheType::Q8_0,
-                    v: CacheType::Q8_0,
-                    ggml: true,
-                    flash: true,
-                    threads: 0,
-                },
+                KvCache::llama_cpp(CacheType::Q8_0, CacheType::Q8_0, true),
             ];
             let trace = |probs: bool, b: usize| {
                 let mut b: Box<dyn Backend> = match b {

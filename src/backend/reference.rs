@@ -73,7 +73,7 @@ fn store_rows(kv: &KvCache, head_dim: usize, ekv: usize, k: bool, rows: &mut [f3
         kvcache::rotate(&kvcache::hadamard(n), n, rows);
     }
     for row in rows.chunks_exact_mut(ekv) {
-        ty.store(row);
+        ty.store_as(kv.quantizer, row);
     }
 }
 

@@ -460,7 +460,7 @@ fn judge_once(
                 below_floor,
                 retry,
             } => {
-                j.first = first;
+                j.first = first.map(|f| *f);
                 j.below_floor = below_floor;
                 j.remeasured = remeasured.is_some();
                 place(model, &cand, &mut j, remeasured.as_deref())?;
@@ -504,7 +504,7 @@ enum Outcome {
     /// that screen asks to judge the trace under (the finding made there stands only where
     /// it confirms a bug).
     Judged {
-        first: Option<Finding>,
+        first: Option<Box<Finding>>,
         below_floor: Vec<hypothesis::BelowFloor>,
         retry: Option<Again>,
     },
@@ -649,7 +649,7 @@ impl Judging<'_> {
     ) -> Result<Outcome, JudgeError> {
         let (model, cand, opt, kv) = (self.model, self.cand, self.opt, j.kv);
         let found = |first| Outcome::Judged {
-            first: Some(first),
+            first: Some(Box::new(first)),
             below_floor: Vec::new(),
             retry: None,
         };
@@ -733,7 +733,7 @@ impl Judging<'_> {
             o.pass = false;
         }
         Ok(Outcome::Judged {
-            first: found,
+            first: found.map(Box::new),
             below_floor: checks,
             retry,
         })
@@ -1094,7 +1094,7 @@ fn under_other_roundings(
         let tries = all
             .iter()
             .filter(|&&r| r != floors.rounding)
-            .map(|&r| floors.rounded(model, r, Some(out_now)))
+            .map(|&r| rounding::layers_as(model, floors, r))
             .collect();
         ("the layers", tries)
     } else {
@@ -1262,13 +1262,12 @@ fn screen_closest(
     if hyps.is_empty() {
         return Ok(None);
     }
-    let out_now = floors.output.unwrap_or(floors.rounding);
     let window = Window::for_key(cand, &c.key);
     let mut caches = vec![kv];
     caches.extend(rounding::plain_caches(opt, Some(kv)));
     let mut best = Explains::default();
     for r in rounding::tried(opt) {
-        let fl = floors.rounded(model, r, Some(out_now));
+        let fl = rounding::layers_as(model, floors, r);
         for &kv2 in &caches {
             if r == floors.rounding && kv2 == kv {
                 continue;
@@ -1402,7 +1401,6 @@ fn under_other_caches(
     c: &hypothesis::BelowFloor,
     opt: &JudgeOptions,
 ) -> Result<Option<(Floors, KvCache, String)>, JudgeError> {
-    let out_now = floors.output.unwrap_or(floors.rounding);
     // The layers' rounding as measured, and its tie twins: on data the bug moved the twin
     // that fits closer can be the wrong one of the two (ggml's reference quantizers measured
     // as ggml-cpu), and then both the rounding and the cache are hidden.
@@ -1413,7 +1411,7 @@ fn under_other_caches(
     for r in roundings {
         let fl = match r == floors.rounding {
             true => floors.clone(),
-            false => floors.rounded(model, r, Some(out_now)),
+            false => rounding::layers_as(model, floors, r),
         };
         let mut caches = rounding::plain_caches(opt, Some(kv));
         if r != floors.rounding {
@@ -1532,7 +1530,6 @@ fn layers_with_the_bug(
         l_end: n_layer.min(2),
         end: false,
     };
-    let out_now = floors.output.unwrap_or(floors.rounding);
     let layer_keys = |k: &TapKey| k.step == first_step && k.layer.is_some();
     // Each family's fit with the bug in place; the measured one's first (where it reproduces
     // the layers with the bug to f32 noise, no other is tried).
@@ -1562,7 +1559,7 @@ fn layers_with_the_bug(
     if r == floors.rounding || best * 4.0 >= now {
         return Ok(None);
     }
-    let fl = floors.rounded(model, r, Some(out_now));
+    let fl = rounding::layers_as(model, floors, r);
     let g = hypothesis::diagnose(model, cand, &fl, kv, o, ops, true)?;
     if g.confirmed != f.confirmed {
         return Ok(None);

@@ -3,7 +3,7 @@
 //! attention) sit closest to the candidate's. This decides the arithmetic every other part of
 //! the judge holds the candidate to; it decides nothing about bugs.
 
-use super::floor::{OpClass, class, median, span};
+use super::floor::{Floors, OpClass, class, median, span};
 use super::replay::{self, Candidate, KvCache, Setup, Window, replay};
 use super::{JudgeError, JudgeOptions};
 use crate::backend::Emulation;
@@ -150,13 +150,38 @@ pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
         .collect()
 }
 
+/// `floors` with the layers rounded as `r`. The output projection keeps the rounding measured
+/// for it: its own where it was measured apart, else the layers' (measured with them), which a
+/// tie twin `r` stands for — the same grid, the ties settled per key by [`refit_ties`] (a
+/// sparse dump of ggml's reference quantizers measured as ggml-cpu at its logits: held to
+/// ggml-cpu there, the logits of the twin's judgement were out of their floor).
+pub fn layers_as(model: &Model, floors: &Floors, r: Emulation) -> Floors {
+    let output = match floors.output {
+        None if twins(model, floors.rounding).contains(&r) => None,
+        o => Some(o.unwrap_or(floors.rounding)),
+    };
+    floors.rounded(model, r, output)
+}
+
 /// `setup` under each tie twin of its rounding ([`twins`]): the same matmul grid, the other
-/// tie rule (or GELU in f32).
+/// tie rule (or GELU in f32); then under the tie twins of its cache's quantizer
+/// (`KvCache::tie_twins`: a plain Q8_0 cache rounded as engines other than ggml round it).
 pub fn twin_setups(setup: &Setup, model: &Model) -> Vec<Setup> {
-    twins(model, setup.rounding)
+    let roundings = twins(model, setup.rounding).into_iter().map(|t| Setup {
+        rounding: t,
+        ..setup.clone()
+    });
+    roundings.chain(cache_twin_setups(setup)).collect()
+}
+
+/// `setup` under the tie twins of its cache's quantizer only.
+pub fn cache_twin_setups(setup: &Setup) -> Vec<Setup> {
+    setup
+        .kv
+        .tie_twins()
         .into_iter()
-        .map(|t| Setup {
-            rounding: t,
+        .map(|kv| Setup {
+            kv,
             ..setup.clone()
         })
         .collect()

@@ -47,6 +47,23 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
     }
 }
 
+/// [`quantize`]'s scale with ties to even: `rint(x * (1 / (max|x| / 127)))`, as an engine
+/// written with numpy's `rint` (or C's `nearbyint`) over ggml's formula quantizes. It
+/// differs from both ggml quantizers on exact ties only.
+pub fn quantize_inverse_even(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
+        let amax = x
+            .iter()
+            .fold(0.0f32, |m, v| if m > v.abs() { m } else { v.abs() });
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        put_f16(b, d);
+        for (q, &v) in b[2..].iter_mut().zip(x) {
+            *q = c_float_to_byte((v * id).round_ties_even());
+        }
+    }
+}
+
 /// What ggml's x86 AVX/AVX2 `quantize_row_q8_0` (the CPU backend's activation quantizer on
 /// such machines) writes. It differs from [`quantize`] in two ways: the inverse scale is
 /// `127 / max|x|` rather than `1 / (max|x| / 127)`, and rounding is half to even. The two
