@@ -948,6 +948,29 @@ pub(super) fn tried_under(
     Ok((clean, ex.tried.into_iter().map(|(t, _)| t).collect()))
 }
 
+/// `knob` alone fitted again at `k` under the cache `kv`: its value and NMSE there (None: the
+/// span's ops do not read it). A value confirmed under a cache the measurement was unsure of,
+/// fitted where another cache may reproduce the key closer (`super::knob_under_other_caches`).
+pub(super) fn knob_under(
+    model: &Model,
+    cand: &Candidate,
+    floors: &Floors,
+    kv: KvCache,
+    k: TapKey,
+    knob: Knob,
+) -> Result<Option<(f32, f64)>, JudgeError> {
+    let only = BTreeSet::from([knob.name()]);
+    let ex = experiments(model, cand, floors, kv, k, true, Some(&only), true, None)?;
+    Ok(ex
+        .tried
+        .iter()
+        .filter_map(|(t, _)| match t.hypothesis {
+            Hypothesis::Knob(kn, v) if kn == knob => Some((v, t.nmse)),
+            _ => None,
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1)))
+}
+
 /// When every op is within its floor: an own error well above f32 noise that a known bug
 /// reproduces is that bug, not noise. A floor has to admit what correct engines do unlike the
 /// reference (an f16 K/V cache moves a whole-layer span by up to ~1e-5), and a small bug in a
