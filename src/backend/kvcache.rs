@@ -14,9 +14,6 @@ use crate::gguf::GgmlType;
 use crate::quant;
 use half::f16;
 
-/// A block quantizer: a row of f32 to its blocks.
-type Quantize = fn(&[f32], &mut [u8]);
-
 /// How a plain Q8_0 cache rounds its rows to their grid. Engines write this quantizer their
 /// own way, and the ways differ on exact ties, which are common where the K/V projections
 /// accumulate in f16 (their outputs sit on a coarse grid: an element at half its block's
@@ -90,21 +87,15 @@ impl CacheType {
 
     /// [`CacheType::store`] with a Q8_0 cache's rows rounded by `q`.
     pub fn store_as(self, q: Quantizer, row: &mut [f32]) {
-        let other: Option<Quantize> = match (self, q) {
-            (CacheType::Q8_0, Quantizer::Reference) => Some(quant::q8_0::quantize),
-            (CacheType::Q8_0, Quantizer::InverseEven) => Some(quant::q8_0::quantize_inverse_even),
-            _ => None,
-        };
-        match other {
-            Some(f) if self.fits(row.len()) => {
-                let ty = self.ggml();
-                let mut b = vec![0u8; row.len() / ty.block_size() * ty.type_size()];
-                f(row, &mut b);
-                quant::dequantize_row(ty, &b, row).expect("sized from the row");
+        match (self, q) {
+            (CacheType::F32, _) => {}
+            (CacheType::Q8_0, Quantizer::Reference) => {
+                round_trip(GgmlType::Q8_0, row, quant::q8_0::quantize)
             }
-            Some(_) => {}
-            None if self != CacheType::F32 => round_to(self.ggml(), row),
-            None => {}
+            (CacheType::Q8_0, Quantizer::InverseEven) => {
+                round_trip(GgmlType::Q8_0, row, quant::q8_0::quantize_inverse_even)
+            }
+            _ => round_to(self.ggml(), row),
         }
     }
 
@@ -119,13 +110,14 @@ impl CacheType {
     }
 }
 
-/// `row` quantized to `ty` as ggml's CPU backend does at run time (`from_float`), then decoded.
-fn round_trip(ty: GgmlType, row: &mut [f32]) {
+/// `row` quantized to `ty` by `quantize`, then decoded (a row that is not whole blocks is left
+/// as it is).
+fn round_trip(ty: GgmlType, row: &mut [f32], quantize: impl Fn(&[f32], &mut [u8])) {
     if !row.len().is_multiple_of(ty.block_size()) {
         return;
     }
     let mut q = vec![0u8; row.len() / ty.block_size() * ty.type_size()];
-    quant::quantize_activation(ty, row, &mut q);
+    quantize(row, &mut q);
     quant::dequantize_row(ty, &q, row).expect("sized from the row");
 }
 
@@ -134,7 +126,8 @@ fn round_trip(ty: GgmlType, row: &mut [f32]) {
 fn round_to(ty: GgmlType, x: &mut [f32]) {
     match ty {
         GgmlType::F16 => x.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32()),
-        t => round_trip(t, x),
+        // As ggml's CPU backend quantizes at run time (`from_float`).
+        t => round_trip(t, x, |r, q| quant::quantize_activation(t, r, q)),
     }
 }
 

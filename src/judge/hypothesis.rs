@@ -208,29 +208,29 @@ fn experiments(
             // error no more than doubled is replayed under the rounding's tie twins too, the
             // closest kept, as the own errors were. (One far off stays far off: a tie moves one
             // quantum of one element.)
-            if best > VISIBLE && own.is_some_and(|o| best <= TWIN_RETRY * o) {
-                let twins = rounding::twin_setups(&setup, model);
-                for twin in twins {
-                    let r = replay(model, cand, &twin, &BTreeSet::new())?;
-                    if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < best) {
-                        best = m.nmse;
-                        setup = twin;
-                    }
-                }
+            if best > VISIBLE
+                && own.is_some_and(|o| best <= TWIN_RETRY * o)
+                && let Some(c) =
+                    closer(model, cand, &k, best, rounding::twin_setups(&setup, model))?
+            {
+                (best, setup) = c;
             }
             // The K/V cache was measured with the bug in the window, where a bug that moves
             // attention outweighs every cache's rounding (and the first, f32, is kept): a
             // hypothesis that cuts the error 2x but leaves a cache's own noise (1e-5..1e-2 for
             // a quantized one) is replayed under each other cache parity emulates, the closest
             // kept. (A wrong hypothesis stays far off under any cache.)
-            if best > VISIBLE && own.is_some_and(|o| best * CACHE_RETRY < o) {
-                for other in other_caches(&setup, model, k.step > first_step) {
-                    let r = replay(model, cand, &other, &BTreeSet::new())?;
-                    if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < best) {
-                        best = m.nmse;
-                        setup = other;
-                    }
-                }
+            if best > VISIBLE
+                && own.is_some_and(|o| best * CACHE_RETRY < o)
+                && let Some(c) = closer(
+                    model,
+                    cand,
+                    &k,
+                    best,
+                    other_caches(&setup, model, k.step > first_step),
+                )?
+            {
+                (best, setup) = c;
             }
             Ok((h, setup, Some(best)))
         };
@@ -291,15 +291,14 @@ fn experiments(
                     ..base.clone()
                 };
                 // As a catalog bug (above), under the tie twins of a plain Q8_0 cache's
-                // quantizer too (the rounding's were fitted with the own errors).
-                if nmse > VISIBLE && own.is_some_and(|o| nmse <= TWIN_RETRY * o) {
-                    for twin in rounding::cache_twin_setups(&setup) {
-                        let r = replay(model, cand, &twin, &BTreeSet::new())?;
-                        if let Some(m) = r.metrics.get(&k).filter(|m| m.nmse < nmse) {
-                            nmse = m.nmse;
-                            setup = twin;
-                        }
-                    }
+                // quantizer. (Not under the rounding's: a knob never was, and each fitted
+                // value would cost two more replays wherever the rounding has twins.)
+                if nmse > VISIBLE
+                    && own.is_some_and(|o| nmse <= TWIN_RETRY * o)
+                    && let Some(c) =
+                        closer(model, cand, &k, nmse, rounding::cache_twin_setups(&setup))?
+                {
+                    (nmse, setup) = c;
                 }
                 setups.insert(name.clone(), setup);
                 tried.push((
@@ -948,6 +947,26 @@ pub(super) fn tried_under(
     Ok((clean, ex.tried.into_iter().map(|(t, _)| t).collect()))
 }
 
+/// Of `setups`, the one whose replay comes closest to the candidate at `k`, where closer than
+/// `best`: its NMSE there, and the setup.
+fn closer(
+    model: &Model,
+    cand: &Candidate,
+    k: &TapKey,
+    best: f64,
+    setups: Vec<Setup>,
+) -> Result<Option<(f64, Setup)>, JudgeError> {
+    let mut out: Option<(f64, Setup)> = None;
+    for setup in setups {
+        let r = replay(model, cand, &setup, &BTreeSet::new())?;
+        let bar = out.as_ref().map_or(best, |c| c.0);
+        if let Some(m) = r.metrics.get(k).filter(|m| m.nmse < bar) {
+            out = Some((m.nmse, setup));
+        }
+    }
+    Ok(out)
+}
+
 /// `knob` alone fitted again at `k` under the cache `kv`: its value and NMSE there (None: the
 /// span's ops do not read it). A value confirmed under a cache the measurement was unsure of,
 /// fitted where another cache may reproduce the key closer (`super::knob_under_other_caches`).
@@ -1030,11 +1049,14 @@ pub(super) fn below_floor(
                 rows,
                 ..clean_setup(floors, kv, ex.window)
             };
-            for twin in rounding::twin_setups(&base, model) {
-                let r = replay(model, cand, &twin, &BTreeSet::new())?;
-                if let Some(m) = r.metrics.get(&o.key) {
-                    own = own.min(m.nmse);
-                }
+            if let Some((n, _)) = closer(
+                model,
+                cand,
+                &o.key,
+                own,
+                rounding::twin_setups(&base, model),
+            )? {
+                own = n;
             }
             if own * 10.0 < o.own_nmse {
                 rows = None;
@@ -1048,11 +1070,10 @@ pub(super) fn below_floor(
             // Over every row the pass measured the own error under the rounding's tie twins
             // (`rounding::refit_ties`), not under the cache's, which the experiments try.
             let base = clean_setup(floors, kv, ex.window);
-            for twin in rounding::cache_twin_setups(&base) {
-                let r = replay(model, cand, &twin, &BTreeSet::new())?;
-                if let Some(m) = r.metrics.get(&o.key) {
-                    own = own.min(m.nmse);
-                }
+            if let Some((n, _)) =
+                closer(model, cand, &o.key, own, rounding::cache_twin_setups(&base))?
+            {
+                own = n;
             }
         }
         still = Some(

@@ -33,6 +33,18 @@ pub fn dequantize(src: &[u8], dst: &mut [f32]) {
 
 /// ggml's `quantize_row_q8_0_ref`: `d = max|x| / 127`, `q = roundf(x / d)` (half away from zero).
 pub fn quantize(src: &[f32], dst: &mut [u8]) {
+    quantize_inverse(src, dst, f32::round)
+}
+
+/// [`quantize`]'s scale with ties to even: `rint(x * (1 / (max|x| / 127)))`, as an engine
+/// written with numpy's `rint` (or C's `nearbyint`) over ggml's formula quantizes. It
+/// differs from both ggml quantizers on exact ties only.
+pub fn quantize_inverse_even(src: &[f32], dst: &mut [u8]) {
+    quantize_inverse(src, dst, f32::round_ties_even)
+}
+
+/// `q = round(x * (1 / (max|x| / 127)))`, ties as `round` breaks them.
+fn quantize_inverse(src: &[f32], dst: &mut [u8], round: impl Fn(f32) -> f32) {
     for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
         // C's MAX(a, b) is `a > b ? a : b`: a NaN is dropped again by the next element.
         let amax = x
@@ -42,24 +54,7 @@ pub fn quantize(src: &[f32], dst: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         put_f16(b, d);
         for (q, &v) in b[2..].iter_mut().zip(x) {
-            *q = c_float_to_byte((v * id).round());
-        }
-    }
-}
-
-/// [`quantize`]'s scale with ties to even: `rint(x * (1 / (max|x| / 127)))`, as an engine
-/// written with numpy's `rint` (or C's `nearbyint`) over ggml's formula quantizes. It
-/// differs from both ggml quantizers on exact ties only.
-pub fn quantize_inverse_even(src: &[f32], dst: &mut [u8]) {
-    for (x, b) in src.chunks_exact(BLOCK).zip(dst.chunks_exact_mut(BYTES)) {
-        let amax = x
-            .iter()
-            .fold(0.0f32, |m, v| if m > v.abs() { m } else { v.abs() });
-        let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-        put_f16(b, d);
-        for (q, &v) in b[2..].iter_mut().zip(x) {
-            *q = c_float_to_byte((v * id).round_ties_even());
+            *q = c_float_to_byte(round(v * id));
         }
     }
 }
