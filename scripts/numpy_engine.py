@@ -8,7 +8,7 @@ are decoded by gguf-py, every op is written again here. The trace is written thr
 writer an engine author would use (parity_trace: bindings/python beside scripts/, else the
 installed parity-trace package).
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32|f16-trunc]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
@@ -20,9 +20,11 @@ activations for every quantized weight, as an AVX512-VNNI engine), q8_1 (llama.c
 x / (amax/127), roundf), f16 and bf16 (every matmul input rounded), f16-acc (inputs and weights
 rounded to f16, products summed in one f16 running sum in the order of llama.cpp Vulkan's tiled
 matmul, an f16 fma each) and f16-acc-unfused (the same with each product rounded to f16 before
-its add, as that matmul runs on Mesa's lavapipe). tf32 (inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) is a
-rounding parity does not model: an engine for its unknown-rounding path. --mutate switches on one of parity's
-catalog bugs (`parity mutations`); the manifest does not record it, so diff judges it blind.
+its add, as that matmul runs on Mesa's lavapipe) and tf32 (inputs and weights rounded to TF32, as
+tensor cores run f32 GEMMs). f16-trunc (every matmul input cut to f16 toward zero, as a
+hand-written conversion that drops bits does) is a rounding parity does not model: an engine for
+its unknown-rounding path. --mutate switches on one of parity's catalog bugs (`parity
+mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default; --kv-decode reads it as another
 type in the steps after the first (the cache keeps the f32 values; each step kind rounds what it
 reads): an engine whose prompt and decode kernels read the cache unlike each other.
@@ -260,6 +262,13 @@ def tf32(x):
     return b.astype(np.uint32).view(F32)
 
 
+def f16_trunc(x):
+    """f32 to f16 by dropping the 13 low fraction bits (toward zero), as a hand-written f32 to f16
+    conversion that shifts the bits without rounding does."""
+    b = np.ascontiguousarray(x, F32).view(np.uint32) & np.uint32(0xFFFFE000)
+    return b.view(F32).astype(np.float16).astype(F32)
+
+
 def f16_acc_matmul(x, w, ty, fused=True):
     """The f16-acc families: llama.cpp Vulkan's tiled matmul (mul_mm) with an f16 accumulator.
     Inputs and weights rounded to f16; for each output one f16 running sum over k, in the
@@ -340,6 +349,9 @@ class Engine:
             return f16_acc_matmul(x, w, self.m.ty(name), fused=rounding == "f16-acc")
         if rounding == "tf32":
             return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
+        if rounding == "f16-trunc":
+            x = f16_trunc(x)
+            return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
         if rounding != "none":
             x = round_input(self.m.ty(name), x, rounding)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
@@ -522,7 +534,7 @@ SPARSE = {"embd", "l_out", "result_norm", "logits"}
 
 
 ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "f16-acc-unfused",
-             "tf32"]
+             "tf32", "f16-trunc"]
 
 
 def serve():

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every family parity models, the split prefill/decode of llama.cpp Vulkan, two engines whose
-# output projection rounds unlike their layers, and tf32: a rounding parity does not model (its
-# verdicts state a widened floor).
+# output projection rounds unlike their layers, and f16-trunc (inputs cut to f16 toward zero):
+# a rounding parity does not model (its verdicts state a widened floor).
 FAMILIES = ["none", "ggml", "ggml-scalar", "q8k", "q8_1-gpu", "f16", "bf16", "f16-acc",
-            "f16-acc-unfused", "f16-acc/none", "f16-acc-unfused/none", "tf32",
+            "f16-acc-unfused", "tf32", "f16-acc/none", "f16-acc-unfused/none", "f16-trunc",
             # an output projection rounded unlike the layers (a Rust engine's Q8_K layers)
             "q8k+lm=ggml", "f16+lm=none"]
 MODELS = ["fixtures/tiny-llama-q8_0.gguf", "fixtures/tiny-llama-q4_0.gguf",

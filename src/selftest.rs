@@ -79,27 +79,28 @@ impl Engine {
 }
 
 /// One rounding an engine can run with: a family parity models (`backend::family::FAMILIES`),
-/// or the numpy engine's `tf32` (TF32 matmul inputs, as tensor cores run f32 GEMMs), which no
-/// family reproduces: its verdicts state a widened floor.
+/// or the numpy engine's `f16-trunc` (every matmul input cut to f16 toward zero, as a
+/// hand-written conversion that drops bits does), which no family reproduces: its verdicts state
+/// a widened floor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EngineRounding {
     Family(Emulation),
-    Tf32,
+    F16Trunc,
 }
 
 impl EngineRounding {
-    /// Its name in selftest's rows: the family's (`backend::family::FAMILIES`), or `tf32`.
+    /// Its name in selftest's rows: the family's (`backend::family::FAMILIES`), or `f16-trunc`.
     pub fn name(self) -> &'static str {
         match self {
             EngineRounding::Family(e) => e.name(),
-            EngineRounding::Tf32 => "tf32",
+            EngineRounding::F16Trunc => "f16-trunc",
         }
     }
 
-    /// A family's name or alias (`backend::family::FAMILIES`), or `tf32`.
+    /// A family's name or alias (`backend::family::FAMILIES`), or `f16-trunc`.
     pub fn parse(s: &str) -> Option<EngineRounding> {
         match s {
-            "tf32" => Some(EngineRounding::Tf32),
+            "f16-trunc" => Some(EngineRounding::F16Trunc),
             _ => Emulation::parse(s).map(EngineRounding::Family),
         }
     }
@@ -169,7 +170,7 @@ impl Rounding {
     /// Every name `parse` takes, for error messages.
     pub fn names() -> String {
         let mut v: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
-        v.push("tf32");
+        v.push("f16-trunc");
         format!("{}, PREFILL/DECODE, or ROUNDING+lm=OUTPUT", v.join(", "))
     }
 }
@@ -535,10 +536,9 @@ fn cases(
         return Err(SelftestError::KvNeedsNumpy(opt.kv.clone()));
     }
     if opt.engines.contains(&Engine::Parity)
-        && let Some(r) = opt
-            .roundings
-            .iter()
-            .find(|r| r.prefill.is_some() || r.output.is_some() || r.decode == EngineRounding::Tf32)
+        && let Some(r) = opt.roundings.iter().find(|r| {
+            r.prefill.is_some() || r.output.is_some() || r.decode == EngineRounding::F16Trunc
+        })
     {
         return Err(SelftestError::RoundingNeedsNumpy(r.name()));
     }
@@ -638,7 +638,8 @@ fn own_engine(
         case: case.label(),
         last,
     };
-    // `cases` let only the numpy engine take tf32 or a prefill or output rounding of its own.
+    // `cases` let only the numpy engine take f16-trunc or a prefill or output rounding of its
+    // own.
     let EngineRounding::Family(family) = rounding.decode else {
         return Err(SelftestError::RoundingNeedsNumpy(rounding.name()));
     };

@@ -116,12 +116,14 @@ fn every_family_passes_at_its_own_floor() {
         ("bf16", &["bf16"][..]),
         ("f16-acc", &["f16-acc"][..]),
         ("f16-acc-unfused", &["f16-acc-unfused"][..]),
+        ("tf32", &["tf32"][..]),
     ] {
         cases.push((q8.clone(), "tiny-llama-q8_0", fam, ok));
     }
     let q4k = root().join("fixtures/tiny-llama-q4_k.gguf");
     cases.push((q4k.clone(), "tiny-llama-q4_k", "q8_1", &["q8_1-gpu"]));
     cases.push((q4k.clone(), "tiny-llama-q4_k", "f16-acc", &["f16-acc"]));
+    cases.push((q4k.clone(), "tiny-llama-q4_k", "tf32", &["tf32"]));
     cases.push((
         q4k.clone(),
         "tiny-llama-q4_k",
@@ -313,6 +315,13 @@ fn planted_bugs_are_found_under_other_families() {
             "f16-acc-unfused",
             &["all", "sparse"][..],
         ),
+        // TF32 tensor-core GEMMs (inputs and weights rounded to 10 fraction bits).
+        (
+            root().join("fixtures/tiny-llama-q4_k.gguf"),
+            "tiny-llama-q4_k",
+            "tf32",
+            &["all", "sparse"][..],
+        ),
     ];
     match shared("models") {
         Some(dir) => cases.push((
@@ -365,10 +374,11 @@ fn planted_bugs_are_found_under_other_families() {
     }
 }
 
-/// An engine whose activation rounding no family reproduces (the numpy engine's `tf32`: matmul
-/// inputs and weights rounded to TF32, as tensor cores run f32 GEMMs) passes — nothing in it
-/// is a bug — and its verdict says in the same words what that costs: the matmul floor
-/// follows the engine's own error, so a smaller matmul bug is not seen. The JSON carries the
+/// An engine whose activation rounding no family reproduces (the numpy engine's `f16-trunc`:
+/// every matmul input cut to f16 toward zero, as a hand-written f32 to f16 conversion that
+/// drops bits does) passes — nothing in it is a bug — and its verdict says in the same words
+/// what that costs: the matmul floor follows the engine's own error, so a smaller matmul bug
+/// is not seen. The JSON carries the
 /// same sentence; a golden of a known rounding has no limit to state.
 #[test]
 #[cfg_attr(
@@ -382,8 +392,8 @@ fn an_unknown_rounding_passes_and_its_verdict_states_the_widened_floor() {
     let tmp = tempfile::tempdir().unwrap();
     let model = root().join("fixtures/tiny-llama-q8_0.gguf");
     let golden = root().join("golden/tiny-llama-q8_0");
-    let trace = tmp.path().join("tf32");
-    numpy_trace(&py, &model, &golden, "tf32", "all", None, &trace);
+    let trace = tmp.path().join("f16-trunc");
+    numpy_trace(&py, &model, &golden, "f16-trunc", "all", None, &trace);
     let json = tmp.path().join("r.json");
     let o = parity(&[
         "diff",

@@ -392,7 +392,7 @@ fn selftest_runs_rounding_families_beyond_ggml() {
 fn selftest_refuses_a_rounding_its_engine_cannot_run() {
     let (m, g) = fixture("tiny-llama-q8_0");
     for (rounding, says) in [
-        ("tf32", "--rounding tf32 needs --engine numpy"),
+        ("f16-trunc", "--rounding f16-trunc needs --engine numpy"),
         (
             "f16-acc/none",
             "--rounding f16-acc/plain-f32 needs --engine numpy",

@@ -162,6 +162,17 @@ fn f16_nearest(v: f64) -> f32 {
     round_f16(f)
 }
 
+/// `x` rounded to TF32 (f32's exponent, 10 of its 23 fraction bits, ties to even; a carry moves
+/// into the exponent), still stored as f32: NaN stays NaN, the largest values round to Inf.
+#[inline]
+pub(crate) fn round_tf32(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let b = x.to_bits();
+    f32::from_bits((b + 0x0fff + ((b >> 13) & 1)) & !0x1fff)
+}
+
 /// `x` rounded to the nearest f16 (ties to even, overflow to infinity), as an f32. Bit
 /// arithmetic the compiler inlines: `half`'s conversions are calls behind a CPU-feature check,
 /// and an f16-accumulating replay makes three per multiply-add (97% of its time before).
@@ -177,9 +188,7 @@ pub(crate) fn round_f16(x: f32) -> f32 {
         // addition rounds to one of them, ties to even; taking 0.5 off again is exact.
         return ((a + 0.5) - 0.5).copysign(x);
     }
-    // Normal: keep 10 of f32's 23 fraction bits, ties to even; a carry moves into the exponent.
-    let b = x.to_bits();
-    let r = f32::from_bits((b + 0x0fff + ((b >> 13) & 1)) & !0x1fff);
+    let r = round_tf32(x);
     if r.abs() > 65504.0 {
         f32::INFINITY.copysign(x)
     } else {
@@ -220,6 +229,34 @@ mod tests {
 
     /// The inlined rounding is `half`'s (F16C's `vcvtps2ph` where the CPU has it) on a dense
     /// sample of every f32 bit pattern: normals, subnormals, ties, overflow, infinities, NaN.
+    /// TF32 keeps 10 fraction bits: a value halfway between two goes to the even one, a hair
+    /// past half to the nearer; a carry moves into the exponent; NaN stays NaN, f32's largest
+    /// finite values round to infinity.
+    #[test]
+    fn round_tf32_keeps_ten_fraction_bits_ties_to_even() {
+        let one = 1.0f32.to_bits();
+        let ulp = 1u32 << 13;
+        for (bits, want) in [
+            (one + ulp / 2, one),                 // tie, even below
+            (one + ulp + ulp / 2, one + 2 * ulp), // tie, even above
+            (one + ulp / 2 + 1, one + ulp),       // past half
+            (one + ulp / 2 - 1, one),
+            (0x3fff_ffff, 0x4000_0000), // 1.99999…: carries into the exponent
+        ] {
+            let (x, w) = (f32::from_bits(bits), f32::from_bits(want));
+            assert_eq!(round_tf32(x), w, "{x:e}");
+            assert_eq!(round_tf32(-x), -w, "{x:e}");
+        }
+        assert!(round_tf32(f32::NAN).is_nan());
+        assert_eq!(round_tf32(f32::MAX), f32::INFINITY);
+        assert_eq!(round_tf32(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        // Every f16 is a TF32 value.
+        for b in (0..0x7c00u16).step_by(7) {
+            let h = half::f16::from_bits(b).to_f32();
+            assert_eq!(round_tf32(h), h);
+        }
+    }
+
     #[test]
     fn round_f16_is_halfs_rounding_of_every_sampled_f32() {
         let mut bits = 0u32;

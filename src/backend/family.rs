@@ -30,6 +30,8 @@ pub enum Emulation {
     /// The same with each product rounded to f16 before the add (no fused multiply-add): what
     /// `mul_mm` computes on drivers that split fma, such as Mesa's lavapipe.
     F16AccUnfused,
+    /// Matmul inputs and weights rounded to TF32, as NVIDIA tensor cores run f32 GEMMs.
+    Tf32,
 }
 
 /// The type a family rounds a matmul's input to.
@@ -41,6 +43,9 @@ pub enum Act {
     F16,
     /// Every matmul input rounded to bf16 (round to nearest even).
     Bf16,
+    /// Every matmul input rounded to TF32: f32's exponent, 10 fraction bits (round to nearest
+    /// even). Stored as f32, so its `act_type` is F32; `Accum::Tf32` rounds the weights too.
+    Tf32,
     /// The weight's ggml-cpu `vec_dot_type` (Q8_0 for Q4_0/Q5_0/Q8_0/IQ4_NL, Q8_1 for
     /// Q4_1/Q5_1, Q8_K for K-quants, f16 for F16 weights).
     VecDot,
@@ -65,6 +70,11 @@ pub enum Accum {
     /// weights. `fused`: one rounding per product and add (an f16 fma); without, the product is
     /// rounded to f16 first.
     F16 { fused: bool },
+    /// Both operands rounded to TF32 (as tensor cores read f32 GEMM operands when TF32 is
+    /// allowed: cuBLAS's TF32 mode, PyTorch's `allow_tf32`): each product of two 11-bit
+    /// significands is exact in f32, summed in f32 (here in f64: the order changes nothing a
+    /// floor sees).
+    Tf32,
 }
 
 /// How an 8-bit activation quantizer computes `q` from `x` in a block with `d = max|x|/127`.
@@ -229,10 +239,23 @@ pub const FAMILIES: &[Family] = &[
         accum: Accum::F16 { fused: false },
         tie_twins: &[],
     },
+    Family {
+        emulation: Emulation::Tf32,
+        name: "tf32",
+        aliases: &[],
+        about: "tf32 (matmul inputs and weights rounded to TF32, 10 fraction bits, as tensor cores run f32 GEMMs)",
+        activations: "activations and weights rounded to TF32",
+        engines: "CUDA engines with TF32 tensor-core GEMMs (cuBLAS TF32 mode, PyTorch allow_tf32)",
+        act: Act::Tf32,
+        quantizer: Quantizer::Simd,
+        gelu: Gelu::F32,
+        accum: Accum::Tf32,
+        tie_twins: &[],
+    },
 ];
 
 impl Emulation {
-    pub const ALL: [Emulation; 9] = [
+    pub const ALL: [Emulation; 10] = [
         Emulation::None,
         Emulation::GgmlCpu,
         Emulation::F16,
@@ -242,6 +265,7 @@ impl Emulation {
         Emulation::Bf16,
         Emulation::F16Acc,
         Emulation::F16AccUnfused,
+        Emulation::Tf32,
     ];
 
     /// Its row of [`FAMILIES`].
@@ -292,7 +316,7 @@ impl Emulation {
         let cpu = quant::vec_dot_type(ty);
         let quantized = matches!(cpu, GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::Q8_K);
         match self.family().act {
-            Act::F32 => GgmlType::F32,
+            Act::F32 | Act::Tf32 => GgmlType::F32,
             Act::F16 => GgmlType::F16,
             Act::Bf16 => GgmlType::BF16,
             Act::VecDot => cpu,
@@ -356,5 +380,7 @@ mod tests {
         );
         assert_eq!(Emulation::Bf16.act_type(GgmlType::F32, 64), GgmlType::BF16);
         assert_eq!(Emulation::None.act_type(GgmlType::Q8_0, 64), GgmlType::F32);
+        assert_eq!(Emulation::Tf32.act_type(GgmlType::Q8_0, 64), GgmlType::F32);
+        assert_eq!(Emulation::Tf32.accum(), Accum::Tf32);
     }
 }

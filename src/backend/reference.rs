@@ -9,9 +9,9 @@
 //! Q8_1, Q8_K; f16 for F16 weights). With it, the reference agrees with llama.cpp CPU goldens to
 //! f32 summation-order noise; without it, to the activation-quantization noise of the weights.
 
-use super::f16acc::{self, Rows, dot_f16_acc, round_f16};
+use super::f16acc::{self, Rows, dot_f16_acc, round_f16, round_tf32};
 pub use super::family::Emulation;
-use super::family::{Accum, Gelu, Quantizer};
+use super::family::{Accum, Act, Gelu, Quantizer};
 use super::kvcache::{self, KvCache};
 use super::mutation::{self, Mutation};
 use super::positions::RopeAt;
@@ -390,6 +390,7 @@ impl<'m> Reference<'m> {
     fn dot(&self, ty: GgmlType, w: &[f32], x: &[f32]) -> f32 {
         match (self.emulation.accum(), ty) {
             (Accum::F32, _) => dot(w, x),
+            (Accum::Tf32, _) => dot_tf32(w, x),
             // Vulkan's f32 × f32 matmul: f16 in shared memory, f32 accumulator.
             (Accum::F16 { .. }, GgmlType::F32) => {
                 let w16: Vec<f32> = w.iter().map(|&v| round_f16(v)).collect();
@@ -406,6 +407,9 @@ impl<'m> Reference<'m> {
     /// The activation rounding the emulated engine applies before a matmul with a `ty` weight.
     fn emulate_input(&self, ty: GgmlType, x: &[f32], n_in: usize) -> Rounded {
         let e = self.emulation;
+        if e.family().act == Act::Tf32 {
+            return Rounded::plain(x.iter().map(|&v| round_tf32(v)).collect());
+        }
         let act = e.act_type(ty, n_in);
         match act {
             GgmlType::F32 => return Rounded::plain(x.to_vec()),
@@ -773,15 +777,30 @@ fn matmul_f64_floats(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> 
 /// every tolerance. Eight running sums (element i goes to sum i % 8) instead of one let the
 /// compiler use vector registers; in f64 the order changes nothing a tolerance could see.
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    dot_read(a, b, |v| v)
+}
+
+/// [`dot`] with each weight rounded to TF32 as it is read (`Accum::Tf32`; `x` already is).
+pub(crate) fn dot_tf32(w: &[f32], x: &[f32]) -> f32 {
+    dot_read(w, x, round_tf32)
+}
+
+/// [`dot`] with each element of `a` read through `read`.
+#[inline(always)]
+fn dot_read(a: &[f32], b: &[f32], read: impl Fn(f32) -> f32) -> f32 {
     let mut acc = [0.0f64; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for k in 0..8 {
-            acc[k] += x[k] as f64 * y[k] as f64;
+            acc[k] += read(x[k]) as f64 * y[k] as f64;
         }
     }
-    let tail: f64 = ra.iter().zip(rb).map(|(&x, &y)| x as f64 * y as f64).sum();
+    let tail: f64 = ra
+        .iter()
+        .zip(rb)
+        .map(|(&x, &y)| read(x) as f64 * y as f64)
+        .sum();
     (acc.iter().sum::<f64>() + tail) as f32
 }
 

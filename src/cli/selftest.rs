@@ -103,9 +103,9 @@ pub struct SelftestArgs {
     engine: String,
     /// Activation rounding of the engine, comma-separated: any family `parity diff
     /// --rounding` knows (plain-f32, ggml-cpu, ggml-scalar, q8k, q8_1-gpu, f16, bf16, f16-acc,
-    /// f16-acc-unfused; `none` and `ggml` are accepted for the first two), both
-    /// (plain-f32,ggml-cpu), and for the numpy engine also tf32 (a rounding parity does not
-    /// model), PREFILL/DECODE (the prompt step rounding otherwise, e.g. f16-acc/plain-f32 as
+    /// f16-acc-unfused, tf32; `none` and `ggml` are accepted for the first two), both
+    /// (plain-f32,ggml-cpu), and for the numpy engine also f16-trunc (inputs cut to f16 toward
+    /// zero, a rounding parity does not model), PREFILL/DECODE (the prompt step rounding otherwise, e.g. f16-acc/plain-f32 as
     /// llama.cpp Vulkan) and ROUNDING+lm=OUTPUT (the output projection rounding otherwise,
     /// e.g. q8k+lm=ggml-cpu).
     #[arg(long, default_value = "both", value_delimiter = ',')]

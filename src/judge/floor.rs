@@ -16,6 +16,7 @@
 //! rounded matmul carry a flip floor.
 
 use crate::backend::Emulation;
+use crate::backend::family::Act;
 use crate::backend::kvcache::KvCache;
 use crate::gguf::GgmlType;
 use crate::model::Model;
@@ -106,11 +107,13 @@ pub fn rope_floor(pos_max: usize) -> f64 {
 
 /// Whether the reference rounds the inputs of a matmul with weights `ty` under `r`.
 pub fn rounds_inputs(r: Emulation, ty: GgmlType) -> bool {
-    match r {
-        Emulation::None => false,
-        Emulation::F16 | Emulation::Bf16 | Emulation::F16Acc | Emulation::F16AccUnfused => true,
+    match r.family().act {
+        Act::F32 => false,
+        Act::F16 | Act::Bf16 | Act::Tf32 => true,
         // Whatever the row length (Q8_K falls back to the CPU's type on short rows).
-        _ => r.act_type(ty, 256) != GgmlType::F32,
+        Act::VecDot | Act::Q8KQuantized | Act::Q8_1Quantized => {
+            r.act_type(ty, 256) != GgmlType::F32
+        }
     }
 }
 

@@ -21,8 +21,9 @@ pub const EXACT_FIT: f64 = 1e-11;
 /// The activation roundings parity knows, in order of preference on ties.
 /// The engine families behind them: ggml-cpu (llama.cpp's CPU backend, SIMD quantizers),
 /// ggml-scalar (ggml's `_ref` quantizers, as ports of them do), q8k (AVX512-VNNI engines),
-/// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), plain f32.
-pub const ROUNDINGS: [Emulation; 9] = Emulation::ALL;
+/// q8_1-gpu (llama.cpp CUDA/Vulkan MMVQ), f16 and bf16 activations (GPU GEMMs), f16-accumulating
+/// tiled matmuls (llama.cpp Vulkan), TF32 tensor-core GEMMs, plain f32.
+pub const ROUNDINGS: [Emulation; 10] = Emulation::ALL;
 
 /// The roundings a judgement tries: those asked for, else every one parity knows.
 pub fn tried(opt: &JudgeOptions) -> Vec<Emulation> {
