@@ -42,8 +42,8 @@ pub struct DiffArgs {
     #[arg(long)]
     allow_model_mismatch: bool,
     /// Judge under this activation rounding only (plain-f32, ggml-cpu, f16, ggml-scalar, q8k,
-    /// q8_1-gpu, bf16, f16-acc, f16-acc-unfused; `none` and `ggml` are accepted for the first
-    /// two) instead of measuring which one reproduces the engine.
+    /// q8_1-gpu, bf16, f16-acc, f16-acc-unfused, tf32; `none` and `ggml` are accepted for the
+    /// first two) instead of measuring which one reproduces the engine.
     #[arg(long)]
     rounding: Option<String>,
     /// Judge with this K/V cache only instead of the one the candidate declares or the one

@@ -114,13 +114,11 @@ fn experiments(
     rows: Option<usize>,
 ) -> Result<Experiments, JudgeError> {
     let sp = span(cand, &k);
-    let classes: BTreeSet<OpClass> = sp.iter().map(|x| class(x.tap)).collect();
     let window = Window::for_key(cand, &k);
     let base = Setup {
         rows,
         ..clean_setup(floors, kv, window)
     };
-    let first_step = cand.steps().into_iter().min().unwrap_or(0);
     // The reference's own tensors at the flagged key and at the candidate's keys of the same
     // (step, layer): layouts are tested on them, the fallback heuristics read them.
     let mut keep: BTreeSet<TapKey> = cand
@@ -140,58 +138,132 @@ fn experiments(
     let mut tried: Vec<(Tried, Option<Mutation>)> = Vec::new();
     let mut setups: BTreeMap<String, Setup> = BTreeMap::new();
     if run {
-        // Position bugs are tried at the width the error says: the first row out of the
-        // floor is where a ring of W slots or positions modulo W first act (position W), or
-        // where a mask's remainder block starts (row W of the step; one block past the step
-        // when it is row 0).
-        let floor = floors.key(&k, &SpanOps::of(&sp));
+        let at = AtKey {
+            model,
+            cand,
+            k,
+            classes: sp.iter().map(|x| class(x.tap)).collect(),
+            sp: &sp,
+            own: plain.metrics.get(&k).map(|m| m.nmse),
+            base,
+            only,
+        };
+        let first = at.first_out(floors, &plain, cut.then_some(after))?;
+        at.catalog(first, rows, &mut tried, &mut setups)?;
+        // RoPE's positions solved from the trace, each rule one experiment.
+        if fit_scales {
+            for (t, setup) in rope_positions(model, cand, &at.base, k, only)? {
+                setups.insert(t.hypothesis.name(), setup);
+                tried.push((t, None));
+            }
+        }
+        at.knobs(fit_scales, &mut tried, &mut setups)?;
+        if fit_scales {
+            at.output_scale(&plain, &mut tried, &mut setups)?;
+        }
+        at.layouts(&plain, &mut tried)?;
+    }
+    Ok(Experiments {
+        plain,
+        tried,
+        setups,
+        window,
+        span: sp,
+        ran: run,
+    })
+}
+
+/// What the experiments at one key share: the key, its span and the ops' classes in it, the
+/// clean setup they vary, the clean replay's own error there, and the hypotheses asked for.
+struct AtKey<'a, 'c, 't> {
+    model: &'a Model,
+    cand: &'a Candidate<'t>,
+    k: TapKey,
+    sp: &'a BTreeSet<TapKey>,
+    classes: BTreeSet<OpClass>,
+    base: Setup,
+    own: Option<f64>,
+    only: Option<&'c BTreeSet<String>>,
+}
+
+impl AtKey<'_, '_, '_> {
+    /// The first (step, position) out of the floor at the key, or at the attention output
+    /// after it (`after`: the key's probabilities are cut to some rows).
+    fn first_out(
+        &self,
+        floors: &Floors,
+        plain: &Replay,
+        after: Option<TapKey>,
+    ) -> Result<Option<(usize, usize)>, JudgeError> {
+        let floor = floors.key(&self.k, &SpanOps::of(self.sp));
         let first_of = |key: &TapKey| match plain.kept.get(key) {
-            Some(ours) => super::position::first_at(cand, key, ours, floor),
+            Some(ours) => super::position::first_at(self.cand, key, ours, floor),
             None => Ok(None),
         };
-        let first = match (first_of(&k)?, if cut { first_of(&after)? } else { None }) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        let steps = crate::trace::step_shapes(cand.trace);
-        let fitted = |m: Mutation| -> Mutation {
-            let Some((_, pos)) = first else { return m };
-            let w = match m {
-                // The smallest block that leaves its first remainder row here, given every
-                // step's length (a later step shorter than a block is unmasked whole).
-                Mutation::MaskTailBlock(_) => {
-                    let longest = steps.iter().map(|s| s.2).max().unwrap_or(1);
-                    (2..=longest + 1)
-                        .find(|&w| {
-                            u32::try_from(w).is_ok_and(|w| {
-                                Mutation::MaskTailBlock(w).first_position(&steps)
-                                    == Some((k.step, pos))
-                            })
+        Ok(
+            match (
+                first_of(&self.k)?,
+                after.map(|a| first_of(&a)).transpose()?.flatten(),
+            ) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
+        )
+    }
+
+    /// A position bug at the width the error says: the first row out of the floor is where a
+    /// ring of W slots or positions modulo W first act (position W), or where a mask's
+    /// remainder block starts (row W of the step; one block past the step when it is row 0).
+    fn fitted(&self, m: Mutation, first: Option<(usize, usize)>) -> Mutation {
+        let Some((_, pos)) = first else { return m };
+        let w = match m {
+            // The smallest block that leaves its first remainder row here, given every step's
+            // length (a later step shorter than a block is unmasked whole).
+            Mutation::MaskTailBlock(_) => {
+                let steps = crate::trace::step_shapes(self.cand.trace);
+                let longest = steps.iter().map(|s| s.2).max().unwrap_or(1);
+                (2..=longest + 1)
+                    .find(|&w| {
+                        u32::try_from(w).is_ok_and(|w| {
+                            Mutation::MaskTailBlock(w).first_position(&steps)
+                                == Some((self.k.step, pos))
                         })
-                        .unwrap_or(pos)
-                }
-                _ => pos,
-            };
-            match u32::try_from(w) {
-                Ok(w) if w >= 1 => m.with_wrap(w),
-                _ => m,
+                    })
+                    .unwrap_or(pos)
             }
+            _ => pos,
         };
+        match u32::try_from(w) {
+            Ok(w) if w >= 1 => m.with_wrap(w),
+            _ => m,
+        }
+    }
+
+    /// Every catalog bug that can change the key, each replayed (under the rounding's tie twins
+    /// or another cache where that is what stands between it and the engine).
+    fn catalog(
+        &self,
+        first: Option<(usize, usize)>,
+        rows: Option<usize>,
+        tried: &mut Vec<(Tried, Option<Mutation>)>,
+        setups: &mut BTreeMap<String, Setup>,
+    ) -> Result<(), JudgeError> {
+        let (model, cand, k, own) = (self.model, self.cand, self.k, self.own);
+        let first_step = cand.steps().into_iter().min().unwrap_or(0);
         let mut hyps: Vec<CatalogRun> = Mutation::ALL
             .iter()
-            .filter(|&&m| relevant(m, model, &k, &classes))
-            .map(|&m| fitted(m))
+            .filter(|&&m| relevant(m, model, &k, &self.classes))
+            .map(|&m| self.fitted(m, first))
             .map(|m| CatalogRun {
                 name: m.name().to_string(),
                 catalog: m,
                 setup: Setup {
                     mutation: Some(m),
-                    ..base.clone()
+                    ..self.base.clone()
                 },
             })
             .collect();
-        hyps.retain(|h| only.is_none_or(|o| o.contains(&h.name)));
-        let own = plain.metrics.get(&k).map(|m| m.nmse);
+        hyps.retain(|h| self.only.is_none_or(|o| o.contains(&h.name)));
         // Each hypothesis on its own thread (rayon) where replays are small: a one-layer replay
         // of a few rows keeps two cores only half busy, and the hypotheses are independent.
         let each = |h: CatalogRun| -> Result<(CatalogRun, Setup, Option<f64>), JudgeError> {
@@ -268,27 +340,34 @@ fn experiments(
                 ));
             }
         }
-        // RoPE's positions solved from the trace, each rule one experiment.
-        if fit_scales {
-            for (t, setup) in rope_positions(model, cand, &base, k, only)? {
-                setups.insert(t.hypothesis.name(), setup);
-                tried.push((t, None));
-            }
-        }
-        // Knobs: each scalar the model sets that the span's ops read, fitted to the key.
+        Ok(())
+    }
+
+    /// Each scalar the model sets that the span's ops read, fitted to the key (`near`: search
+    /// near the model's value and between the walk's points too; `fit`).
+    fn knobs(
+        &self,
+        near: bool,
+        tried: &mut Vec<(Tried, Option<Mutation>)>,
+        setups: &mut BTreeMap<String, Setup>,
+    ) -> Result<(), JudgeError> {
+        let (model, cand, k, own) = (self.model, self.cand, self.k, self.own);
         for knob in Knob::ALL {
-            if !knob_acts(knob, model, &classes, &sp) {
+            if !knob_acts(knob, model, &self.classes, self.sp) {
                 continue;
             }
-            if only.is_some_and(|o| !o.iter().any(|n| n.starts_with(&knob.name()))) {
+            if self
+                .only
+                .is_some_and(|o| !o.iter().any(|n| n.starts_with(&knob.name())))
+            {
                 continue;
             }
-            let near = fit_scales;
-            for (v, mut nmse) in fit(model, cand, &base, knob, k, own, sp.len() > 1, near)? {
+            let span = self.sp.len() > 1;
+            for (v, mut nmse) in fit(model, cand, &self.base, knob, k, own, span, near)? {
                 let name = knob_name(knob, v);
                 let mut setup = Setup {
                     knob: Some((knob, v)),
-                    ..base.clone()
+                    ..self.base.clone()
                 };
                 // As a catalog bug (above), under the tie twins of a plain Q8_0 cache's
                 // quantizer. (Not under the rounding's: a knob never was, and each fitted
@@ -310,28 +389,37 @@ fn experiments(
                 ));
             }
         }
-        // A constant factor on this op's output (no catalog bug, no hyperparameter): fitted in
-        // closed form on the op alone (a span's ops would mix it with theirs); replayed over
-        // the trace like a knob, where it must hold at `KNOB_PLACES` places. Not for the
-        // attention probabilities (rows that sum to 1) nor a norm (another eps moves rows of
-        // alike RMS by nearly one factor: the eps fit reads it), and not in the below-floor
-        // check, where a clean engine's rounding is all there is to fit.
-        if fit_scales
-            && sp.len() == 1
+        Ok(())
+    }
+
+    /// A constant factor on this op's output (no catalog bug, no hyperparameter): fitted in
+    /// closed form on the op alone (a span's ops would mix it with theirs); replayed over the
+    /// trace like a knob, where it must hold at `KNOB_PLACES` places. Not for the attention
+    /// probabilities (rows that sum to 1) nor a norm (another eps moves rows of alike RMS by
+    /// nearly one factor: the eps fit reads it), and not in the below-floor check, where a
+    /// clean engine's rounding is all there is to fit.
+    fn output_scale(
+        &self,
+        plain: &Replay,
+        tried: &mut Vec<(Tried, Option<Mutation>)>,
+        setups: &mut BTreeMap<String, Setup>,
+    ) -> Result<(), JudgeError> {
+        let k = self.k;
+        if self.sp.len() == 1
             && k.tap != Tap::KqSoftMax
             && class(k.tap) != OpClass::Norm
-            && let (Some(ours), Some(theirs)) = (plain.kept.get(&k), cand.get(&k)?)
+            && let (Some(ours), Some(theirs)) = (plain.kept.get(&k), self.cand.get(&k)?)
             && let Some((c, e)) = fit_scale(ours, &theirs)
             // Listed only where a factor explains most of the error: a least-squares factor
             // always removes some, which says nothing.
-            && own.is_some_and(|o| e * CONFIRM_CUT <= o)
+            && self.own.is_some_and(|o| e * CONFIRM_CUT <= o)
         {
             // In every layer, and in this layer alone (one tensor's scale read wrong): the same
             // at this key, told apart by the rest of the trace. Past layer 0 the layers before
             // matched: the factor is not in every layer.
             let sites: Vec<Option<usize>> = match k.layer {
                 None => vec![None],
-                Some(0) if model.config.n_layer > 1 => vec![None, Some(0)],
+                Some(0) if self.model.config.n_layer > 1 => vec![None, Some(0)],
                 Some(0) => vec![None],
                 Some(l) => vec![Some(l)],
             };
@@ -342,7 +430,7 @@ fn experiments(
                     name.clone(),
                     Setup {
                         knob: Some((knob, c)),
-                        ..base.clone()
+                        ..self.base.clone()
                     },
                 );
                 tried.push((
@@ -354,7 +442,16 @@ fn experiments(
                 ));
             }
         }
-        // Layouts: the candidate's own tensor read in another order, no re-run needed.
+        Ok(())
+    }
+
+    /// Layouts: the candidate's own tensor read in another order, no re-run needed.
+    fn layouts(
+        &self,
+        plain: &Replay,
+        tried: &mut Vec<(Tried, Option<Mutation>)>,
+    ) -> Result<(), JudgeError> {
+        let (cand, k) = (self.cand, self.k);
         if let (Some(r), Some(raw), Some(dims)) = (plain.kept.get(&k), cand.raw(&k)?, cand.dims(&k))
         {
             let declared = cand.layouts.get(&k.tap).copied();
@@ -375,15 +472,8 @@ fn experiments(
                 ));
             }
         }
+        Ok(())
     }
-    Ok(Experiments {
-        plain,
-        tried,
-        setups,
-        window,
-        span: sp,
-        ran: run,
-    })
 }
 
 /// RoPE's positions solved row by row from the trace (a full dump's q/k on both sides of it,
@@ -699,34 +789,17 @@ fn fit(
     }
     let mut probes: Vec<f32> = Vec::new();
     if best > VISIBLE && (near || basin || best * CONFIRM_CUT <= own) {
-        let (mut a, mut b) = ((best_l - step).max(lo), (best_l + step).min(hi));
-        let mut c = b - GOLDEN * (b - a);
-        let mut d = a + GOLDEN * (b - a);
+        // In the basin search, where the half-decade points said nothing, a probe under the
+        // model's own value is enough to go on (an f16 cache's basin: 0 at the engine's value
+        // and within 2× of the model's own error a tenth away).
+        let go_on = if basin { own } else { own * 0.5 };
+        let bracket = ((best_l - step).max(lo), (best_l + step).min(hi));
         let mut pt = |l: f64| {
             let v = 10f64.powf(l) as f32;
             probes.push(v);
-            v
+            eval(v)
         };
-        let (mut fc, mut fd) = (eval(pt(c))?, eval(pt(d))?);
-        for i in 0..REFINE_PROBES {
-            // In the basin search, where the half-decade points said nothing, a probe
-            // under the model's own value is enough to go on (an f16 cache's basin: 0 at the
-            // engine's value and within 2× of the model's own error a tenth away).
-            let go_on = if basin { own } else { own * 0.5 };
-            if i == REFINE_GIVE_UP && fc.min(fd) >= go_on {
-                break;
-            }
-            if fc < fd {
-                (b, d, fd) = (d, c, fc);
-                c = b - GOLDEN * (b - a);
-                fc = eval(pt(c))?;
-            } else {
-                (a, c, fc) = (c, d, fd);
-                d = a + GOLDEN * (b - a);
-                fd = eval(pt(d))?;
-            }
-        }
-        let (l, e) = if fc < fd { (c, fc) } else { (d, fd) };
+        let (l, e) = golden_section(bracket, go_on, &mut pt)?;
         // Kept only where it halves the best error before it: short of that the search fit
         // the engine's rounding noise (a Vulkan golden's RoPE base, sparse: 501000 at 4.7e-6
         // beside 500000 at 4.8e-6), and the round value stands.
@@ -744,6 +817,15 @@ fn fit(
     if best >= own {
         return Ok(Vec::new());
     }
+    Ok(pick(knob, v0, &seen, &probes))
+}
+
+/// The value a knob's search reports among those it replayed (`seen`, with their NMSE; not
+/// `probes`, a golden-section search's points where it was not kept): the best that is not
+/// one of the catalog's own values (the model's, eps x10, the catalog's wrong theta), with the
+/// ends of the values an engine writes that fit as well.
+fn pick(knob: Knob, v0: f32, seen: &[(f32, f64)], probes: &[f32]) -> Vec<(f32, f64)> {
+    let l0 = (v0 as f64).log10();
     // The catalog's own wrong values are the catalog's to name.
     let catalog = |v: f32| {
         let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
@@ -770,7 +852,7 @@ fn fit(
             .cmp(&digits(b.0))
             .then(dist(a.0).total_cmp(&dist(b.0)))
     }) else {
-        return Ok(Vec::new());
+        return Vec::new();
     };
     // Where other values fit as well (8-bit activations hide eps 3e-6 from 5e-6), the ends of
     // what was seen to tie go with it, for the verdict to say the trace cannot tell them apart
@@ -788,7 +870,35 @@ fn fit(
             out.push(**end);
         }
     }
-    Ok(out)
+    out
+}
+
+/// A golden-section search of `bracket` (log10 of the value) for the lowest of `eval`: the
+/// best point and its NMSE, given up at `REFINE_GIVE_UP` probes where none is under `go_on`.
+fn golden_section(
+    bracket: (f64, f64),
+    go_on: f64,
+    eval: &mut impl FnMut(f64) -> Result<f64, JudgeError>,
+) -> Result<(f64, f64), JudgeError> {
+    let (mut a, mut b) = bracket;
+    let mut c = b - GOLDEN * (b - a);
+    let mut d = a + GOLDEN * (b - a);
+    let (mut fc, mut fd) = (eval(c)?, eval(d)?);
+    for i in 0..REFINE_PROBES {
+        if i == REFINE_GIVE_UP && fc.min(fd) >= go_on {
+            break;
+        }
+        if fc < fd {
+            (b, d, fd) = (d, c, fc);
+            c = b - GOLDEN * (b - a);
+            fc = eval(c)?;
+        } else {
+            (a, c, fc) = (c, d, fd);
+            d = a + GOLDEN * (b - a);
+            fd = eval(d)?;
+        }
+    }
+    Ok(if fc < fd { (c, fc) } else { (d, fd) })
 }
 
 /// The golden ratio's inverse: each probe of a golden-section search keeps this much of the
