@@ -1254,120 +1254,14 @@ fn finding(
         span: sp,
         ran: experiments,
     } = ex;
-    // Confirmed: within the threshold (the floor; under it, the own error cut `EXPLAINS`-fold),
-    // cutting the own error by a wide factor (`CONFIRM_CUT`, `KNOB_CUT` for a continuous knob)
-    // and holding over the whole trace (`holds`); the lowest NMSE wins (the catalog first on
-    // ties).
     let floor = op.floor;
-    let mut ok: Vec<&(Tried, Option<Mutation>)> = tried
-        .iter()
-        .filter(|(t, _)| t.nmse <= threshold && t.nmse * cut_needed(&t.hypothesis) <= op.own_nmse)
-        .collect();
-    ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
-    let mut contradicted: Vec<(Hypothesis, String)> = Vec::new();
-    let mut held = Vec::with_capacity(ok.len());
-    for c in ok {
-        match setups.get(&c.0.hypothesis.name()) {
-            Some(setup) => match holds(model, cand, setup, ops, &k, c.0.hypothesis.is_knob())? {
-                Ok(n) => held.push((c, n)),
-                Err(why) => contradicted.push((c.0.hypothesis, why)),
-            },
-            // A layout reads the candidate's own tensor in another order: nothing to re-run.
-            None => held.push((c, 0)),
-        }
-    }
-    // Equal at the flagged key, the one that explains more of the trace comes first (stable:
-    // the lowest NMSE, the catalog first, among equals).
-    // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
-    // those name the cause, the factor only its size.
-    held.sort_by_key(|((t, _), n)| (t.hypothesis.is_scale(), std::cmp::Reverse(*n)));
-    // One that brings fewer of the trace's keys within their floors than the best is told
-    // apart by the trace (positions modulo 20 and positions counted inside each step agree at
-    // the first decode step, not at the second): not listed as its equal.
-    let most = held
-        .iter()
-        .filter(|((t, _), _)| !t.hypothesis.is_scale())
-        .map(|(_, n)| *n)
-        .max();
-    let best = held
-        .iter()
-        .find(|((t, _), n)| Some(*n) == most && !t.hypothesis.is_scale())
-        .map(|((t, _), _)| t.hypothesis.name())
-        .unwrap_or_default();
-    let mut kept = Vec::with_capacity(held.len());
-    for (c, n) in held {
-        match most {
-            Some(m) if n < m && !c.0.hypothesis.is_scale() => contradicted.push((
-                c.0.hypothesis,
-                format!(
-                    "of the keys out of their floors it brings {n} within them, {best} brings {m}"
-                ),
-            )),
-            _ => kept.push(c),
-        }
-    }
-    let held = kept;
-    // Where each reproduces the bug from: the one that explains the earliest key is the bug
-    // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
-    // not (another eps can match a decode step the real one matches too, and miss the prompt).
-    let mut placed = Vec::with_capacity(held.len());
-    for c in held {
-        let loc = match setups.get(&c.0.hypothesis.name()) {
-            Some(setup) => place(model, cand, setup, ops, &k)?,
-            // A layout reads the candidate's own tensor in another order: nothing to re-run.
-            None => None,
-        };
-        placed.push((c, loc));
-    }
-    let earliest = placed.iter().map(|(_, l)| l.map_or(k, |l| l.0)).min();
-    let mut ok = Vec::with_capacity(placed.len());
-    let mut located = None;
-    for (c, loc) in placed {
-        let at = loc.map_or(k, |l| l.0);
-        if Some(at) == earliest {
-            if ok.is_empty() {
-                located = loc;
-            }
-            ok.push(c);
-        } else if let Some(e) = earliest {
-            contradicted.push((
-                c.0.hypothesis,
-                format!("it does not reproduce {e}, where the bug already shows"),
-            ));
-        }
-    }
-    let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
-    // A scale confirmed in every layer: the same factor in one layer alone is a narrower
-    // reading of it (short of support where the trace is short), not a rival.
-    if let Some((t, _)) = &confirmed
-        && matches!(
-            t.hypothesis,
-            Hypothesis::Knob(Knob::OutputScale(_, None), _)
-        )
-    {
-        contradicted.retain(|(h, _)| !h.is_scale());
-    }
-    // A catalog bug that is a constant factor (a missing embedding scale) is what a fitted
-    // output scale reproduces too: its name says more, the factor is not listed beside it.
-    // Nor is one scale listed beside another: the one confirmed (every layer where the trace
-    // shows it there too, else the flagged layer's) says where it acts.
-    let named = confirmed
-        .as_ref()
-        .is_some_and(|(t, m)| m.is_some() || t.hypothesis.is_scale());
-    let also: Vec<String> = ok
-        .iter()
-        .skip(1)
-        .filter(|(t, _)| !(named && t.hypothesis.is_scale()))
-        .map(|(t, _)| t.hypothesis.name())
-        .collect();
-    let ruled_out: Vec<Tried> = tried
-        .iter()
-        .filter(|(t, _)| {
-            !ok.iter().any(|(o, _)| o.hypothesis == t.hypothesis)
-                && !contradicted.iter().any(|(h, _)| *h == t.hypothesis)
-        })
-        .map(|(t, _)| t.clone())
-        .collect();
+    let Decision {
+        confirmed,
+        also,
+        ruled_out,
+        contradicted,
+        located,
+    } = decide(model, cand, op, ops, &tried, &setups, threshold)?;
 
     // The text.
     let mut text = if below {
@@ -1499,6 +1393,157 @@ fn finding(
         fallback,
         explained: below,
         text,
+    })
+}
+
+/// Which hypotheses the experiments at a key confirm, and why each other one is not the cause.
+struct Decision {
+    /// The cause, with its catalog entry where it is one.
+    confirmed: Option<(Tried, Option<Mutation>)>,
+    /// Hypotheses the trace cannot tell apart from it.
+    also: Vec<String>,
+    /// Hypotheses that do not reproduce the key.
+    ruled_out: Vec<Tried>,
+    /// Hypotheses that reproduce it but not elsewhere in the trace, and why.
+    contradicted: Vec<(Hypothesis, String)>,
+    /// Where the confirmed one places the bug, earlier than the key: (key, own NMSE there,
+    /// under it).
+    located: Option<(TapKey, f64, f64)>,
+}
+
+/// The decision at `op` from the hypotheses `tried` there (`setups`: each one's replay setup;
+/// a layout has none): one is confirmed within `threshold` (the floor; under it, the own error
+/// cut `EXPLAINS`-fold), cutting the own error by a wide factor, holding over the whole trace.
+fn decide(
+    model: &Model,
+    cand: &Candidate,
+    op: &OpResult,
+    ops: &[OpResult],
+    tried: &[(Tried, Option<Mutation>)],
+    setups: &BTreeMap<String, Setup>,
+    threshold: f64,
+) -> Result<Decision, JudgeError> {
+    let k = op.key;
+    // Confirmed: within the threshold (the floor; under it, the own error cut `EXPLAINS`-fold),
+    // cutting the own error by a wide factor (`CONFIRM_CUT`, `KNOB_CUT` for a continuous knob)
+    // and holding over the whole trace (`holds`); the lowest NMSE wins (the catalog first on
+    // ties).
+    let mut ok: Vec<&(Tried, Option<Mutation>)> = tried
+        .iter()
+        .filter(|(t, _)| t.nmse <= threshold && t.nmse * cut_needed(&t.hypothesis) <= op.own_nmse)
+        .collect();
+    ok.sort_by(|a, b| a.0.nmse.total_cmp(&b.0.nmse));
+    let mut contradicted: Vec<(Hypothesis, String)> = Vec::new();
+    let mut held = Vec::with_capacity(ok.len());
+    for c in ok {
+        match setups.get(&c.0.hypothesis.name()) {
+            Some(setup) => match holds(model, cand, setup, ops, &k, c.0.hypothesis.is_knob())? {
+                Ok(n) => held.push((c, n)),
+                Err(why) => contradicted.push((c.0.hypothesis, why)),
+            },
+            // A layout reads the candidate's own tensor in another order: nothing to re-run.
+            None => held.push((c, 0)),
+        }
+    }
+    // Equal at the flagged key, the one that explains more of the trace comes first (stable:
+    // the lowest NMSE, the catalog first, among equals).
+    // A fitted output scale comes after any catalog bug or knob that reproduces the key too:
+    // those name the cause, the factor only its size.
+    held.sort_by_key(|((t, _), n)| (t.hypothesis.is_scale(), std::cmp::Reverse(*n)));
+    // One that brings fewer of the trace's keys within their floors than the best is told
+    // apart by the trace (positions modulo 20 and positions counted inside each step agree at
+    // the first decode step, not at the second): not listed as its equal.
+    let most = held
+        .iter()
+        .filter(|((t, _), _)| !t.hypothesis.is_scale())
+        .map(|(_, n)| *n)
+        .max();
+    let best = held
+        .iter()
+        .find(|((t, _), n)| Some(*n) == most && !t.hypothesis.is_scale())
+        .map(|((t, _), _)| t.hypothesis.name())
+        .unwrap_or_default();
+    let mut kept = Vec::with_capacity(held.len());
+    for (c, n) in held {
+        match most {
+            Some(m) if n < m && !c.0.hypothesis.is_scale() => contradicted.push((
+                c.0.hypothesis,
+                format!(
+                    "of the keys out of their floors it brings {n} within them, {best} brings {m}"
+                ),
+            )),
+            _ => kept.push(c),
+        }
+    }
+    let held = kept;
+    // Where each reproduces the bug from: the one that explains the earliest key is the bug
+    // (on a tie the lowest NMSE, the catalog first); one that explains only later keys is
+    // not (another eps can match a decode step the real one matches too, and miss the prompt).
+    let mut placed = Vec::with_capacity(held.len());
+    for c in held {
+        let loc = match setups.get(&c.0.hypothesis.name()) {
+            Some(setup) => place(model, cand, setup, ops, &k)?,
+            // A layout reads the candidate's own tensor in another order: nothing to re-run.
+            None => None,
+        };
+        placed.push((c, loc));
+    }
+    let earliest = placed.iter().map(|(_, l)| l.map_or(k, |l| l.0)).min();
+    let mut ok = Vec::with_capacity(placed.len());
+    let mut located = None;
+    for (c, loc) in placed {
+        let at = loc.map_or(k, |l| l.0);
+        if Some(at) == earliest {
+            if ok.is_empty() {
+                located = loc;
+            }
+            ok.push(c);
+        } else if let Some(e) = earliest {
+            contradicted.push((
+                c.0.hypothesis,
+                format!("it does not reproduce {e}, where the bug already shows"),
+            ));
+        }
+    }
+    let confirmed = ok.first().map(|(t, m)| (t.clone(), *m));
+    // A scale confirmed in every layer: the same factor in one layer alone is a narrower
+    // reading of it (short of support where the trace is short), not a rival.
+    if let Some((t, _)) = &confirmed
+        && matches!(
+            t.hypothesis,
+            Hypothesis::Knob(Knob::OutputScale(_, None), _)
+        )
+    {
+        contradicted.retain(|(h, _)| !h.is_scale());
+    }
+    // A catalog bug that is a constant factor (a missing embedding scale) is what a fitted
+    // output scale reproduces too: its name says more, the factor is not listed beside it.
+    // Nor is one scale listed beside another: the one confirmed (every layer where the trace
+    // shows it there too, else the flagged layer's) says where it acts.
+    let named = confirmed
+        .as_ref()
+        .is_some_and(|(t, m)| m.is_some() || t.hypothesis.is_scale());
+    let also: Vec<String> = ok
+        .iter()
+        .skip(1)
+        .filter(|(t, _)| !(named && t.hypothesis.is_scale()))
+        .map(|(t, _)| t.hypothesis.name())
+        .collect();
+    let ruled_out: Vec<Tried> = tried
+        .iter()
+        .filter(|(t, _)| {
+            !ok.iter().any(|(o, _)| o.hypothesis == t.hypothesis)
+                && !contradicted.iter().any(|(h, _)| *h == t.hypothesis)
+        })
+        .map(|(t, _)| t.clone())
+        .collect();
+
+    Ok(Decision {
+        confirmed,
+        also,
+        ruled_out,
+        contradicted,
+        located,
     })
 }
 
