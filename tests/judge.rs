@@ -764,7 +764,7 @@ fn a_decode_step_measured_under_each_rounding_from_one_prompt_replay() {
 /// (1.14e-5 over 1e-5). The reference's own embedding is nudged now.
 #[test]
 fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
-    use parity::judge::replay::{Candidate, Setup, Window, replay};
+    use parity::judge::replay::{Candidate, JITTER_ULPS, Jitter, Setup, Window, replay};
     use std::collections::BTreeSet;
     let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
     let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu, |k| {
@@ -778,7 +778,10 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
     let base = Setup::clean(Emulation::GgmlCpu, window);
     let plain = replay(&model, &cand, &base, &keep).unwrap();
     let nudged = Setup {
-        jitter: Some(7),
+        jitter: Some(Jitter {
+            seed: 7,
+            rel: JITTER_ULPS * f32::EPSILON,
+        }),
         ..base.clone()
     };
     let nudged = replay(&model, &cand, &nudged, &keep).unwrap();

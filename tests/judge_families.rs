@@ -17,27 +17,28 @@ use std::path::{Path, PathBuf};
 /// engine is held to it, not to the 1e-3 a rounding parity does not know would get.
 const TIGHT: f64 = 1e-10;
 
+/// The numpy engine's trace of `model` under `family`, its other arguments `args` (a bug, a
+/// cache type).
 fn numpy_trace(
     py: &Path,
     model: &Path,
     golden: &Path,
     family: &str,
     taps: &str,
-    mutate: Option<&str>,
+    args: &[&str],
     out: &Path,
 ) {
-    let mut c = std::process::Command::new(py);
-    c.arg(root().join("scripts/numpy_engine.py"))
+    let o = std::process::Command::new(py)
+        .arg(root().join("scripts/numpy_engine.py"))
         .arg(model)
         .arg("--golden")
         .arg(golden)
         .args(["--rounding", family, "--taps", taps, "--out"])
         .arg(out)
-        .current_dir(root());
-    if let Some(m) = mutate {
-        c.args(["--mutate", m]);
-    }
-    let o = c.output().unwrap();
+        .args(args)
+        .current_dir(root())
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", show(&o));
 }
 
@@ -158,7 +159,7 @@ fn every_family_passes_at_its_own_floor() {
         let golden = root().join("golden").join(name);
         for taps in ["all", "sparse"] {
             let out = tmp.join(format!("{name}-{fam}-{taps}"));
-            numpy_trace(&py, &model, &golden, fam, taps, None, &out);
+            numpy_trace(&py, &model, &golden, fam, taps, &[], &out);
             assert_clean(&model, &golden, &out, ok, &format!("{name} {fam} {taps}"));
         }
     }
@@ -348,7 +349,15 @@ fn planted_bugs_are_found_under_other_families() {
             ] {
                 let what = format!("{name} {fam} {taps} {bug}");
                 let out = tmp.join(format!("{name}-{fam}-{taps}-{}", bug.name()));
-                numpy_trace(&py, &path, &golden, fam, taps, Some(bug.name()), &out);
+                numpy_trace(
+                    &py,
+                    &path,
+                    &golden,
+                    fam,
+                    taps,
+                    &["--mutate", bug.name()],
+                    &out,
+                );
                 let t = Trace::open(&out).unwrap();
                 let j = judge::judge(&model, &t, &JudgeOptions::default()).unwrap();
                 let f = j
@@ -378,8 +387,10 @@ fn planted_bugs_are_found_under_other_families() {
 /// every matmul input cut to f16 toward zero, as a hand-written f32 to f16 conversion that
 /// drops bits does) passes — nothing in it is a bug — and its verdict says in the same words
 /// what that costs: the matmul floor follows the engine's own error, so a smaller matmul bug
-/// is not seen. The JSON carries the
-/// same sentence; a golden of a known rounding has no limit to state.
+/// is not seen. The JSON carries the same sentence; a golden of a known rounding has no limit
+/// to state. With a quantized cache, sparse, it passes too: its K and V differ from the
+/// replay's by its rounding, which flips whole quanta, and a span's ambiguity is measured with
+/// inputs nudged that far (a decode step's span through a Q4_0 cache was out of its floor).
 #[test]
 #[cfg_attr(
     not(parity_gguf_py),
@@ -393,7 +404,7 @@ fn an_unknown_rounding_passes_and_its_verdict_states_the_widened_floor() {
     let model = root().join("fixtures/tiny-llama-q8_0.gguf");
     let golden = root().join("golden/tiny-llama-q8_0");
     let trace = tmp.path().join("f16-trunc");
-    numpy_trace(&py, &model, &golden, "f16-trunc", "all", None, &trace);
+    numpy_trace(&py, &model, &golden, "f16-trunc", "all", &[], &trace);
     let json = tmp.path().join("r.json");
     let o = parity(&[
         "diff",
@@ -433,6 +444,25 @@ fn an_unknown_rounding_passes_and_its_verdict_states_the_widened_floor() {
         "{}",
         show(&o)
     );
+    for kv in ["q4_0", "q8_0"] {
+        let trace = tmp.path().join(format!("f16-trunc-{kv}"));
+        numpy_trace(
+            &py,
+            &model,
+            &golden,
+            "f16-trunc",
+            "sparse",
+            &["--kv", kv],
+            &trace,
+        );
+        let o = parity(&["diff", golden.to_str().unwrap(), trace.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(0), "{kv}: {}", show(&o));
+        assert!(
+            !stdout(&o).contains("confirmed by experiment"),
+            "{kv}: {}",
+            show(&o)
+        );
+    }
 }
 
 /// The end-to-end bounds follow the measured rounding (#28 item 1): an engine that accumulates

@@ -12,7 +12,8 @@
 //! candidate, never the clean replays: it is found whenever it stands out of that distance.
 
 use super::hypothesis::clean_setup;
-use super::replay::{Candidate, KvCache, Setup, Window, replay};
+use super::replay::{Candidate, JITTER_ULPS, Jitter, KvCache, Setup, Window, replay};
+use super::rounding::EXACT_FIT;
 use super::{Floors, JudgeError, OpResult};
 use crate::compare::metrics;
 use crate::model::Model;
@@ -27,12 +28,29 @@ const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
 /// Spans re-judged at most per judgement (the first that stays out of its floor ends it).
 const MAX_SPANS: usize = 8;
 
-/// The NMSE between the clean replay under `base` at `key` and replays of it jittered.
+/// How far a jittered replay nudges each input: a few ulps, as engines summing in another
+/// order differ at every op; where no rounding reproduces the engine's matmuls (their median
+/// own NMSE over `EXACT_FIT`), as far as they differ from the closest one, per element (the
+/// square root of that NMSE): such an engine's K and V differ from the replay's by that much,
+/// and a quantized cache turns it into flips of whole quanta (a clean engine that cuts its
+/// f16 inputs toward zero, with a Q8_0 cache: a decode step's span 1.5e-5 over its 1e-5 floor,
+/// its 4-ulp distance 1.5e-7).
+pub(super) fn nudge(floors: &Floors) -> f32 {
+    let ulps = JITTER_ULPS * f32::EPSILON;
+    match floors.mm_median_own {
+        Some(own) if own > EXACT_FIT => ulps.max(own.sqrt() as f32),
+        _ => ulps,
+    }
+}
+
+/// The NMSE between the clean replay under `base` at `key` and replays of it jittered by
+/// `rel` (`nudge`).
 pub(super) fn distance(
     model: &Model,
     cand: &Candidate,
     base: &Setup,
     key: &super::TapKey,
+    rel: f32,
 ) -> Result<f64, JudgeError> {
     let keep = BTreeSet::from([*key]);
     let plain = replay(model, cand, base, &keep)?;
@@ -43,7 +61,7 @@ pub(super) fn distance(
     let mut worst = 0.0f64;
     for seed in SEEDS {
         let setup = Setup {
-            jitter: Some(seed),
+            jitter: Some(Jitter { seed, rel }),
             ..base.clone()
         };
         let r = replay(model, cand, &setup, &keep)?;
@@ -76,7 +94,7 @@ pub(super) fn refloor(
         }
         tried += 1;
         let base = clean_setup(floors, kv, Window::for_key(cand, &o.key));
-        let d = distance(model, cand, &base, &o.key)?;
+        let d = distance(model, cand, &base, &o.key, nudge(floors))?;
         o.floor = o.floor.max(FACTOR * d);
         if o.own_nmse > o.floor {
             break;

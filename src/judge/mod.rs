@@ -1368,6 +1368,7 @@ fn confirmed_under(
         cand,
         &hypothesis::clean_setup(fl, kv2, window),
         &o.key,
+        ambiguity::nudge(fl),
     )?;
     let at = OpResult {
         floor: o.floor.max(ambiguity::FACTOR * d),

@@ -330,10 +330,10 @@ pub struct Setup {
     /// The positions q and k are rotated at, fitted from the trace (`super::rope_fit`).
     pub rope_at: Option<RopeAt>,
     pub window: Window,
-    /// Each of the candidate's tensors fed to the reference nudged by a few f32 ulps (a
-    /// pattern per seed): a replay as clean as the plain one, whose distance from it is what
-    /// two correct engines may differ by at a key (`super::ambiguity`).
-    pub jitter: Option<u64>,
+    /// Each of the candidate's tensors fed to the reference nudged (a pattern per seed): a
+    /// replay as clean as the plain one, whose distance from it is what two correct engines
+    /// may differ by at a key (`super::ambiguity`).
+    pub jitter: Option<Jitter>,
     /// A replay of the first step alone, a prompt from position 0, runs only its first `rows`
     /// tokens (every tensor cut to them): a causal forward's first rows depend on nothing
     /// after them, so the cut changes no value, and a measurement costs the same at any
@@ -374,9 +374,15 @@ impl Setup {
     }
 }
 
-/// `x` nudged by about `JITTER_ULPS` f32 ulps, up or down by a hash of (seed, index).
-fn jitter(seed: u64, data: &mut [f32]) {
-    const JITTER: f32 = JITTER_ULPS * f32::EPSILON;
+/// A jittered replay's nudges: a pattern (`seed`) and their relative size.
+#[derive(Clone, Copy, Debug)]
+pub struct Jitter {
+    pub seed: u64,
+    pub rel: f32,
+}
+
+/// `x` nudged by `rel` of itself, up or down by a hash of (seed, index).
+fn jitter(seed: u64, rel: f32, data: &mut [f32]) {
     for (i, x) in data.iter_mut().enumerate() {
         // splitmix64 of the element's index under the seed
         let mut z = seed
@@ -386,7 +392,7 @@ fn jitter(seed: u64, data: &mut [f32]) {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
         let sign = if z & 1 == 0 { 1.0 } else { -1.0 };
-        *x *= 1.0 + sign * JITTER;
+        *x *= 1.0 + sign * rel;
     }
 }
 
@@ -639,7 +645,7 @@ struct JudgeSink<'a, 't> {
     pending: Option<(TapKey, Vec<f32>)>,
     /// (step, its full token count, rows kept): the prompt cut (`Setup::rows`).
     cut: Option<(usize, usize, usize)>,
-    jitter: Option<u64>,
+    jitter: Option<Jitter>,
     error: Option<JudgeError>,
     /// The logits coming in rows: their metrics so far, and whether every value of the
     /// candidate's / the reference's rows so far was f16-exact.
@@ -872,9 +878,9 @@ impl JudgeSink<'_, '_> {
             return false;
         }
         data.copy_from_slice(&v);
-        if let Some(seed) = self.jitter {
+        if let Some(j) = self.jitter {
             let at = ((src.step as u64) << 32) ^ (src.layer.map_or(0, |l| l as u64 + 1) << 48);
-            jitter(seed ^ at, data);
+            jitter(j.seed ^ at, j.rel, data);
         }
         true
     }
