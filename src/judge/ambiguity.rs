@@ -34,7 +34,7 @@ const MAX_SPANS: usize = 8;
 /// square root of that NMSE): such an engine's K and V differ from the replay's by that much,
 /// and a quantized cache turns it into flips of whole quanta (a clean engine that cuts its
 /// f16 inputs toward zero, with a Q8_0 cache: a decode step's span 1.5e-5 over its 1e-5 floor,
-/// its 4-ulp distance 1.5e-7).
+/// its 4-ulp distance under a tenth of that).
 pub(super) fn nudge(floors: &Floors) -> f32 {
     let ulps = JITTER_ULPS * f32::EPSILON;
     match floors.mm_median_own {
