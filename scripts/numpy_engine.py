@@ -8,7 +8,7 @@ are decoded by gguf-py, every op is written again here. The trace is written thr
 writer an engine author would use (parity_trace: bindings/python beside scripts/, else the
 installed parity-trace package).
 
-  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32|f16-trunc]
+  numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32|f16-trunc|uint8-token]
       [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
@@ -22,8 +22,9 @@ rounded to f16, products summed in one f16 running sum in the order of llama.cpp
 matmul, an f16 fma each) and f16-acc-unfused (the same with each product rounded to f16 before
 its add, as that matmul runs on Mesa's lavapipe) and tf32 (inputs and weights rounded to TF32, as
 tensor cores run f32 GEMMs). f16-trunc (every matmul input cut to f16 toward zero, as a
-hand-written conversion that drops bits does) is a rounding parity does not model: an engine for
-its unknown-rounding path. --mutate switches on one of parity's catalog bugs (`parity
+hand-written conversion that drops bits does) and uint8-token (every matmul input quantized per
+token to uint8 with a zero point, as dynamic-quantization engines do) are roundings parity does
+not model: engines for its unknown-rounding path. --mutate switches on one of parity's catalog bugs (`parity
 mutations`); the manifest does not record it, so diff judges it blind.
 --kv f16 stores the K/V cache in f16, as llama.cpp does by default; --kv-decode reads it as another
 type in the steps after the first (the cache keeps the f32 values; each step kind rounds what it
@@ -269,6 +270,20 @@ def f16_trunc(x):
     return b.view(F32).astype(np.float16).astype(F32)
 
 
+def uint8_token(x):
+    """Every row (token) quantized to uint8 with a zero point (asymmetric: its range, 0 included,
+    in 255 steps; ties to even), as dynamic-quantization engines quantize matmul inputs (ONNX
+    Runtime's DynamicQuantizeLinear, here per token)."""
+    x = np.asarray(x, F32)
+    lo = np.minimum(np.min(x, axis=-1, keepdims=True), F32(0.0))
+    hi = np.maximum(np.max(x, axis=-1, keepdims=True), F32(0.0))
+    d = ((hi - lo) / F32(255.0)).astype(F32)
+    safe = np.where(d != 0, d, F32(1.0))
+    zp = np.rint((-lo / safe).astype(F32))
+    q = np.clip(np.rint((x / safe).astype(F32)) + zp, 0, 255)
+    return np.where(d != 0, (q - zp) * d, F32(0.0)).astype(F32)
+
+
 def f16_acc_matmul(x, w, ty, fused=True):
     """The f16-acc families: llama.cpp Vulkan's tiled matmul (mul_mm) with an f16 accumulator.
     Inputs and weights rounded to f16; for each output one f16 running sum over k, in the
@@ -349,8 +364,8 @@ class Engine:
             return f16_acc_matmul(x, w, self.m.ty(name), fused=rounding == "f16-acc")
         if rounding == "tf32":
             return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
-        if rounding == "f16-trunc":
-            x = f16_trunc(x)
+        if rounding in ("f16-trunc", "uint8-token"):
+            x = f16_trunc(x) if rounding == "f16-trunc" else uint8_token(x)
             return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
         if rounding != "none":
             x = round_input(self.m.ty(name), x, rounding)
@@ -534,7 +549,7 @@ SPARSE = {"embd", "l_out", "result_norm", "logits"}
 
 
 ROUNDINGS = ["none", "ggml", "ggml-scalar", "q8k", "q8_1", "f16", "bf16", "f16-acc", "f16-acc-unfused",
-             "tf32", "f16-trunc"]
+             "tf32", "f16-trunc", "uint8-token"]
 
 
 def serve():

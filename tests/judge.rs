@@ -781,6 +781,7 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
         jitter: Some(Jitter {
             seed: 7,
             rel: JITTER_ULPS * f32::EPSILON,
+            inner: false,
         }),
         ..base.clone()
     };

@@ -390,7 +390,9 @@ fn planted_bugs_are_found_under_other_families() {
 /// is not seen. The JSON carries the same sentence; a golden of a known rounding has no limit
 /// to state. With a quantized cache, sparse, it passes too: its K and V differ from the
 /// replay's by its rounding, which flips whole quanta, and a span's ambiguity is measured with
-/// inputs nudged that far (a decode step's span through a Q4_0 cache was out of its floor).
+/// its tensors nudged that far (a decode step's span through a Q4_0 cache was out of its
+/// floor); so does an engine of per-token uint8 inputs with a Q4_0 cache, whose every matmul
+/// adds its rounding to the span (nudging the span's inputs alone left one 1.07x over).
 #[test]
 #[cfg_attr(
     not(parity_gguf_py),
@@ -444,22 +446,28 @@ fn an_unknown_rounding_passes_and_its_verdict_states_the_widened_floor() {
         "{}",
         show(&o)
     );
-    for kv in ["q4_0", "q8_0"] {
-        let trace = tmp.path().join(format!("f16-trunc-{kv}"));
-        numpy_trace(
-            &py,
-            &model,
-            &golden,
-            "f16-trunc",
-            "sparse",
-            &["--kv", kv],
-            &trace,
-        );
+    let mut quantized = vec![
+        (model.clone(), golden.clone(), "f16-trunc", "q4_0"),
+        (model.clone(), golden.clone(), "f16-trunc", "q8_0"),
+    ];
+    match shared("models") {
+        Some(dir) => quantized.push((
+            dir.join("TinyStories-656K-Q8_0.gguf"),
+            root().join("golden/TinyStories-656K-Q8_0"),
+            "uint8-token",
+            "q4_0",
+        )),
+        None => eprintln!("skipped: TinyStories-656K-Q8_0 (../shared/models not found)"),
+    }
+    for (model, golden, fam, kv) in quantized {
+        let what = format!("{fam} {kv} {}", golden.display());
+        let trace = tmp.path().join(format!("{fam}-{kv}"));
+        numpy_trace(&py, &model, &golden, fam, "sparse", &["--kv", kv], &trace);
         let o = parity(&["diff", golden.to_str().unwrap(), trace.to_str().unwrap()]);
-        assert_eq!(o.status.code(), Some(0), "{kv}: {}", show(&o));
+        assert_eq!(o.status.code(), Some(0), "{what}: {}", show(&o));
         assert!(
             !stdout(&o).contains("confirmed by experiment"),
-            "{kv}: {}",
+            "{what}: {}",
             show(&o)
         );
     }

@@ -28,29 +28,39 @@ const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
 /// Spans re-judged at most per judgement (the first that stays out of its floor ends it).
 const MAX_SPANS: usize = 8;
 
-/// How far a jittered replay nudges each input: a few ulps, as engines summing in another
-/// order differ at every op; where no rounding reproduces the engine's matmuls (their median
-/// own NMSE over `EXACT_FIT`), as far as they differ from the closest one, per element (the
-/// square root of that NMSE): such an engine's K and V differ from the replay's by that much,
-/// and a quantized cache turns it into flips of whole quanta (a clean engine that cuts its
-/// f16 inputs toward zero, with a Q8_0 cache: a decode step's span 1.5e-5 over its 1e-5 floor,
-/// its 4-ulp distance under a tenth of that).
-pub(super) fn nudge(floors: &Floors) -> f32 {
+/// How a jittered replay nudges (its seed set by `distance`): each input by a few ulps, as
+/// engines summing in another order differ at every op. Where no rounding reproduces the
+/// engine's matmuls (their median own NMSE over `EXACT_FIT`), every tensor of the span, the
+/// reference's own inside it too, by as much as those matmuls differ from the closest rounding
+/// (the square root of that NMSE): such an engine's K and V differ from the replay's by that
+/// much at every matmul, and a quantized cache turns it into flips of whole quanta (a clean
+/// engine that cuts its f16 inputs toward zero, with a Q8_0 cache: a decode step's span 1.5e-5
+/// over its 1e-5 floor, its 4-ulp distance under a tenth of that; one with per-token uint8
+/// inputs and a Q4_0 cache: 1.87e-3 over the 1.74e-3 its inputs' nudges alone gave).
+pub(super) fn nudge(floors: &Floors) -> Jitter {
     let ulps = JITTER_ULPS * f32::EPSILON;
     match floors.mm_median_own {
-        Some(own) if own > EXACT_FIT => ulps.max(own.sqrt() as f32),
-        _ => ulps,
+        Some(own) if own > EXACT_FIT => Jitter {
+            seed: 0,
+            rel: ulps.max(own.sqrt() as f32),
+            inner: true,
+        },
+        _ => Jitter {
+            seed: 0,
+            rel: ulps,
+            inner: false,
+        },
     }
 }
 
-/// The NMSE between the clean replay under `base` at `key` and replays of it jittered by
-/// `rel` (`nudge`).
+/// The NMSE between the clean replay under `base` at `key` and replays of it jittered as
+/// `like` (`nudge`), one per seed.
 pub(super) fn distance(
     model: &Model,
     cand: &Candidate,
     base: &Setup,
     key: &super::TapKey,
-    rel: f32,
+    like: Jitter,
 ) -> Result<f64, JudgeError> {
     let keep = BTreeSet::from([*key]);
     let plain = replay(model, cand, base, &keep)?;
@@ -61,7 +71,7 @@ pub(super) fn distance(
     let mut worst = 0.0f64;
     for seed in SEEDS {
         let setup = Setup {
-            jitter: Some(Jitter { seed, rel }),
+            jitter: Some(Jitter { seed, ..like }),
             ..base.clone()
         };
         let r = replay(model, cand, &setup, &keep)?;

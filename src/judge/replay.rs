@@ -374,11 +374,14 @@ impl Setup {
     }
 }
 
-/// A jittered replay's nudges: a pattern (`seed`) and their relative size.
+/// A jittered replay's nudges: a pattern (`seed`), their relative size, and whether the
+/// reference's own tensors inside a span are nudged too (`inner`), not only the candidate's
+/// that enter it.
 #[derive(Clone, Copy, Debug)]
 pub struct Jitter {
     pub seed: u64,
     pub rel: f32,
+    pub inner: bool,
 }
 
 /// `x` nudged by `rel` of itself, up or down by a hash of (seed, index).
@@ -700,6 +703,7 @@ impl Sink for JudgeSink<'_, '_> {
     fn replays(&self, key: &TapKey) -> bool {
         self.map(key).is_some_and(|k| self.cand.contains(&k)) && self.wants(key)
             || (key.tap == self.entry() && (self.window.l0 > 0 || self.jitter.is_some()))
+            || (self.jitter.is_some_and(|j| j.inner) && self.map(key).is_some())
     }
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
@@ -859,7 +863,10 @@ impl JudgeSink<'_, '_> {
                 // jitter the reference's own embedding is nudged, as every tensor fed from the
                 // candidate is (else a span from layer 0 of a sparse dump had no input to nudge,
                 // and its clean replays no distance however near a rounding boundary it sits).
-                Ok(None) if self.jitter.is_some() && key.tap == self.entry() && w.l0 == 0 => {
+                Ok(None)
+                    if self.jitter.is_some_and(|j| j.inner)
+                        || (self.jitter.is_some() && key.tap == self.entry() && w.l0 == 0) =>
+                {
                     data.to_vec()
                 }
                 Ok(None) => return false,
@@ -879,7 +886,9 @@ impl JudgeSink<'_, '_> {
         }
         data.copy_from_slice(&v);
         if let Some(j) = self.jitter {
-            let at = ((src.step as u64) << 32) ^ (src.layer.map_or(0, |l| l as u64 + 1) << 48);
+            let at = ((src.step as u64) << 32)
+                ^ (src.layer.map_or(0, |l| l as u64 + 1) << 48)
+                ^ if j.inner { (src.tap as u64) << 40 } else { 0 };
             jitter(j.seed ^ at, j.rel, data);
         }
         true
