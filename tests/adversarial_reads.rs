@@ -1005,6 +1005,17 @@ proptest! {
     }
 }
 
+/// A tap whose file name holds a terminal escape and a newline (found by the proptest above):
+/// the read fails on one line, the name quoted, the escape never printed.
+#[test]
+fn a_tap_file_named_with_control_characters_fails_on_one_line() {
+    let text =
+        std::fs::read_to_string(root().join("golden/tiny-llama-q8_0/manifest.json")).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    m["tensors"][0]["file"] = "\u{1b}[2J\n".into();
+    assert_eq!(open_and_read(serde_json::to_vec(&m).unwrap()), Ok(()));
+}
+
 #[test]
 fn manifest_nesting_past_the_parsers_limit_is_refused() {
     for depth in [200usize, 100_000] {

@@ -166,9 +166,9 @@ pub struct ComparisonReport {
     pub only_in_candidate: usize,
     /// For `own-inputs`: the activation rounding family the judge measured as the one that
     /// reproduces the candidate (`plain-f32`, `ggml-cpu`, `ggml-scalar`, `q8k`, `q8_1-gpu`, `f16`,
-    /// `bf16`, `f16-acc`, `f16-acc-unfused`; docs/diagnosis.md), the prefill's where the decode
-    /// steps round otherwise (then `baseline` ends `prefill: F, decode: G`); absent for the
-    /// other pairs.
+    /// `bf16`, `f16-acc`, `f16-acc-unfused`, `tf32`; docs/diagnosis.md), the prefill's where the
+    /// decode steps round otherwise (then `baseline` ends `prefill: F, decode: G`); absent for
+    /// the other pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rounding_family: Option<String>,
     /// For `own-inputs`: the output projection's rounding family where it differs from

@@ -603,9 +603,15 @@ fn write_npy_file(path: &Path, shape: &[usize], data: &[f32]) -> Result<(), Trac
 /// float dtype whose size, with the header, is exactly the file's size: nothing is read or
 /// allocated by what an unchecked field says, and the data is decoded straight into the
 /// tensor (never held twice, but for a Fortran-order file's conversion).
+/// A tap file's path as an error line names it: the folder as given, the manifest's file name
+/// quoted short and on one line (a manifest may name any string, control characters too).
+fn named(dir: &Path, e: &TensorEntry) -> PathBuf {
+    dir.join(short(&e.file))
+}
+
 fn read_tap(dir: &Path, root: &Path, e: &TensorEntry) -> Result<ArrayD<f32>, TraceError> {
     use std::io::Read;
-    let path = dir.join(&e.file);
+    let path = named(dir, e);
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
         what,
@@ -663,7 +669,7 @@ fn read_tap_rows(
     per_row: usize,
 ) -> Result<Vec<f32>, TraceError> {
     use std::io::{Read, Seek, SeekFrom};
-    let path = dir.join(&e.file);
+    let path = named(dir, e);
     let bad = |what: String| TraceError::BadTensor {
         path: path.display().to_string(),
         what,

@@ -5,7 +5,8 @@
 pub mod alloc;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -437,4 +438,31 @@ pub fn assert_at_layer0_named(own: &serde_json::Value, tap: &str, named: &str, w
         why.contains(&format!("confirmed by experiment: {named}")),
         "{what}: {why}"
     );
+}
+
+/// `cmd`'s exit status and what it wrote to stderr, or None where it ran past `limit` (then
+/// killed): a third-party program may hang on a crafted input (llama.cpp once sat blocked on
+/// one of adversarial_inputs' models until CI's limit).
+pub fn status_within(cmd: &mut Command, limit: Duration) -> Option<(ExitStatus, String)> {
+    let err = tempfile::NamedTempFile::new().unwrap();
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(err.reopen().unwrap())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some((
+                status,
+                std::fs::read_to_string(err.path()).unwrap_or_default(),
+            ));
+        }
+        if start.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
