@@ -9,7 +9,7 @@ writer an engine author would use (parity_trace: bindings/python beside scripts/
 installed parity-trace package).
 
   numpy_engine.py MODEL.gguf --golden golden/tiny-llama-q8_0 --out /tmp/np [--rounding ggml|ggml-scalar|q8k|q8_1|f16|bf16|f16-acc|f16-acc-unfused|tf32|f16-trunc|uint8-token]
-      [--taps all|sparse] [--kv f32|f16] [--mutate NAME] [--no-bos|--double-bos]
+      [--taps all|sparse] [--kv f32|f16] [--f32-sums] [--mutate NAME] [--no-bos|--double-bos]
       [--layout head-major [--declare]]
 
 --rounding ggml quantizes each matmul input as ggml's CPU backend does before the dot product
@@ -338,6 +338,9 @@ class Engine:
         self.m, self.rounding, self.mut = m, rounding, mutation
         # The output projection's own rounding, where it differs (None: `rounding`).
         self.output_rounding = None
+        # Sum the plain matmuls in f32 (numpy's einsum order), as a plain loop engine does,
+        # instead of in f64.
+        self.f32_sums = False
         # "f16": the K/V cache stores f16 values, as llama.cpp's default cache type does (the
         # k_rope and v taps stay the f32 values computed before the store).
         self.kv = kv
@@ -363,12 +366,13 @@ class Engine:
         if rounding in ("f16-acc", "f16-acc-unfused"):
             return f16_acc_matmul(x, w, self.m.ty(name), fused=rounding == "f16-acc")
         if rounding == "tf32":
-            return (tf32(x).astype(F64) @ tf32(w).T.astype(F64)).astype(F32)
-        if rounding in ("f16-trunc", "uint8-token"):
+            x, w = tf32(x), tf32(w)
+        elif rounding in ("f16-trunc", "uint8-token"):
             x = f16_trunc(x) if rounding == "f16-trunc" else uint8_token(x)
-            return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
-        if rounding != "none":
+        elif rounding != "none":
             x = round_input(self.m.ty(name), x, rounding)
+        if self.f32_sums:
+            return np.einsum("ti,oi->to", x.astype(F32), w.astype(F32), dtype=F32)
         return (x.astype(F64) @ w.T.astype(F64)).astype(F32)
 
     def norm(self, x, name, mut):
@@ -609,6 +613,9 @@ def main(argv=None):
     ap.add_argument("--kv", choices=["f32", "f16", "q8_0", "q4_0"], default="f32",
                     help="K/V cache type (llama.cpp's default cache is f16); q8_0/q4_0 store each "
                          "row in 32-value blocks, read back as f32 (no rotation: a hand-written int8 cache)")
+    ap.add_argument("--f32-sums", action="store_true",
+                    help="sum the matmuls in f32 (numpy's einsum order), as a plain loop engine "
+                         "or a tensor core does, instead of in f64 (all but the f16-acc roundings)")
     ap.add_argument("--kv-decode", choices=["f32", "f16", "q8_0", "q4_0"],
                     help="the cache type the steps after the first read, where it differs from --kv "
                          "(the prompt's): the cache keeps f32 values, each step kind rounds what it reads")
@@ -723,6 +730,7 @@ def main(argv=None):
 
     eng = Engine(m, a.prefill_rounding or a.rounding, mutation, len(prompt) + n_steps, a.kv)
     eng.output_rounding = a.output_rounding
+    eng.f32_sums = a.f32_sums
     eng.kv_decode = a.kv_decode if a.kv_decode and a.kv_decode != a.kv else None
     w.step(prompt, range(len(prompt)))
     logits = eng.forward(prompt, 0, rec)

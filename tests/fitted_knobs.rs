@@ -447,6 +447,28 @@ fn a_knob_hidden_by_a_tie_twin_in_a_long_prompt_is_fitted() {
         let name = "rms-eps=1e-3 reproduces your ";
         assert_at_layer0_named(&own, "l_out", name, &format!("{what} rms eps 1e-3"));
     }
+    // A plain f32 engine that sums in f32, with a Q8_0 cache: its summation noise flips a K
+    // quantum here and there, and eps x10 flipped one the same way at layer 1 (own 2.4e-12,
+    // cut 110x): confirmed, exit 1, until an own error had to stand 10x above what the
+    // engine's own sums may flip there (its matmul outputs nudged by 1e-7, the square root of
+    // their median own NMSE 9.3e-15: clean replays 2.4e-12 apart). A real eps 1e-3 (and a
+    // small one, 1e-5: eps x10) in the same engine stands 1e5x and more above it: named.
+    let f32_sums = ["--kv", "q8_0", "--f32-sums"];
+    let (_t, clean) = engine(&py, &model, &golden, "none", "sparse", &f32_sums);
+    let (code, own) = judged(&model, &golden, &clean);
+    assert_eq!(code, Some(0), "f32 sums, q8_0 cache: {own:#}");
+    assert!(
+        own["first_divergence"].is_null(),
+        "f32 sums, q8_0 cache: {own:#}"
+    );
+    for (eps, name) in [("1e-3", "rms-eps=1e-3"), ("1e-5", "rms-eps-10x")] {
+        let set = [&f32_sums[..], &["--rms-eps", eps]].concat();
+        let (_t, bad) = engine(&py, &model, &golden, "none", "sparse", &set);
+        let (code, own) = judged(&model, &golden, &bad);
+        let what = format!("f32 sums, q8_0 cache, rms eps {eps}");
+        assert_eq!(code, Some(1), "{what}: {own:#}");
+        assert_at_layer0_named(&own, "l_out", &format!("{name} reproduces your "), &what);
+    }
 }
 
 /// A RoPE base near the model's, in a sparse dump of 8-bit (or f16, bf16) layers: the span's

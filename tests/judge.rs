@@ -764,7 +764,7 @@ fn a_decode_step_measured_under_each_rounding_from_one_prompt_replay() {
 /// (1.14e-5 over 1e-5). The reference's own embedding is nudged now.
 #[test]
 fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
-    use parity::judge::replay::{Candidate, JITTER_ULPS, Jitter, Setup, Window, replay};
+    use parity::judge::replay::{Candidate, JITTER_ULPS, Jitter, Nudged, Setup, Window, replay};
     use std::collections::BTreeSet;
     let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
     let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu, |k| {
@@ -781,7 +781,7 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
         jitter: Some(Jitter {
             seed: 7,
             rel: JITTER_ULPS * f32::EPSILON,
-            inner: false,
+            what: Nudged::Inputs,
         }),
         ..base.clone()
     };
@@ -796,6 +796,50 @@ fn a_span_from_the_token_embedding_is_nudged_like_any_other_input() {
         .sum::<f64>()
         / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>();
     assert!(d > 0.0 && d < 1e-4, "{d}");
+}
+
+/// An engine's own arithmetic, as the below-floor check models it (`ambiguity::engine_like`),
+/// nudges the matmul outputs inside a window and nothing else: not the candidate's tensors
+/// that enter it (those are what the engine computed), not a norm (an engine rounds it as the
+/// reference does). A norm's replay is the plain one, bit for bit; what reads a matmul moves; and with
+/// nothing to nudge by (an engine the rounding reproduces exactly) nothing moves at all.
+#[test]
+fn an_engine_s_own_nudges_reach_its_matmul_outputs_alone() {
+    use parity::judge::replay::{Candidate, Jitter, Nudged, Setup, Window, replay};
+    use std::collections::BTreeSet;
+    let model = Model::open(root().join("fixtures/tiny-llama-q8_0.gguf")).unwrap();
+    let t = long_prompt_trace(&model, 20, None, Emulation::GgmlCpu, |_| true);
+    let cand = Candidate::new(&t, &model.config).unwrap();
+    let replayed = |key: TapKey, what: Nudged, rel: f32| {
+        let keep = BTreeSet::from([key]);
+        let base = Setup::clean(Emulation::GgmlCpu, Window::for_key(&cand, &key));
+        let jitter = Jitter { seed: 3, rel, what };
+        let plain = replay(&model, &cand, &base, &keep).unwrap().kept[&key].clone();
+        let setup = Setup {
+            jitter: Some(jitter),
+            ..base
+        };
+        (
+            plain,
+            replay(&model, &cand, &setup, &keep).unwrap().kept[&key].clone(),
+        )
+    };
+    let rel = 1e-6;
+    let norm = TapKey::new(1, Some(1), Tap::AttnNorm);
+    let (a, b) = replayed(norm, Nudged::Inputs, rel);
+    assert_ne!(a, b, "another engine's input moves a norm");
+    let (a, b) = replayed(norm, Nudged::Matmuls, rel);
+    assert_eq!(a, b, "this engine's own sums leave its norm alone");
+    // What reads a matmul's output: k_rope reads k, l_out adds ffn_out.
+    for tap in [Tap::KRope, Tap::LOut] {
+        let (a, b) = replayed(TapKey::new(1, Some(1), tap), Nudged::Matmuls, rel);
+        assert_ne!(
+            a, b,
+            "{tap:?}: this engine's own sums move what reads its matmul"
+        );
+        let (a, b) = replayed(TapKey::new(1, Some(1), tap), Nudged::Matmuls, 0.0);
+        assert_eq!(a, b, "{tap:?}: nothing to nudge by");
+    }
 }
 
 /// A given rounding (`diff --rounding`) is not measured, and its tie twins are replayed only

@@ -12,7 +12,7 @@
 //! candidate, never the clean replays: it is found whenever it stands out of that distance.
 
 use super::hypothesis::clean_setup;
-use super::replay::{Candidate, JITTER_ULPS, Jitter, KvCache, Setup, Window, replay};
+use super::replay::{Candidate, JITTER_ULPS, Jitter, KvCache, Nudged, Setup, Window, replay};
 use super::rounding::EXACT_FIT;
 use super::{Floors, JudgeError, OpResult};
 use crate::compare::metrics;
@@ -43,13 +43,28 @@ pub(super) fn nudge(floors: &Floors) -> Jitter {
         Some(own) if own > EXACT_FIT => Jitter {
             seed: 0,
             rel: ulps.max(own.sqrt() as f32),
-            inner: true,
+            what: Nudged::Every,
         },
         _ => Jitter {
             seed: 0,
             rel: ulps,
-            inner: false,
+            what: Nudged::Inputs,
         },
+    }
+}
+
+/// Nudges as large as the engine's own matmuls differ from the measured rounding (the square
+/// root of their median own NMSE; 4 ulps where the trace judges none alone), on the matmul
+/// outputs inside a span: what this engine's summation order may flip downstream (an 8-bit
+/// activation, a quantized cache's quantum) where nothing is wrong. An engine the rounding
+/// reproduces bit for bit is nudged by nothing.
+pub(super) fn engine_like(floors: &Floors) -> Jitter {
+    Jitter {
+        seed: 0,
+        rel: floors
+            .mm_median_own
+            .map_or(JITTER_ULPS * f32::EPSILON, |own| own.sqrt() as f32),
+        what: Nudged::Matmuls,
     }
 }
 

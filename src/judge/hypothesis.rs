@@ -1017,9 +1017,22 @@ pub struct BelowFloor {
     /// None: every row).
     #[serde(skip)]
     pub rows: Option<usize>,
+    /// Where the best hypothesis cut the own error `EXPLAINS`-fold: what the engine's own
+    /// arithmetic may flip at the key (`ambiguity::engine_like`), which the own error must
+    /// stand `ambiguity::FACTOR` times above to be explained.
+    pub ambiguity: Option<f64>,
 }
 
 impl BelowFloor {
+    /// Whether the best hypothesis explains the own error: cuts it `EXPLAINS`-fold, and the
+    /// own error stands clear of the key's ambiguity.
+    pub fn explained(&self) -> bool {
+        self.cut() >= EXPLAINS
+            && self
+                .ambiguity
+                .is_none_or(|d| self.own_nmse > super::ambiguity::FACTOR * d)
+    }
+
     /// How many times the best hypothesis cuts the own error (1: not at all). An exact
     /// reproduction (NMSE 0) counts as NMSE 1e-20, so the cut stays finite (and JSON-able).
     pub fn cut(&self) -> f64 {
@@ -1194,15 +1207,31 @@ pub(super) fn below_floor(
                 .collect(),
         );
         let near = closest(ex.tried.iter().map(|(t, _)| t.clone()));
-        let check = BelowFloor {
+        let mut check = BelowFloor {
             key: o.key,
             own_nmse: own,
             floor: o.floor,
             best: near.first().cloned(),
             near,
             rows,
+            ambiguity: None,
         };
-        let explained = check.cut() >= EXPLAINS;
+        // An own error is explained only where it stands well above what this engine's own
+        // arithmetic may flip at the key (`ambiguity::engine_like`): under that, a change that
+        // flips a quantized cache's quantum the way the engine's sums did cuts it by chance (a
+        // plain f32 engine summing in f32, a 398-token prompt, Q8_0 cache: own 2.4e-12 at
+        // layer 1, cut 110x by eps x10; its own sums flip 2.4e-12 there).
+        if check.cut() >= EXPLAINS {
+            let base = Setup {
+                rows,
+                ..clean_setup(floors, kv, ex.window)
+            };
+            let like = super::ambiguity::engine_like(floors);
+            check.ambiguity = Some(super::ambiguity::distance(
+                model, cand, &base, &o.key, like,
+            )?);
+        }
+        let explained = check.explained();
         checks.push(check);
         if explained {
             // Confirmed over every row, as any finding is.

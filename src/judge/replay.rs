@@ -374,14 +374,37 @@ impl Setup {
     }
 }
 
-/// A jittered replay's nudges: a pattern (`seed`), their relative size, and whether the
-/// reference's own tensors inside a span are nudged too (`inner`), not only the candidate's
-/// that enter it.
+/// A jittered replay's nudges: a pattern (`seed`), their relative size, and which tensors.
 #[derive(Clone, Copy, Debug)]
 pub struct Jitter {
     pub seed: u64,
     pub rel: f32,
-    pub inner: bool,
+    pub what: Nudged,
+}
+
+/// Which tensors a jittered replay nudges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Nudged {
+    /// The candidate's that enter the window (another engine's inputs).
+    Inputs,
+    /// Every tensor inside the window, the reference's own too (another engine's arithmetic
+    /// at every op).
+    Every,
+    /// The matmul outputs inside the window alone (an engine that sums in another order and
+    /// computes everything else as the reference does).
+    Matmuls,
+}
+
+impl Jitter {
+    /// Whether the tensor at `tap` inside the window is nudged (the reference's own, where the
+    /// candidate has none).
+    fn inside(&self, tap: Tap) -> bool {
+        match self.what {
+            Nudged::Inputs => false,
+            Nudged::Every => true,
+            Nudged::Matmuls => super::floor::class(tap) == super::floor::OpClass::Matmul,
+        }
+    }
 }
 
 /// `x` nudged by `rel` of itself, up or down by a hash of (seed, index).
@@ -703,7 +726,7 @@ impl Sink for JudgeSink<'_, '_> {
     fn replays(&self, key: &TapKey) -> bool {
         self.map(key).is_some_and(|k| self.cand.contains(&k)) && self.wants(key)
             || (key.tap == self.entry() && (self.window.l0 > 0 || self.jitter.is_some()))
-            || (self.jitter.is_some_and(|j| j.inner) && self.map(key).is_some())
+            || (self.jitter.is_some_and(|j| j.inside(key.tap)) && self.map(key).is_some())
     }
 
     fn record(&mut self, key: TapKey, shape: &[usize], data: &[f32]) {
@@ -864,8 +887,10 @@ impl JudgeSink<'_, '_> {
                 // candidate is (else a span from layer 0 of a sparse dump had no input to nudge,
                 // and its clean replays no distance however near a rounding boundary it sits).
                 Ok(None)
-                    if self.jitter.is_some_and(|j| j.inner)
-                        || (self.jitter.is_some() && key.tap == self.entry() && w.l0 == 0) =>
+                    if self.jitter.is_some_and(|j| j.inside(key.tap))
+                        || (self.jitter.is_some_and(|j| j.what != Nudged::Matmuls)
+                            && key.tap == self.entry()
+                            && w.l0 == 0) =>
                 {
                     data.to_vec()
                 }
@@ -885,10 +910,15 @@ impl JudgeSink<'_, '_> {
             return false;
         }
         data.copy_from_slice(&v);
-        if let Some(j) = self.jitter {
+        if let Some(j) = self.jitter
+            && (j.what != Nudged::Matmuls || j.inside(src.tap))
+        {
             let at = ((src.step as u64) << 32)
                 ^ (src.layer.map_or(0, |l| l as u64 + 1) << 48)
-                ^ if j.inner { (src.tap as u64) << 40 } else { 0 };
+                ^ match j.what {
+                    Nudged::Inputs => 0,
+                    _ => (src.tap as u64) << 40,
+                };
             jitter(j.seed ^ at, j.rel, data);
         }
         true

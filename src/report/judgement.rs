@@ -1,9 +1,9 @@
 //! A judgement for people: the rounding measured (per step kind, output projection, K/V
 //! cache), a summary per step, what was tested under the floors, and the finding.
 
-use crate::judge::hypothesis;
 use crate::judge::replay::KvCache;
 use crate::judge::{EXACT_FIT, Judgement, RoundingFit, rounding_label, rounding_name};
+use crate::judge::{ambiguity, hypothesis};
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
@@ -170,7 +170,7 @@ pub fn judgement(j: &Judgement) -> String {
             .iter()
             .map(|b| match &b.best {
                 Some(t) => format!(
-                    "{} {:.1e} (best {} {:.1e}, cut {})",
+                    "{} {:.1e} (best {} {:.1e}, cut {}{})",
                     b.key,
                     b.own_nmse,
                     t.hypothesis,
@@ -178,6 +178,12 @@ pub fn judgement(j: &Judgement) -> String {
                     match b.cut() {
                         c if c < 100.0 => format!("{c:.1}×"),
                         c => format!("{c:.1e}×"),
+                    },
+                    match b.ambiguity {
+                        Some(d) if !b.explained() => format!(
+                            "; within {f:.0}× of what the engine's own sums may flip there, {d:.1e}: a tie, not the bug", f = ambiguity::FACTOR
+                        ),
+                        _ => String::new(),
                     }
                 ),
                 None => format!("{} {:.1e} (no hypothesis applies)", b.key, b.own_nmse),
