@@ -28,7 +28,14 @@ const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
 /// Spans re-judged at most per judgement (the first that stays out of its floor ends it).
 const MAX_SPANS: usize = 8;
 
-/// How a jittered replay nudges (its seed set by `distance`): each input by a few ulps, as
+/// How jittered replays nudge, their seeds left to `distance`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Nudge {
+    pub rel: f32,
+    pub what: Nudged,
+}
+
+/// How a span's jittered replays nudge: each input by a few ulps, as
 /// engines summing in another order differ at every op. Where no rounding reproduces the
 /// engine's matmuls (their median own NMSE over `EXACT_FIT`), every tensor of the span, the
 /// reference's own inside it too, by as much as those matmuls differ from the closest rounding
@@ -37,16 +44,14 @@ const MAX_SPANS: usize = 8;
 /// engine that cuts its f16 inputs toward zero, with a Q8_0 cache: a decode step's span 1.5e-5
 /// over its 1e-5 floor, its 4-ulp distance under a tenth of that; one with per-token uint8
 /// inputs and a Q4_0 cache: 1.87e-3 over the 1.74e-3 its inputs' nudges alone gave).
-pub(super) fn nudge(floors: &Floors) -> Jitter {
+pub(super) fn nudge(floors: &Floors) -> Nudge {
     let ulps = JITTER_ULPS * f32::EPSILON;
     match floors.mm_median_own {
-        Some(own) if own > EXACT_FIT => Jitter {
-            seed: 0,
+        Some(own) if own > EXACT_FIT => Nudge {
             rel: ulps.max(own.sqrt() as f32),
             what: Nudged::Every,
         },
-        _ => Jitter {
-            seed: 0,
+        _ => Nudge {
             rel: ulps,
             what: Nudged::Inputs,
         },
@@ -54,16 +59,17 @@ pub(super) fn nudge(floors: &Floors) -> Jitter {
 }
 
 /// Nudges as large as the engine's own matmuls differ from the measured rounding (the square
-/// root of their median own NMSE; 4 ulps where the trace judges none alone), on the matmul
-/// outputs inside a span: what this engine's summation order may flip downstream (an 8-bit
-/// activation, a quantized cache's quantum) where nothing is wrong. An engine the rounding
-/// reproduces bit for bit is nudged by nothing.
-pub(super) fn engine_like(floors: &Floors) -> Jitter {
-    Jitter {
-        seed: 0,
+/// root of their median own NMSE), at most 4 ulps (what summing in another order moves; more is
+/// a rounding the judge does not reproduce, such as a soft-capped output projection's, not the
+/// layers' sums), on the matmul outputs inside a span: what this engine's summation order may
+/// flip downstream (an 8-bit activation, a quantized cache's quantum) where nothing is wrong. An
+/// engine the rounding reproduces bit for bit is nudged by nothing.
+pub(super) fn engine_like(floors: &Floors) -> Nudge {
+    let ulps = JITTER_ULPS * f32::EPSILON;
+    Nudge {
         rel: floors
             .mm_median_own
-            .map_or(JITTER_ULPS * f32::EPSILON, |own| own.sqrt() as f32),
+            .map_or(ulps, |own| ulps.min(own.sqrt() as f32)),
         what: Nudged::Matmuls,
     }
 }
@@ -75,7 +81,7 @@ pub(super) fn distance(
     cand: &Candidate,
     base: &Setup,
     key: &super::TapKey,
-    like: Jitter,
+    like: Nudge,
 ) -> Result<f64, JudgeError> {
     let keep = BTreeSet::from([*key]);
     let plain = replay(model, cand, base, &keep)?;
@@ -86,7 +92,11 @@ pub(super) fn distance(
     let mut worst = 0.0f64;
     for seed in SEEDS {
         let setup = Setup {
-            jitter: Some(Jitter { seed, ..like }),
+            jitter: Some(Jitter {
+                seed,
+                rel: like.rel,
+                what: like.what,
+            }),
             ..base.clone()
         };
         let r = replay(model, cand, &setup, &keep)?;

@@ -1017,9 +1017,9 @@ pub struct BelowFloor {
     /// None: every row).
     #[serde(skip)]
     pub rows: Option<usize>,
-    /// Where the best hypothesis cut the own error `EXPLAINS`-fold: what the engine's own
-    /// arithmetic may flip at the key (`ambiguity::engine_like`), which the own error must
-    /// stand `ambiguity::FACTOR` times above to be explained.
+    /// Where the best hypothesis cut the own error `EXPLAINS`-fold but not to 0: what the
+    /// engine's own arithmetic may flip at the key (`ambiguity::engine_like`), which the own
+    /// error must stand `ambiguity::FACTOR` times above to be explained.
     pub ambiguity: Option<f64>,
 }
 
@@ -1221,7 +1221,10 @@ pub(super) fn below_floor(
         // flips a quantized cache's quantum the way the engine's sums did cuts it by chance (a
         // plain f32 engine summing in f32, a 398-token prompt, Q8_0 cache: own 2.4e-12 at
         // layer 1, cut 110x by eps x10; its own sums flip 2.4e-12 there).
-        if check.cut() >= EXPLAINS {
+        // A hypothesis that reproduces the key bit for bit is the engine's arithmetic there:
+        // an engine whose own sums flipped a quantum would leave the rest of its noise.
+        let exact = check.best.as_ref().is_some_and(|t| t.nmse == 0.0);
+        if check.cut() >= EXPLAINS && !exact {
             let base = Setup {
                 rows,
                 ..clean_setup(floors, kv, ex.window)
