@@ -11,7 +11,7 @@
 //! differ by there, and the span is judged against `FACTOR` times it. A bug moves the
 //! candidate, never the clean replays: it is found whenever it stands out of that distance.
 
-use super::hypothesis::clean_setup;
+use super::floor::clean_setup;
 use super::replay::{Candidate, JITTER_ULPS, Jitter, KvCache, Nudged, Setup, Window, replay};
 use super::rounding::EXACT_FIT;
 use super::{Floors, JudgeError, OpResult};

@@ -15,6 +15,7 @@
 //! round the other way than in the engine (f32 noise upstream decides), so spans through a
 //! rounded matmul carry a flip floor.
 
+use super::replay::{Setup, Window};
 use crate::backend::Emulation;
 use crate::backend::family::Act;
 use crate::backend::kvcache::KvCache;
@@ -22,48 +23,8 @@ use crate::gguf::GgmlType;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
 
+pub use super::opclass::{OpClass, class};
 pub use super::span::{SpanOps, span};
-
-/// What kind of arithmetic an op does (its floor).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OpClass {
-    /// Embedding rows: decoded exactly.
-    Lookup,
-    Norm,
-    Matmul,
-    Rope,
-    /// Scores, mask and softmax; the probability-weighted sum of V.
-    Attention,
-    /// Residual adds, SwiGLU.
-    Elementwise,
-}
-
-pub fn class(tap: Tap) -> OpClass {
-    match tap {
-        Tap::Embd => OpClass::Lookup,
-        Tap::AttnNorm
-        | Tap::FfnNorm
-        | Tap::ResultNorm
-        | Tap::QNormed
-        | Tap::KNormed
-        | Tap::AttnPostNorm
-        | Tap::FfnPostNorm => OpClass::Norm,
-        Tap::LogitsUncapped => OpClass::Matmul,
-        Tap::EmbdScaled => OpClass::Elementwise,
-        Tap::Q
-        | Tap::K
-        | Tap::V
-        | Tap::AttnOut
-        | Tap::FfnGate
-        | Tap::FfnUp
-        | Tap::FfnOut
-        | Tap::Logits => OpClass::Matmul,
-        Tap::QRope | Tap::KRope => OpClass::Rope,
-        Tap::KqSoftMax | Tap::KqvOut => OpClass::Attention,
-        Tap::FfnInp | Tap::FfnAct | Tap::LOut => OpClass::Elementwise,
-    }
-}
 
 /// Embedding rows: any correct decoder gives the same f32 (or f16-exact) values.
 pub const LOOKUP: f64 = 1e-12;
@@ -231,4 +192,16 @@ pub fn median(mut v: Vec<f64>) -> Option<f64> {
     }
     v.sort_by(|a, b| a.total_cmp(b));
     Some(v[v.len() / 2])
+}
+
+/// The clean replay of `window` under the measured rounding and cache: what each experiment
+/// at a key varies one thing of.
+pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup {
+    Setup {
+        decode: floors.decode,
+        output: floors.output,
+        kv,
+        kv_decode: floors.kv_decode,
+        ..Setup::clean(floors.rounding, window)
+    }
 }

@@ -8,7 +8,7 @@
 //! one. Text heuristics (`compare::diagnose`) are used only when nothing reproduces it, and
 //! say so.
 
-use super::floor::{Floors, OpClass, SpanOps, class, span};
+use super::floor::{Floors, OpClass, SpanOps, class, clean_setup, span};
 use super::layout::Layout;
 use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::rounding;
@@ -65,18 +65,6 @@ pub(super) fn relevant(
             classes.contains(&OpClass::Matmul) || classes.contains(&OpClass::Lookup)
         }
         _ => classes.contains(&class(shows.tap)),
-    }
-}
-
-/// The clean replay of `window` under the measured rounding and cache: what each experiment
-/// at a key varies one thing of.
-pub(super) fn clean_setup(floors: &Floors, kv: KvCache, window: Window) -> Setup {
-    Setup {
-        decode: floors.decode,
-        output: floors.output,
-        kv,
-        kv_decode: floors.kv_decode,
-        ..Setup::clean(floors.rounding, window)
     }
 }
 

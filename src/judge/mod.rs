@@ -18,6 +18,7 @@ pub mod hypothesis;
 pub mod kv_fit;
 pub mod layout;
 pub mod nonfinite;
+pub mod opclass;
 pub mod position;
 pub mod replay;
 pub mod rope_fit;
@@ -1145,7 +1146,7 @@ fn under_other_roundings(
                 let setup = Setup {
                     mutation,
                     knob,
-                    ..hypothesis::clean_setup(fl, kv, window)
+                    ..floor::clean_setup(fl, kv, window)
                 };
                 let Some(n) = nmse_at(model, cand, &setup, &o.key)? else {
                     continue;
@@ -1298,7 +1299,7 @@ fn screen_closest(
             }
             let clean = Setup {
                 rows: c.rows,
-                ..hypothesis::clean_setup(&fl, kv2, window)
+                ..floor::clean_setup(&fl, kv2, window)
             };
             let Some(bar) = nmse_at(model, cand, &clean, &c.key)? else {
                 continue;
@@ -1366,7 +1367,7 @@ fn confirmed_under(
     let d = ambiguity::distance(
         model,
         cand,
-        &hypothesis::clean_setup(fl, kv2, window),
+        &floor::clean_setup(fl, kv2, window),
         &o.key,
         ambiguity::nudge(fl),
     )?;

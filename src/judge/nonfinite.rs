@@ -5,8 +5,9 @@
 //! and reproduces the finite rest within the key's floor (a fully masked softmax row is NaN in
 //! every entry: `exp(-inf - (-inf))`). No rounding or knob is fitted on such data.
 
+use super::floor::clean_setup;
 use super::floor::{Floors, class};
-use super::hypothesis::{clean_setup, relevant};
+use super::hypothesis::relevant;
 use super::replay::{Candidate, KvCache, Setup, Window, replay};
 use super::span::span;
 use super::{Finding, JudgeError, OpResult};

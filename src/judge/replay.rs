@@ -10,6 +10,7 @@
 
 use super::JudgeError;
 use super::layout::{Layout, is_head_tap};
+use super::opclass::{OpClass, class};
 use crate::backend::mutation::Mutation;
 use crate::backend::positions::RopeAt;
 use crate::backend::{Backend, Emulation, Reference};
@@ -402,7 +403,7 @@ impl Jitter {
         match self.what {
             Nudged::Inputs => false,
             Nudged::Every => true,
-            Nudged::Matmuls => super::floor::class(tap) == super::floor::OpClass::Matmul,
+            Nudged::Matmuls => class(tap) == OpClass::Matmul,
         }
     }
 }
