@@ -738,11 +738,20 @@ fn fit(
             }
         }
     }
+    // The round values within a step of the model's: where no point of the walk beats the
+    // model's value (a flagged key), the answer, if any, lies there; in a span, whose own
+    // error is not monotone in the knob, the walk's best point can be a flip's accident far
+    // away (eps 1e-13 at 6.5e-5 beside the model's 6.8e-5, on a 16-layer span of 8-bit
+    // activations whose engine uses 2e-5, reproduced exactly there).
+    let around_model = span || (best >= own && near);
     if best >= own && near {
-        // The model's value is the best point of the walk: the answer, if any, lies within a
-        // step of it.
         (best_l, best) = (l0, own);
-        for v in round_values(knob, model, v0 as f64, 10f64.powf(step)) {
+    }
+    if around_model {
+        for v in round_values(knob, model, v0 as f64, 10f64.powf(step))
+            .into_iter()
+            .filter(|&v| v != v0)
+        {
             let e = eval(v)?;
             if e < best {
                 (best_l, best) = ((v as f64).log10(), e);
@@ -1009,6 +1018,9 @@ pub struct BelowFloor {
     /// engine's own arithmetic may flip at the key (`ambiguity::engine_like`), which the own
     /// error must stand `ambiguity::FACTOR` times above to be explained.
     pub ambiguity: Option<f64>,
+    /// Where the best hypothesis explained the key but does not hold over the trace: why not
+    /// (`holds`: the differences it predicts elsewhere that the engine does not show).
+    pub not_held: Option<String>,
 }
 
 impl BelowFloor {
@@ -1203,6 +1215,7 @@ pub(super) fn below_floor(
             near,
             rows,
             ambiguity: None,
+            not_held: None,
         };
         // An own error is explained only where it stands well above what this engine's own
         // arithmetic may flip at the key (`ambiguity::engine_like`): under that, a change that
@@ -1222,20 +1235,26 @@ pub(super) fn below_floor(
                 model, cand, &base, &o.key, like,
             )?);
         }
-        let explained = check.explained();
-        checks.push(check);
-        if explained {
+        if check.explained() {
             // Confirmed over every row, as any finding is.
             if rows.is_some() {
                 ex = run(None)?;
             }
             let f = finding(model, cand, o, ops, ex, o.own_nmse / EXPLAINS, true)?;
             // Under the floor only a confirmed bug is a finding: one that cuts this key but
-            // does not hold over the trace leaves it noise.
+            // does not hold over the trace leaves it noise, and the report says why.
             if f.confirmed.is_some() {
+                checks.push(check);
                 return Ok((checks, Some(f)));
             }
+            let best = check.best.as_ref().map(|t| t.hypothesis.name());
+            check.not_held = f
+                .contradicted
+                .iter()
+                .find(|(h, _)| Some(h) == best.as_ref())
+                .map(|(_, why)| why.clone());
         }
+        checks.push(check);
     }
     Ok((checks, None))
 }
@@ -1412,6 +1431,10 @@ fn finding(
         ruled_out,
         fallback,
         explained: below,
+        contradicted: contradicted
+            .iter()
+            .map(|(h, why)| (h.name(), why.clone()))
+            .collect(),
         text,
     })
 }
@@ -1616,7 +1639,11 @@ fn holds(
         (None, Tap::Embd | Tap::EmbdScaled) => -1,
         (None, _) => n_layer as isize,
     };
-    let from = depth(flagged);
+    // A knob is a setting the model applies wherever the op runs (one eps for every norm):
+    // it is held in every layer, before the flagged one too. (Another eps that flips the
+    // flagged span's rounding ties back changes every earlier norm as well, by far more than
+    // an engine reproducing its rounding there shows.)
+    let from = if knob { -1 } else { depth(flagged) };
     // Where it predicts a difference the engine does not show, and where it cuts the own error,
     // each key taking the closest of the replays.
     let weigh = |runs: &[Replay]| {

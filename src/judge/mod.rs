@@ -243,6 +243,9 @@ pub struct Finding {
     /// Whether the flagged key is within its floor, and the finding stands because a known
     /// bug removes its own error (`hypothesis::below_floor`).
     pub explained: bool,
+    /// Hypotheses that reproduce the key but not the rest of the trace: (name, why not).
+    #[serde(skip)]
+    pub contradicted: Vec<(String, String)>,
     pub text: String,
     /// The token position it first shows at (`position::locate`).
     pub position: Option<crate::compare::position::Position>,

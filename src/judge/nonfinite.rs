@@ -73,6 +73,7 @@ fn base_finding(b: &NonFinite, o: &OpResult, text: &str) -> Finding {
         ruled_out: Vec::new(),
         fallback: false,
         explained: false,
+        contradicted: Vec::new(),
         text: format!(
             "{} first appears at {} ({} in {}, of {} values){text}",
             if b.nan > 0 { "NaN" } else { "Inf" },

@@ -179,10 +179,11 @@ pub fn judgement(j: &Judgement) -> String {
                         c if c < 100.0 => format!("{c:.1}×"),
                         c => format!("{c:.1e}×"),
                     },
-                    match b.ambiguity {
-                        Some(d) if !b.explained() => format!(
+                    match (b.ambiguity, &b.not_held) {
+                        (Some(d), _) if !b.explained() => format!(
                             "; within {f:.0}× of what the engine's own sums may flip there, {d:.1e}: a tie, not the bug", f = ambiguity::FACTOR
                         ),
+                        (_, Some(why)) => format!("; not the engine's: {why}"),
                         _ => String::new(),
                     }
                 ),
