@@ -879,3 +879,49 @@ fn a_given_rounding_replays_its_twins_where_a_tie_flips() {
         );
     }
 }
+
+/// The text heuristics, where no experiment reproduces a key, read the op's inputs as the
+/// candidate's own (each op is judged on them, so they match): a key at the start of its
+/// replay window (the output norm, a layer's first norm) was said to have "none of its inputs"
+/// in the trace, in full dumps that hold them. A per-token factor planted on `result_norm` and
+/// on layer 1's `attn_norm`, at every step: the hint names the per-token RMS scale.
+#[test]
+fn heuristics_read_a_window_s_inputs_as_the_candidate_s_own() {
+    let (model, g) = fixture("tiny-llama-f32");
+    for (layer, tap) in [(None, Tap::ResultNorm), (Some(1), Tap::AttnNorm)] {
+        for keep in [(|_: &TapKey| true) as fn(&TapKey) -> bool, sparse] {
+            let t = engine_trace(&model, &g, None, Emulation::None, keep);
+            let mut tensors = std::collections::BTreeMap::new();
+            for k in t.keys() {
+                let mut a = t.get(k).unwrap().unwrap();
+                if k.tap == tap && k.layer == layer {
+                    for (r, mut row) in a.outer_iter_mut().enumerate() {
+                        row.mapv_inplace(|x| x * (1.0 + 0.01 * (r + 1) as f32));
+                    }
+                }
+                tensors.insert(*k, a);
+            }
+            if !tensors.keys().any(|k| k.tap == tap && k.layer == layer) {
+                continue;
+            }
+            let c = memory_trace(
+                "test-engine",
+                "whatever-it-says",
+                "",
+                t.manifest.steps.clone(),
+                tensors,
+            );
+            let j = judged(&model, &c);
+            let f = j.first.as_ref().expect("flagged");
+            assert_eq!(
+                (f.flagged.step, f.flagged.layer, f.flagged.tap),
+                (0, layer, tap),
+                "{}",
+                f.text
+            );
+            assert!(f.confirmed.is_none(), "{}", f.text);
+            assert!(!f.text.contains("none of its inputs"), "{}", f.text);
+            assert!(f.text.contains("per-token RMS scale differs"), "{}", f.text);
+        }
+    }
+}

@@ -75,6 +75,14 @@ fn input_keys(k: TapKey) -> Vec<TapKey> {
     }
 }
 
+/// The taps `k`'s op reads (`input_keys`), the output norm's being the last layer's `l_out`.
+pub(crate) fn op_inputs(k: TapKey, n_layer: usize) -> Vec<TapKey> {
+    match k.tap {
+        Tap::ResultNorm => vec![TapKey::new(k.step, n_layer.checked_sub(1), Tap::LOut)],
+        _ => input_keys(k),
+    }
+}
+
 pub(super) fn diagnose(
     base: &Trace,
     cand: &Trace,

@@ -2,6 +2,7 @@
 //! (step, layer, tap) in graph order whose NMSE crosses its threshold. Knows `trace` only.
 
 mod diagnose;
+pub(crate) use diagnose::op_inputs;
 pub mod metrics;
 pub mod position;
 mod stream;

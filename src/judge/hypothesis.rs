@@ -1933,6 +1933,19 @@ fn heuristic(
     if !ref_t.contains_key(k) {
         return Ok("no heuristic applies".into());
     }
+    // The window's inputs are the candidate's own (each op is judged on its own inputs): they
+    // match by construction, and the heuristics see them so, not as taps the trace lacks.
+    for key in crate::compare::op_inputs(*k, model.config.n_layer) {
+        if ref_t.contains_key(&key) {
+            continue;
+        }
+        if let (Some(c), Some([a, b, cc])) = (cand.get(&key)?, cand.dims(&key)) {
+            let shape: Vec<usize> = if b == 1 { vec![a, cc] } else { vec![a, b, cc] };
+            let t = ArrayD::from_shape_vec(IxDyn(&shape), c).expect("dims");
+            ref_t.insert(key, t.clone());
+            cand_t.insert(key, t);
+        }
+    }
     let steps: Vec<StepInfo> = cand.trace.manifest.steps.clone();
     let mref = ModelRef {
         path: String::new(),
