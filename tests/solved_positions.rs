@@ -277,6 +277,84 @@ fn an_engine_s_rope_positions_are_solved_from_its_trace() {
     assert!(!text.contains("confirmed by experiment"), "{text}");
 }
 
+/// A sparse dump (embeddings, each layer's l_out, the final norm, logits) has no q or k on
+/// either side of RoPE to solve positions from: the rules that start at the first row out of
+/// the floor (or the row before: a small move of a row's own output can stay under its floor)
+/// are each replayed over layer 0's span, and the one that holds over the trace is named —
+/// beside the rules it cannot be told from (k one ahead from 0 is q one behind from 1: only
+/// differences of positions reach attention). Before, these were placed and left unnamed.
+#[test]
+#[cfg_attr(
+    not(parity_llama_cpp),
+    ignore = "needs the Python environment (.venv: numpy, gguf; see README)"
+)]
+fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = root().join("fixtures/tiny-llama-q4_0.gguf");
+    let golden = root().join("golden/tiny-llama-q4_0");
+    for (flag, expr, name, step, pos) in [
+        ("--rope-at", "min(p, 22)", "rope-at:q,k=22@23", 4, 23),
+        ("--rope-at", "p - s", "rope-at:q,k=p-s@20", 1, 20),
+        ("--rope-at", "0 if p >= 7 else p", "rope-at:q,k=0@7", 0, 7),
+        ("--rope-q-at", "min(p, 10)", "rope-at:q=10@11,k=p", 0, 11),
+        ("--rope-k-at", "p + 1", "rope-at:q=p,k=p+1@0", 0, 1),
+        (
+            "--rope-k-at",
+            "p - 1 if p >= 9 else p",
+            "rope-at:q=p,k=p-1@9",
+            0,
+            9,
+        ),
+    ] {
+        for rounding in ["none", "ggml"] {
+            let what = format!("{flag} {expr} {rounding}");
+            let out = tmp.path().join("t.npz");
+            numpy_engine_trace(
+                &py,
+                model.to_str().unwrap(),
+                &golden,
+                &out,
+                None,
+                &[flag, expr, "--taps", "sparse", "--rounding", rounding],
+            );
+            let o = diffed(&golden, &out, &model, true);
+            assert_eq!(o.status.code(), Some(1), "{what}: {}", show(&o));
+            let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            let d = &own_inputs(&j)["first_divergence"];
+            assert_eq!(
+                d["at"]["key"],
+                serde_json::json!({"step": step, "layer": 0, "tap": "l_out"}),
+                "{what}: {d:#}"
+            );
+            let why = d["diagnosis"].as_str().unwrap();
+            let also = why
+                .split("also reproduces it: ")
+                .nth(1)
+                .and_then(|x| x.split(" (this trace").next())
+                .unwrap_or("");
+            assert!(
+                why.contains(&format!(
+                    "confirmed by experiment: {name} reproduces your l_out"
+                )) || (why.contains("confirmed by experiment: rope-at:")
+                    && also.split(", ").any(|a| a == name)),
+                "{what}: {why}"
+            );
+            // Said as what it is: a rule replayed, not positions solved from the rows.
+            assert!(
+                why.contains("a rule starting at the first row out of the floor"),
+                "{what}: {why}"
+            );
+            assert!(!why.contains("solved row by row"), "{what}: {why}");
+            // Placed at (or one row past) where the rule starts.
+            let at = d["position"]["position"].as_u64().unwrap() as usize;
+            assert!(at == pos || at == pos + 1, "{what}: {d:#}");
+        }
+    }
+}
+
 /// The attention read solver on llama.cpp's goldens: every column of every row of every layer
 /// at every step holds its own key (masked where the model masks), or the row cannot tell
 /// (a first row's one column); rows of 2 columns and more always can.

@@ -119,7 +119,7 @@ pub fn forward<O: Ops>(
         ops.leave_layer(l);
     }
 
-    let mut xn = ops.rms_norm(&x, &m.output_norm, eps);
+    let mut xn = ops.rms_norm(&x, &m.output_norm, c.output_norm_eps.unwrap_or(eps));
     tap!(ops, None, Tap::ResultNorm, &[t, e], &mut xn);
 
     // Only the last row's logits are needed unless the sink records them all.

@@ -93,7 +93,9 @@ impl RopeAt {
 
     /// One sentence: "from position 24 on, the engine rotates q and k at p + 1 (RoPE's
     /// angles, solved from the trace, say so row by row)".
-    pub fn describe(self) -> String {
+    /// `solved`: the rule was read from the trace's own rotations, not guessed from where
+    /// the error starts (a sparse dump).
+    pub fn describe(self, solved: bool) -> String {
         let part = |who: &str, r: PosRule| match r {
             PosRule::Own => format!("{who} at its own position"),
             PosRule::Modulo(w) => format!(
@@ -106,8 +108,11 @@ impl RopeAt {
                 r.describe()
             ),
         };
-        let said =
-            "RoPE's angles, solved row by row from the trace's q/k before and after it, say so";
+        let said = if solved {
+            "RoPE's angles, solved row by row from the trace's q/k before and after it, say so"
+        } else {
+            "a rule starting at the first row out of the floor, replayed over the trace: it holds no q or k on both sides of RoPE to solve the positions from"
+        };
         if self.q == self.k {
             format!(
                 "the engine rotates each row of q and k at another position than its own: {} ({said}); the model rotates position p at p",

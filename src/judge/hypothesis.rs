@@ -140,7 +140,10 @@ fn experiments(
         at.catalog(first, rows, &mut tried, &mut setups)?;
         // RoPE's positions solved from the trace, each rule one experiment.
         if fit_scales {
-            for (t, setup) in rope_positions(model, cand, &at.base, k, only)? {
+            let guess = first
+                .filter(|_| at.classes.contains(&OpClass::Rope))
+                .map(|(_, p)| p);
+            for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only)? {
                 setups.insert(t.hypothesis.name(), setup);
                 tried.push((t, None));
             }
@@ -467,21 +470,27 @@ impl AtKey<'_, '_, '_> {
 /// RoPE's positions solved row by row from the trace (a full dump's q/k on both sides of it,
 /// at a flagged `q_rope` or `k_rope`), read as rules and each replayed over the window: a
 /// position bug no catalog entry reproduces (positions from 1, a counter that stops, a shift
-/// past the prompt) is one experiment too. Rules the catalog holds are left to it
-/// (`rope_fit::hypotheses`).
+/// past the prompt) is one experiment too. At a span holding RoPE (a sparse dump: nothing to
+/// solve them from), the rules that start at the first position out of the floor (`guess`:
+/// `rope_fit::guesses`). Rules the catalog holds are left to it.
 fn rope_positions(
     model: &Model,
     cand: &Candidate,
     base: &Setup,
     k: TapKey,
+    guess: Option<usize>,
     only: Option<&BTreeSet<String>>,
 ) -> Result<Vec<(Tried, Setup)>, JudgeError> {
     let mut out = Vec::new();
-    let (Tap::QRope | Tap::KRope, Some(layer)) = (k.tap, k.layer) else {
-        return Ok(out);
-    };
     // The window renumbers its layers from l0; the trace's are the model's.
-    for at in super::rope_fit::hypotheses(model, cand, layer)? {
+    let rules = match (k.tap, k.layer, guess) {
+        (Tap::QRope | Tap::KRope, Some(layer), _) => {
+            super::rope_fit::hypotheses(model, cand, layer)?
+        }
+        (Tap::QRope | Tap::KRope, ..) | (_, _, None) => return Ok(out),
+        (.., Some(p0)) => super::rope_fit::guesses(cand, p0),
+    };
+    for at in rules {
         if only.is_some_and(|o| !o.contains(&at.name())) {
             continue;
         }
@@ -513,6 +522,8 @@ fn knob_acts(
         Knob::AttnSoftcap => classes.contains(&OpClass::Attention),
         Knob::FinalSoftcap => span.iter().any(|x| x.tap == Tap::Logits),
         Knob::RmsEps => classes.contains(&OpClass::Norm),
+        // Where the span holds the final norm (a layer's norms are `RmsEps`'s).
+        Knob::OutputNormEps => span.iter().any(|x| x.tap == Tap::ResultNorm),
         Knob::RopeTheta | Knob::RopeFreqScale => {
             classes.contains(&OpClass::Rope) && model.config.n_rot >= 2
         }
@@ -574,8 +585,9 @@ fn fit_scale(ours: &[f32], theirs: &[f32]) -> Option<(f32, f64)> {
 fn knob_search(knob: Knob, v0: f32) -> (f64, f64, f64) {
     let l0 = (v0 as f64).log10();
     match knob {
-        // A decade a step, 1e-14 to 1 (engines use 1e-12 … 1e-1).
-        Knob::RmsEps => (1.0, -14.0, 0.0),
+        // A decade a step, 1e-14 to 100 (engines use 1e-12 … 1e-1; past 1, an argument
+        // passed in the wrong place).
+        Knob::RmsEps | Knob::OutputNormEps => (1.0, -14.0, 2.0),
         // Half a decade, 10 to 1e9.
         Knob::RopeTheta => (0.5, 1.0, 9.0),
         // A factor 2, from 1/256 to 256 times the model's (an output scale is not walked).
@@ -688,7 +700,21 @@ fn fit(
             _ => format!("{:.2e}", 10f64.powf(l)).parse().unwrap_or(f32::NAN),
         }
     };
-    let (up, down) = (eval(at(l0 + step))?, eval(at(l0 - step))?);
+    let (mut up_l, mut down_l) = (l0 + step, l0 - step);
+    let (mut up, mut down) = (eval(at(up_l))?, eval(at(down_l))?);
+    // A single op whose first steps change nothing says nothing yet of the way to go: the
+    // knob's effect is under f32's resolution there (eps 1e-5 beside a final norm's mean
+    // square of 400, for an engine whose final norm adds 10). Each way is walked on to the
+    // first point that changes the op's output.
+    if !span && up.min(down) >= own {
+        let same = eval(v0)?;
+        for (l, e, dir) in [(&mut up_l, &mut up, 1.0), (&mut down_l, &mut down, -1.0)] {
+            while *e == same && (lo..=hi).contains(&(*l + dir * step)) {
+                *l += dir * step;
+                *e = eval(at(*l))?;
+            }
+        }
+    }
     // The base the trace's own rotation says, where it has q or k on both sides of RoPE: a
     // base between the walk's half-decade points (12000) is reached no other way, RoPE's
     // error not being monotone in it.
@@ -718,15 +744,15 @@ fn fit(
         vec![-1.0]
     };
     let (mut best_l, mut best) = if up <= down {
-        (l0 + step, up)
+        (up_l, up)
     } else {
-        (l0 - step, down)
+        (down_l, down)
     };
     if let Some((l, e)) = solved.filter(|s| s.1 < best) {
         (best_l, best) = (l, e);
     }
     for dir in dirs {
-        let mut l = l0 + dir * step;
+        let mut l = if dir > 0.0 { up_l } else { down_l };
         loop {
             l += dir * step;
             if l < lo || l > hi {
@@ -1707,25 +1733,20 @@ fn holds(
     // anything, and the replay with eps x10 flips one quantum there (5.7e-7). Each such key's
     // hypothesis replay is nudged as the engine's sums differ (`ambiguity::engine_like`); the
     // first key that stands `CONTRADICTS` times above that too contradicts it.
+    // The keys from the first that stands on (past `MAX_TIE_CHECKS` unchecked keys stand).
     let like = super::ambiguity::engine_like(floors);
-    let mut checked = 0;
-    let mut still = Vec::with_capacity(worse.len());
-    for (key, p, h) in worse {
-        if !still.is_empty() || checked == MAX_TIE_CHECKS {
-            still.push((key, p, h));
-            continue;
-        }
-        checked += 1;
+    let mut first = worse.len().min(MAX_TIE_CHECKS);
+    for (i, (key, _, h)) in worse.iter().take(MAX_TIE_CHECKS).enumerate() {
         let at = Setup {
-            window: Window::for_key(cand, &key),
+            window: Window::for_key(cand, key),
             ..setup.clone()
         };
-        let d = super::ambiguity::distance(model, cand, &at, &key, like)?;
-        if h > CONTRADICTS * d {
-            still.push((key, p, h));
+        if *h > CONTRADICTS * super::ambiguity::distance(model, cand, &at, key, like)? {
+            first = i;
+            break;
         }
     }
-    let worse = still;
+    let worse = &worse[first..];
     if let Some((key, p, h)) = worse.first() {
         return Ok(Err(format!(
             "at {key} it moves the own error from {p:.1e} to {h:.1e}{}",
@@ -1759,6 +1780,11 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
         return match knob {
             Knob::RmsEps => format!(
                 "the engine's RMSNorm adds eps {}; the model says {:e} (attention.layer_norm_rms_epsilon; {fitted})",
+                fmt_num(v),
+                c.rms_eps
+            ),
+            Knob::OutputNormEps => format!(
+                "the engine's final RMSNorm (output_norm) adds eps {}, its layers' norms the model's {:e} (attention.layer_norm_rms_epsilon, for every norm; {fitted})",
                 fmt_num(v),
                 c.rms_eps
             ),
@@ -1876,7 +1902,8 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
         };
     }
     if let Hypothesis::RopeAt(at) = h {
-        return at.describe();
+        // Solved at RoPE's own keys; guessed at a span's (`rope_positions`).
+        return at.describe(matches!(k.tap, Tap::QRope | Tap::KRope));
     }
     if let Hypothesis::Layout(l, tap) = *h {
         let l = l.name(tap);
@@ -1914,21 +1941,22 @@ fn heuristic(
     kept: &BTreeMap<TapKey, Vec<f32>>,
     k: &TapKey,
 ) -> Result<String, JudgeError> {
+    // A key's shape as the comparison reads it ([T, n] or [T, heads, d]).
+    let shape = |key: &TapKey| {
+        cand.dims(key).map(|d| match d {
+            [a, 1, c] => vec![a, c],
+            d => d.to_vec(),
+        })
+    };
+    let array =
+        |v: Vec<f32>, shape: &[usize]| ArrayD::from_shape_vec(IxDyn(shape), v).expect("dims");
     let mut ref_t = BTreeMap::new();
     let mut cand_t = BTreeMap::new();
     for (key, v) in kept {
-        let (Some(c), Some([a, b, cc])) = (cand.get(key)?, cand.dims(key)) else {
-            continue;
-        };
-        let shape: Vec<usize> = if b == 1 { vec![a, cc] } else { vec![a, b, cc] };
-        ref_t.insert(
-            *key,
-            ArrayD::from_shape_vec(IxDyn(&shape), v.clone()).expect("dims"),
-        );
-        cand_t.insert(
-            *key,
-            ArrayD::from_shape_vec(IxDyn(&shape), c).expect("dims"),
-        );
+        if let (Some(c), Some(shape)) = (cand.get(key)?, shape(key)) {
+            ref_t.insert(*key, array(v.clone(), &shape));
+            cand_t.insert(*key, array(c, &shape));
+        }
     }
     if !ref_t.contains_key(k) {
         return Ok("no heuristic applies".into());
@@ -1936,12 +1964,10 @@ fn heuristic(
     // The window's inputs are the candidate's own (each op is judged on its own inputs): they
     // match by construction, and the heuristics see them so, not as taps the trace lacks.
     for key in crate::compare::op_inputs(*k, model.config.n_layer) {
-        if ref_t.contains_key(&key) {
-            continue;
-        }
-        if let (Some(c), Some([a, b, cc])) = (cand.get(&key)?, cand.dims(&key)) {
-            let shape: Vec<usize> = if b == 1 { vec![a, cc] } else { vec![a, b, cc] };
-            let t = ArrayD::from_shape_vec(IxDyn(&shape), c).expect("dims");
+        if !ref_t.contains_key(&key)
+            && let (Some(c), Some(shape)) = (cand.get(&key)?, shape(&key))
+        {
+            let t = array(c, &shape);
             ref_t.insert(key, t.clone());
             cand_t.insert(key, t);
         }

@@ -1509,6 +1509,9 @@ fn knob_under_other_caches(
     let mut best: Option<(KvCache, f32, f64)> = None;
     for kv2 in rounding::plain_caches(opt, Some(kv)) {
         if let Some((v2, n2)) = hypothesis::knob_under(model, cand, floors, kv2, f.flagged, knob)?
+            // Where the measured cache leaves something to reproduce (a knob outside the
+            // attention, the final norm's eps, reproduces the key to 0 under every cache).
+            && n > hypothesis::VISIBLE
             && n2 * hypothesis::EXPLAINS <= n
             && best.is_none_or(|b| n2 < b.2)
         {

@@ -209,6 +209,9 @@ pub use crate::backend::kvcache::{CacheType, KvCache};
 pub enum Knob {
     /// RMSNorm's epsilon (`attention.layer_norm_rms_epsilon`).
     RmsEps,
+    /// The final norm's epsilon alone (an engine that passes another constant to its
+    /// `output_norm` than to its layers' norms).
+    OutputNormEps,
     /// RoPE's frequency base (`rope.freq_base`).
     RopeTheta,
     /// RoPE's linear position scale (1 / `rope.scaling.factor`): an engine that ignores the
@@ -230,8 +233,9 @@ pub enum Knob {
 
 impl Knob {
     /// The hyperparameters fitted by search (an output scale is fitted apart, per tap).
-    pub const ALL: [Knob; 6] = [
+    pub const ALL: [Knob; 7] = [
         Knob::RmsEps,
+        Knob::OutputNormEps,
         Knob::RopeTheta,
         Knob::RopeFreqScale,
         Knob::AttnScale,
@@ -243,6 +247,7 @@ impl Knob {
     pub fn name(self) -> String {
         match self {
             Knob::RmsEps => "rms-eps".into(),
+            Knob::OutputNormEps => "output-norm-eps".into(),
             Knob::RopeTheta => "rope-theta".into(),
             Knob::RopeFreqScale => "rope-freq-scale".into(),
             Knob::AttnScale => "attn-scale".into(),
@@ -258,6 +263,7 @@ impl Knob {
     pub fn model_value(self, c: &crate::model::Config) -> f32 {
         match self {
             Knob::RmsEps => c.rms_eps,
+            Knob::OutputNormEps => c.output_norm_eps.unwrap_or(c.rms_eps),
             Knob::RopeTheta => c.rope_theta,
             Knob::RopeFreqScale => c.rope_freq_scale,
             Knob::AttnScale => c.kq_scale,
@@ -276,6 +282,7 @@ impl Knob {
     fn set(self, c: &mut crate::model::Config, v: f32) {
         match self {
             Knob::RmsEps => c.rms_eps = v,
+            Knob::OutputNormEps => c.output_norm_eps = Some(v),
             Knob::RopeTheta => c.rope_theta = v,
             Knob::RopeFreqScale => {
                 // Sliding layers that share the global scaling (gemma2) take the value too;

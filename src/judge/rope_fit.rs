@@ -279,8 +279,49 @@ pub fn hypotheses(
             }
         }
     };
-    // The catalog's own rules are the catalog's to name (rope-q-skipped, rope-k-skipped,
-    // rope-pos-wrap, rope-pos-off-by-one: the first decode position on at p + 1).
+    Ok(novel(cand, pairs, MAX))
+}
+
+/// Rules for where the trace cannot solve RoPE's positions (a sparse dump: no q or k on both
+/// sides of it), from the first position out of the floor `p0`: from there on a counter
+/// stopped the row before (`min(p, p0 - 1)`), no rotation, a shift by one either way, the
+/// index inside the step; each for q and k together and for either alone. A rotation at the
+/// wrong position moves the row at once, so the first row out is where the rule starts (one
+/// that moves q and k alike is invisible: attention sees only their difference).
+pub fn guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
+    let mut rules = Vec::new();
+    // From the row before too: a small move of a row's own output can stay under its floor
+    // (k rotated one early from position 9 on under ggml's rounding first showed at row 10,
+    // and `p-1@10` fitted within the floor).
+    for from in [p0, p0.saturating_sub(1)] {
+        rules.extend([
+            PosRule::StepLocal { from },
+            PosRule::Fixed { from, at: 0 },
+            PosRule::Shift { from, by: 1 },
+        ]);
+        if from > 0 {
+            rules.extend([
+                PosRule::Fixed { from, at: from - 1 },
+                PosRule::Shift { from, by: -1 },
+            ]);
+        }
+    }
+    // A shift of q or k alone from position 0 first shows at row 1: row 0 attends to itself
+    // alone, whatever the score.
+    if p0 <= 2 {
+        rules.extend([-1, 1].map(|by| PosRule::Shift { from: 0, by }));
+    }
+    let pairs = rules
+        .iter()
+        .flat_map(|&r| [(r, r), (r, PosRule::Own), (PosRule::Own, r)])
+        .collect();
+    novel(cand, pairs, 3 * rules.len())
+}
+
+/// The (q, k) rules that move something and that no catalog bug names (rope-q-skipped,
+/// rope-k-skipped, rope-pos-wrap, rope-pos-off-by-one: the first decode position on at
+/// p + 1 — the catalog's to name), each once, at most `max`.
+fn novel(cand: &Candidate, pairs: Vec<(PosRule, PosRule)>, max: usize) -> Vec<RopeAt> {
     let decode0 = cand
         .trace
         .manifest
@@ -302,12 +343,12 @@ pub fn hypotheses(
         if (qr, kr) != (PosRule::Own, PosRule::Own)
             && !catalog(h)
             && !out.contains(&h)
-            && out.len() < MAX
+            && out.len() < max
         {
             out.push(h);
         }
     }
-    Ok(out)
+    out
 }
 
 /// What the trace's own rotations say at `layer`, where no experiment reproduced the key:

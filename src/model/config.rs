@@ -48,6 +48,10 @@ pub struct Config {
     pub n_ff: usize,
     pub n_ctx_train: usize,
     pub rms_eps: f32,
+    /// The final norm's (`output_norm`) epsilon where it differs from `rms_eps`: no model
+    /// sets one; a replay does, to test an engine whose final norm alone adds another eps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_norm_eps: Option<f32>,
     pub rope_type: RopeType,
     pub rope_theta: f32,
     /// Dimensions of each head that RoPE rotates (`rope.dimension_count`, default head_dim).
@@ -266,6 +270,7 @@ impl Config {
             n_ff,
             n_ctx_train,
             rms_eps,
+            output_norm_eps: None,
             rope_type: spec.rope_type,
             rope_theta,
             n_rot,
