@@ -65,7 +65,8 @@ COMPUTE_MUTATIONS = [
     "no-causal-mask", "decoder-nibble-order", "tied-output", "attn-norm-weight-twice",
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
-    "norm-weight-plus-one", "causal-mask-excludes-self",
+    "norm-weight-plus-one", "causal-mask-excludes-self", "no-attn-norm", "no-ffn-norm",
+    "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -431,13 +432,13 @@ class Engine:
             p = f"blk.{l}."
             # A bug placed deep (--mutate-from-layer) acts from that layer on.
             mut = self.mut if l >= m.from_layer else None
-            xn = self.norm(x, p + "attn_norm.weight", mut)
+            xn = x if mut == "no-attn-norm" else self.norm(x, p + "attn_norm.weight", mut)
             rec("attn_norm", l, xn)
             q = self.matmul(p + "attn_q.weight", xn)
             k = self.matmul(p + "attn_k.weight", xn)
             v = self.matmul(p + "attn_v.weight", xn)
             for t, name in ((q, "attn_q.bias"), (k, "attn_k.bias"), (v, "attn_v.bias")):
-                if m.has(p + name):
+                if m.has(p + name) and mut != "no-qkv-bias":
                     t += m.weight(p + name)
             q = q.reshape(T, nh, hd)
             k = k.reshape(T, nkv, hd)
@@ -521,22 +522,25 @@ class Engine:
             rec("kqv_out", l, att)
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
             rec("attn_out", l, attn_out)
-            ffn_inp = (x + attn_out).astype(F32)
+            ffn_inp = attn_out if mut == "no-attn-residual" else (x + attn_out).astype(F32)
             if mut == "attn-out-twice":
                 ffn_inp = (ffn_inp + attn_out).astype(F32)
             rec("ffn_inp", l, ffn_inp)
-            xn = self.norm(ffn_inp, p + "ffn_norm.weight", mut)
+            xn = ffn_inp if mut == "no-ffn-norm" else self.norm(ffn_inp, p + "ffn_norm.weight", mut)
             rec("ffn_norm", l, xn)
             gate = self.matmul(p + "ffn_gate.weight", xn)
             rec("ffn_gate", l, gate)
             up = self.matmul(p + "ffn_up.weight", xn)
             rec("ffn_up", l, up)
             silu = lambda z: (z / (F32(1.0) + np.exp(-z))).astype(F32)
+            if mut == "wrong-ffn-act":  # GELU (tanh) where the model uses SiLU
+                silu = lambda z: (F32(0.5) * z * (F32(1.0) + np.tanh(
+                    F32(0.7978846) * z * (F32(1.0) + F32(0.044715) * z * z)))).astype(F32)
             act = silu(up) * gate if mut == "swiglu-swap" else silu(gate) * up
             rec("ffn_act", l, act.astype(F32))
             ffn_out = self.matmul(p + "ffn_down.weight", act.astype(F32))
             rec("ffn_out", l, ffn_out)
-            x = (ffn_inp + ffn_out).astype(F32)
+            x = ffn_out if mut == "no-ffn-residual" else (ffn_inp + ffn_out).astype(F32)
             if mut == "ffn-out-twice":
                 x = (x + ffn_out).astype(F32)
             rec("l_out", l, x)

@@ -138,6 +138,14 @@ fn c_engine_planted_bugs_are_named_where_they_are() {
         ("kv-slot-late", Some(0), "kq_soft_max", "kv-slot-late"),
         ("attn-out-twice", Some(0), "ffn_inp", "attn-out-twice"),
         ("no-final-norm", None, "result_norm", "no-final-norm"),
+        // An op left out at one site: either norm, either residual add.
+        ("no-attn-norm", Some(0), "attn_norm", "no-attn-norm"),
+        ("no-ffn-norm", Some(0), "ffn_norm", "no-ffn-norm"),
+        ("no-attn-residual", Some(0), "ffn_inp", "no-attn-residual"),
+        ("no-ffn-residual", Some(0), "l_out", "no-ffn-residual"),
+        ("wrong-ffn-act", Some(0), "ffn_act", "wrong-ffn-act"),
+        // The final norm's eps alone, fitted.
+        ("out-norm-eps-1", None, "result_norm", "output-norm-eps=1"),
     ];
     for (bug, layer, tap, name) in cases {
         let out = tmp.path().join(bug);

@@ -103,6 +103,8 @@ fn assert_every_catalog_row(name: &str, rows: &[serde_json::Value]) {
         "pos-restart-per-turn",
         // 4-bit blocks only (below)
         "decoder-nibble-order",
+        // q/k/v biases only: qwen2's (below)
+        "no-qkv-bias",
     ];
     for bug in catalog.iter().filter(|b| !elsewhere.contains(&b.as_str())) {
         assert!(
@@ -115,6 +117,12 @@ fn assert_every_catalog_row(name: &str, rows: &[serde_json::Value]) {
         assert!(
             rows.iter().any(|r| r["case"] == "decoder-nibble-order"),
             "{name}: no row for decoder-nibble-order"
+        );
+    }
+    if name.contains("qwen2") {
+        assert!(
+            rows.iter().any(|r| r["case"] == "no-qkv-bias"),
+            "{name}: no row for no-qkv-bias"
         );
     }
     assert!(rows.iter().all(|r| r["ok"] == true), "{name}: {rows:#?}");

@@ -59,6 +59,19 @@ pub enum Mutation {
     AttnOutTwice,
     /// The feed-forward output is added to the residual twice: l_out = ffn_inp + 2·ffn_out.
     FfnOutTwice,
+    /// The attention's RMSNorm (attn_norm) is left out: q, k and v read the residual itself.
+    NoAttnNorm,
+    /// The feed-forward's RMSNorm (ffn_norm) is left out: gate and up read ffn_inp itself.
+    NoFfnNorm,
+    /// The attention's residual add is left out: ffn_inp = attn_out.
+    NoAttnResidual,
+    /// The feed-forward's residual add is left out: l_out = ffn_out.
+    NoFfnResidual,
+    /// The q, k and v biases (qwen2's attn_q/k/v.bias) are not added.
+    NoQkvBias,
+    /// The feed-forward's gate activation is the other one: SiLU where the model uses GELU
+    /// (tanh), GELU where it uses SiLU.
+    WrongFfnAct,
     /// RoPE rotates k but not q.
     RopeQSkipped,
     /// RoPE rotates q but not k.
@@ -163,6 +176,12 @@ impl Mutation {
         Mutation::NoFinalNorm,
         Mutation::AttnOutTwice,
         Mutation::FfnOutTwice,
+        Mutation::NoAttnNorm,
+        Mutation::NoFfnNorm,
+        Mutation::NoAttnResidual,
+        Mutation::NoFfnResidual,
+        Mutation::NoQkvBias,
+        Mutation::WrongFfnAct,
         Mutation::RopeQSkipped,
         Mutation::RopeKSkipped,
         Mutation::NormWeightPlusOne,
@@ -207,6 +226,12 @@ impl Mutation {
             Mutation::NoFinalNorm => "no-final-norm",
             Mutation::AttnOutTwice => "attn-out-twice",
             Mutation::FfnOutTwice => "ffn-out-twice",
+            Mutation::NoAttnNorm => "no-attn-norm",
+            Mutation::NoFfnNorm => "no-ffn-norm",
+            Mutation::NoAttnResidual => "no-attn-residual",
+            Mutation::NoFfnResidual => "no-ffn-residual",
+            Mutation::NoQkvBias => "no-qkv-bias",
+            Mutation::WrongFfnAct => "wrong-ffn-act",
             Mutation::RopeQSkipped => "rope-q-skipped",
             Mutation::RopeKSkipped => "rope-k-skipped",
             Mutation::NormWeightPlusOne => "norm-weight-plus-one",
@@ -368,6 +393,24 @@ impl Mutation {
             Mutation::FfnOutTwice => {
                 "the feed-forward output is added to the residual twice (l_out = ffn_inp + 2 * ffn_out)"
             }
+            Mutation::NoAttnNorm => {
+                "the attention's RMSNorm (attn_norm) is left out: q, k and v read the residual stream itself"
+            }
+            Mutation::NoFfnNorm => {
+                "the feed-forward's RMSNorm (ffn_norm) is left out: gate and up read ffn_inp itself"
+            }
+            Mutation::NoAttnResidual => {
+                "the attention's residual add is left out (ffn_inp = attn_out, where x + attn_out is meant)"
+            }
+            Mutation::NoFfnResidual => {
+                "the feed-forward's residual add is left out (l_out = ffn_out, where ffn_inp + ffn_out is meant)"
+            }
+            Mutation::NoQkvBias => {
+                "the q, k and v projections' biases (attn_q/k/v.bias) are not added"
+            }
+            Mutation::WrongFfnAct => {
+                "the feed-forward's gate activation is the other one: SiLU where the model uses GELU (tanh), GELU where it uses SiLU"
+            }
             Mutation::RopeQSkipped => "RoPE rotates k but not q",
             Mutation::RopeKSkipped => "RoPE rotates q but not k",
             Mutation::NormWeightPlusOne => {
@@ -472,6 +515,7 @@ impl Mutation {
             Mutation::NoSoftcap => c.attn_softcap.is_some() || c.final_softcap.is_some(),
             Mutation::SwaOffByOne => c.n_swa > 0 && c.swa_layers.iter().any(|&s| s),
             Mutation::QkNormSkipped => model.layers.iter().any(|l| l.q_norm.is_some()),
+            Mutation::NoQkvBias => first_bias_showing(model, 0).is_some(),
             Mutation::QkvSplitOrder => model.layers.iter().any(fused_qkv),
             Mutation::RopeFactorsIgnored => model.layers.iter().any(|l| {
                 l.rope_freqs
@@ -520,7 +564,12 @@ impl Mutation {
             Mutation::KvSlotLate => at(0, Tap::KqSoftMax),
             Mutation::NoFinalNorm => Some(TapKey::new(0, None, Tap::ResultNorm)),
             Mutation::AttnOutTwice => at(0, Tap::FfnInp),
-            Mutation::FfnOutTwice => at(0, Tap::LOut),
+            Mutation::FfnOutTwice | Mutation::NoFfnResidual => at(0, Tap::LOut),
+            Mutation::NoAttnNorm => at(0, Tap::AttnNorm),
+            Mutation::NoFfnNorm => at(0, Tap::FfnNorm),
+            Mutation::NoAttnResidual => at(0, Tap::FfnInp),
+            Mutation::NoQkvBias => first_bias_showing(model, from),
+            Mutation::WrongFfnAct => at(0, Tap::FfnAct),
             // Position 0 is the identity: the prompt's second row shows it.
             Mutation::RopeQSkipped => at(0, Tap::QRope),
             Mutation::RopeKSkipped => at(0, Tap::KRope),
@@ -594,7 +643,12 @@ impl Mutation {
             Mutation::KvSlotLate => "step 0, layer 0, kq_soft_max",
             Mutation::NoFinalNorm => "step 0, result_norm",
             Mutation::AttnOutTwice => "step 0, layer 0, ffn_inp",
-            Mutation::FfnOutTwice => "step 0, layer 0, l_out",
+            Mutation::FfnOutTwice | Mutation::NoFfnResidual => "step 0, layer 0, l_out",
+            Mutation::NoAttnNorm => "step 0, layer 0, attn_norm",
+            Mutation::NoFfnNorm => "step 0, layer 0, ffn_norm",
+            Mutation::NoAttnResidual => "step 0, layer 0, ffn_inp",
+            Mutation::NoQkvBias => "step 0, the first q (k, v) with a bias not all zero",
+            Mutation::WrongFfnAct => "step 0, layer 0, ffn_act",
             Mutation::RopeQSkipped => "step 0, layer 0, q_rope",
             Mutation::RopeKSkipped => "step 0, layer 0, k_rope",
             Mutation::NormWeightPlusOne => "step 0, layer 0, attn_norm",
@@ -773,6 +827,26 @@ fn first_norm_showing(m: Mutation, model: &Model, from: usize) -> Option<TapKey>
         }
     }
     shows(&model.output_norm).then_some(TapKey::new(0, None, Tap::ResultNorm))
+}
+
+/// The first of q, k, v (in graph order, from layer `from` on) whose bias has an element other
+/// than 0: where `no-qkv-bias` first shows.
+fn first_bias_showing(model: &Model, from: usize) -> Option<TapKey> {
+    let shows = |b: &Option<TensorInfo>| {
+        b.as_ref()
+            .is_some_and(|b| model.vector(b).iter().any(|&x| x != 0.0))
+    };
+    model
+        .layers
+        .iter()
+        .enumerate()
+        .skip(from)
+        .find_map(|(l, w)| {
+            [(&w.bq, Tap::Q), (&w.bk, Tap::K), (&w.bv, Tap::V)]
+                .into_iter()
+                .find(|(b, _)| shows(b))
+                .map(|(_, tap)| TapKey::new(0, Some(l), tap))
+        })
 }
 
 /// The first attn_norm whose output `attn-norm-weight-twice` changes (an element not 0 or 1),

@@ -1119,7 +1119,10 @@ impl Ops for Reference<'_> {
 
     fn rms_norm(&mut self, x: &Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
         let layer = layer_of(&w.name);
-        if w.name == "output_norm.weight" && self.mutated(Mutation::NoFinalNorm, None) {
+        if (w.name == "output_norm.weight" && self.mutated(Mutation::NoFinalNorm, None))
+            || (w.name.ends_with(".attn_norm.weight") && self.mutated(Mutation::NoAttnNorm, layer))
+            || (w.name.ends_with(".ffn_norm.weight") && self.mutated(Mutation::NoFfnNorm, layer))
+        {
             return x.clone();
         }
         let mut weight = self.model.vector(w);
@@ -1198,7 +1201,10 @@ impl Ops for Reference<'_> {
     }
 
     fn add_bias(&mut self, mut x: Vec<f32>, b: &TensorInfo) -> Vec<f32> {
-        add_bias(&mut x, &self.model.vector(b));
+        // The only biases in the graph are q's, k's and v's.
+        if !self.mutated(Mutation::NoQkvBias, layer_of(&b.name)) {
+            add_bias(&mut x, &self.model.vector(b));
+        }
         x
     }
 
@@ -1377,6 +1383,11 @@ impl Ops for Reference<'_> {
     fn glu(&mut self, gate: Vec<f32>, up: &Vec<f32>, act: Activation) -> Vec<f32> {
         // The op knows no layer: the last tap before it (ffn_up) said which.
         let swap = self.mutated(Mutation::SwigluSwap, self.layer_now);
+        let act = match (act, self.mutated(Mutation::WrongFfnAct, self.layer_now)) {
+            (a, false) => a,
+            (Activation::Silu, true) => Activation::GeluTanh,
+            (Activation::GeluTanh, true) => Activation::Silu,
+        };
         let f = |g: f32, u: f32| match act {
             Activation::Silu => silu(g) * u,
             Activation::GeluTanh => gelu(g, self.emulation) * u,
@@ -1389,15 +1400,19 @@ impl Ops for Reference<'_> {
 
     fn add(&mut self, a: Vec<f32>, b: &Vec<f32>) -> Vec<f32> {
         // The op knows no place: the last tap before it says which residual this is.
-        if matches!(self.tap_now, Some(Tap::AttnOut | Tap::AttnPostNorm))
-            && self.mutated(Mutation::AttnOutTwice, self.layer_now)
+        let attn = matches!(self.tap_now, Some(Tap::AttnOut | Tap::AttnPostNorm));
+        let ffn = matches!(self.tap_now, Some(Tap::FfnOut | Tap::FfnPostNorm));
+        let l = self.layer_now;
+        if (attn && self.mutated(Mutation::AttnOutTwice, l))
+            || (ffn && self.mutated(Mutation::FfnOutTwice, l))
         {
             return add(&add(&a, b), b);
         }
-        if matches!(self.tap_now, Some(Tap::FfnOut | Tap::FfnPostNorm))
-            && self.mutated(Mutation::FfnOutTwice, self.layer_now)
+        // `a` is the residual stream, `b` the block's output.
+        if (attn && self.mutated(Mutation::NoAttnResidual, l))
+            || (ffn && self.mutated(Mutation::NoFfnResidual, l))
         {
-            return add(&add(&a, b), b);
+            return b.clone();
         }
         add(&a, b)
     }

@@ -278,6 +278,26 @@ impl AtKey<'_, '_, '_> {
             {
                 (best, setup) = c;
             }
+            // A GELU where the model has none (`wrong-ffn-act` on a SiLU model): the
+            // measurement never saw how the engine computes one, f16 table or f32.
+            if h.catalog == Mutation::WrongFfnAct
+                && best > VISIBLE
+                && let Some(c) = closer(
+                    model,
+                    cand,
+                    &k,
+                    best,
+                    rounding::gelu_twins(model, setup.rounding)
+                        .into_iter()
+                        .map(|rounding| Setup {
+                            rounding,
+                            ..setup.clone()
+                        })
+                        .collect(),
+                )?
+            {
+                (best, setup) = c;
+            }
             // The K/V cache was measured with the bug in the window, where a bug that moves
             // attention outweighs every cache's rounding (and the first, f32, is kept): a
             // hypothesis that cuts the error 2x but leaves a cache's own noise (1e-5..1e-2 for

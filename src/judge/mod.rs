@@ -657,8 +657,19 @@ impl Judging<'_> {
             below_floor: Vec::new(),
             retry: None,
         };
+        // A finite op out of its floor before the first non-finite value is where the engine
+        // first diverges, the overflow a consequence: an engine without its FFN norm on a
+        // generated 16-layer model is off at layer 0's ffn_norm and overflows at layer 8,
+        // where a bug that scales the residual stream "reproduced" the same Inf places.
+        let earlier = |b: &nonfinite::NonFinite| {
+            j.ops
+                .iter()
+                .find(|o| !o.pass)
+                .is_some_and(|o| o.key < b.key && !o.metrics.non_finite_failure())
+        };
         if let Some((b, o)) = self
             .bad
+            .filter(|b| !earlier(b))
             .and_then(|b| Some((b, j.ops.iter().find(|o| o.key == b.key)?)))
         {
             let f = nonfinite::candidate(
@@ -687,7 +698,8 @@ impl Judging<'_> {
             return Ok(found(nonfinite::recomputed(&b, o)));
         }
         let ops = &j.ops;
-        let f = hypothesis::diagnose(model, cand, floors, kv, o, ops, opt.hypotheses)?;
+        // Experiments run on the finite part of a trace that overflows later (`earlier`).
+        let f = hypothesis::diagnose(model, cand, floors, kv, o, ops, self.experiments)?;
         let again = match &f.confirmed {
             _ if remeasured => None,
             None if opt.hypotheses => {

@@ -151,6 +151,22 @@ pub fn twins(model: &Model, r: Emulation) -> Vec<Emulation> {
         .collect()
 }
 
+/// The families that round every matmul input of this model as `r` does but compute GELU the
+/// other way (ggml-cpu's f16 table, or in f32): on an F32 model plain f32 and ggml-cpu differ in
+/// nothing else. A SiLU model's measurement never sees a GELU, so a hypothesis that brings one
+/// in is replayed under these too.
+pub fn gelu_twins(model: &Model, r: Emulation) -> Vec<Emulation> {
+    let tys = weight_types(model);
+    Emulation::ALL
+        .into_iter()
+        .filter(|t| t.gelu() != r.gelu())
+        .filter(|t| {
+            tys.iter()
+                .all(|&(ty, n)| t.act_type(ty, n) == r.act_type(ty, n))
+        })
+        .collect()
+}
+
 /// `floors` with the layers rounded as `r`. The output projection keeps the rounding measured
 /// for it: its own where it was measured apart, else the layers' (measured with them), which a
 /// tie twin `r` stands for — the same grid, the ties settled per key by [`refit_ties`] (a

@@ -10,18 +10,24 @@
  *     toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug NAME]
  *     parity diff GOLDEN_DIR OUT_DIR
  *
- * --bug plants one bug. Six are in parity's catalog (src/backend/mutation.rs):
+ * --bug plants one bug. Eleven are in parity's catalog (src/backend/mutation.rs):
  *   rope-neox         RoPE pairs (i, i + n_rot/2) where the model pairs neighbours (2i, 2i+1)
  *   rms-eps-10x       every RMSNorm adds 10x the model's epsilon
  *   swiglu-swap       the FFN computes silu(up) * gate instead of silu(gate) * up
  *   kv-slot-late      K/V are written at slot p + 1 for position p (slot 0 stays empty)
  *   no-final-norm     the output norm is left out: the logits read the last layer's output
  *   attn-out-twice    the attention output is added to the residual twice
- * and four are values no catalog lists, which parity fits:
+ *   no-attn-norm      the attention's RMSNorm is left out: q, k, v read the residual itself
+ *   no-ffn-norm       the FFN's RMSNorm is left out: gate and up read ffn_inp itself
+ *   no-attn-residual  the attention's residual add is left out: ffn_inp = attn_out
+ *   no-ffn-residual   the FFN's residual add is left out: l_out = ffn_out
+ *   wrong-ffn-act     the FFN's gate goes through GELU (tanh) where the model uses SiLU
+ * and five are values no catalog lists, which parity fits:
  *   rms-eps-1e-3      every RMSNorm adds 1e-3, whatever the model says
  *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
  *   attn-scale-inv-d  attention scores are divided by head_dim, not its square root
  *   no-attn-scale     attention scores are not scaled at all
+ *   out-norm-eps-1    the final norm alone adds eps 1 (the layers' norms the model's)
  * and four constant factors no catalog lists, which parity fits as output scales:
  *   embd-scale-sqrt   the embedding rows are multiplied by sqrt(n_embd), as gemma's are
  *   ffn-out-half      the FFN output is halved (a residual multiplier the model lacks)
@@ -50,14 +56,17 @@ enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E
        BUG_ROPE_THETA_20000, BUG_ATTN_SCALE_INV_D, BUG_NO_ATTN_SCALE, BUG_KV_SLOT_LATE,
        BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE, BUG_KV_RING_13, BUG_ROPE_POS_MOD_11,
        BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP, BUG_FFN_OUT_HALF_L0,
-       BUG_ROPE_POS_FROM_1, BUG_ROPE_POS_STUCK };
+       BUG_ROPE_POS_FROM_1, BUG_ROPE_POS_STUCK, BUG_NO_ATTN_NORM, BUG_NO_FFN_NORM,
+       BUG_NO_ATTN_RESIDUAL, BUG_NO_FFN_RESIDUAL, BUG_OUT_NORM_EPS_1, BUG_WRONG_FFN_ACT };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
                                         "attn-scale-inv-d", "no-attn-scale",
                                         "kv-slot-late",  "no-final-norm",    "attn-out-twice",
                                         "kv-ring-13",    "rope-pos-mod-11",  "embd-scale-sqrt",
                                         "ffn-out-half",  "logits-temp",     "ffn-out-half-l0",
-                                        "rope-pos-from-1", "rope-pos-stuck"};
+                                        "rope-pos-from-1", "rope-pos-stuck",
+                                        "no-attn-norm",  "no-ffn-norm",     "no-attn-residual",
+                                        "no-ffn-residual", "out-norm-eps-1", "wrong-ffn-act"};
 
 /* The cache slot of position p: p itself, or p % 13 in the ring-buffer bug. */
 static size_t slot(size_t p, int bug) { return bug == BUG_KV_RING_13 ? p % 13 : p; }
@@ -473,7 +482,10 @@ int main(int argc, char **argv) {
                       *act = b[FFN_ACT] + i * nff, *fo = b[FFN_OUT] + i * e,
                       *lo = b[L_OUT] + i * e;
 #define W(suffix, d0, d1) (snprintf(name, sizeof name, "blk.%zu." suffix, l), need(&m, name, d0, d1))
-                rms_norm(x, W("attn_norm.weight", e, 1), e, eps, xn);
+                if (bug == BUG_NO_ATTN_NORM)
+                    memcpy(xn, x, e * sizeof *x);
+                else
+                    rms_norm(x, W("attn_norm.weight", e, 1), e, eps, xn);
                 matvec(W("attn_q.weight", e, qw), e, qw, xn, q);
                 matvec(W("attn_k.weight", e, kw), e, kw, xn, k);
                 matvec(W("attn_v.weight", e, kw), e, kw, xn, v);
@@ -514,26 +526,33 @@ int main(int argc, char **argv) {
                 }
                 matvec(W("attn_output.weight", qw, e), qw, e, att, ao);
                 for (d = 0; d < e; d++)
-                    fi[d] = bug == BUG_ATTN_OUT_TWICE ? x[d] + ao[d] + ao[d] : x[d] + ao[d];
-                rms_norm(fi, W("ffn_norm.weight", e, 1), e, eps, fn);
+                    fi[d] = bug == BUG_ATTN_OUT_TWICE     ? x[d] + ao[d] + ao[d]
+                            : bug == BUG_NO_ATTN_RESIDUAL ? ao[d]
+                                                          : x[d] + ao[d];
+                if (bug == BUG_NO_FFN_NORM)
+                    memcpy(fn, fi, e * sizeof *fi);
+                else
+                    rms_norm(fi, W("ffn_norm.weight", e, 1), e, eps, fn);
                 matvec(W("ffn_gate.weight", e, nff), e, nff, fn, gate);
                 matvec(W("ffn_up.weight", e, nff), e, nff, fn, up);
                 for (d = 0; d < nff; d++) {
                     float a = bug == BUG_SWIGLU_SWAP ? up[d] : gate[d];
                     float o = bug == BUG_SWIGLU_SWAP ? gate[d] : up[d];
-                    act[d] = a / (1.0f + expf(-a)) * o;
+                    act[d] = bug == BUG_WRONG_FFN_ACT
+                                 ? 0.5f * a * (1.0f + tanhf(0.7978846f * a * (1.0f + 0.044715f * a * a))) * o
+                                 : a / (1.0f + expf(-a)) * o;
                 }
                 matvec(W("ffn_down.weight", nff, e), nff, e, act, fo);
                 if (bug == BUG_FFN_OUT_HALF || (bug == BUG_FFN_OUT_HALF_L0 && l == 0))
                     for (d = 0; d < e; d++) fo[d] *= 0.5f;
 #undef W
-                for (d = 0; d < e; d++) lo[d] = fi[d] + fo[d];
+                for (d = 0; d < e; d++) lo[d] = bug == BUG_NO_FFN_RESIDUAL ? fo[d] : fi[d] + fo[d];
                 x = lo;
             }
             if (bug == BUG_NO_FINAL_NORM)
                 memcpy(res_norm + i * e, x, e * sizeof *x);
             else
-                rms_norm(x, out_norm, e, eps, res_norm + i * e);
+                rms_norm(x, out_norm, e, bug == BUG_OUT_NORM_EPS_1 ? 1.0f : eps, res_norm + i * e);
             matvec(out_w, e, nv, res_norm + i * e, logits + i * nv);
             if (bug == BUG_LOGITS_TEMP)
                 for (d = 0; d < nv; d++) logits[i * nv + d] /= 0.8f;
