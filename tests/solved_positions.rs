@@ -177,6 +177,24 @@ fn llama_cpp_rotates_every_row_at_its_own_position() {
     }
 }
 
+/// The finding `d` confirms the RoPE rule `name` at `tap`, or confirms one the trace cannot
+/// tell from it and lists `name` beside it ("also reproduces it").
+fn assert_rule_named(d: &serde_json::Value, name: &str, tap: &str, what: &str) {
+    let why = d["diagnosis"].as_str().unwrap();
+    let also = why
+        .split("also reproduces it: ")
+        .nth(1)
+        .and_then(|x| x.split(" (this trace").next())
+        .unwrap_or("");
+    assert!(
+        why.contains(&format!(
+            "confirmed by experiment: {name} reproduces your {tap}"
+        )) || (why.contains("confirmed by experiment: rope-at:")
+            && also.split(", ").any(|a| a == name)),
+        "{what}: {why}"
+    );
+}
+
 /// The numpy engine (out of process) with positions from an expression of p (the row's
 /// position) and s (its step's first): named as the rule; one no rule gives is not named, and
 /// the solved rows are printed as measured.
@@ -242,19 +260,7 @@ fn an_engine_s_rope_positions_are_solved_from_its_trace() {
         assert_eq!(d["position"]["position"], pos, "{what}: {d:#}");
         // Named as the rule, or beside its equal where the rows cannot tell them apart (one
         // row at 22 from 23 on: stopped at 22, or one early).
-        let why = d["diagnosis"].as_str().unwrap();
-        let also = why
-            .split("also reproduces it: ")
-            .nth(1)
-            .and_then(|x| x.split(" (this trace").next())
-            .unwrap_or("");
-        assert!(
-            why.contains(&format!(
-                "confirmed by experiment: {name} reproduces your {tap}"
-            )) || (why.contains("confirmed by experiment: rope-at:")
-                && also.split(", ").any(|a| a == name)),
-            "{what}: {why}"
-        );
+        assert_rule_named(d, name, tap, &what);
     }
     // One row rotated elsewhere: no rule gives it; the rows are measured, not named.
     let out = tmp.path().join("odd.npz");
@@ -329,19 +335,8 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
                 serde_json::json!({"step": step, "layer": 0, "tap": "l_out"}),
                 "{what}: {d:#}"
             );
+            assert_rule_named(d, name, "l_out", &what);
             let why = d["diagnosis"].as_str().unwrap();
-            let also = why
-                .split("also reproduces it: ")
-                .nth(1)
-                .and_then(|x| x.split(" (this trace").next())
-                .unwrap_or("");
-            assert!(
-                why.contains(&format!(
-                    "confirmed by experiment: {name} reproduces your l_out"
-                )) || (why.contains("confirmed by experiment: rope-at:")
-                    && also.split(", ").any(|a| a == name)),
-                "{what}: {why}"
-            );
             // Said as what it is: a rule replayed, not positions solved from the rows.
             assert!(
                 why.contains("a rule starting at the first row out of the floor"),
