@@ -66,7 +66,7 @@ COMPUTE_MUTATIONS = [
     "rope-pos-off-by-one", "kv-slot-late", "no-final-norm", "attn-out-twice",
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
     "norm-weight-plus-one", "causal-mask-excludes-self", "no-attn-norm", "no-ffn-norm",
-    "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act",
+    "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -514,8 +514,15 @@ class Engine:
                         khs = np.stack([kh[a] if 0 <= a < n_kv else np.zeros(hd, F64) for a in at])
                         vhs = np.stack([vh[a] if 0 <= a < n_kv else np.zeros(hd, F64) for a in at])
                     s = (khs @ q[i, h].astype(F64)).astype(F32) * kq_scale
-                    e = np.exp(s - s.max()).astype(F32)
-                    pr = e * F32(1.0 / np.sum(e.astype(F64)))
+                    if mut == "softmax-no-max":
+                        # exp(s) / sum: a score over ln(f32 max) ~ 88.7 overflows to inf,
+                        # 1/sum to 0, and inf * 0 is NaN there.
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            e = np.exp(s).astype(F32)
+                            pr = e * F32(1.0 / np.sum(e.astype(F64)))
+                    else:
+                        e = np.exp(s - s.max()).astype(F32)
+                        pr = e * F32(1.0 / np.sum(e.astype(F64)))
                     probs[h, i, start:vis] = pr
                     att[i, h * hd:(h + 1) * hd] = (pr.astype(F64) @ vhs).astype(F32)
             rec("kq_soft_max", l, probs)

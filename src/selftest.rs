@@ -289,7 +289,8 @@ pub fn run(
     on_row: &mut dyn FnMut(&Row),
 ) -> Result<Vec<Row>, SelftestError> {
     let golden = open_golden(model, opt)?;
-    let cases = cases(model, opt, &crate::trace::step_shapes(&golden))?;
+    let overflows = overflow_at(&golden, model, opt.from_layer)?.is_some();
+    let cases = cases(model, opt, &crate::trace::step_shapes(&golden), overflows)?;
     let made = match &opt.keep {
         Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),
         None => private_temp_dir(),
@@ -384,9 +385,14 @@ fn one_row(
         _ => None,
     };
     let steps = crate::trace::step_shapes(golden);
+    let overflow = match case {
+        Case::Bug(Mutation::SoftmaxNoMax) => first_non_finite(&cand)?,
+        _ => None,
+    };
     let seen = Seen {
         observable,
         steps: &steps,
+        overflow,
     };
     let mut row = judge_row(case, engine, rounding, opt, model, &o, &seen);
     if let (Some(k), Some(exp)) = (observable, &row.expected)
@@ -490,13 +496,106 @@ fn open_golden(model: &Model, opt: &SelftestOptions) -> Result<Trace, SelftestEr
     Ok(golden)
 }
 
+/// ln(f32::MAX): exp of a larger score is +Inf in f32.
+const EXP_OVERFLOW: f32 = 88.722_84;
+
+/// Where an engine whose softmax does not subtract its row's max (softmax-no-max) overflows
+/// on the golden's run (whether it is a case here): the first (step, layer from `from` on) at whose
+/// `kq_soft_max` a visible score q·k·scale, from the golden's own q_rope and k_rope (the
+/// earlier steps' k_rope its cache), passes ln(f32::MAX). None where none does, where the
+/// golden lacks those taps, or where the largest score lies within 1e-2 of the limit (an
+/// engine's own rounding could land it either side).
+pub fn overflow_at(
+    golden: &Trace,
+    model: &Model,
+    from: usize,
+) -> Result<Option<TapKey>, SelftestError> {
+    use crate::trace::Tap;
+    let c = &model.config;
+    // A soft-cap bounds every score: exp(cap) is finite for any cap a model uses.
+    if c.attn_softcap.is_some() {
+        return Ok(None);
+    }
+    let (nh, nkv, hd) = (c.n_head, c.n_head_kv, c.head_dim);
+    if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) {
+        return Ok(None);
+    }
+    let mut keys: Vec<Vec<f32>> = vec![Vec::new(); c.n_layer];
+    for s in &golden.manifest.steps {
+        let Some(&pos0) = s.positions.first() else {
+            continue;
+        };
+        for (l, cache) in keys.iter_mut().enumerate() {
+            let q = golden.get(&TapKey::new(s.step, Some(l), Tap::QRope))?;
+            let k = golden.get(&TapKey::new(s.step, Some(l), Tap::KRope))?;
+            let (Some(q), Some(k)) = (q, k) else {
+                return Ok(None);
+            };
+            let (q, k) = (q.into_raw_vec_and_offset().0, k.into_raw_vec_and_offset().0);
+            let t = s.positions.len();
+            if q.len() != t * nh * hd || k.len() != t * nkv * hd || cache.len() != pos0 * nkv * hd {
+                return Ok(None);
+            }
+            cache.extend_from_slice(&k);
+            if l < from {
+                continue;
+            }
+            let window = if c.swa_layers.get(l).copied().unwrap_or(false) {
+                c.n_swa
+            } else {
+                0
+            };
+            let mut max = f32::NEG_INFINITY;
+            for i in 0..t {
+                let p = pos0 + i;
+                let first = if window > 0 {
+                    (p + 1).saturating_sub(window)
+                } else {
+                    0
+                };
+                for h in 0..nh {
+                    let qh = &q[(i * nh + h) * hd..][..hd];
+                    let g = h / (nh / nkv);
+                    for j in first..=p {
+                        let kh = &cache[(j * nkv + g) * hd..][..hd];
+                        let dot: f32 = qh.iter().zip(kh).map(|(a, b)| a * b).sum();
+                        max = max.max(dot * c.kq_scale);
+                    }
+                }
+            }
+            if (max - EXP_OVERFLOW).abs() < 1e-2 {
+                return Ok(None);
+            }
+            if max > EXP_OVERFLOW {
+                return Ok(Some(TapKey::new(s.step, Some(l), Tap::KqSoftMax)));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The first key (in graph order) where `t` holds a NaN or an Inf. Where softmax-no-max's
+/// engine overflows is its own: on a deep model whose attention is nearly one-hot, an
+/// engine's rounding moves its scores by more than a golden's can say (a 16-layer model with
+/// q and k 5x the usual, plain f32 against llama.cpp's golden: NMSE 0.3 by the last layer,
+/// and the first overflow at step 1 layer 15 where the golden's largest score is 66).
+fn first_non_finite(t: &Trace) -> Result<Option<TapKey>, SelftestError> {
+    for k in t.keys() {
+        if t.get(k)?.is_some_and(|v| v.iter().any(|x| !x.is_finite())) {
+            return Ok(Some(*k));
+        }
+    }
+    Ok(None)
+}
+
 /// The clean run, then each catalog bug that applies to the model and can show in this
 /// dump at this depth (a layout bug also with its layout declared; a position bug where the
-/// golden's run reaches its position).
+/// golden's run reaches its position; softmax-no-max where a score `overflows`).
 fn cases(
     model: &Model,
     opt: &SelftestOptions,
     steps: &[(usize, usize, usize)],
+    overflows: bool,
 ) -> Result<Vec<Case>, SelftestError> {
     let mut cases = vec![Case::Clean];
     for &m in Mutation::ALL {
@@ -506,6 +605,10 @@ fn cases(
             continue;
         }
         if !m.applies_to(model) || (m.positional() && m.first_position(steps).is_none()) {
+            continue;
+        }
+        // Without an overflow it computes the same numbers to f32 rounding: nothing to find.
+        if m == Mutation::SoftmaxNoMax && !overflows {
             continue;
         }
         // A prompt shorter than a block of mask-tail-block is unmasked whole: at the first
@@ -725,6 +828,8 @@ fn numpy_args(
 struct Seen<'a> {
     observable: Option<TapKey>,
     steps: &'a [(usize, usize, usize)],
+    /// Where softmax-no-max's engine first overflowed: the first non-finite key of its trace.
+    overflow: Option<TapKey>,
 }
 
 /// The row of one case: whether `diff`'s verdict `o` is what the case must give.
@@ -788,6 +893,9 @@ fn judge_row(
             let at_position = m.first_position(steps);
             if let Some((step, _)) = at_position {
                 exp.step = step;
+            }
+            if let Some(k) = seen.overflow.filter(|_| m == Mutation::SoftmaxNoMax) {
+                exp = k;
             }
             // Where the sparse trace first differs from the clean engine's, if that is later.
             // (TapKey orders by graph: embedding taps, layers, output taps.)

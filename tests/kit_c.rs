@@ -1541,3 +1541,66 @@ fn the_docs_show_what_the_c_engine_prints() {
         &printed,
     );
 }
+
+/// A softmax that does not subtract its row's max, in the C engine on a model whose scores
+/// pass exp's f32 overflow (`fixture --type f32 --qk-gain 8`: q·k/√d up to ~200): the clean
+/// engine passes there, and the bug's NaN is placed at layer 0's kq_soft_max and named by
+/// experiment (the same non-finite values at the same places). (Sparse dumps of it:
+/// tests/selftest.rs, through the numpy engine.)
+#[test]
+#[cfg_attr(
+    not(all(parity_cc, parity_llama_cpp)),
+    ignore = "needs a C compiler and llama-cpp-python (.ci/run installs it; then touch build.rs)"
+)]
+fn c_engine_softmax_without_its_max_is_named_where_scores_overflow() {
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let toy = toy(tmp.path());
+    let m = tmp.path().join("hot.gguf");
+    let g = tmp.path().join("golden");
+    let (ms, gs) = (m.to_str().unwrap(), g.to_str().unwrap());
+    let o = parity(&["fixture", "--type", "f32", "--qk-gain", "8", "--out", ms]);
+    assert!(o.status.success(), "{}", show(&o));
+    let o = parity(&[
+        "golden",
+        ms,
+        "--prompt",
+        "Once upon a time there was a little girl named Lily",
+        "--steps",
+        "4",
+        "--out",
+        gs,
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    for bug in [None, Some("softmax-no-max")] {
+        let out = tmp.path().join(bug.unwrap_or("clean"));
+        let mut c = Command::new(&toy);
+        c.arg(&m).arg(&g).arg(&out);
+        if let Some(b) = bug {
+            c.args(["--bug", b]);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{bug:?}: {}", show(&o));
+        let o = parity(&["diff", gs, out.to_str().unwrap(), "--json", "-"]);
+        let j: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)));
+        let Some(_) = bug else {
+            assert_eq!(o.status.code(), Some(0), "clean: {j:#}");
+            continue;
+        };
+        assert_eq!(o.status.code(), Some(1), "{j:#}");
+        let d = &own_inputs(&j)["first_divergence"];
+        assert_eq!(
+            d["at"]["key"],
+            serde_json::json!({"step": 0, "layer": 0, "tap": "kq_soft_max"}),
+            "{d:#}"
+        );
+        let why = d["diagnosis"].as_str().unwrap();
+        assert!(
+            why.contains("confirmed by experiment: softmax-no-max reproduces it (the same non-finite values at the same places"),
+            "{why}"
+        );
+    }
+}

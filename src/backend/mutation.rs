@@ -50,6 +50,10 @@ pub enum Mutation {
     /// The causal mask leaves each row's own position out (`j < i`): position 0 sees nothing,
     /// and its softmax over a row masked everywhere is NaN.
     CausalMaskExcludesSelf,
+    /// The softmax does not subtract its row's max: exp(s) / Σ exp(s). The same numbers to
+    /// f32 rounding until a score passes ln(f32::MAX) ≈ 88.7, where exp overflows and the
+    /// row's probabilities are Inf/Inf = NaN (and 0 beside them).
+    SoftmaxNoMax,
     /// K/V written one slot after their position at every step, the prompt included: slot 0
     /// stays empty and attention reads each earlier token's K/V one place late.
     KvSlotLate,
@@ -172,6 +176,7 @@ impl Mutation {
         Mutation::NoCausalMask,
         Mutation::CausalMaskOffByOne,
         Mutation::CausalMaskExcludesSelf,
+        Mutation::SoftmaxNoMax,
         Mutation::KvSlotLate,
         Mutation::NoFinalNorm,
         Mutation::AttnOutTwice,
@@ -222,6 +227,7 @@ impl Mutation {
             Mutation::NoCausalMask => "no-causal-mask",
             Mutation::CausalMaskOffByOne => "causal-mask-off-by-one",
             Mutation::CausalMaskExcludesSelf => "causal-mask-excludes-self",
+            Mutation::SoftmaxNoMax => "softmax-no-max",
             Mutation::KvSlotLate => "kv-slot-late",
             Mutation::NoFinalNorm => "no-final-norm",
             Mutation::AttnOutTwice => "attn-out-twice",
@@ -380,6 +386,9 @@ impl Mutation {
             }
             Mutation::CausalMaskExcludesSelf => {
                 "the causal mask leaves each row's own position out (`j < i`): the first position sees nothing, and a softmax over a row masked everywhere is NaN"
+            }
+            Mutation::SoftmaxNoMax => {
+                "the attention softmax does not subtract its row's max: exp(s) / sum exp(s), which overflows where a score passes 88.7 (ln of f32's largest value) and gives NaN there"
             }
             Mutation::KvSlotLate => {
                 "K/V are written one slot after their position at every step, the prompt included: attention reads an empty slot 0 and each earlier token's K/V one place late"
@@ -551,6 +560,9 @@ impl Mutation {
             | Mutation::NoCausalMask
             | Mutation::CausalMaskOffByOne
             | Mutation::CausalMaskExcludesSelf => at(0, Tap::KqSoftMax),
+            // Where a score first overflows; the layer and step are the run's
+            // (`selftest::overflow_at` finds them in a golden).
+            Mutation::SoftmaxNoMax => at(0, Tap::KqSoftMax),
             Mutation::TransposedWo => at(0, Tap::AttnOut),
             Mutation::RmsEps10x => at(0, Tap::AttnNorm),
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {
@@ -633,6 +645,7 @@ impl Mutation {
             | Mutation::NoCausalMask
             | Mutation::CausalMaskOffByOne
             | Mutation::CausalMaskExcludesSelf => "step 0, layer 0, kq_soft_max",
+            Mutation::SoftmaxNoMax => "the first kq_soft_max with a score over 88.7",
             Mutation::TransposedWo => "step 0, layer 0, attn_out",
             Mutation::RmsEps10x => "step 0, layer 0, attn_norm",
             Mutation::NormWeightTwice | Mutation::NormWeightMissing => {

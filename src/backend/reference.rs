@@ -474,7 +474,9 @@ impl<'m> Reference<'m> {
         let kc = &self.k_cache[layer];
         let kv_head = self.kv_head(layer, a);
         let no_cap = self.mutated(Mutation::NoSoftcap, Some(layer));
-        let flash = self.kv.f16_accumulator(t);
+        let no_max = self.mutated(Mutation::SoftmaxNoMax, Some(layer));
+        // An online (flash) softmax keeps a running max by construction.
+        let flash = self.kv.f16_accumulator(t) && !no_max;
         let mut qh = vec![0.0f32; hd];
         let mut flash_scores = Vec::new();
         for i in 0..t {
@@ -504,7 +506,11 @@ impl<'m> Reference<'m> {
             if flash {
                 flash_scores.push(seen.clone().map(|j| (j, p[j])).collect());
             }
-            softmax(&mut p[seen]);
+            if no_max {
+                softmax_no_max(&mut p[seen]);
+            } else {
+                softmax(&mut p[seen]);
+            }
         }
         flash_scores
     }
@@ -1481,6 +1487,20 @@ pub(crate) fn softmax(x: &mut [f32]) {
     let mut sum = 0.0f64;
     for v in x.iter_mut() {
         *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// [`softmax`] without the max subtracted (the catalog's softmax-no-max): a score over
+/// ln(f32::MAX) gives exp = Inf, so 1/sum = 0 and Inf·0 = NaN there, 0 beside it.
+fn softmax_no_max(x: &mut [f32]) {
+    let mut sum = 0.0f64;
+    for v in x.iter_mut() {
+        *v = v.exp();
         sum += *v as f64;
     }
     let inv = (1.0 / sum) as f32;

@@ -372,6 +372,12 @@ pub struct FixtureArgs {
     /// tensors.
     #[arg(long)]
     rope_scale: Option<f32>,
+    /// Scale attn_q and attn_k's weights by this factor: attention scores G² times larger.
+    /// At 8 a llama fixture's largest scores pass 88, where exp overflows in f32 (an engine
+    /// whose softmax does not subtract the row's max gives Inf/Inf there). Not for phi3
+    /// (fused QKV) nor qwen3/gemma3 (q/k normed per head, which undoes it).
+    #[arg(long, default_value_t = 1.0)]
+    qk_gain: f32,
     /// Overwrite OUT if it exists.
     #[arg(long)]
     force: bool,
@@ -455,6 +461,23 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
             ));
         }
     }
+    if !(a.qk_gain.is_finite() && a.qk_gain > 0.0) {
+        return Err(err(format!(
+            "--qk-gain {}: a gain is a positive number",
+            a.qk_gain
+        )));
+    }
+    if a.qk_gain != 1.0 && matches!(a.arch.as_str(), "phi3" | "qwen3" | "gemma3") {
+        return Err(err(format!(
+            "--qk-gain: {} {}",
+            a.arch,
+            if a.arch == "phi3" {
+                "fuses q, k and v into one weight"
+            } else {
+                "norms q and k per head, which undoes a gain"
+            }
+        )));
+    }
     // Only an absent path or (with --force) a regular file is written: a FIFO, a device or a
     // folder is refused, never replaced.
     crate::trace::staging::check_output_file(&a.out, "--out").map_err(err)?;
@@ -483,6 +506,7 @@ pub fn fixture(a: FixtureArgs) -> Result<ExitCode> {
     spec.tied = a.tied;
     spec.n_swa = a.n_swa;
     spec.rope_scale = a.rope_scale;
+    spec.qk_gain = a.qk_gain;
     let w = build(&spec).map_err(err)?;
     // Read it back as a model before writing: a fixture parity cannot open is refused here.
     let file = GgufFile::from_bytes(w.to_bytes())

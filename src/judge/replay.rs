@@ -683,7 +683,7 @@ struct JudgeSink<'a, 't> {
     error: Option<JudgeError>,
     /// The logits coming in rows: their metrics so far, and whether every value of the
     /// candidate's / the reference's rows so far was f16-exact.
-    rows: Option<(MetricsAcc, bool, bool)>,
+    rows: Option<(MetricsAcc, bool, bool, bool)>,
 }
 
 impl JudgeSink<'_, '_> {
@@ -764,9 +764,7 @@ impl Sink for JudgeSink<'_, '_> {
             }
             _ => data,
         };
-        let a = ArrayViewD::from_shape(ndarray::IxDyn(&[data.len()]), data).expect("1-d");
-        let b = ArrayViewD::from_shape(ndarray::IxDyn(&[c.len()]), &c).expect("1-d");
-        self.out.metrics.insert(k, metrics(&a, &b));
+        self.out.metrics.insert(k, own_metrics(data, &c));
         let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
         if f16_exact(&c) && !f16_exact(data) {
             self.out.f16_storage.insert(k);
@@ -800,9 +798,9 @@ impl Sink for JudgeSink<'_, '_> {
         if row0 == 0 {
             self.rows = None;
         }
-        let (acc, c_f16, d_f16) = self
+        let (acc, c_f16, d_f16, alike) = self
             .rows
-            .get_or_insert_with(|| (MetricsAcc::default(), true, true));
+            .get_or_insert_with(|| (MetricsAcc::default(), true, true, true));
         if self.error.is_some() {
             return;
         }
@@ -814,12 +812,17 @@ impl Sink for JudgeSink<'_, '_> {
             Err(e) => return self.fail(e),
         };
         acc.push(data, &c);
+        *alike &= finite_alike(data, &c);
         let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
         *c_f16 &= f16_exact(&c);
         *d_f16 &= f16_exact(data);
         if row0 + n == shape[0] {
-            let (acc, c_f16, d_f16) = self.rows.take().expect("taken above");
-            self.out.metrics.insert(k, acc.finish());
+            let (acc, c_f16, d_f16, alike) = self.rows.take().expect("taken above");
+            let mut m = acc.finish();
+            if !alike {
+                m.nmse = f64::INFINITY;
+            }
+            self.out.metrics.insert(k, m);
             if c_f16 && !d_f16 {
                 self.out.f16_storage.insert(k);
             }
@@ -864,9 +867,7 @@ impl JudgeSink<'_, '_> {
         };
         // (A prompt replayed to its first rows has as many keys: those columns are compared.)
         if let Some((a, b)) = crate::trace::Cut::common(ours, theirs, pos0, n_kv) {
-            let va = ArrayViewD::from_shape(ndarray::IxDyn(&[a.len()]), &a).expect("1-d");
-            let vb = ArrayViewD::from_shape(ndarray::IxDyn(&[b.len()]), &b).expect("1-d");
-            self.out.metrics.insert(k, metrics(&va, &vb));
+            self.out.metrics.insert(k, own_metrics(&a, &b));
             if self.keep.contains(&k) {
                 self.out.kept.insert(k, data.to_vec());
             }
@@ -939,6 +940,31 @@ impl JudgeSink<'_, '_> {
 /// The first `r` of a prompt's `t` token rows of a canonical tensor (`arch::tap_dims`): rows
 /// lead every tap but the probabilities, `[head, t, t]` from position 0, cut on both axes
 /// (row i < r reads no key past i).
+/// The replay's metrics of `ours` against the candidate's `theirs`. Where one side holds a
+/// non-finite value at a place the other does not (a NaN only the replay makes), the replay
+/// reproduces nothing, whatever the finite rest's NMSE (0 where nothing else is finite: a
+/// hypothesis that overflows everywhere would otherwise "reproduce" any candidate).
+fn own_metrics(ours: &[f32], theirs: &[f32]) -> Metrics {
+    let a = ArrayViewD::from_shape(ndarray::IxDyn(&[ours.len()]), ours).expect("1-d");
+    let b = ArrayViewD::from_shape(ndarray::IxDyn(&[theirs.len()]), theirs).expect("1-d");
+    let mut m = metrics(&a, &b);
+    if m.non_finite_failure() && !finite_alike(ours, theirs) {
+        m.nmse = f64::INFINITY;
+    }
+    m
+}
+
+/// Whether `a` and `b` hold NaN and ±Inf at the same places (the same infinities).
+fn finite_alike(a: &[f32], b: &[f32]) -> bool {
+    a.iter()
+        .zip(b)
+        .all(|(&x, &y)| match (x.is_finite(), y.is_finite()) {
+            (true, true) => true,
+            (false, false) => x.is_nan() == y.is_nan() && (x.is_nan() || x == y),
+            _ => false,
+        })
+}
+
 fn first_rows(v: &[f32], dims: [usize; 3], tap: Tap, t: usize, r: usize) -> Vec<f32> {
     match tap {
         Tap::KqSoftMax => {

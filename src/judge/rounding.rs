@@ -63,6 +63,13 @@ pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
     fit_where(cand, r, |_| true)
 }
 
+/// Whether a key's replay can tell roundings apart: not where either side holds a non-finite
+/// value (an overflow's NaN lands at the same places under every rounding, and the finite
+/// rest — zeros beside it, or nothing — compares at 0, an "exact fit" of any rounding).
+fn says_rounding(m: &crate::compare::metrics::Metrics) -> bool {
+    !m.non_finite_failure()
+}
+
 /// [`fit`] over the keys `which` accepts.
 pub fn fit_where(
     cand: &Candidate,
@@ -70,7 +77,11 @@ pub fn fit_where(
     which: impl Fn(&TapKey) -> bool,
 ) -> Option<f64> {
     let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in r.metrics.iter().filter(|(k, _)| which(k)) {
+    for (k, m) in r
+        .metrics
+        .iter()
+        .filter(|(k, m)| which(k) && says_rounding(m))
+    {
         let s = span(cand, k);
         if s.len() == 1 && class(k.tap) == OpClass::Matmul {
             own.push(m.nmse);
@@ -716,6 +727,7 @@ fn measure_output(
             let at_lm = replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
+                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse);
             let o_fit = f.iter().find(|x| x.rounding == o).map(|x| x.median_nmse);
             if let (Some(a), Some(b)) = (at_lm, o_fit) {
@@ -744,6 +756,7 @@ fn measure_output(
             Ok(replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
+                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse))
         };
         if let Some(f) = at_lm(rounding)? {
@@ -864,10 +877,11 @@ fn measure_cache(
             let through_attention: Vec<f64> = rep
                 .metrics
                 .iter()
-                .filter(|(k, _)| {
-                    span(cand, k)
-                        .iter()
-                        .any(|x| class(x.tap) == OpClass::Attention)
+                .filter(|(k, m)| {
+                    says_rounding(m)
+                        && span(cand, k)
+                            .iter()
+                            .any(|x| class(x.tap) == OpClass::Attention)
                 })
                 .map(|(_, m)| m.nmse)
                 .collect();
@@ -919,8 +933,9 @@ pub fn decode_attention_fit(
     let v: Vec<f64> = rep
         .metrics
         .iter()
-        .filter(|(k, _)| {
+        .filter(|(k, m)| {
             k.step == d1
+                && says_rounding(m)
                 && k.layer.is_none_or(|l| l < l_end)
                 && span(cand, k)
                     .iter()

@@ -32,6 +32,8 @@ pub struct FixtureSpec {
     /// Linear RoPE scaling (`rope.scaling.factor`: positions divided by it), where the
     /// architecture's own preset has none or another (gemma3's global layers: 8).
     pub rope_scale: Option<f32>,
+    /// attn_q and attn_k's weights scaled by this (scores by its square; 1: as drawn).
+    pub qk_gain: f32,
 }
 
 /// `parity fixture --arch` names: the architectures, plus `llama3`.
@@ -73,6 +75,7 @@ impl FixtureSpec {
             q4_k_m: false,
             n_swa: 4,
             rope_scale: None,
+            qk_gain: 1.0,
         }
     }
 }
@@ -400,7 +403,10 @@ fn write_weights(w: &mut GgufWriter, spec: &FixtureSpec, s: &Shape, n_vocab: usi
         spec.q4_k_m && (l < n_layer / 8 || l >= 7 * n_layer / 8 || (l - n_layer / 8) % 3 == 2)
     };
     let matrix = |w: &mut GgufWriter, rng: &mut Rng, name: &str, n_in: usize, n_out: usize| {
-        let a = (3.0 / n_in as f32).sqrt();
+        let mut a = (3.0 / n_in as f32).sqrt();
+        if name.ends_with("attn_q.weight") || name.ends_with("attn_k.weight") {
+            a *= spec.qk_gain;
+        }
         let data: Vec<f32> = (0..n_in * n_out).map(|_| rng.uniform(a)).collect();
         let bigger = spec.q4_k_m
             && (name == "output.weight"

@@ -10,7 +10,7 @@
  *     toy_llama MODEL.gguf GOLDEN_DIR OUT_DIR [--bug NAME]
  *     parity diff GOLDEN_DIR OUT_DIR
  *
- * --bug plants one bug. Eleven are in parity's catalog (src/backend/mutation.rs):
+ * --bug plants one bug. Twelve are in parity's catalog (src/backend/mutation.rs):
  *   rope-neox         RoPE pairs (i, i + n_rot/2) where the model pairs neighbours (2i, 2i+1)
  *   rms-eps-10x       every RMSNorm adds 10x the model's epsilon
  *   swiglu-swap       the FFN computes silu(up) * gate instead of silu(gate) * up
@@ -22,6 +22,8 @@
  *   no-attn-residual  the attention's residual add is left out: ffn_inp = attn_out
  *   no-ffn-residual   the FFN's residual add is left out: l_out = ffn_out
  *   wrong-ffn-act     the FFN's gate goes through GELU (tanh) where the model uses SiLU
+ *   softmax-no-max    the softmax does not subtract its row's max: exp(s) / sum, which
+ *                     overflows (NaN) where a score passes 88.7 (`parity fixture --qk-gain`)
  * and five are values no catalog lists, which parity fits:
  *   rms-eps-1e-3      every RMSNorm adds 1e-3, whatever the model says
  *   rope-theta-20000  RoPE's frequency base is 20000, whatever the model says
@@ -57,7 +59,8 @@ enum { BUG_NONE, BUG_ROPE_NEOX, BUG_RMS_EPS_10X, BUG_SWIGLU_SWAP, BUG_RMS_EPS_1E
        BUG_NO_FINAL_NORM, BUG_ATTN_OUT_TWICE, BUG_KV_RING_13, BUG_ROPE_POS_MOD_11,
        BUG_EMBD_SCALE_SQRT, BUG_FFN_OUT_HALF, BUG_LOGITS_TEMP, BUG_FFN_OUT_HALF_L0,
        BUG_ROPE_POS_FROM_1, BUG_ROPE_POS_STUCK, BUG_NO_ATTN_NORM, BUG_NO_FFN_NORM,
-       BUG_NO_ATTN_RESIDUAL, BUG_NO_FFN_RESIDUAL, BUG_OUT_NORM_EPS_1, BUG_WRONG_FFN_ACT };
+       BUG_NO_ATTN_RESIDUAL, BUG_NO_FFN_RESIDUAL, BUG_OUT_NORM_EPS_1, BUG_WRONG_FFN_ACT,
+       BUG_SOFTMAX_NO_MAX };
 static const char *const bug_names[] = {"none",          "rope-neox",        "rms-eps-10x",
                                         "swiglu-swap",   "rms-eps-1e-3",     "rope-theta-20000",
                                         "attn-scale-inv-d", "no-attn-scale",
@@ -66,7 +69,8 @@ static const char *const bug_names[] = {"none",          "rope-neox",        "rm
                                         "ffn-out-half",  "logits-temp",     "ffn-out-half-l0",
                                         "rope-pos-from-1", "rope-pos-stuck",
                                         "no-attn-norm",  "no-ffn-norm",     "no-attn-residual",
-                                        "no-ffn-residual", "out-norm-eps-1", "wrong-ffn-act"};
+                                        "no-ffn-residual", "out-norm-eps-1", "wrong-ffn-act",
+                                        "softmax-no-max"};
 
 /* The cache slot of position p: p itself, or p % 13 in the ring-buffer bug. */
 static size_t slot(size_t p, int bug) { return bug == BUG_KV_RING_13 ? p % 13 : p; }
@@ -513,7 +517,7 @@ int main(int argc, char **argv) {
                         if (scores[j] > max) max = scores[j];
                     }
                     for (j = 0; j < seen; j++) {
-                        scores[j] = expf(scores[j] - max);
+                        scores[j] = expf(bug == BUG_SOFTMAX_NO_MAX ? scores[j] : scores[j] - max);
                         sum += (double)scores[j];
                     }
                     for (j = 0; j < seen; j++) prob[j] = (float)((double)scores[j] / sum);
