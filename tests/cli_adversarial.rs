@@ -729,6 +729,36 @@ fn cases() -> Vec<Case> {
             after: Some(|d| clean(d, &["z.gguf"])),
         },
         Case {
+            name: "fixture --qk-gain 0",
+            needs: &[],
+            args: |d| os(&[&"fixture", &"--qk-gain", &"0", &"-o", &d.join("z.gguf")]),
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--qk-gain 0", "positive"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
+            name: "fixture --arch qwen3 --qk-gain 2",
+            needs: &[],
+            args: |d| {
+                os(&[
+                    &"fixture",
+                    &"--arch",
+                    &"qwen3",
+                    &"--qk-gain",
+                    &"2",
+                    &"-o",
+                    &d.join("z.gguf"),
+                ])
+            },
+            env: &[],
+            stdout_to: None,
+            code: 2,
+            words: &["--qk-gain", "qwen3", "per head"],
+            after: Some(|d| clean(d, &["z.gguf"])),
+        },
+        Case {
             name: "fixture with an odd head size",
             needs: &[],
             args: |d| {
