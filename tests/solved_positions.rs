@@ -314,6 +314,37 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
             0,
             9,
         ),
+        // Shifts by 2 and more (replayed where nothing nearer came close), and a counter that
+        // starts late, clamped at 0.
+        ("--rope-at", "max(p - 3, 0)", "rope-at:q,k=p-3@0", 0, 1),
+        (
+            "--rope-at",
+            "p + 2 if p >= 9 else p",
+            "rope-at:q,k=p+2@9",
+            0,
+            9,
+        ),
+        (
+            "--rope-at",
+            "p - 8 if p >= 10 else p",
+            "rope-at:q,k=p-8@10",
+            0,
+            10,
+        ),
+        (
+            "--rope-q-at",
+            "p - 4 if p >= 12 else p",
+            "rope-at:q=p-4@12,k=p",
+            0,
+            12,
+        ),
+        (
+            "--rope-k-at",
+            "p + 3 if p >= 5 else p",
+            "rope-at:q=p,k=p+3@5",
+            0,
+            5,
+        ),
     ] {
         for rounding in ["none", "ggml"] {
             let what = format!("{flag} {expr} {rounding}");
@@ -346,6 +377,9 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
             // Placed at (or one row past) where the rule starts.
             let at = d["position"]["position"].as_u64().unwrap() as usize;
             assert!(at == pos || at == pos + 1, "{what}: {d:#}");
+            if expr.starts_with("max(") {
+                assert!(why.contains("at max(p - 3, 0)"), "{what}: {why}");
+            }
         }
     }
 }

@@ -60,6 +60,8 @@ impl PosRule {
         match self {
             PosRule::Own => "at its own position".into(),
             PosRule::Shift { by, .. } if by >= 0 => format!("at p + {by}"),
+            // From 0 on a shift below 0 is clamped there: a counter that starts late.
+            PosRule::Shift { from: 0, by } => format!("at max(p - {}, 0)", -by),
             PosRule::Shift { by, .. } => format!("at p - {}", -by),
             PosRule::Fixed { at: 0, .. } => "at position 0, that is not rotated at all".into(),
             PosRule::Fixed { at, .. } => format!("at position {at} whatever its own"),

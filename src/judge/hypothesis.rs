@@ -14,6 +14,7 @@ use super::replay::{Candidate, Knob, KvCache, Replay, Setup, Window, replay};
 use super::rounding;
 use super::{Finding, Hypothesis, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
+use crate::backend::positions::RopeAt;
 use crate::compare::position::first_row;
 use crate::compare::{CompareOptions, PairKind, compare, metrics};
 use crate::model::{Model, RopeType};
@@ -143,7 +144,13 @@ fn experiments(
             let guess = first
                 .filter(|_| at.classes.contains(&OpClass::Rope))
                 .map(|(_, p)| p);
-            for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only)? {
+            // What the catalog already came to: the farther RoPE guesses only where nothing did.
+            let near = tried
+                .iter()
+                .map(|(t, _)| t.nmse)
+                .fold(f64::INFINITY, f64::min);
+            let far = at.own.filter(|&own| !(near <= own * FAR_TRIGGER));
+            for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only, far)? {
                 setups.insert(t.hypothesis.name(), setup);
                 tried.push((t, None));
             }
@@ -493,6 +500,7 @@ impl AtKey<'_, '_, '_> {
 /// past the prompt) is one experiment too. At a span holding RoPE (a sparse dump: nothing to
 /// solve them from), the rules that start at the first position out of the floor (`guess`:
 /// `rope_fit::guesses`). Rules the catalog holds are left to it.
+#[allow(clippy::too_many_arguments)]
 fn rope_positions(
     model: &Model,
     cand: &Candidate,
@@ -500,35 +508,56 @@ fn rope_positions(
     k: TapKey,
     guess: Option<usize>,
     only: Option<&BTreeSet<String>>,
+    far: Option<f64>,
 ) -> Result<Vec<(Tried, Setup)>, JudgeError> {
     let mut out = Vec::new();
     // The window renumbers its layers from l0; the trace's are the model's.
-    let rules = match (k.tap, k.layer, guess) {
+    let (rules, guessed) = match (k.tap, k.layer, guess) {
         (Tap::QRope | Tap::KRope, Some(layer), _) => {
-            super::rope_fit::hypotheses(model, cand, layer)?
+            (super::rope_fit::hypotheses(model, cand, layer)?, None)
         }
         (Tap::QRope | Tap::KRope, ..) | (_, _, None) => return Ok(out),
-        (.., Some(p0)) => super::rope_fit::guesses(cand, p0),
+        (.., Some(p0)) => (super::rope_fit::guesses(cand, p0), Some(p0)),
     };
-    for at in rules {
-        if only.is_some_and(|o| !o.contains(&at.name())) {
-            continue;
-        }
-        let setup = Setup {
-            rope_at: Some(at),
-            ..base.clone()
-        };
-        let r = replay(model, cand, &setup, &BTreeSet::new())?;
-        if let Some(m) = r.metrics.get(&k) {
-            let t = Tried {
-                hypothesis: Hypothesis::RopeAt(at),
-                nmse: m.nmse,
+    let run = |rules: Vec<RopeAt>, out: &mut Vec<(Tried, Setup)>| -> Result<(), JudgeError> {
+        for at in rules {
+            if only.is_some_and(|o| !o.contains(&at.name())) {
+                continue;
+            }
+            let setup = Setup {
+                rope_at: Some(at),
+                ..base.clone()
             };
-            out.push((t, setup));
+            let r = replay(model, cand, &setup, &BTreeSet::new())?;
+            if let Some(m) = r.metrics.get(&k) {
+                let t = Tried {
+                    hypothesis: Hypothesis::RopeAt(at),
+                    nmse: m.nmse,
+                };
+                out.push((t, setup));
+            }
+        }
+        Ok(())
+    };
+    run(rules, &mut out)?;
+    // Guessed at a span, and neither the catalog nor these came near (a hypothesis that
+    // reproduces the span takes its error down by orders of magnitude; `far`: the clean
+    // replay's error, where the catalog did not): shifts by 2 and more, one replay each.
+    if let (Some(p0), Some(own)) = (guessed, far) {
+        let best = out
+            .iter()
+            .map(|(t, _)| t.nmse)
+            .fold(f64::INFINITY, f64::min);
+        if !(best <= own * FAR_TRIGGER) {
+            run(super::rope_fit::far_guesses(cand, p0), &mut out)?;
         }
     }
     Ok(out)
 }
+
+/// A hypothesis that takes a span's error under this fraction of the clean replay's came
+/// near enough: the farther RoPE shifts are not replayed.
+const FAR_TRIGGER: f64 = 1e-2;
 
 /// Whether `knob` can change what ops of these classes compute.
 fn knob_acts(

@@ -318,6 +318,36 @@ pub fn guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
     novel(cand, pairs, 3 * rules.len())
 }
 
+/// The largest shift [`far_guesses`] replays, either way.
+pub const FAR_SHIFT: i64 = 8;
+
+/// Where [`guesses`] reproduced nothing: shifts by 2 to [`FAR_SHIFT`] either way from the
+/// first row out `p0` (and the row before), for q and k together and either alone, and where
+/// `p0 <= 2` from position 0 (`max(p - 3, 0)`: a counter that starts late, clamped at 0, first
+/// shows at row 1). A position counter that adds a template's or a BOS's length, or leaves
+/// it out, is such a shift.
+pub fn far_guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
+    let mut rules = Vec::new();
+    let mut froms = vec![p0, p0.saturating_sub(1)];
+    if p0 <= 2 {
+        froms.push(0);
+    }
+    froms.dedup();
+    for by in (2..=FAR_SHIFT).flat_map(|b| [b, -b]) {
+        for &from in &froms {
+            // Below 0 past position 0 is a counter stopped at 0 (`Fixed`), tried before.
+            if from == 0 || from as i64 + by >= 0 {
+                rules.push(PosRule::Shift { from, by });
+            }
+        }
+    }
+    let pairs = rules
+        .iter()
+        .flat_map(|&r| [(r, r), (r, PosRule::Own), (PosRule::Own, r)])
+        .collect();
+    novel(cand, pairs, usize::MAX)
+}
+
 /// The (q, k) rules that move something and that no catalog bug names (rope-q-skipped,
 /// rope-k-skipped, rope-pos-wrap, rope-pos-off-by-one: the first decode position on at
 /// p + 1 — the catalog's to name), each once, at most `max`.
