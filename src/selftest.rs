@@ -289,7 +289,14 @@ pub fn run(
     on_row: &mut dyn FnMut(&Row),
 ) -> Result<Vec<Row>, SelftestError> {
     let golden = open_golden(model, opt)?;
-    let overflows = overflow_at(&golden, model, opt.from_layer)?.is_some();
+    // (A scan of every score of the golden: only where the case is asked for.)
+    let asked = |m: Mutation| {
+        opt.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|n| n == m.name()))
+    };
+    let overflows =
+        asked(Mutation::SoftmaxNoMax) && overflow_at(&golden, model, opt.from_layer)?.is_some();
     let cases = cases(model, opt, &crate::trace::step_shapes(&golden), overflows)?;
     let made = match &opt.keep {
         Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),

@@ -149,7 +149,7 @@ fn experiments(
                 .iter()
                 .map(|(t, _)| t.nmse)
                 .fold(f64::INFINITY, f64::min);
-            let far = at.own.filter(|&own| !(near <= own * FAR_TRIGGER));
+            let far = at.own.filter(|&own| near > own * FAR_TRIGGER);
             for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only, far)? {
                 setups.insert(t.hypothesis.name(), setup);
                 tried.push((t, None));
@@ -548,7 +548,7 @@ fn rope_positions(
             .iter()
             .map(|(t, _)| t.nmse)
             .fold(f64::INFINITY, f64::min);
-        if !(best <= own * FAR_TRIGGER) {
+        if best > own * FAR_TRIGGER {
             run(super::rope_fit::far_guesses(cand, p0), &mut out)?;
         }
     }
