@@ -91,6 +91,13 @@ fn compute_mutations(model: &Model, g: &Trace) -> Vec<Mutation> {
         .filter(|m| m.kind() == MutationKind::Compute && m.applies_to(model))
         // A bug that acts from a position or a turn on, where this run reaches it.
         .filter(|m| !m.positional() || m.first_position(&parity::trace::step_shapes(g)).is_some())
+        // One that shows only where scores overflow, where the golden's do.
+        .filter(|m| {
+            !m.shows_only_on_overflow()
+                || parity::selftest::overflow_at(g, model, 0)
+                    .unwrap()
+                    .is_some()
+        })
         .collect()
 }
 

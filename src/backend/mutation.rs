@@ -535,6 +535,13 @@ impl Mutation {
         }
     }
 
+    /// Whether the bug shows only where the run's attention scores pass exp's f32 overflow
+    /// (`selftest::overflow_at` says where a golden's do): elsewhere it computes the same
+    /// numbers to f32 rounding, and there is nothing to find.
+    pub fn shows_only_on_overflow(self) -> bool {
+        self == Mutation::SoftmaxNoMax
+    }
+
     /// Where the bug first shows against a golden, in graph order, assuming a prompt of at
     /// least two tokens and at least one decode step (RoPE is the identity at position 0 and
     /// the causal mask only matters from the second row on).

@@ -63,11 +63,15 @@ pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
     fit_where(cand, r, |_| true)
 }
 
-/// Whether a key's replay can tell roundings apart: not where either side holds a non-finite
-/// value (an overflow's NaN lands at the same places under every rounding, and the finite
-/// rest — zeros beside it, or nothing — compares at 0, an "exact fit" of any rounding).
+/// Whether a key's replay can tell roundings apart: over its finite rest where a NaN or an
+/// Inf sits at the same places on both sides (the replay's own NMSE is infinite where they
+/// differ), and only where at least half its values are finite. A key that overflowed almost
+/// everywhere leaves nothing (or the zeros beside a softmax row's NaN) to compare: every
+/// rounding "fits" it at 0 (ggml-cpu was taken for a plain-f32 engine whose layers overflow
+/// from layer 0's softmax on). One NaN token row of 16 leaves 15 that measure it.
 fn says_rounding(m: &crate::compare::metrics::Metrics) -> bool {
-    !m.non_finite_failure()
+    let bad = (m.nan_a + m.inf_a).max(m.nan_b + m.inf_b);
+    !m.non_finite_failure() || 2 * bad <= m.n
 }
 
 /// [`fit`] over the keys `which` accepts.
@@ -543,8 +547,12 @@ pub fn measure(
     // Every rounding leaves the window's matmuls further off than a rounding can move a span:
     // a bug in every layer moved them, the pick among the roundings is a tie, and a diagnosis
     // that confirms nothing tries the others.
+    // So too where the window had nothing finite enough to measure and the whole trace's
+    // spans were (a sparse dump whose logits are NaN: 16-layer no-ffn-norm overflows at layer
+    // 6, and the bug-dominated spans' lowest picked bf16 for a ggml-cpu engine).
+    let fell_back = no_layers && best.as_ref().is_some_and(|b| b.3);
     let mut unsure = Unsure {
-        layers: !no_layers
+        layers: (!no_layers || fell_back)
             && !fits.is_empty()
             && fits.iter().all(|f| f.median_nmse > super::floor::SPAN_CAP),
         ..Unsure::default()
