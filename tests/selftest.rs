@@ -426,11 +426,6 @@ fn softmax_without_its_max_is_found_where_the_scores_first_overflow() {
         g.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", show(&o));
-    // Full dumps: layer 0's q, k and v are the only finite matmuls; the NaN-filled rest once
-    // "fitted" every rounding exactly, ggml-cpu was taken for the plain-f32 engine, and q was
-    // flagged before the overflow.
-    let rows = selftest_json(&m, &g, &["--engine", engine, "--only", "softmax-no-max"]);
-    assert_eq!(rows.len(), if numpy_ok() { 8 } else { 4 }, "{rows:#?}");
     let o = parity(&[
         "selftest",
         m.to_str().unwrap(),

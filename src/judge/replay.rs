@@ -25,6 +25,8 @@ pub struct Candidate<'t> {
     pub trace: &'t Trace,
     pub config: Config,
     pub layouts: HashMap<Tap, Layout>,
+    /// Whether every value of the trace is finite (`all_finite`, read once).
+    finite: std::sync::OnceLock<bool>,
 }
 
 impl<'t> Candidate<'t> {
@@ -50,7 +52,16 @@ impl<'t> Candidate<'t> {
             trace,
             config: config.clone(),
             layouts,
+            finite: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Whether the trace holds no NaN and no Inf anywhere (one that cannot be read counts as
+    /// not: the replays then keep the finite rest's NMSE, as they always did).
+    pub fn all_finite(&self) -> bool {
+        *self
+            .finite
+            .get_or_init(|| matches!(super::nonfinite::first(self), Ok(None)))
     }
 
     /// Whether the candidate has `k` whole: what can feed the replay. A cut tensor
@@ -683,7 +694,7 @@ struct JudgeSink<'a, 't> {
     error: Option<JudgeError>,
     /// The logits coming in rows: their metrics so far, and whether every value of the
     /// candidate's / the reference's rows so far was f16-exact.
-    rows: Option<(MetricsAcc, bool, bool, bool)>,
+    rows: Option<(MetricsAcc, bool, bool)>,
 }
 
 impl JudgeSink<'_, '_> {
@@ -764,7 +775,9 @@ impl Sink for JudgeSink<'_, '_> {
             }
             _ => data,
         };
-        self.out.metrics.insert(k, own_metrics(data, &c));
+        self.out
+            .metrics
+            .insert(k, own_metrics(data, &c, self.cand.all_finite()));
         let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
         if f16_exact(&c) && !f16_exact(data) {
             self.out.f16_storage.insert(k);
@@ -798,9 +811,9 @@ impl Sink for JudgeSink<'_, '_> {
         if row0 == 0 {
             self.rows = None;
         }
-        let (acc, c_f16, d_f16, alike) = self
+        let (acc, c_f16, d_f16) = self
             .rows
-            .get_or_insert_with(|| (MetricsAcc::default(), true, true, true));
+            .get_or_insert_with(|| (MetricsAcc::default(), true, true));
         if self.error.is_some() {
             return;
         }
@@ -812,16 +825,13 @@ impl Sink for JudgeSink<'_, '_> {
             Err(e) => return self.fail(e),
         };
         acc.push(data, &c);
-        *alike &= finite_alike(data, &c);
         let f16_exact = |v: &[f32]| v.iter().all(|&x| half::f16::from_f32(x).to_f32() == x);
         *c_f16 &= f16_exact(&c);
         *d_f16 &= f16_exact(data);
         if row0 + n == shape[0] {
-            let (acc, c_f16, d_f16, alike) = self.rows.take().expect("taken above");
+            let (acc, c_f16, d_f16) = self.rows.take().expect("taken above");
             let mut m = acc.finish();
-            if !alike {
-                m.nmse = f64::INFINITY;
-            }
+            replays_nothing(&mut m, self.cand.all_finite());
             self.out.metrics.insert(k, m);
             if c_f16 && !d_f16 {
                 self.out.f16_storage.insert(k);
@@ -867,7 +877,9 @@ impl JudgeSink<'_, '_> {
         };
         // (A prompt replayed to its first rows has as many keys: those columns are compared.)
         if let Some((a, b)) = crate::trace::Cut::common(ours, theirs, pos0, n_kv) {
-            self.out.metrics.insert(k, own_metrics(&a, &b));
+            self.out
+                .metrics
+                .insert(k, own_metrics(&a, &b, self.cand.all_finite()));
             if self.keep.contains(&k) {
                 self.out.kept.insert(k, data.to_vec());
             }
@@ -934,37 +946,33 @@ impl JudgeSink<'_, '_> {
     }
 }
 
-/// `trace` with every declared layout undone, in memory, for the end-to-end comparison (a
-/// declared layout is a way of storing the numbers, never a numeric difference); None when it
-/// declares none.
-/// The first `r` of a prompt's `t` token rows of a canonical tensor (`arch::tap_dims`): rows
-/// lead every tap but the probabilities, `[head, t, t]` from position 0, cut on both axes
-/// (row i < r reads no key past i).
-/// The replay's metrics of `ours` against the candidate's `theirs`. Where one side holds a
-/// non-finite value at a place the other does not (a NaN only the replay makes), the replay
-/// reproduces nothing, whatever the finite rest's NMSE (0 where nothing else is finite: a
-/// hypothesis that overflows everywhere would otherwise "reproduce" any candidate).
-fn own_metrics(ours: &[f32], theirs: &[f32]) -> Metrics {
+/// The replay's metrics of `ours` against the candidate's `theirs`, as `replays_nothing`
+/// says (`finite`: the candidate's whole trace is).
+fn own_metrics(ours: &[f32], theirs: &[f32], finite: bool) -> Metrics {
     let a = ArrayViewD::from_shape(ndarray::IxDyn(&[ours.len()]), ours).expect("1-d");
     let b = ArrayViewD::from_shape(ndarray::IxDyn(&[theirs.len()]), theirs).expect("1-d");
     let mut m = metrics(&a, &b);
-    if m.non_finite_failure() && !finite_alike(ours, theirs) {
-        m.nmse = f64::INFINITY;
-    }
+    replays_nothing(&mut m, finite);
     m
 }
 
-/// Whether `a` and `b` hold NaN and ±Inf at the same places (the same infinities).
-fn finite_alike(a: &[f32], b: &[f32]) -> bool {
-    a.iter()
-        .zip(b)
-        .all(|(&x, &y)| match (x.is_finite(), y.is_finite()) {
-            (true, true) => true,
-            (false, false) => x.is_nan() == y.is_nan() && (x.is_nan() || x == y),
-            _ => false,
-        })
+/// A replay that holds a NaN or an Inf of a candidate whose whole trace is finite reproduces
+/// nothing at that key, whatever the finite rest's NMSE (0 where nothing else is finite: a
+/// hypothesis that overflows everywhere "reproduced" any candidate — softmax-no-max "was"
+/// no-attn-norm on a model with scores to 200). Where the candidate's trace overflows
+/// somewhere itself, the finite rest's NMSE stands: near an overflow two arithmetics cross
+/// f32's largest value at different places (a 16-layer model without its FFN norm, replayed
+/// over the trace: NaN at step 4 layer 8 where the engine held 5e6), the rounding is measured
+/// on the rest, and `judge::nonfinite` matches the places.
+fn replays_nothing(m: &mut Metrics, finite: bool) {
+    if finite && m.nan_a + m.inf_a > 0 {
+        m.nmse = f64::INFINITY;
+    }
 }
 
+/// The first `r` of a prompt's `t` token rows of a canonical tensor (`arch::tap_dims`): rows
+/// lead every tap but the probabilities, `[head, t, t]` from position 0, cut on both axes
+/// (row i < r reads no key past i).
 fn first_rows(v: &[f32], dims: [usize; 3], tap: Tap, t: usize, r: usize) -> Vec<f32> {
     match tap {
         Tap::KqSoftMax => {
@@ -982,6 +990,9 @@ fn first_rows(v: &[f32], dims: [usize; 3], tap: Tap, t: usize, r: usize) -> Vec<
     }
 }
 
+/// `trace` with every declared layout undone, in memory, for the end-to-end comparison (a
+/// declared layout is a way of storing the numbers, never a numeric difference); None when it
+/// declares none.
 pub fn aligned_trace(trace: &Trace, config: &Config) -> Result<Option<Trace>, JudgeError> {
     let cand = Candidate::new(trace, config)?;
     if !cand.layouts.values().any(|l| *l != Layout::Canonical) {

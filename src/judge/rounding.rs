@@ -63,17 +63,6 @@ pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
     fit_where(cand, r, |_| true)
 }
 
-/// Whether a key's replay can tell roundings apart: over its finite rest where a NaN or an
-/// Inf sits at the same places on both sides (the replay's own NMSE is infinite where they
-/// differ), and only where at least half its values are finite. A key that overflowed almost
-/// everywhere leaves nothing (or the zeros beside a softmax row's NaN) to compare: every
-/// rounding "fits" it at 0 (ggml-cpu was taken for a plain-f32 engine whose layers overflow
-/// from layer 0's softmax on). One NaN token row of 16 leaves 15 that measure it.
-fn says_rounding(m: &crate::compare::metrics::Metrics) -> bool {
-    let bad = (m.nan_a + m.inf_a).max(m.nan_b + m.inf_b);
-    !m.non_finite_failure() || 2 * bad <= m.n
-}
-
 /// [`fit`] over the keys `which` accepts.
 pub fn fit_where(
     cand: &Candidate,
@@ -81,11 +70,7 @@ pub fn fit_where(
     which: impl Fn(&TapKey) -> bool,
 ) -> Option<f64> {
     let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in r
-        .metrics
-        .iter()
-        .filter(|(k, m)| which(k) && says_rounding(m))
-    {
+    for (k, m) in r.metrics.iter().filter(|(k, _)| which(k)) {
         let s = span(cand, k);
         if s.len() == 1 && class(k.tap) == OpClass::Matmul {
             own.push(m.nmse);
@@ -547,12 +532,8 @@ pub fn measure(
     // Every rounding leaves the window's matmuls further off than a rounding can move a span:
     // a bug in every layer moved them, the pick among the roundings is a tie, and a diagnosis
     // that confirms nothing tries the others.
-    // So too where the window had nothing finite enough to measure and the whole trace's
-    // spans were (a sparse dump whose logits are NaN: 16-layer no-ffn-norm overflows at layer
-    // 6, and the bug-dominated spans' lowest picked bf16 for a ggml-cpu engine).
-    let fell_back = no_layers && best.as_ref().is_some_and(|b| b.3);
     let mut unsure = Unsure {
-        layers: (!no_layers || fell_back)
+        layers: !no_layers
             && !fits.is_empty()
             && fits.iter().all(|f| f.median_nmse > super::floor::SPAN_CAP),
         ..Unsure::default()
@@ -735,7 +716,6 @@ fn measure_output(
             let at_lm = replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
-                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse);
             let o_fit = f.iter().find(|x| x.rounding == o).map(|x| x.median_nmse);
             if let (Some(a), Some(b)) = (at_lm, o_fit) {
@@ -764,7 +744,6 @@ fn measure_output(
             Ok(replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
-                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse))
         };
         if let Some(f) = at_lm(rounding)? {
@@ -885,11 +864,10 @@ fn measure_cache(
             let through_attention: Vec<f64> = rep
                 .metrics
                 .iter()
-                .filter(|(k, m)| {
-                    says_rounding(m)
-                        && span(cand, k)
-                            .iter()
-                            .any(|x| class(x.tap) == OpClass::Attention)
+                .filter(|(k, _)| {
+                    span(cand, k)
+                        .iter()
+                        .any(|x| class(x.tap) == OpClass::Attention)
                 })
                 .map(|(_, m)| m.nmse)
                 .collect();
@@ -941,9 +919,8 @@ pub fn decode_attention_fit(
     let v: Vec<f64> = rep
         .metrics
         .iter()
-        .filter(|(k, m)| {
+        .filter(|(k, _)| {
             k.step == d1
-                && says_rounding(m)
                 && k.layer.is_none_or(|l| l < l_end)
                 && span(cand, k)
                     .iter()
