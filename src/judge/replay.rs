@@ -59,9 +59,16 @@ impl<'t> Candidate<'t> {
     /// Whether the trace holds no NaN and no Inf anywhere (one that cannot be read counts as
     /// not: the replays then keep the finite rest's NMSE, as they always did).
     pub fn all_finite(&self) -> bool {
-        *self
-            .finite
-            .get_or_init(|| matches!(super::nonfinite::first(self), Ok(None)))
+        *self.finite.get_or_init(|| {
+            self.trace.keys().all(|k| {
+                let v = match (self.raw(k), self.cut_values(k)) {
+                    (Ok(Some(v)), _) | (_, Ok(Some((_, v)))) => v,
+                    (Ok(None), Ok(None)) => return true,
+                    _ => return false,
+                };
+                v.iter().all(|x| x.is_finite())
+            })
+        })
     }
 
     /// Whether the candidate has `k` whole: what can feed the replay. A cut tensor
