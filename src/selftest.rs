@@ -393,7 +393,7 @@ fn one_row(
     };
     let steps = crate::trace::step_shapes(golden);
     let overflow = match case {
-        Case::Bug(Mutation::SoftmaxNoMax) => first_non_finite(&cand)?,
+        Case::Bug(Mutation::SoftmaxNoMax) => first_non_finite(&cand, model)?,
         _ => None,
     };
     let seen = Seen {
@@ -586,13 +586,9 @@ pub fn overflow_at(
 /// engine's rounding moves its scores by more than a golden's can say (a 16-layer model with
 /// q and k 5x the usual, plain f32 against llama.cpp's golden: NMSE 0.3 by the last layer,
 /// and the first overflow at step 1 layer 15 where the golden's largest score is 66).
-fn first_non_finite(t: &Trace) -> Result<Option<TapKey>, SelftestError> {
-    for k in t.keys() {
-        if t.get(k)?.is_some_and(|v| v.iter().any(|x| !x.is_finite())) {
-            return Ok(Some(*k));
-        }
-    }
-    Ok(None)
+fn first_non_finite(t: &Trace, model: &Model) -> Result<Option<TapKey>, SelftestError> {
+    let cand = crate::judge::replay::Candidate::new(t, &model.config)?;
+    Ok(cand.first_non_finite()?.map(|(k, ..)| k))
 }
 
 /// The clean run, then each catalog bug that applies to the model and can show in this

@@ -29,24 +29,15 @@ pub struct NonFinite {
 
 /// The first key of the candidate (graph order) holding a NaN or an Inf.
 pub fn first(cand: &Candidate) -> Result<Option<NonFinite>, JudgeError> {
-    for k in cand.trace.keys() {
-        let v = match (cand.raw(k)?, cand.cut_values(k)?) {
-            (Some(v), _) | (None, Some((_, v))) => v,
-            (None, None) => continue,
-        };
-        let nan = v.iter().filter(|x| x.is_nan()).count();
-        let inf = v.iter().filter(|x| x.is_infinite()).count();
-        if nan + inf > 0 {
-            return Ok(Some(NonFinite {
-                key: *k,
-                nan,
-                inf,
-                n: v.len(),
-                whose: "the candidate",
-            }));
-        }
-    }
-    Ok(None)
+    Ok(cand
+        .first_non_finite()?
+        .map(|(key, nan, inf, n)| NonFinite {
+            key,
+            nan,
+            inf,
+            n,
+            whose: "the candidate",
+        }))
 }
 
 /// The finding `b` is at its op `o` (own error and floor as measured on the finite rest),

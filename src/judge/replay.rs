@@ -59,16 +59,26 @@ impl<'t> Candidate<'t> {
     /// Whether the trace holds no NaN and no Inf anywhere (one that cannot be read counts as
     /// not: the replays then keep the finite rest's NMSE, as they always did).
     pub fn all_finite(&self) -> bool {
-        *self.finite.get_or_init(|| {
-            self.trace.keys().all(|k| {
-                let v = match (self.raw(k), self.cut_values(k)) {
-                    (Ok(Some(v)), _) | (_, Ok(Some((_, v)))) => v,
-                    (Ok(None), Ok(None)) => return true,
-                    _ => return false,
-                };
-                v.iter().all(|x| x.is_finite())
-            })
-        })
+        *self
+            .finite
+            .get_or_init(|| matches!(self.first_non_finite(), Ok(None)))
+    }
+
+    /// The first key (graph order) holding a NaN or an Inf: its NaN and Inf counts and its
+    /// length.
+    pub fn first_non_finite(&self) -> Result<Option<(TapKey, usize, usize, usize)>, JudgeError> {
+        for k in self.trace.keys() {
+            let v = match (self.raw(k)?, self.cut_values(k)?) {
+                (Some(v), _) | (None, Some((_, v))) => v,
+                (None, None) => continue,
+            };
+            let nan = v.iter().filter(|x| x.is_nan()).count();
+            let inf = v.iter().filter(|x| x.is_infinite()).count();
+            if nan + inf > 0 {
+                return Ok(Some((*k, nan, inf, v.len())));
+            }
+        }
+        Ok(None)
     }
 
     /// Whether the candidate has `k` whole: what can feed the replay. A cut tensor
