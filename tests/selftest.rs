@@ -50,6 +50,27 @@ fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json:
 }
 
 /// Whether the venv python can run the numpy engine; says why not when it cannot.
+/// A model `parity fixture` generates in `dir` (`name.gguf`, `fixture_args`) and its
+/// llama.cpp golden (`name-golden`): four steps of the usual prompt.
+fn generated(dir: &Path, name: &str, fixture_args: &[&str]) -> (PathBuf, PathBuf) {
+    let m = dir.join(format!("{name}.gguf"));
+    let g = dir.join(format!("{name}-golden"));
+    let o = parity(&[&["fixture"], fixture_args, &["--out", m.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", show(&o));
+    let o = parity(&[
+        "golden",
+        m.to_str().unwrap(),
+        "--prompt",
+        "Once upon a time there was a little girl named Lily",
+        "--steps",
+        "4",
+        "--out",
+        g.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    (m, g)
+}
+
 fn numpy_ok() -> bool {
     numpy_engine_python().is_some()
 }
@@ -272,37 +293,24 @@ fn selftest_generated_16_layer_model() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("deep16.gguf");
-    let g = tmp.path().join("golden");
-    let o = parity(&[
-        "fixture",
-        "--type",
-        "q4_0",
-        "--n-layer",
-        "16",
-        "--n-embd",
-        "128",
-        "--n-ff",
-        "256",
-        "--n-head",
-        "4",
-        "--n-head-kv",
-        "2",
-        "--out",
-        m.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
-    let o = parity(&[
-        "golden",
-        m.to_str().unwrap(),
-        "--prompt",
-        "Once upon a time there was a little girl named Lily",
-        "--steps",
-        "4",
-        "--out",
-        g.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    let (m, g) = generated(
+        tmp.path(),
+        "deep16",
+        &[
+            "--type",
+            "q4_0",
+            "--n-layer",
+            "16",
+            "--n-embd",
+            "128",
+            "--n-ff",
+            "256",
+            "--n-head",
+            "4",
+            "--n-head-kv",
+            "2",
+        ],
+    );
     let engine = if numpy_ok() { "both" } else { "parity" };
     selftest(&m, &g, &["--engine", engine]);
     selftest(&m, &g, &["--engine", engine, "--sparse"]);
@@ -342,35 +350,22 @@ fn softmax_without_its_max_is_found_where_the_scores_first_overflow() {
         "scores far under 88 make no case: {rows:#?}"
     );
     let tmp = tempfile::tempdir().unwrap();
-    let m = tmp.path().join("hot16.gguf");
-    let g = tmp.path().join("golden");
-    let o = parity(&[
-        "fixture",
-        "--type",
-        "q4_0",
-        "--n-layer",
-        "16",
-        "--n-embd",
-        "128",
-        "--n-ff",
-        "256",
-        "--qk-gain",
-        "5",
-        "--out",
-        m.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
-    let o = parity(&[
-        "golden",
-        m.to_str().unwrap(),
-        "--prompt",
-        "Once upon a time there was a little girl named Lily",
-        "--steps",
-        "4",
-        "--out",
-        g.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    let (m, g) = generated(
+        tmp.path(),
+        "hot16",
+        &[
+            "--type",
+            "q4_0",
+            "--n-layer",
+            "16",
+            "--n-embd",
+            "128",
+            "--n-ff",
+            "256",
+            "--qk-gain",
+            "5",
+        ],
+    );
     let engine = if numpy_ok() { "both" } else { "parity" };
     for extra in [
         &[][..],
@@ -411,21 +406,7 @@ fn softmax_without_its_max_is_found_where_the_scores_first_overflow() {
     // 2-layer model with q and k 8x the usual (scores to ~200), no-attn-norm, kv-ring-wrap and
     // rope-pos-wrap were once all "softmax-no-max". (Attention that peaked hides other
     // bugs at their usual place: only the verdicts' names are held here.)
-    let m = tmp.path().join("hot2.gguf");
-    let g = tmp.path().join("golden2");
-    let o = parity(&["fixture", "--qk-gain", "8", "--out", m.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", show(&o));
-    let o = parity(&[
-        "golden",
-        m.to_str().unwrap(),
-        "--prompt",
-        "Once upon a time there was a little girl named Lily",
-        "--steps",
-        "4",
-        "--out",
-        g.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
+    let (m, g) = generated(tmp.path(), "hot2", &["--qk-gain", "8"]);
     let o = parity(&[
         "selftest",
         m.to_str().unwrap(),

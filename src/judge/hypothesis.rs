@@ -145,12 +145,12 @@ fn experiments(
                 .filter(|_| at.classes.contains(&OpClass::Rope))
                 .map(|(_, p)| p);
             // What the catalog already came to: the farther RoPE guesses only where nothing did.
-            let near = tried
+            let catalog = tried
                 .iter()
                 .map(|(t, _)| t.nmse)
                 .fold(f64::INFINITY, f64::min);
-            let far = at.own.filter(|&own| near > own * FAR_TRIGGER);
-            for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only, far)? {
+            let near = (at.own, catalog);
+            for (t, setup) in rope_positions(model, cand, &at.base, k, guess, only, near)? {
                 setups.insert(t.hypothesis.name(), setup);
                 tried.push((t, None));
             }
@@ -499,7 +499,8 @@ impl AtKey<'_, '_, '_> {
 /// position bug no catalog entry reproduces (positions from 1, a counter that stops, a shift
 /// past the prompt) is one experiment too. At a span holding RoPE (a sparse dump: nothing to
 /// solve them from), the rules that start at the first position out of the floor (`guess`:
-/// `rope_fit::guesses`). Rules the catalog holds are left to it.
+/// `rope_fit::guesses`). Rules the catalog holds are left to it. `(own, catalog)`: the clean
+/// replay's error at the key and the least the catalog's hypotheses left there.
 #[allow(clippy::too_many_arguments)]
 fn rope_positions(
     model: &Model,
@@ -508,7 +509,7 @@ fn rope_positions(
     k: TapKey,
     guess: Option<usize>,
     only: Option<&BTreeSet<String>>,
-    far: Option<f64>,
+    (own, catalog): (Option<f64>, f64),
 ) -> Result<Vec<(Tried, Setup)>, JudgeError> {
     let mut out = Vec::new();
     // The window renumbers its layers from l0; the trace's are the model's.
@@ -541,13 +542,10 @@ fn rope_positions(
     };
     run(rules, &mut out)?;
     // Guessed at a span, and neither the catalog nor these came near (a hypothesis that
-    // reproduces the span takes its error down by orders of magnitude; `far`: the clean
-    // replay's error, where the catalog did not): shifts by 2 and more, one replay each.
-    if let (Some(p0), Some(own)) = (guessed, far) {
-        let best = out
-            .iter()
-            .map(|(t, _)| t.nmse)
-            .fold(f64::INFINITY, f64::min);
+    // reproduces the span takes its error down by orders of magnitude): shifts by 2 and
+    // more, one replay each.
+    if let (Some(p0), Some(own)) = (guessed, own) {
+        let best = out.iter().map(|(t, _)| t.nmse).fold(catalog, f64::min);
         if best > own * FAR_TRIGGER {
             run(super::rope_fit::far_guesses(cand, p0), &mut out)?;
         }
