@@ -63,6 +63,17 @@ pub fn fit(cand: &Candidate, r: &replay::Replay) -> Option<f64> {
     fit_where(cand, r, |_| true)
 }
 
+/// Whether a key can tell roundings apart: where at least half of what the candidate holds
+/// there is finite. A key the candidate overflowed almost everywhere leaves nothing (or the
+/// zeros beside a softmax row's NaN) to compare, and every rounding "fits" it at 0: ggml-cpu,
+/// tried first, was taken for a plain-f32 engine whose every row is NaN from layer 0's
+/// softmax on. Read from the candidate alone, so every rounding is measured on the same keys
+/// (an emulated 8-bit quantizer turns a NaN row finite where plain f32 carries it). One NaN
+/// token row of 16 leaves 15 that measure it.
+fn says_rounding(m: &crate::compare::metrics::Metrics) -> bool {
+    2 * (m.nan_b + m.inf_b) <= m.n
+}
+
 /// [`fit`] over the keys `which` accepts.
 pub fn fit_where(
     cand: &Candidate,
@@ -70,7 +81,11 @@ pub fn fit_where(
     which: impl Fn(&TapKey) -> bool,
 ) -> Option<f64> {
     let (mut own, mut spans) = (Vec::new(), Vec::new());
-    for (k, m) in r.metrics.iter().filter(|(k, _)| which(k)) {
+    for (k, m) in r
+        .metrics
+        .iter()
+        .filter(|(k, m)| which(k) && says_rounding(m))
+    {
         let s = span(cand, k);
         if s.len() == 1 && class(k.tap) == OpClass::Matmul {
             own.push(m.nmse);
@@ -532,8 +547,12 @@ pub fn measure(
     // Every rounding leaves the window's matmuls further off than a rounding can move a span:
     // a bug in every layer moved them, the pick among the roundings is a tie, and a diagnosis
     // that confirms nothing tries the others.
+    // So too where the window had nothing finite enough to measure and the whole trace's
+    // spans were (a sparse dump whose logits are NaN: 16-layer no-ffn-norm overflows at layer
+    // 6, and the bug-dominated spans' lowest picked bf16 for a ggml-cpu engine).
+    let fell_back = no_layers && best.as_ref().is_some_and(|b| b.3);
     let mut unsure = Unsure {
-        layers: !no_layers
+        layers: (!no_layers || fell_back)
             && !fits.is_empty()
             && fits.iter().all(|f| f.median_nmse > super::floor::SPAN_CAP),
         ..Unsure::default()
@@ -570,6 +589,9 @@ pub fn measure(
             .collect(),
     };
     let run_layers = roundings.len() > 1 && no_layers && cand.trace.keys().any(layer_keys);
+    // The output told no rounding either (`fell_back`): the layers stay unsure unless they
+    // tell one exactly, and a confirmed bug measures them again with it in place.
+    let nothing_told = unsure.layers;
     for (pass, &kv) in layer_caches
         .iter()
         .enumerate()
@@ -591,7 +613,7 @@ pub fn measure(
         };
         if pass == 0 || base <= EXACT_FIT {
             layers_exact = base <= EXACT_FIT;
-            unsure.layers = exact(&fits) && !layers_exact;
+            unsure.layers = (exact(&fits) || nothing_told) && !layers_exact;
         }
         if base <= EXACT_FIT {
             break;
@@ -613,7 +635,7 @@ pub fn measure(
         let told = exact(&layer_fits) || told_r != rounding;
         if pass == 0 || told {
             layers_exact = exact(&layer_fits);
-            unsure.layers = exact(&fits) && !layers_exact;
+            unsure.layers = (exact(&fits) || nothing_told) && !layers_exact;
         }
         if told_r != rounding {
             // The layers' rounding is the engine's; the output projection's is the one the
@@ -716,6 +738,7 @@ fn measure_output(
             let at_lm = replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
+                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse);
             let o_fit = f.iter().find(|x| x.rounding == o).map(|x| x.median_nmse);
             if let (Some(a), Some(b)) = (at_lm, o_fit) {
@@ -744,6 +767,7 @@ fn measure_output(
             Ok(replay(model, cand, &setup, none)?
                 .metrics
                 .get(&lm)
+                .filter(|m| says_rounding(m))
                 .map(|m| m.nmse))
         };
         if let Some(f) = at_lm(rounding)? {
@@ -864,10 +888,11 @@ fn measure_cache(
             let through_attention: Vec<f64> = rep
                 .metrics
                 .iter()
-                .filter(|(k, _)| {
-                    span(cand, k)
-                        .iter()
-                        .any(|x| class(x.tap) == OpClass::Attention)
+                .filter(|(k, m)| {
+                    says_rounding(m)
+                        && span(cand, k)
+                            .iter()
+                            .any(|x| class(x.tap) == OpClass::Attention)
                 })
                 .map(|(_, m)| m.nmse)
                 .collect();
@@ -919,8 +944,9 @@ pub fn decode_attention_fit(
     let v: Vec<f64> = rep
         .metrics
         .iter()
-        .filter(|(k, _)| {
+        .filter(|(k, m)| {
             k.step == d1
+                && says_rounding(m)
                 && k.layer.is_none_or(|l| l < l_end)
                 && span(cand, k)
                     .iter()
