@@ -67,6 +67,7 @@ COMPUTE_MUTATIONS = [
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
     "norm-weight-plus-one", "causal-mask-excludes-self", "no-attn-norm", "no-ffn-norm",
     "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
+    "rope-factors-ignored",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -125,6 +126,9 @@ class Model:
         if self.meta(k("rope.scaling.type"), "none") == "linear":
             self.freq_scale = F32(1.0 / float(self.meta(k("rope.scaling.factor"), 1.0)))
         self.neox = arch == "qwen2"
+        # llama3's frequency factors (rope_freqs.weight, [n_rot/2]): pair i turns at
+        # freq_scale * (p * base^(-2i/n_rot) / factor[i]), as ggml's rope.
+        self.has_rope_freqs = "rope_freqs.weight" in self.tensors
         self.bos = self.meta("tokenizer.ggml.bos_token_id", None)
         self.n_vocab = int(self.tensors["token_embd.weight"].shape[1])
         self.cache = {}
@@ -402,12 +406,15 @@ class Engine:
         theta_scale = F32(np.power(base, F32(-2.0) / F32(m.n_rot), dtype=F32))
         x = x.copy()
         half = m.n_rot // 2
+        ff = np.ones(half, F32)
+        if m.has_rope_freqs and mut != "rope-factors-ignored":
+            ff = m.weight("rope_freqs.weight").reshape(-1)[:half].astype(F32)
         for t, pos in enumerate(positions):
             cos = np.zeros(half, F32)
             sin = np.zeros(half, F32)
             theta = F32(pos)
             for i in range(half):
-                th = F32(m.freq_scale * theta)
+                th = F32(m.freq_scale * F32(theta / ff[i]))
                 cos[i], sin[i] = np.cos(th), np.sin(th)
                 theta = F32(theta * theta_scale)
             v = x[t]  # [n_heads, head_dim]
