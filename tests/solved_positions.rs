@@ -345,6 +345,14 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
             0,
             5,
         ),
+        // A decode counter that adds the prompt's 20 positions to a position that holds them.
+        (
+            "--rope-at",
+            "p + 20 if p >= 20 else p",
+            "rope-at:q,k=p+20@20",
+            1,
+            20,
+        ),
     ] {
         for rounding in ["none", "ggml"] {
             let what = format!("{flag} {expr} {rounding}");

@@ -27,6 +27,13 @@ pub const FACTOR: f64 = 10.0;
 const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0x5eed_0003];
 /// Spans re-judged at most per judgement (the first that stays out of its floor ends it).
 const MAX_SPANS: usize = 8;
+/// A span still out of its floor after `SEEDS` but within this factor of the floor it had
+/// is replayed under up to `MORE_SEEDS` more patterns, until one clears it (`distance_reaching`):
+/// a nudge flips an 8-bit quantum only now and then. One decode row of a clean 32-layer Q8_0
+/// engine (ggml's rounding, f32 cache, sparse) sat at 1.06e-5 over its 1e-5 floor where three
+/// patterns had flipped nothing.
+const NEAR: f64 = 10.0;
+const MORE_SEEDS: u64 = 13;
 
 /// How jittered replays nudge, their seeds left to `distance`.
 #[derive(Clone, Copy, Debug)]
@@ -74,6 +81,25 @@ pub(super) fn engine_like(floors: &Floors) -> Nudge {
     }
 }
 
+/// [`engine_like`] for a hypothesis held against the trace: where the matmuls reproduce bit
+/// for bit but the spans through them do not (their median own NMSE over `EXACT_FIT`: the
+/// engine's other ops differ, attention summed in f64, a sparse dump's one own matmul the
+/// output projection), the matmul outputs are nudged by the full few ulps. A 32-layer Q8_0
+/// engine with Q8_K inputs and eps x10, sparse: the replay with eps x10 flipped an 8-bit
+/// quantum at step 2 layer 6 the engine did not (4.2e-6 where the clean replay was 1.2e-9),
+/// and the bug went unnamed against un-nudged replays.
+pub(super) fn engine_like_held(floors: &Floors) -> Nudge {
+    let exact_mm = floors.mm_median_own.is_some_and(|own| own <= EXACT_FIT);
+    let spans_off = floors.mm_median_span.is_some_and(|s| s > EXACT_FIT);
+    match exact_mm && spans_off {
+        true => Nudge {
+            rel: JITTER_ULPS * f32::EPSILON,
+            what: Nudged::Matmuls,
+        },
+        false => engine_like(floors),
+    }
+}
+
 /// The NMSE between the clean replay under `base` at `key` and replays of it jittered as
 /// `like` (`nudge`), one per seed.
 pub(super) fn distance(
@@ -83,6 +109,37 @@ pub(super) fn distance(
     key: &super::TapKey,
     like: Nudge,
 ) -> Result<f64, JudgeError> {
+    distance_over(model, cand, base, key, like, &SEEDS, f64::INFINITY)
+}
+
+/// [`distance`], and where it stays under `enough`, under up to `MORE_SEEDS` more patterns
+/// until one reaches it: a rare flip is what this asks about.
+pub(super) fn distance_reaching(
+    model: &Model,
+    cand: &Candidate,
+    base: &Setup,
+    key: &super::TapKey,
+    like: Nudge,
+    enough: f64,
+) -> Result<f64, JudgeError> {
+    let d = distance(model, cand, base, key, like)?;
+    if d >= enough {
+        return Ok(d);
+    }
+    let more: Vec<u64> = (1..=MORE_SEEDS).map(|i| SEEDS[2] + i).collect();
+    Ok(d.max(distance_over(model, cand, base, key, like, &more, enough)?))
+}
+
+/// [`distance`] over `seeds`, stopping at the first that reaches `enough`.
+fn distance_over(
+    model: &Model,
+    cand: &Candidate,
+    base: &Setup,
+    key: &super::TapKey,
+    like: Nudge,
+    seeds: &[u64],
+    enough: f64,
+) -> Result<f64, JudgeError> {
     let keep = BTreeSet::from([*key]);
     let plain = replay(model, cand, base, &keep)?;
     let Some(a) = plain.kept.get(key) else {
@@ -90,7 +147,7 @@ pub(super) fn distance(
     };
     let a = ArrayViewD::from_shape(IxDyn(&[a.len()]), a).expect("1-d");
     let mut worst = 0.0f64;
-    for seed in SEEDS {
+    for &seed in seeds {
         let setup = Setup {
             jitter: Some(Jitter {
                 seed,
@@ -103,6 +160,9 @@ pub(super) fn distance(
         if let Some(b) = r.kept.get(key) {
             let b = ArrayViewD::from_shape(IxDyn(&[b.len()]), b).expect("1-d");
             worst = worst.max(metrics(&b, &a).nmse);
+        }
+        if worst >= enough {
+            break;
         }
     }
     Ok(worst)
@@ -129,7 +189,11 @@ pub(super) fn refloor(
         }
         tried += 1;
         let base = clean_setup(floors, kv, Window::for_key(cand, &o.key));
-        let d = distance(model, cand, &base, &o.key, nudge(floors))?;
+        let like = nudge(floors);
+        let d = match o.own_nmse < NEAR * o.floor {
+            true => distance_reaching(model, cand, &base, &o.key, like, o.own_nmse / FACTOR)?,
+            false => distance(model, cand, &base, &o.key, like)?,
+        };
         o.floor = o.floor.max(FACTOR * d);
         if o.own_nmse > o.floor {
             break;

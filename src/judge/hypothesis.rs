@@ -1786,14 +1786,16 @@ fn holds(
     // hypothesis replay is nudged as the engine's sums differ (`ambiguity::engine_like`); the
     // first key that stands `CONTRADICTS` times above that too contradicts it.
     // The keys from the first that stands on (past `MAX_TIE_CHECKS` unchecked keys stand).
-    let like = super::ambiguity::engine_like(floors);
+    let like = super::ambiguity::engine_like_held(floors);
     let mut first = worse.len().min(MAX_TIE_CHECKS);
     for (i, (key, _, h)) in worse.iter().take(MAX_TIE_CHECKS).enumerate() {
         let at = Setup {
             window: Window::for_key(cand, key),
             ..setup.clone()
         };
-        if *h > CONTRADICTS * super::ambiguity::distance(model, cand, &at, key, like)? {
+        let flips =
+            super::ambiguity::distance_reaching(model, cand, &at, key, like, h / CONTRADICTS)?;
+        if *h > CONTRADICTS * flips {
             first = i;
             break;
         }

@@ -325,7 +325,8 @@ pub const FAR_SHIFT: i64 = 8;
 /// first row out `p0` (and the row before), for q and k together and either alone, and where
 /// `p0 <= 2` from position 0 (`max(p - 3, 0)`: a counter that starts late, clamped at 0, first
 /// shows at row 1). A position counter that adds a template's or a BOS's length, or leaves
-/// it out, is such a shift.
+/// it out, is such a shift. Past [`FAR_SHIFT`], by as many positions as lie before the first
+/// row out, either way (a decode counter that adds the prompt's length twice, or restarts at 0).
 pub fn far_guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
     let mut rules = Vec::new();
     let mut froms = vec![p0, p0.saturating_sub(1)];
@@ -339,6 +340,14 @@ pub fn far_guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
             if from == 0 || from as i64 + by >= 0 {
                 rules.push(PosRule::Shift { from, by });
             }
+        }
+    }
+    // The positions before it counted twice, or left out: a decode counter that adds the
+    // prompt's length to a position that already holds it, or starts again from 0.
+    for &from in &froms {
+        let n = from as i64;
+        if n > FAR_SHIFT {
+            rules.extend([n, -n].map(|by| PosRule::Shift { from, by }));
         }
     }
     let pairs = rules
