@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """An out-of-process inference engine of our own, in numpy, for testing parity on external traces.
 
-It reads a GGUF file with gguf-py, runs a llama or qwen2 model (biases, NORM/NEOX RoPE, GQA, a KV
-cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format.md), exactly as
+It reads a GGUF file with gguf-py, runs a llama (llama3's RoPE frequency factors too) or qwen2
+model (biases, NORM/NEOX RoPE, GQA, a KV cache, teacher-forced decode steps) and writes a parity trace (docs/trace-format.md), exactly as
 an engine author's dump would look to `parity diff`. It shares no computation with parity: weights
 are decoded by gguf-py, every op is written again here. The trace is written through the Python
 writer an engine author would use (parity_trace: bindings/python beside scripts/, else the
