@@ -647,6 +647,9 @@ fn at_depth_rare_flips_are_sampled_until_found() {
 /// the replay with eps x10 flips one quantum there (5.7e-7), and eps x10 was "not elsewhere
 /// in the trace" — unnamed. A key counts against a hypothesis only where it stands well above
 /// what the engine's own sums may flip there (its hypothesis replay nudged as they differ).
+/// With Q8_K inputs and an f16 cache the flip was attn_norm's (2.2e-6 at step 2 layer 23,
+/// 8.6e-12 clean), upstream of every matmul: nudging the matmul outputs never reproduced it,
+/// and eps x10 stayed unnamed until every tensor of the window was nudged.
 #[test]
 #[cfg_attr(
     not(all(parity_gguf_py, parity_llama_cpp)),
@@ -671,6 +674,17 @@ fn at_depth_a_real_bug_is_not_contradicted_by_a_flip() {
     let (code, own) = judged(&model, &golden, &bad);
     assert_eq!(code, Some(1), "eps x10: {own:#}");
     assert_at_layer0_named(&own, "l_out", "rms-eps-10x reproduces your ", "eps x10");
+    let q8k = ["--kv", "f16", "--f32-sums"];
+    let (_t, clean) = engine(&py, &model, &golden, "q8k", "sparse", &q8k);
+    let (code, own) = judged(&model, &golden, &clean);
+    assert_eq!(code, Some(0), "q8k f16 clean: {own:#}");
+    assert!(own["first_divergence"].is_null(), "q8k f16 clean: {own:#}");
+    let set = [&q8k[..], &["--mutate", "rms-eps-10x"]].concat();
+    let (_t, bad) = engine(&py, &model, &golden, "q8k", "sparse", &set);
+    let (code, own) = judged(&model, &golden, &bad);
+    assert_eq!(code, Some(1), "q8k f16 eps x10: {own:#}");
+    let what = "q8k f16 eps x10";
+    assert_at_layer0_named(&own, "l_out", "rms-eps-10x reproduces your ", what);
 }
 
 /// A RoPE base near the model's, in a sparse dump of 8-bit (or f16, bf16) layers: the span's
