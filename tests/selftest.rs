@@ -50,6 +50,18 @@ fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json:
 }
 
 /// Whether the venv python can run the numpy engine; says why not when it cannot.
+/// The generated 16-layer model's shape (`parity fixture` arguments).
+const DEEP16: [&str; 8] = [
+    "--type",
+    "q4_0",
+    "--n-layer",
+    "16",
+    "--n-embd",
+    "128",
+    "--n-ff",
+    "256",
+];
+
 /// A model `parity fixture` generates in `dir` (`name.gguf`, `fixture_args`) and its
 /// llama.cpp golden (`name-golden`): four steps of the usual prompt.
 fn generated(dir: &Path, name: &str, fixture_args: &[&str]) -> (PathBuf, PathBuf) {
@@ -294,24 +306,8 @@ fn selftest_generated_16_layer_model() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (m, g) = generated(
-        tmp.path(),
-        "deep16",
-        &[
-            "--type",
-            "q4_0",
-            "--n-layer",
-            "16",
-            "--n-embd",
-            "128",
-            "--n-ff",
-            "256",
-            "--n-head",
-            "4",
-            "--n-head-kv",
-            "2",
-        ],
-    );
+    let heads = ["--n-head", "4", "--n-head-kv", "2"];
+    let (m, g) = generated(tmp.path(), "deep16", &[&DEEP16[..], &heads].concat());
     let engine = if numpy_ok() { "both" } else { "parity" };
     selftest(&m, &g, &["--engine", engine]);
     selftest(&m, &g, &["--engine", engine, "--sparse"]);
@@ -351,22 +347,8 @@ fn softmax_without_its_max_is_found_where_the_scores_first_overflow() {
         "scores far under 88 make no case: {rows:#?}"
     );
     let tmp = tempfile::tempdir().unwrap();
-    let (m, g) = generated(
-        tmp.path(),
-        "hot16",
-        &[
-            "--type",
-            "q4_0",
-            "--n-layer",
-            "16",
-            "--n-embd",
-            "128",
-            "--n-ff",
-            "256",
-            "--qk-gain",
-            "5",
-        ],
-    );
+    let gain = ["--qk-gain", "5"];
+    let (m, g) = generated(tmp.path(), "hot16", &[&DEEP16[..], &gain].concat());
     let engine = if numpy_ok() { "both" } else { "parity" };
     for extra in [
         &[][..],
@@ -433,7 +415,6 @@ fn softmax_without_its_max_is_found_where_the_scores_first_overflow() {
     // every rounding at 0 (nothing finite to compare), and ggml-cpu, tried first, was taken
     // for the plain-f32 engines: their overflow placed at layer 0's q, unnamed. The rounding
     // is measured on keys the candidate holds at least half finite.
-    let engine = if numpy_ok() { "both" } else { "parity" };
     let rows = selftest_json(&m, &g, &["--engine", engine, "--only", "softmax-no-max"]);
     let bug: Vec<_> = rows
         .iter()
