@@ -81,9 +81,16 @@ if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed | grep 
 fi
 
 # Release code (the NEON kernels as shipped), without its debuginfo: only the cross build's
-# compile time would pay for it.
+# compile time would pay for it. The dependencies at opt-level 1: their compile at 3 was most
+# of this script's time, and the tests run parity's own code (generic and `#[inline]` code from
+# a dependency is compiled into parity, at parity's level). Build + run on 2 cores: 432 s with
+# them at 3, 383 s at 1; at 0 the build took 180 s but proptest and half's software f16 ran
+# 3-5x slower under qemu (462 s).
 cargo_test() {
-    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" "$@"
+    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" \
+        --config 'profile.release.package."*".opt-level=1' "$@"
+}"; do cfg+=(--config "profile.release.package.$p.opt-level=0"); done
+    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" "${cfg[@]}" "$@"
 }
 
 start=$SECONDS

@@ -49,7 +49,6 @@ fn selftest_json(model: &Path, golden: &Path, extra: &[&str]) -> Vec<serde_json:
     serde_json::from_slice(&o.stdout).unwrap()
 }
 
-/// Whether the venv python can run the numpy engine; says why not when it cannot.
 /// The generated 16-layer model's shape (`parity fixture` arguments).
 const DEEP16: [&str; 8] = [
     "--type",
@@ -83,6 +82,7 @@ fn generated(dir: &Path, name: &str, fixture_args: &[&str]) -> (PathBuf, PathBuf
     (m, g)
 }
 
+/// Whether the venv python can run the numpy engine; says why not when it cannot.
 fn numpy_ok() -> bool {
     numpy_engine_python().is_some()
 }
