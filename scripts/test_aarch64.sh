@@ -89,8 +89,6 @@ fi
 cargo_test() {
     CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" \
         --config 'profile.release.package."*".opt-level=1' "$@"
-}"; do cfg+=(--config "profile.release.package.$p.opt-level=0"); done
-    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" "${cfg[@]}" "$@"
 }
 
 start=$SECONDS
