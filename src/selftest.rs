@@ -295,8 +295,10 @@ pub fn run(
             .as_ref()
             .is_none_or(|o| o.iter().any(|n| n == m.name()))
     };
-    let overflows =
-        asked(Mutation::SoftmaxNoMax) && overflow_at(&golden, model, opt.from_layer)?.is_some();
+    let overflows = Mutation::ALL
+        .iter()
+        .any(|&m| m.shows_only_on_overflow() && asked(m))
+        && overflow_at(&golden, model, opt.from_layer)?.is_some();
     let cases = cases(model, opt, &crate::trace::step_shapes(&golden), overflows)?;
     let made = match &opt.keep {
         Some(k) => std::fs::create_dir_all(k).map(|()| k.clone()),
@@ -393,7 +395,7 @@ fn one_row(
     };
     let steps = crate::trace::step_shapes(golden);
     let overflow = match case {
-        Case::Bug(Mutation::SoftmaxNoMax) => first_non_finite(&cand, model)?,
+        Case::Bug(m) if m.shows_only_on_overflow() => first_non_finite(&cand, model)?,
         _ => None,
     };
     let seen = Seen {
@@ -831,7 +833,8 @@ fn numpy_args(
 struct Seen<'a> {
     observable: Option<TapKey>,
     steps: &'a [(usize, usize, usize)],
-    /// Where softmax-no-max's engine first overflowed: the first non-finite key of its trace.
+    /// Where the engine of a bug that shows only on an overflow (softmax-no-max) first
+    /// overflowed: the first non-finite key of its trace.
     overflow: Option<TapKey>,
 }
 
@@ -897,7 +900,8 @@ fn judge_row(
             if let Some((step, _)) = at_position {
                 exp.step = step;
             }
-            if let Some(k) = seen.overflow.filter(|_| m == Mutation::SoftmaxNoMax) {
+            // Where such a bug first shows is where its engine's own scores overflowed.
+            if let Some(k) = seen.overflow.filter(|_| m.shows_only_on_overflow()) {
                 exp = k;
             }
             // Where the sparse trace first differs from the clean engine's, if that is later.

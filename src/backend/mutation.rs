@@ -535,6 +535,13 @@ impl Mutation {
         }
     }
 
+    /// Whether the bug computes the feed-forward activation the model does not use (a GELU on
+    /// a SiLU model): how the engine rounds that one (GELU's f16 table or f32) may never have
+    /// been measured, so the judge replays it under the GELU twins of the measured rounding.
+    pub fn swaps_ffn_activation(self) -> bool {
+        self == Mutation::WrongFfnAct
+    }
+
     /// Whether the bug shows only where the run's attention scores pass exp's f32 overflow
     /// (`selftest::overflow_at` says where a golden's do): elsewhere it computes the same
     /// numbers to f32 rounding, and there is nothing to find.

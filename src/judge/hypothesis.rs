@@ -292,7 +292,7 @@ impl AtKey<'_, '_, '_> {
             }
             // A GELU where the model has none (`wrong-ffn-act` on a SiLU model): the
             // measurement never saw how the engine computes one, f16 table or f32.
-            if h.catalog == Mutation::WrongFfnAct
+            if h.catalog.swaps_ffn_activation()
                 && best > VISIBLE
                 && let Some(c) = closer(
                     model,
