@@ -5,7 +5,7 @@
 #      (gitignored; skipped when already there),
 #   2. runs `parity bench` on each (parity's fast backend vs the real llama.cpp, same file,
 #      same threads, same token ids),
-#   3. runs `cargo bench --bench dequant` (SIMD vs scalar dequantization, GB/s) twice: through
+#   3. runs `cargo bench -p parity-quant --bench dequant` (SIMD vs scalar dequantization, GB/s) twice: through
 #      memory (64 MiB of output per pass) and in cache (a 16 KiB output, one weight row's
 #      worth, decoded again and again: the kernels' own speed),
 #   4. measures the peak memory (max RSS) of `parity dump` with the reference backend on the
@@ -67,10 +67,10 @@ for ty in "${TYPES[@]}"; do
 done
 
 if [ "$SKIP_DEQUANT" = 0 ]; then
-  section "cargo bench --bench dequant (through memory)"
-  cargo bench --bench dequant
-  section "cargo bench --bench dequant -- --kib 16 (in cache)"
-  cargo bench --bench dequant -- --kib 16
+  section "cargo bench -p parity-quant --bench dequant (through memory)"
+  cargo bench -p parity-quant --bench dequant
+  section "cargo bench -p parity-quant --bench dequant -- --kib 16 (in cache)"
+  cargo bench -p parity-quant --bench dequant -- --kib 16
 fi
 
 section "peak memory: parity dump (reference backend) on the Q4_0 model"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write the committed ggml block-format test vectors in tests/data/quant/.
+"""Write the committed ggml block-format test vectors in crates/parity-quant/tests/data/quant/.
 
 Two independent oracles:
 
@@ -22,11 +22,11 @@ Two independent oracles:
 
 Output (deterministic, seeded):
 
-  tests/data/quant/index.json   provenance, versions, and for every type the
+  crates/parity-quant/tests/data/quant/index.json   provenance, versions, and for every type the
                                 dequantization cases and quantization cases as
                                 [offset, length] byte ranges into:
-  tests/data/quant/inputs.f32   shared f32 input rows (little endian)
-  tests/data/quant/<name>.bin   per type: block bytes, expected f32 (LE),
+  crates/parity-quant/tests/data/quant/inputs.f32   shared f32 input rows (little endian)
+  crates/parity-quant/tests/data/quant/<name>.bin   per type: block bytes, expected f32 (LE),
                                 expected quantized bytes
 
     scripts/quant_vectors.py [--out DIR] [--check]
@@ -58,9 +58,9 @@ warnings.filterwarnings("ignore", category=RuntimeWarning)  # gguf-py on Inf/NaN
 
 SEED = 0x9A417
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(ROOT, "tests", "data", "quant")
+DEFAULT_OUT = os.path.join(ROOT, "crates", "parity-quant", "tests", "data", "quant")
 
-# name, ggml id, block size, type size (must equal the FORMAT entries in src/quant/*.rs)
+# name, ggml id, block size, type size (must equal the FORMAT entries in crates/parity-quant/src/*.rs)
 TYPES = [
     ("f32", 0, 1, 4),
     ("f16", 1, 1, 2),
@@ -564,7 +564,7 @@ def build(out_dir, check_only=False):
     files = {}
     index = {
         "format": 1,
-        "about": "ggml block-format test vectors for tests/quant_oracle.rs, written by scripts/quant_vectors.py. "
+        "about": "ggml block-format test vectors for crates/parity-quant/tests/quant_oracle.rs, written by scripts/quant_vectors.py. "
                  "Ranges are [byte offset, byte length]; f32 data is little endian.",
         "generator": {
             "script": "scripts/quant_vectors.py",

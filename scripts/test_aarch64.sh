@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Build the library and quant tests for aarch64 and run them under qemu user-mode emulation,
-# so the NEON twins (`mod neon` in src/quant/*.rs, `quant/arm.rs`) are
-# executed and checked against their scalar twins and ggml's vectors on an x86 machine.
+# Build the block-format crate (crates/parity-quant) and its tests for aarch64 and run them
+# under qemu user-mode emulation, so the NEON twins (`mod neon` in crates/parity-quant/src/*.rs,
+# `arm.rs`) are executed and checked against their scalar twins and ggml's vectors on an x86
+# machine. All of parity's SIMD for aarch64 is in that crate (the backends' own kernels are
+# AVX2 or portable Rust), so the rest of parity (wgpu, tokenizers, ...) is not cross-built.
 #
 # What runs (all must pass):
-#   1. `--lib` (every unit test: quant twins, fast backend, ...) and the `quant_props` and
-#      `quant_oracle` integration tests, on qemu's default `max` CPU (has FP16, so `half`
-#      converts f16 with the FCVT instruction);
-#   2. the quant tests again on `cortex-a53` (plain ARMv8.0: no FP16, no dotprod), which takes
+#   1. the crate's unit tests (every format's twins) and its `quant_props` and `quant_oracle`
+#      integration tests, on qemu's default `max` CPU (has FP16, so `half` converts f16 with
+#      the FCVT instruction);
+#   2. the same again on `cortex-a53` (plain ARMv8.0: no FP16, no dotprod), which takes
 #      `half`'s software f16 path, as on a Raspberry Pi 3/4 or a Graviton 1.
-# The CLI integration tests (cli_*) spawn the `parity` binary: that needs binfmt_misc to run
-# an aarch64 executable from inside the emulated test, so they are not run here.
 #
 # On an aarch64 host the same tests run natively (no qemu, no cross linker).
 #
@@ -81,26 +81,24 @@ if command -v rustup >/dev/null 2>&1 && ! rustup target list --installed | grep 
 fi
 
 # Release code (the NEON kernels as shipped), without its debuginfo: only the cross build's
-# compile time would pay for it. The dependencies at opt-level 1: their compile at 3 was most
-# of this script's time, and the tests run parity's own code (generic and `#[inline]` code from
-# a dependency is compiled into parity, at parity's level). Build + run on 2 cores: 432 s with
-# them at 3, 383 s at 1; at 0 the build took 180 s but proptest and half's software f16 ran
-# 3-5x slower under qemu (462 s).
+# compile time would pay for it. The dependencies at opt-level 1: the tests run the crate's own
+# code (generic and `#[inline]` code from a dependency is compiled into it, at its level); at 0
+# proptest and half's software f16 ran 3-5x slower under qemu.
 cargo_test() {
-    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test --release --target "$TARGET" \
+    CARGO_PROFILE_RELEASE_DEBUG=0 cargo test -p parity-quant --release --target "$TARGET" \
         --config 'profile.release.package."*".opt-level=1' "$@"
 }
 
 start=$SECONDS
 status=0
 
-log "pass 1: --lib, quant_props, quant_oracle (qemu cpu: ${QEMU_CPU:-max})"
+log "pass 1: parity-quant --lib, quant_props, quant_oracle (qemu cpu: ${QEMU_CPU:-max})"
 cargo_test --no-fail-fast --lib --test quant_props --test quant_oracle || status=1
 
 if [ "$native" -eq 0 ] && [ "${SKIP_BASELINE:-0}" != 1 ]; then
     log "pass 2: quant tests on cortex-a53 (ARMv8.0, no FP16)"
-    QEMU_CPU=cortex-a53 cargo_test --lib quant:: || status=1
-    QEMU_CPU=cortex-a53 cargo_test --no-fail-fast --test quant_props --test quant_oracle || status=1
+    QEMU_CPU=cortex-a53 cargo_test --no-fail-fast --lib --test quant_props --test quant_oracle \
+        || status=1
 fi
 
 log "done in $((SECONDS - start)) s: $([ "$status" -eq 0 ] && echo PASS || echo FAIL)"

@@ -2,7 +2,8 @@
 //!
 //! Layers, dependencies pointing down only (docs/architecture.md; tests/house_order.rs checks
 //! it): `cli`, `selftest`, `check`, `golden` (llama.cpp's run, made), `report`, `judge`, `compare`, `backend`, `arch` (the
-//! forward), `trace`, `model`, `arch::spec`, `tokenizer`, `gguf`, `quant`.
+//! forward), `trace`, `model`, `arch::spec`, `tokenizer`, `gguf`; below them all, `quant`, the ggml block
+//! formats, is its own crate (crates/parity-quant), which imports nothing of parity.
 
 pub mod arch;
 pub mod backend;
@@ -13,8 +14,9 @@ pub mod gguf;
 pub mod golden;
 pub mod judge;
 pub mod model;
-pub mod quant;
 pub mod report;
 pub mod selftest;
 pub mod tokenizer;
 pub mod trace;
+
+pub use parity_quant as quant;

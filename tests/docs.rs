@@ -356,9 +356,10 @@ fn the_test_index_names_every_module() {
         .nth(1)
         .expect("docs/contributing.md has the test index");
     let index = index.split("\n## ").next().unwrap();
-    let mut modules: Vec<String> = std::fs::read_dir(root().join("tests"))
-        .unwrap()
-        .flatten()
+    // parity's suite and the block-format crate's own test binaries.
+    let mut modules: Vec<String> = ["tests", "crates/parity-quant/tests"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(root().join(d)).unwrap().flatten())
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
             name.strip_suffix(".rs").map(str::to_string)

@@ -1,5 +1,5 @@
 //! The gpu backend's quantized matmul (src/backend/gpu/quant) against the CPU's decoder: every
-//! type on random valid blocks (made by the quantizers in src/quant), y = x · Wᵀ compared with
+//! type on random valid blocks (made by the quantizers in crates/parity-quant), y = x · Wᵀ compared with
 //! `dequantize_row` + a sequential f32 dot within `sum_order_bound`. Shapes: rows not a
 //! multiple of the workgroup's, 1, 2, 7 and 33 tokens, K = 256·k and K = 32·odd, weights at odd
 //! byte offsets, NaN guards after the output, both reductions, windows and grids split by

@@ -121,10 +121,13 @@ fn a_user_golden_goes_to_the_user_folder_and_check_finds_it() {
     );
 }
 
-/// What crates.io would serve installs and runs: the two packaged crates (parity and the
-/// parity-trace it depends on) are unpacked, installed from there (`--locked`, parity-trace
-/// resolved to its packaged copy as the registry would), their sources deleted, and the
-/// installed binary runs the default check from an empty folder.
+/// What crates.io would serve installs and runs: the three packaged crates (parity and the
+/// parity-trace and parity-quant it depends on) are unpacked, installed from there (`--locked`,
+/// the two libraries resolved to their packaged copies as the registry would), their sources
+/// deleted, and the installed binary runs the default check from an empty folder.
+/// parity first, then the libraries it depends on by path in the repository.
+const CRATES: [&str; 3] = ["parity", "parity-trace", "parity-quant"];
+
 #[test]
 fn the_packaged_crates_install_and_run_away_from_their_sources() {
     // A fixed place under the target folder (not a fresh temporary one): the packaged sources'
@@ -152,6 +155,8 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
             "parity",
             "-p",
             "parity-trace",
+            "-p",
+            "parity-quant",
             "--no-verify",
             "--allow-dirty",
             "--target-dir",
@@ -162,7 +167,7 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
     let src = work.join("src");
     std::fs::create_dir(&src).unwrap();
     let version = env!("CARGO_PKG_VERSION");
-    for name in ["parity", "parity-trace"] {
+    for name in CRATES {
         let krate = pkg.join(format!("package/{name}-{version}.crate"));
         let size = std::fs::metadata(&krate).unwrap().len();
         // crates.io refuses a crate over 10 MB.
@@ -180,7 +185,7 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
     }
     // Unpacked under the repository's target folder, the crates would count as this workspace's
     // members; from the registry they are crates of their own.
-    for name in ["parity", "parity-trace"] {
+    for name in CRATES {
         let toml = src.join(format!("{name}-{version}/Cargo.toml"));
         let text = std::fs::read_to_string(&toml).unwrap();
         std::fs::write(&toml, text + "\n[workspace]\n").unwrap();
@@ -191,10 +196,15 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
     // dev-dependencies would add), and only the unpacked crates compile. The binary itself
     // lands in a folder of its own, never over target/debug/parity, which the other tests run.
     let build_dir = format!("build.build-dir={:?}", target.to_str().unwrap());
-    let patch = format!(
-        "patch.crates-io.parity-trace.path={:?}",
-        src.join(format!("parity-trace-{version}"))
-    );
+    let patches: Vec<String> = CRATES[1..]
+        .iter()
+        .map(|name| {
+            format!(
+                "patch.crates-io.{name}.path={:?}",
+                src.join(format!("{name}-{version}"))
+            )
+        })
+        .collect();
     let inst = tmp.path().join("root");
     cargo(
         &[
@@ -204,7 +214,9 @@ fn the_packaged_crates_install_and_run_away_from_their_sources() {
             "--path",
             src.join(format!("parity-{version}")).to_str().unwrap(),
             "--config",
-            &patch,
+            &patches[0],
+            "--config",
+            &patches[1],
             "--config",
             &build_dir,
             "--root",

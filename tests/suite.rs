@@ -2,8 +2,8 @@
 //! (`cargo test --test suite selftest::` runs one file's tests). One binary links parity once
 //! instead of once per file, and its tests share the machine's cores as one queue: a file
 //! whose last test runs alone no longer leaves a core idle while the next file waits.
-//! quant_props and quant_oracle stay binaries of their own: scripts/test_aarch64.sh runs them
-//! under qemu.
+//! The block formats' tests (quant_props, quant_oracle) live with their crate,
+//! crates/parity-quant, which scripts/test_aarch64.sh cross-builds alone and runs under qemu.
 
 mod common;
 

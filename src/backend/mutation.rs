@@ -5,7 +5,7 @@
 //!
 //! Compute mutations change an op inside `Reference::forward` (a small `if` at its place);
 //! token mutations change the ids fed (`dump --mutate`), layout mutations how a tap is
-//! stored. None of them touches `src/quant`: the decoder bug rewrites the raw bytes before
+//! stored. None of them touches the block formats (crates/parity-quant): the decoder bug rewrites the raw bytes before
 //! the exact decoder runs.
 
 use crate::gguf::{GgmlType, TensorInfo};

@@ -2,7 +2,7 @@
 // `u / 32`. For Q4_K/Q5_K, group g = uu / 8 holds 64 elements whose 32 low nibbles are
 // sub-block 2g and high nibbles sub-block 2g + 1 (hh = uu % 8 / 4 picks which), and
 // part = uu % 4 picks bytes 8·part..+8 of the group's 32. Weights are computed as the scalar
-// twins in src/quant do (same operations, same order).
+// twins in crates/parity-quant do (same operations, same order).
 
 // ggml's get_scale_min_k4: 6-bit (scale, min) of sub-block j from the 12 bytes at `o`.
 fn scale_min_k4(o: u32, j: u32) -> vec2<u32> {

@@ -7,7 +7,7 @@
 //! where the device has subgroups, else a shared-memory tree).
 //!
 //! # Accuracy
-//! Each weight is decoded with the same f32 operations as the scalar twin in `src/quant`
+//! Each weight is decoded with the same f32 operations as the scalar twin in crates/parity-quant
 //! (exact, except that the device may fuse `d·q + m` / `d·q − m` into one rounding), and the
 //! dot product is summed in another order than the CPU's. Against the CPU's
 //! `dequantize → sequential f32 dot` the difference is at most

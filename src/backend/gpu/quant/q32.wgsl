@@ -1,7 +1,7 @@
 // The 32-element block formats. A unit is 8 elements: quarter `s = u % 4` of block `u / 4`.
 // Nibble formats keep elements j and j + 16 in one byte (low, high nibble), so quarter s
 // reads bytes 8·(s % 2)..+8 of the nibbles, shifted by 4·(s / 2).
-// Each weight is computed as the scalar twins in src/quant do (same operations, same order).
+// Each weight is computed as the scalar twins in crates/parity-quant do (same operations, same order).
 
 // Q8_0 (34 bytes): d: f16, qs: [i8; 32]; w = q·d.
 fn deq_q8_0(rb: u32, u: u32) -> W8 {
