@@ -900,8 +900,9 @@ fn judge_row(
             if let Some((step, _)) = at_position {
                 exp.step = step;
             }
-            // Where such a bug first shows is where its engine's own scores overflowed.
-            if let Some(k) = seen.overflow.filter(|_| m.shows_only_on_overflow()) {
+            // Where a bug that shows only on an overflow first shows is where its engine's own
+            // scores overflowed (`one_row` records it for such a bug alone).
+            if let Some(k) = seen.overflow {
                 exp = k;
             }
             // Where the sparse trace first differs from the clean engine's, if that is later.

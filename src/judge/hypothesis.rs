@@ -596,6 +596,55 @@ pub fn knob_name(knob: Knob, v: f32) -> String {
     }
 }
 
+/// The "ruled out" list as a reader takes it in: each catalog bug by its name, and a family of
+/// many tried values (one knob's values, the RoPE position rules) as one entry with its count,
+/// NMSE range and closest member; a sparse dump tries a hundred position rules. The JSON
+/// report keeps every experiment.
+pub fn ruled_out_text(list: &[Tried]) -> String {
+    /// A family up to this size is listed member by member.
+    const LISTED: usize = 4;
+    let mut families: Vec<(String, Vec<&Tried>)> = Vec::new();
+    for t in list {
+        let family = match t.hypothesis {
+            Hypothesis::Knob(k, _) => k.name(),
+            Hypothesis::RopeAt(_) => "rope-at".into(),
+            _ => t.hypothesis.name(),
+        };
+        match families.iter_mut().find(|(f, _)| *f == family) {
+            Some((_, members)) => members.push(t),
+            None => families.push((family, vec![t])),
+        }
+    }
+    let mut out = Vec::new();
+    for (family, members) in families {
+        if members.len() <= LISTED {
+            out.extend(
+                members
+                    .iter()
+                    .map(|t| format!("{} ({:.0e})", t.hypothesis, t.nmse)),
+            );
+            continue;
+        }
+        let closest = members
+            .iter()
+            .min_by(|a, b| a.nmse.total_cmp(&b.nmse))
+            .expect("a family has members");
+        let far = members.iter().map(|t| t.nmse).fold(f64::MIN, f64::max);
+        let what = if matches!(closest.hypothesis, Hypothesis::RopeAt(_)) {
+            "position rules"
+        } else {
+            "values"
+        };
+        out.push(format!(
+            "{family}: {} {what} (NMSE {:.0e} to {far:.0e}, the closest {})",
+            members.len(),
+            closest.nmse,
+            closest.hypothesis
+        ));
+    }
+    out.join(", ")
+}
+
 /// A factor as a user writes it: `0.5`, `1.25`, `8`; `1e-5` beyond 1e-3..1e4.
 fn fmt_factor(x: f32) -> String {
     if (1e-3..1e4).contains(&x.abs()) {
@@ -1474,13 +1523,9 @@ fn finding(
         }
     }
     if !ruled_out.is_empty() {
-        let list: Vec<String> = ruled_out
-            .iter()
-            .map(|t| format!("{} ({:.0e})", t.hypothesis, t.nmse))
-            .collect();
         text.push_str(&format!(
             "\n  ruled out by experiment (NMSE under each): {}",
-            list.join(", ")
+            ruled_out_text(&ruled_out)
         ));
     }
     if !contradicted.is_empty() {
@@ -2218,6 +2263,36 @@ fn locate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_ruled_out_list_is_summarised_by_family() {
+        use crate::backend::positions::PosRule;
+        let tried = |hypothesis, nmse| Tried { hypothesis, nmse };
+        let shift = |by| {
+            let r = PosRule::Shift { from: 20, by };
+            Hypothesis::RopeAt(RopeAt { q: r, k: r })
+        };
+        let mut list = vec![tried(Hypothesis::Catalog(Mutation::RopeNeox), 1e-2)];
+        list.extend((1..=120).map(|by| tried(shift(by), 0.1 + by as f64 * 1e-3)));
+        list.push(tried(shift(-3), 2e-3));
+        list.extend([1e-6f32, 1e-8].map(|v| tried(Hypothesis::Knob(Knob::RmsEps, v), 0.5)));
+        list.extend(
+            [5e3f32, 2e4, 5e4, 1e5, 1e6].map(|v| tried(Hypothesis::Knob(Knob::RopeTheta, v), 0.7)),
+        );
+        let text = ruled_out_text(&list);
+        assert_eq!(
+            text,
+            "rope-neox (1e-2), \
+             rope-at: 121 position rules (NMSE 2e-3 to 2e-1, the closest rope-at:q,k=p-3@20), \
+             rms-eps=1e-6 (5e-1), rms-eps=1e-8 (5e-1), \
+             rope-theta: 5 values (NMSE 7e-1 to 7e-1, the closest rope-theta=5000)"
+        );
+        // A short list reads as before: every member by name.
+        assert_eq!(
+            ruled_out_text(&list[..3]),
+            "rope-neox (1e-2), rope-at:q,k=p+1@20 (1e-1), rope-at:q,k=p+2@20 (1e-1)"
+        );
+    }
 
     #[test]
     fn a_knob_s_value_is_written_as_a_user_writes_it() {
