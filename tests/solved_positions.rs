@@ -353,6 +353,22 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
             1,
             20,
         ),
+        // A counter that adds a template's 12 tokens from the first decode step on, and one
+        // that leaves 13 out from position 16: past the far guesses, neither ±1 nor ±p.
+        (
+            "--rope-at",
+            "p + 12 if p >= 20 else p",
+            "rope-at:q,k=p+12@20",
+            1,
+            20,
+        ),
+        (
+            "--rope-at",
+            "p - 13 if p >= 16 else p",
+            "rope-at:q,k=p-13@16",
+            0,
+            16,
+        ),
     ] {
         for rounding in ["none", "ggml"] {
             let what = format!("{flag} {expr} {rounding}");

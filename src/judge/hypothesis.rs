@@ -547,12 +547,18 @@ fn rope_positions(
     };
     run(rules, &mut out)?;
     // Guessed at a span, and neither the catalog nor these came near (a hypothesis that
-    // reproduces the span takes its error down by orders of magnitude): shifts by 2 and
-    // more, one replay each.
+    // reproduces the span takes its error down by orders of magnitude): shifts by 2 to
+    // `FAR_SHIFT`, one replay each.
+    // Then, the same way, q and k shifted together by up to `LONG_SHIFT` (a template's length).
     if let (Some(p0), Some(own)) = (guessed, own) {
-        let best = out.iter().map(|(t, _)| t.nmse).fold(catalog, f64::min);
-        if best > own * FAR_TRIGGER {
+        let near = |out: &Vec<(Tried, Setup)>| {
+            out.iter().map(|(t, _)| t.nmse).fold(catalog, f64::min) <= own * FAR_TRIGGER
+        };
+        if !near(&out) {
             run(super::rope_fit::far_guesses(cand, p0), &mut out)?;
+        }
+        if !near(&out) {
+            run(super::rope_fit::long_shifts(cand, p0), &mut out)?;
         }
     }
     Ok(out)
