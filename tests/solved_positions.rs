@@ -369,6 +369,30 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
             0,
             16,
         ),
+        // The same past the far guesses for q or k alone (their own counters): in the prompt,
+        // where the long shifts are screened over its first rows, and from the first decode
+        // step, where each is replayed whole.
+        (
+            "--rope-q-at",
+            "p + 12 if p >= 14 else p",
+            "rope-at:q=p+12@14,k=p",
+            0,
+            14,
+        ),
+        (
+            "--rope-k-at",
+            "p - 11 if p >= 15 else p",
+            "rope-at:q=p,k=p-11@15",
+            0,
+            15,
+        ),
+        (
+            "--rope-k-at",
+            "p + 10 if p >= 20 else p",
+            "rope-at:q=p,k=p+10@20",
+            1,
+            20,
+        ),
     ] {
         for rounding in ["none", "ggml"] {
             let what = format!("{flag} {expr} {rounding}");

@@ -360,20 +360,21 @@ pub fn far_guesses(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
 /// The largest shift [`long_shifts`] replays, either way.
 pub const LONG_SHIFT: i64 = 64;
 
-/// Where [`far_guesses`] reproduced nothing either: q and k shifted together from the first
-/// row out `p0` by [`FAR_SHIFT`] + 1 to [`LONG_SHIFT`] positions, later or (as far as `p0`)
-/// earlier. A position counter that adds or leaves out a chat template's or a system prompt's
-/// tokens moves every row by that many (a shift of 12 from position 20 was placed, unnamed,
-/// before).
+/// Where [`far_guesses`] reproduced nothing either: q and k shifted from the first row out
+/// `p0` by [`FAR_SHIFT`] + 1 to [`LONG_SHIFT`] positions, later or (as far as `p0`) earlier,
+/// together or either alone. A position counter that adds or leaves out a chat template's or
+/// a system prompt's tokens moves every row by that many (a shift of 12 from position 20 was
+/// placed, unnamed, before); one kept for the cache's keys apart from the queries' moves one
+/// side only.
 pub fn long_shifts(cand: &Candidate, p0: usize) -> Vec<RopeAt> {
     let n = p0 as i64;
     let pairs = (FAR_SHIFT + 1..=LONG_SHIFT)
         .flat_map(|b| [b, -b])
         // ±p0 is a far guess; further back than p0 is a counter clamped at 0.
         .filter(|&by| by != n && by != -n && n + by >= 0)
-        .map(|by| {
+        .flat_map(|by| {
             let r = PosRule::Shift { from: p0, by };
-            (r, r)
+            [(r, r), (r, PosRule::Own), (PosRule::Own, r)]
         })
         .collect();
     novel(cand, pairs, usize::MAX)
