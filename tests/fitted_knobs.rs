@@ -422,19 +422,7 @@ fn a_knob_hidden_by_a_tie_twin_in_a_long_prompt_is_fitted() {
     }
     let model = dir.join("TinyStories-656K-Q8_0.gguf");
     let tmp = tempfile::tempdir().unwrap();
-    let golden = tmp.path().join("golden");
-    let story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine with her dog, Max. One day, Lily and Max went to the park. They saw a big tree with red apples. Lily wanted to pick an apple, but the tree was too tall. She asked her mom for help. Her mom lifted her up, and Lily picked the biggest apple. She shared it with Max and they were very happy. Then they saw a boy named Tim who was sad because he lost his ball. Lily and Max helped Tim look for the ball under the bushes and near the pond. Max found the ball and brought it back to Tim. Tim smiled and said thank you. They all played together until the sun went down. ";
-    let prompt = story.repeat(3);
-    let o = parity(&[
-        "golden",
-        model.to_str().unwrap(),
-        "-p",
-        &prompt,
-        "--out",
-        golden.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", show(&o));
-    assert!(stdout(&o).contains("prompt 398 tokens"), "{}", show(&o));
+    let golden = long_story_golden(&model, tmp.path());
     // Clean engines where softmax-no-max, short of an overflow the right numbers to f32
     // rounding, flipped the same quanta as the engine and "reproduced" layer 1's l_out bit for
     // bit (confirmed, exit 1): it is tried only on a trace that holds a NaN or an Inf.

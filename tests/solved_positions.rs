@@ -432,6 +432,60 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
     }
 }
 
+/// q and k shifted together from a position inside a long prompt (TinyStories-656K-Q8_0, 398
+/// tokens), sparse, 8-bit activations, f16 cache: the shift moves every layer's span, so the
+/// spans' floor, which follows the trace's median span, rose to its cap with it (`p+3@40`:
+/// layer 0's l_out at 9.3e-4 against 1e-3, exit 0 before). Its rows before 40 are bit-identical
+/// to the replay's, its rows from 40 on all carry the error: at such an edge the check under
+/// the floors replays RoPE rules from it (`position::onset`), and the shift is named there.
+/// The same engine without the shift passes, nothing confirmed.
+#[test]
+#[cfg_attr(
+    not(all(parity_gguf_py, parity_llama_cpp)),
+    ignore = "needs numpy, gguf-py and llama-cpp-python (.ci/run installs them; then touch build.rs)"
+)]
+fn a_shift_inside_a_long_prompt_is_named_under_a_sparse_span_s_floor() {
+    let Some(py) = numpy_engine_python() else {
+        return;
+    };
+    let Some(dir) = shared("models") else {
+        return;
+    };
+    if !llama_cpp_or_skip() {
+        return;
+    }
+    let model = dir.join("TinyStories-656K-Q8_0.gguf");
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = long_story_golden(&model, tmp.path());
+    let out = tmp.path().join("t.npz");
+    let engine = |extra: &[&str]| {
+        let args = [&["--taps", "sparse", "--kv", "f16"][..], extra].concat();
+        numpy_engine_trace(&py, model.to_str().unwrap(), &golden, &out, None, &args);
+        diffed(&golden, &out, &model, true)
+    };
+    for (expr, name, pos) in [
+        ("p + 3 if p >= 40 else p", "rope-at:q,k=p+3@40", 40),
+        ("p - 4 if p >= 150 else p", "rope-at:q,k=p-4@150", 150),
+    ] {
+        let o = engine(&["--rope-at", expr]);
+        assert_eq!(o.status.code(), Some(1), "{expr}: {}", show(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let d = &own_inputs(&j)["first_divergence"];
+        assert_eq!(
+            d["at"]["key"],
+            serde_json::json!({"step": 0, "layer": 0, "tap": "l_out"}),
+            "{expr}: {d:#}"
+        );
+        assert_rule_named(d, name, "l_out", expr);
+        let at = d["position"]["position"].as_u64().unwrap() as usize;
+        assert!(at == pos || at == pos + 1, "{expr}: {d:#}");
+    }
+    let o = engine(&[]);
+    assert_eq!(o.status.code(), Some(0), "clean: {}", show(&o));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(own_inputs(&j)["first_divergence"].is_null(), "clean: {j:#}");
+}
+
 /// The attention read solver on llama.cpp's goldens: every column of every row of every layer
 /// at every step holds its own key (masked where the model masks), or the row cannot tell
 /// (a first row's one column); rows of 2 columns and more always can.

@@ -144,9 +144,23 @@ fn experiments(
         };
         let first = at.first_out(floors, &plain, cut.then_some(after))?;
         at.catalog(first, rows, &mut tried, &mut setups)?;
-        // RoPE's positions solved from the trace, each rule one experiment.
-        if fit_scales {
+        // RoPE's positions solved from the trace, each rule one experiment. Under the floor
+        // (a place `below_floor` checks), at a span whose own error starts at a clear edge
+        // (`position::onset`) near its floor: a shift from there on can hide under a floor
+        // that a bug in every layer lifted (a span's floor follows the trace's median span).
+        let onset = match (fit_scales, plain.kept.get(&k), at.own) {
+            (false, Some(ours), Some(own))
+                if sp.len() > 1
+                    && at.classes.contains(&OpClass::Rope)
+                    && own >= ONSET_NEAR_FLOOR * floors.key(&k, &SpanOps::of(&sp)) =>
+            {
+                super::position::onset(cand, &k, ours)?
+            }
+            _ => None,
+        };
+        if fit_scales || onset.is_some() {
             let guess = first
+                .or(onset)
                 .filter(|_| at.classes.contains(&OpClass::Rope))
                 .map(|(_, p)| p);
             // What the catalog already came to: the farther RoPE guesses only where nothing did.
@@ -185,6 +199,10 @@ fn experiments(
         knobs_deferred,
     })
 }
+
+/// Under the floor, RoPE rules are tried at a span whose own error is within this fraction of
+/// its floor and starts at an edge (`position::onset`).
+const ONSET_NEAR_FLOOR: f64 = 1e-2;
 
 /// The own error above which `experiments` may defer the knobs to a catalog bug that
 /// reproduces the key exactly: far above any rounding tie a knob could flip instead.

@@ -26,6 +26,75 @@ pub fn first_at(
     Ok(first_row(ours, &theirs, dims, key.tap, floor).map(|r| (r, pos0 + r)))
 }
 
+/// Where an own error within its floor starts, at a key of the prompt stored a row per token
+/// (`ours`: the reference's replay, maybe cut to the prompt's first rows): the first row, at
+/// least the third, from which the error is carried by at least half the rows, itself among
+/// them, while every row before it is clean by a factor of `ONSET_CLEAN` — the shape of a
+/// position bug that starts there (a shift from position 40 leaves an 8-bit span's first 40
+/// rows bit-identical). A correct engine's noise has no such edge: its flips sit in a few
+/// rows, an f16 cache's error grows from the second row on. (row, position), or None.
+pub fn onset(
+    cand: &Candidate,
+    key: &TapKey,
+    ours: &[f32],
+) -> Result<Option<(usize, usize)>, JudgeError> {
+    let (Some((t, pos0)), Some([_, b, c])) = (cand.step_shape(key.step), cand.dims(key)) else {
+        return Ok(None);
+    };
+    let width = b * c;
+    if key.tap == Tap::KqSoftMax || width == 0 || !ours.len().is_multiple_of(width) {
+        return Ok(None);
+    }
+    let rows = ours.len() / width;
+    let theirs = match rows {
+        r if r < 3 || r > t => None,
+        r if r == t => cand.get(key)?,
+        r if cand.in_rows(key) => cand.rows(key, 0..r)?,
+        _ => None,
+    };
+    let Some(theirs) = theirs.filter(|v| v.len() == ours.len()) else {
+        return Ok(None);
+    };
+    let err: Vec<f64> = ours
+        .chunks(width)
+        .zip(theirs.chunks(width))
+        .map(|(a, b)| {
+            a.iter()
+                .zip(b)
+                .map(|(&x, &y)| (x as f64 - y as f64).powi(2))
+                .sum::<f64>()
+        })
+        .collect();
+    if err.iter().any(|e| !e.is_finite()) {
+        return Ok(None);
+    }
+    // Running maximum before each row, and the error's sum from each row on.
+    let mut after: Vec<f64> = vec![0.0; rows + 1];
+    for r in (0..rows).rev() {
+        after[r] = after[r + 1] + err[r];
+    }
+    let mut before = 0.0f64;
+    for r in 0..rows {
+        let mean = after[r] / (rows - r) as f64;
+        if r >= 2 && mean > 0.0 && before <= ONSET_CLEAN * mean && err[r] >= ONSET_CARRY * mean {
+            let carried = err[r..]
+                .iter()
+                .filter(|&&e| e >= ONSET_CARRY * mean)
+                .count();
+            if 2 * carried >= rows - r {
+                return Ok(Some((r, pos0 + r)));
+            }
+        }
+        before = before.max(err[r]);
+    }
+    Ok(None)
+}
+
+/// [`onset`]: the rows before it carry at most this fraction of the mean error from it on.
+const ONSET_CLEAN: f64 = 1e-6;
+/// [`onset`]: a row carries the error from a fraction of the mean error from the onset on.
+const ONSET_CARRY: f64 = 1e-2;
+
 /// Where `j`'s finding first shows, token-wise: at the key it is placed at (its floor), else at
 /// the flagged key. A decode step has one row, its position.
 pub fn locate(

@@ -140,6 +140,25 @@ pub fn llama_cpp_or_skip() -> bool {
     ok
 }
 
+/// llama.cpp's golden of a 398-token story prompt (one story three times; 4 decode steps) of
+/// `model`, written under `dir`: long enough for the rounding ties and position edges a
+/// 20-token prompt never shows.
+pub fn long_story_golden(model: &Path, dir: &Path) -> PathBuf {
+    let story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine with her dog, Max. One day, Lily and Max went to the park. They saw a big tree with red apples. Lily wanted to pick an apple, but the tree was too tall. She asked her mom for help. Her mom lifted her up, and Lily picked the biggest apple. She shared it with Max and they were very happy. Then they saw a boy named Tim who was sad because he lost his ball. Lily and Max helped Tim look for the ball under the bushes and near the pond. Max found the ball and brought it back to Tim. Tim smiled and said thank you. They all played together until the sun went down. ";
+    let golden = dir.join("golden");
+    let o = parity(&[
+        "golden",
+        model.to_str().unwrap(),
+        "-p",
+        &story.repeat(3),
+        "--out",
+        golden.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(stdout(&o).contains("prompt 398 tokens"), "{}", show(&o));
+    golden
+}
+
 /// `python()` if it can run scripts/numpy_engine.py (numpy and gguf-py); else None after
 /// saying why the test skips.
 pub fn numpy_engine_python() -> Option<PathBuf> {
