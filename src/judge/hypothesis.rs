@@ -691,7 +691,7 @@ pub fn knob_name(knob: Knob, v: f32) -> String {
 /// many tried values (one knob's values, the RoPE position rules) as one entry with its count,
 /// NMSE range and closest member; a sparse dump tries a hundred position rules. The JSON
 /// report keeps every experiment.
-pub fn ruled_out_text(list: &[Tried]) -> String {
+fn ruled_out_text(list: &[Tried]) -> String {
     /// A family up to this size is listed member by member.
     const LISTED: usize = 4;
     let mut families: Vec<(String, Vec<&Tried>)> = Vec::new();
