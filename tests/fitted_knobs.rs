@@ -411,18 +411,15 @@ fn a_knob_hidden_by_the_engine_s_cache_is_fitted_under_it() {
     ignore = "needs numpy, gguf-py and llama-cpp-python (.ci/run installs them; then touch build.rs)"
 )]
 fn a_knob_hidden_by_a_tie_twin_in_a_long_prompt_is_fitted() {
-    let Some(py) = numpy_engine_python() else {
+    let Some(LongStory {
+        py,
+        model,
+        golden,
+        tmp: _tmp,
+    }) = long_story()
+    else {
         return;
     };
-    let Some(dir) = shared("models") else {
-        return;
-    };
-    if !llama_cpp_or_skip() {
-        return;
-    }
-    let model = dir.join("TinyStories-656K-Q8_0.gguf");
-    let tmp = tempfile::tempdir().unwrap();
-    let golden = long_story_golden(&model, tmp.path());
     // Clean engines where softmax-no-max, short of an overflow the right numbers to f32
     // rounding, flipped the same quanta as the engine and "reproduced" layer 1's l_out bit for
     // bit (confirmed, exit 1): it is tried only on a trace that holds a NaN or an Inf.

@@ -445,18 +445,15 @@ fn an_engine_s_rope_positions_are_named_from_a_sparse_dump() {
     ignore = "needs numpy, gguf-py and llama-cpp-python (.ci/run installs them; then touch build.rs)"
 )]
 fn a_shift_inside_a_long_prompt_is_named_under_a_sparse_span_s_floor() {
-    let Some(py) = numpy_engine_python() else {
+    let Some(LongStory {
+        py,
+        model,
+        golden,
+        tmp,
+    }) = long_story()
+    else {
         return;
     };
-    let Some(dir) = shared("models") else {
-        return;
-    };
-    if !llama_cpp_or_skip() {
-        return;
-    }
-    let model = dir.join("TinyStories-656K-Q8_0.gguf");
-    let tmp = tempfile::tempdir().unwrap();
-    let golden = long_story_golden(&model, tmp.path());
     let out = tmp.path().join("t.npz");
     let engine = |extra: &[&str]| {
         let args = [&["--taps", "sparse", "--kv", "f16"][..], extra].concat();

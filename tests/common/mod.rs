@@ -140,12 +140,28 @@ pub fn llama_cpp_or_skip() -> bool {
     ok
 }
 
-/// llama.cpp's golden of a 398-token story prompt (one story three times; 4 decode steps) of
-/// `model`, written under `dir`: long enough for the rounding ties and position edges a
-/// 20-token prompt never shows.
-pub fn long_story_golden(model: &Path, dir: &Path) -> PathBuf {
+/// What the long-prompt tests run on: the numpy engine's Python, TinyStories-656K-Q8_0, and
+/// llama.cpp's golden of a 398-token story prompt (one story three times; 4 decode steps) in
+/// `tmp` — long enough for the rounding ties and position edges a 20-token prompt never shows.
+pub struct LongStory {
+    pub py: PathBuf,
+    pub model: PathBuf,
+    pub golden: PathBuf,
+    pub tmp: tempfile::TempDir,
+}
+
+/// [`LongStory`], or None (said why) where the numpy engine, the shared models or llama.cpp
+/// are missing.
+#[allow(dead_code)]
+pub fn long_story() -> Option<LongStory> {
+    let py = numpy_engine_python()?;
+    let model = shared("models")?.join("TinyStories-656K-Q8_0.gguf");
+    if !llama_cpp_or_skip() {
+        return None;
+    }
     let story = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine with her dog, Max. One day, Lily and Max went to the park. They saw a big tree with red apples. Lily wanted to pick an apple, but the tree was too tall. She asked her mom for help. Her mom lifted her up, and Lily picked the biggest apple. She shared it with Max and they were very happy. Then they saw a boy named Tim who was sad because he lost his ball. Lily and Max helped Tim look for the ball under the bushes and near the pond. Max found the ball and brought it back to Tim. Tim smiled and said thank you. They all played together until the sun went down. ";
-    let golden = dir.join("golden");
+    let tmp = tempfile::tempdir().unwrap();
+    let golden = tmp.path().join("golden");
     let o = parity(&[
         "golden",
         model.to_str().unwrap(),
@@ -156,7 +172,12 @@ pub fn long_story_golden(model: &Path, dir: &Path) -> PathBuf {
     ]);
     assert!(o.status.success(), "{}", show(&o));
     assert!(stdout(&o).contains("prompt 398 tokens"), "{}", show(&o));
-    golden
+    Some(LongStory {
+        py,
+        model,
+        golden,
+        tmp,
+    })
 }
 
 /// `python()` if it can run scripts/numpy_engine.py (numpy and gguf-py); else None after
