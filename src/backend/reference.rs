@@ -553,12 +553,7 @@ impl<'m> Reference<'m> {
             // Each output an f64 sum over the positions in order (from -0.0, as `sum`
             // folds), the positions outer so that each V row is read once, in a line.
             acc.fill(-0.0);
-            for j in seen {
-                let (pj, v) = (pr[j] as f64, &vc[src(j) * ekv + base..][..hd]);
-                for (a, &x) in acc.iter_mut().zip(v) {
-                    *a += pj * x as f64;
-                }
-            }
+            weighted_rows(&mut acc, seen, &pr, |j| &vc[src(j) * ekv + base..][..hd]);
             for (o, &a) in out.iter_mut().zip(&acc) {
                 *o = a as f32;
             }
@@ -783,7 +778,52 @@ fn matmul_f64_floats(model: &Model, w: &TensorInfo, xs: &[&[f32]], t: usize) -> 
 /// every tolerance. Eight running sums (element i goes to sum i % 8) instead of one let the
 /// compiler use vector registers; in f64 the order changes nothing a tolerance could see.
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if a.len() == b.len()
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+    {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { dot_avx2(a, b) };
+    }
     dot_read(a, b, |v| v)
+}
+
+/// [`dot`]'s eight running sums in two registers (a head's scores and the plain matmuls spend
+/// most of a long prompt's replays here), then its tail and final sum as it does them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    assert_eq!(a.len(), b.len());
+    let whole = a.len() / 8 * 8;
+    let mut acc = [0.0f64; 8];
+    // SAFETY: every load stays inside `a` and `b` (c + 8 <= whole <= len); the stores inside
+    // `acc`.
+    unsafe {
+        let (mut lo, mut hi) = (_mm256_setzero_pd(), _mm256_setzero_pd());
+        for c in (0..whole).step_by(8) {
+            let (pa, pb) = (a.as_ptr().add(c), b.as_ptr().add(c));
+            let (a0, a1) = (
+                _mm256_cvtps_pd(_mm_loadu_ps(pa)),
+                _mm256_cvtps_pd(_mm_loadu_ps(pa.add(4))),
+            );
+            let (b0, b1) = (
+                _mm256_cvtps_pd(_mm_loadu_ps(pb)),
+                _mm256_cvtps_pd(_mm_loadu_ps(pb.add(4))),
+            );
+            lo = _mm256_fmadd_pd(a0, b0, lo);
+            hi = _mm256_fmadd_pd(a1, b1, hi);
+        }
+        _mm256_storeu_pd(acc.as_mut_ptr(), lo);
+        _mm256_storeu_pd(acc.as_mut_ptr().add(4), hi);
+    }
+    let tail: f64 = a[whole..]
+        .iter()
+        .zip(&b[whole..])
+        .map(|(&x, &y)| x as f64 * y as f64)
+        .sum();
+    (acc.iter().sum::<f64>() + tail) as f32
 }
 
 /// [`dot`] with each weight rounded to TF32 as it is read (`Accum::Tf32`; `x` already is).
@@ -859,6 +899,97 @@ fn dot_finish(w: &[f32], x: &[f64], acc: [f64; 8]) -> f32 {
         .map(|(&a, &b)| a as f64 * b)
         .sum();
     (acc.iter().sum::<f64>() + tail) as f32
+}
+
+/// Adds `p[j] · row(j)[k]` to `acc[k]` for each j of `js` in order (an f64 sum per output,
+/// the positions outer: attention's `p · V`); every row as long as `acc`.
+fn weighted_rows<'a>(
+    acc: &mut [f64],
+    js: Range<usize>,
+    p: &[f32],
+    row: impl Fn(usize) -> &'a [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { weighted_rows_avx2(acc, js, p, row) };
+    }
+    weighted_rows_scalar(acc, js, p, row, 0);
+}
+
+/// The scalar twin of `weighted_rows_avx2`, for the outputs from `from` on.
+fn weighted_rows_scalar<'a>(
+    acc: &mut [f64],
+    js: Range<usize>,
+    p: &[f32],
+    row: impl Fn(usize) -> &'a [f32],
+    from: usize,
+) {
+    for j in js {
+        let (pj, v) = (p[j] as f64, row(j));
+        assert_eq!(v.len(), acc.len());
+        for (a, &x) in acc[from..].iter_mut().zip(&v[from..]) {
+            *a += pj * x as f64;
+        }
+    }
+}
+
+/// Sixteen outputs at a time held in four registers over all of `js` (each output's sum
+/// keeps its order), then four at a time, the rest scalar. An f32 times an f32 is exact in
+/// f64, so the fused multiply-add rounds as the multiply then add.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn weighted_rows_avx2<'a>(
+    acc: &mut [f64],
+    js: Range<usize>,
+    p: &[f32],
+    row: impl Fn(usize) -> &'a [f32],
+) {
+    let n = acc.len();
+    let (by16, by4) = (n / 16 * 16, n / 4 * 4);
+    for c in (0..by16).step_by(16) {
+        weighted_block::<4>(acc, c, js.clone(), p, &row);
+    }
+    for c in (by16..by4).step_by(4) {
+        weighted_block::<1>(acc, c, js.clone(), p, &row);
+    }
+    if by4 < n {
+        weighted_rows_scalar(acc, js, p, row, by4);
+    }
+}
+
+/// `acc[c..c + 4R]` of `weighted_rows_avx2`, held in R registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+fn weighted_block<'a, const R: usize>(
+    acc: &mut [f64],
+    c: usize,
+    js: Range<usize>,
+    p: &[f32],
+    row: &impl Fn(usize) -> &'a [f32],
+) {
+    use std::arch::x86_64::*;
+    let n = acc.len();
+    assert!(c + 4 * R <= n);
+    // SAFETY: the loads and stores stay inside `acc[c..c + 4R]` and the row's same range
+    // (asserted: c + 4R <= n, and every row's length is n).
+    unsafe {
+        let mut a: [__m256d; R] =
+            std::array::from_fn(|m| _mm256_loadu_pd(acc.as_ptr().add(c + 4 * m)));
+        for j in js {
+            let v = row(j);
+            assert_eq!(v.len(), n);
+            let pj = _mm256_set1_pd(p[j] as f64);
+            for (m, r) in a.iter_mut().enumerate() {
+                let x = _mm256_cvtps_pd(_mm_loadu_ps(v.as_ptr().add(c + 4 * m)));
+                *r = _mm256_fmadd_pd(pj, x, *r);
+            }
+        }
+        for (m, r) in a.iter().enumerate() {
+            _mm256_storeu_pd(acc.as_mut_ptr().add(c + 4 * m), *r);
+        }
+    }
 }
 
 /// Adds `w[r][j] · x[i][j]` to `acc[r][i][j % 8]` in order of j (lengths: multiples of 8).
@@ -1709,6 +1840,62 @@ mod tests {
                 sums_scalar(w4[k], &x64[..whole], &mut b[k]);
             }
             assert_eq!(a, b, "4x1 twin, n {n}");
+        }
+    }
+
+    /// Attention's kernels (AVX2 where the CPU has it) give their scalar twins' bits: `dot`
+    /// as `dot_read`, `weighted_rows` as the loop it replaced, at every head size's tail
+    /// (lengths 1 to 70), over many magnitudes, with zeros of either sign, infinities and NaN.
+    #[test]
+    fn attention_kernels_are_their_scalar_twins_bit_for_bit() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            match seed % 97 {
+                0 => -0.0,
+                1 => 0.0,
+                2 => f32::INFINITY,
+                3 => f32::NAN,
+                _ => {
+                    let m = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                    m * 2f32.powi((seed % 50) as i32 - 25)
+                }
+            }
+        };
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for n in 1..=70 {
+            for _ in 0..20 {
+                let (a, b): (Vec<f32>, Vec<f32>) = (0..n).map(|_| (next(), next())).unzip();
+                let (got, want) = (dot(&a, &b), dot_read(&a, &b, |v| v));
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "dot n {n}: {got} vs {want}"
+                );
+            }
+            let rows = 37;
+            let v: Vec<f32> = (0..rows * n).map(|_| next()).collect();
+            let p: Vec<f32> = (0..rows).map(|_| next().abs()).collect();
+            for js in [0..rows, 3..29, 5..5] {
+                let (mut got, mut want) = (vec![-0.0f64; n], vec![-0.0f64; n]);
+                weighted_rows(&mut got, js.clone(), &p, |j| &v[j * n..][..n]);
+                for j in js.clone() {
+                    for (o, &x) in want.iter_mut().zip(&v[j * n..][..n]) {
+                        *o += p[j] as f64 * x as f64;
+                    }
+                }
+                let nan = |v: &[f64]| v.iter().map(|x| x.is_nan()).collect::<Vec<_>>();
+                assert_eq!(nan(&got), nan(&want), "weighted_rows n {n} {js:?}");
+                let finite = |v: &[f64]| {
+                    bits(
+                        &v.iter()
+                            .map(|&x| if x.is_nan() { 0.0 } else { x })
+                            .collect::<Vec<_>>(),
+                    )
+                };
+                assert_eq!(finite(&got), finite(&want), "weighted_rows n {n} {js:?}");
+            }
         }
     }
 }
