@@ -231,9 +231,10 @@ fn a_rope_base_between_round_values_is_solved_from_the_rotation() {
 /// reproduces it"), a RoPE base off the half-decade points in a sparse dump (where no q/k pair
 /// gives it in closed form), an eps off the 1-2-5 values: found by a golden-section search
 /// between the walk's points and named with the value the engine writes, from full and sparse
-/// dumps under plain f32, ggml's and Q8_K activation rounding. Eps 3e-6 only in plain f32: under
-/// ggml's 8-bit activations a sparse dump cannot tell it from 5e-6 (both reproduce the span
-/// exactly).
+/// dumps under plain f32, ggml's and Q8_K activation rounding. Eps 3e-6 too: under ggml's 8-bit
+/// activations a sparse span cannot tell it from 5e-6 (both reproduce it exactly, and the walk
+/// meets 5e-6 first: "adds eps 5e-6" before), and the same step's final norm, judged on its
+/// own, pins it (`AtKey::eps_at_final_norm`).
 #[test]
 #[cfg_attr(
     not(parity_gguf_py),
@@ -273,8 +274,8 @@ fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
             &["--rms-eps", "3e-6"],
             "attn_norm",
             "rms-eps=3e-6",
-            "adds eps 3e-6",
-            &["none"],
+            "adds eps 3e-6;",
+            &["none", "ggml", "q8k"],
         ),
     ];
     for (set, tap, name, words, roundings) in cases {

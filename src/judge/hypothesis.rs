@@ -423,7 +423,11 @@ impl AtKey<'_, '_, '_> {
                 continue;
             }
             let span = self.sp.len() > 1;
-            for (v, mut nmse) in fit(model, cand, &self.base, knob, k, own, span, near)? {
+            let mut values = fit(model, cand, &self.base, knob, k, own, span, near)?;
+            if span && knob == Knob::RmsEps {
+                values = self.eps_at_final_norm(values)?;
+            }
+            for (v, mut nmse) in values {
                 let name = knob_name(knob, v);
                 let mut setup = Setup {
                     knob: Some((knob, v)),
@@ -450,6 +454,89 @@ impl AtKey<'_, '_, '_> {
             }
         }
         Ok(())
+    }
+
+    /// A span's eps fitted where the trace pins it: under 8-bit activations a sparse span
+    /// cannot tell eps 3e-6 from 5e-6 (both reproduce it exactly, and the search meets 5e-6
+    /// first), while the final norm of the same step, judged on its own, is one op whose
+    /// NMSE is monotone in eps (an engine that uses one eps for every norm). Where the value
+    /// fitted there reproduces this span as closely as the best of `fitted`, it joins them,
+    /// and those the final norm puts `FINAL_NORM_SAYS` times further off (and above f32's
+    /// last bits there) leave: the final norm of tiny-llama-q4_0 sits at 0 under 3e-6 and at
+    /// 4e-13 under 5e-6. Otherwise (no final norm on its own, or its eps not the layers')
+    /// `fitted` as it is.
+    fn eps_at_final_norm(&self, fitted: Vec<(f32, f64)>) -> Result<Vec<(f32, f64)>, JudgeError> {
+        let (model, cand, k) = (self.model, self.cand, self.k);
+        let Some(best) = fitted.iter().map(|f| f.1).reduce(f64::min) else {
+            return Ok(fitted);
+        };
+        let rn = TapKey::new(k.step, None, Tap::ResultNorm);
+        if !cand.contains(&rn) || super::span::span(cand, &rn).len() != 1 {
+            return Ok(fitted);
+        }
+        let at_rn = Setup {
+            window: Window::for_key(cand, &rn),
+            ..self.base.clone()
+        };
+        let own_rn = replay(model, cand, &at_rn, &BTreeSet::new())?
+            .metrics
+            .get(&rn)
+            .map(|m| m.nmse);
+        // The walk's value, then a golden-section search around it on that one op (whose
+        // error sits far under f32's visible level there: a final norm's eps moves it by
+        // ~1e-13), at the digits an engine writes.
+        let Some(&(v1, _)) =
+            fit(model, cand, &at_rn, Knob::RmsEps, rn, own_rn, false, true)?.first()
+        else {
+            return Ok(fitted);
+        };
+        let at = |v: f32| -> Result<f64, JudgeError> {
+            let setup = Setup {
+                knob: Some((Knob::RmsEps, v)),
+                ..at_rn.clone()
+            };
+            let r = replay(model, cand, &setup, &BTreeSet::new())?;
+            Ok(r.metrics.get(&rn).map_or(f64::INFINITY, |m| m.nmse))
+        };
+        let l1 = (v1 as f64).log10();
+        let (l, _) = golden_section((l1 - 0.35, l1 + 0.35), f64::INFINITY, &mut |l| {
+            at(10f64.powf(l) as f32)
+        })?;
+        let mut written: Vec<(f32, f64)> = Vec::new();
+        for digits in 1..=3 {
+            if let Ok(x) = format!("{:.*e}", digits - 1, 10f64.powf(l)).parse::<f32>()
+                && !written.iter().any(|w| w.0 == x)
+            {
+                written.push((x, at(x)?));
+            }
+        }
+        let min = written.iter().map(|w| w.1).fold(f64::INFINITY, f64::min);
+        // The fewest digits that fit the final norm as well as any.
+        let Some(&(v, at_v)) = written
+            .iter()
+            .find(|w| w.1 <= min * 1.01 + f64::MIN_POSITIVE)
+        else {
+            return Ok(fitted);
+        };
+        if fitted.iter().any(|f| f.0 == v) {
+            return Ok(fitted);
+        }
+        let setup = Setup {
+            knob: Some((Knob::RmsEps, v)),
+            ..self.base.clone()
+        };
+        let r = replay(model, cand, &setup, &BTreeSet::new())?;
+        let e = r.metrics.get(&k).map_or(f64::INFINITY, |m| m.nmse);
+        if e > (best * 1.01).max(VISIBLE) {
+            return Ok(fitted);
+        }
+        let mut out = vec![(v, e)];
+        for f in fitted {
+            if at(f.0)? <= FINAL_NORM_SAYS * at_v + FINAL_NORM_BITS {
+                out.push(f);
+            }
+        }
+        Ok(out)
     }
 
     /// A constant factor on this op's output (no catalog bug, no hyperparameter): fitted in
@@ -1594,11 +1681,16 @@ fn finding(
                 "\n  confirmed by experiment: {} reproduces your {} at NMSE {:.1e}",
                 t.hypothesis, k.tap, t.nmse
             ));
-            text.push_str(&format!(" — {}", explain(model, &t.hypothesis, *m, &k)));
+            let range = knob_range(&t.hypothesis, &also);
+            text.push_str(&format!(
+                " — {}",
+                explain(model, &t.hypothesis, *m, &k, range)
+            ));
             if !also.is_empty() {
+                let names: Vec<String> = also.iter().map(Hypothesis::name).collect();
                 text.push_str(&format!(
                     "\n  also reproduces it: {} (this trace cannot tell these apart{})",
-                    also.join(", "),
+                    names.join(", "),
                     if sp.len() > 1 {
                         "; dump the taps inside the span to separate them"
                     } else {
@@ -1667,7 +1759,7 @@ fn finding(
             .and_then(|(_, m)| m.map(|m| m.name().to_string())),
         hypothesis: confirmed.as_ref().map(|(t, _)| t.hypothesis),
         confirmed: confirmed.map(|(t, _)| t.hypothesis.name()),
-        also,
+        also: also.iter().map(Hypothesis::name).collect(),
         ruled_out,
         fallback,
         explained: below,
@@ -1684,7 +1776,7 @@ struct Decision {
     /// The cause, with its catalog entry where it is one.
     confirmed: Option<(Tried, Option<Mutation>)>,
     /// Hypotheses the trace cannot tell apart from it.
-    also: Vec<String>,
+    also: Vec<Hypothesis>,
     /// Hypotheses that do not reproduce the key.
     ruled_out: Vec<Tried>,
     /// Hypotheses that reproduce it but not elsewhere in the trace, and why.
@@ -1816,11 +1908,11 @@ fn decide(
     let named = confirmed
         .as_ref()
         .is_some_and(|(t, m)| m.is_some() || t.hypothesis.is_scale());
-    let also: Vec<String> = ok
+    let also: Vec<Hypothesis> = ok
         .iter()
         .skip(1)
         .filter(|(t, _)| !(named && t.hypothesis.is_scale()))
-        .map(|(t, _)| t.hypothesis.name())
+        .map(|(t, _)| t.hypothesis)
         .collect();
     let ruled_out: Vec<Tried> = tried
         .iter()
@@ -1986,25 +2078,69 @@ fn nmse(a: &[f32], b: &[f32]) -> f64 {
     metrics(&a, &b).nmse
 }
 
-/// One sentence on what the confirmed hypothesis means for the engine.
-fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> String {
+/// The lowest and highest value of the confirmed knob that reproduce the key alike, where
+/// other values of it are listed beside it (None: one value, or not a knob).
+fn knob_range(h: &Hypothesis, also: &[Hypothesis]) -> Option<(f32, f32)> {
+    let Hypothesis::Knob(knob, v) = *h else {
+        return None;
+    };
+    let vs = also.iter().filter_map(|a| match *a {
+        Hypothesis::Knob(k2, v2) if k2 == knob => Some(v2),
+        _ => None,
+    });
+    let (lo, hi) = vs.fold((v, v), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    // Within a few percent is the value to the digits an engine writes (a full dump's norm
+    // ties 3e-6 with 3.02e-6 through f32's rounding of mean + eps): not a range to report.
+    (hi as f64 > RANGE_WIDE * lo as f64).then_some((lo, hi))
+}
+
+/// How many times further off the final norm must put a span's eps than the value fitted
+/// there for the span's to leave (`AtKey::eps_at_final_norm`), and the NMSE under which a
+/// final norm's difference is f32's last bits (a norm's own floor is 1e-11).
+const FINAL_NORM_SAYS: f64 = 10.0;
+const FINAL_NORM_BITS: f64 = 1e-14;
+
+/// How far apart the ends of a knob's tie must lie to be reported as a range.
+const RANGE_WIDE: f64 = 1.1;
+
+/// One sentence on what the confirmed hypothesis means for the engine. `range`: where values
+/// of a knob from one end to the other reproduce the key alike (8-bit activations in a sparse
+/// span hide eps 3e-6 from 5e-6), the sentence gives the range, not the value picked.
+fn explain(
+    model: &Model,
+    h: &Hypothesis,
+    m: Option<Mutation>,
+    k: &TapKey,
+    range: Option<(f32, f32)>,
+) -> String {
     let c = &model.config;
     if let Hypothesis::Knob(knob, v) = *h {
         let fitted = "fitted by experiment over many values";
+        // The value, or the range this trace cannot narrow (a factor's words for a scale).
+        let val = |f: fn(f32) -> String, factor: bool| match range {
+            None => f(v),
+            Some((lo, hi)) => format!(
+                "{}between {} and {} (each end reproduces it alike: this trace cannot narrow it further)",
+                if factor { "a factor " } else { "" },
+                f(lo),
+                f(hi)
+            ),
+        };
+        let (num, factor): (fn(f32) -> String, fn(f32) -> String) = (fmt_num, fmt_factor);
         return match knob {
             Knob::RmsEps => format!(
                 "the engine's RMSNorm adds eps {}; the model says {:e} (attention.layer_norm_rms_epsilon; {fitted})",
-                fmt_num(v),
+                val(num, false),
                 c.rms_eps
             ),
             Knob::OutputNormEps => format!(
                 "the engine's final RMSNorm (output_norm) adds eps {}, its layers' norms the model's {:e} (attention.layer_norm_rms_epsilon, for every norm; {fitted})",
-                fmt_num(v),
+                val(num, false),
                 c.rms_eps
             ),
             Knob::RopeTheta => format!(
                 "the engine's RoPE frequency base is {}; the model says {} (rope.freq_base; {fitted})",
-                fmt_num(v),
+                val(num, false),
                 c.rope_theta
             ),
             Knob::RopeFreqScale => {
@@ -2019,7 +2155,9 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
                         fmt_factor(1.0 / fs)
                     )
                 };
-                let what = if close(v, 1.0) {
+                let what = if range.is_some() {
+                    String::new()
+                } else if close(v, 1.0) {
                     " (no scaling: the engine ignores rope.scaling)".to_string()
                 } else if close(v, 1.0 / fs) {
                     " (the factor itself, where its inverse is meant)".to_string()
@@ -2028,13 +2166,15 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
                 };
                 format!(
                     "the engine's RoPE scales positions by {}{what}; {model_says} ({fitted})",
-                    fmt_factor(v)
+                    val(factor, true)
                 )
             }
             Knob::AttnScale => {
                 let hd = c.head_dim as f32;
                 let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
-                let what = if close(v, 1.0) {
+                let what = if range.is_some() {
+                    String::new()
+                } else if close(v, 1.0) {
                     " (no scaling at all)".to_string()
                 } else if close(v, 1.0 / hd) {
                     format!(
@@ -2048,7 +2188,7 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
                 };
                 format!(
                     "the engine scales attention scores by {}{what}; the model says {} ({fitted})",
-                    fmt_num(v),
+                    val(num, true),
                     fmt_num(c.kq_scale)
                 )
             }
@@ -2069,14 +2209,14 @@ fn explain(model: &Model, h: &Hypothesis, m: Option<Mutation>, k: &TapKey) -> St
                     )
                 };
                 let close = |a: f32, b: f32| (a - b).abs() <= 1e-3 * b.abs();
-                let swapped = if other.is_some_and(|o| close(v, o)) {
+                let swapped = if range.is_none() && other.is_some_and(|o| close(v, o)) {
                     " (the other soft-cap's value: the two are swapped)"
                 } else {
                     ""
                 };
                 format!(
                     "the engine soft-caps the {what} at {}{swapped}; the model says {} ({key}; {fitted})",
-                    fmt_factor(v),
+                    val(factor, false),
                     own.map_or("none".into(), fmt_factor)
                 )
             }
@@ -2488,5 +2628,47 @@ mod tests {
         ] {
             assert_eq!(Knob::parse(bad), None, "{bad}");
         }
+    }
+
+    /// A knob whose other values reproduce the key alike is reported as the range they span,
+    /// not as the value picked (a sparse span under 8-bit activations: eps 1e-13 and 5e-6
+    /// alike); values within 10% of it (f32's rounding of mean + eps) stay one value.
+    #[test]
+    fn a_knob_the_trace_cannot_narrow_is_reported_as_a_range() {
+        let model = Model::open(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-llama-q8_0.gguf"),
+        )
+        .unwrap();
+        let k = TapKey::new(0, Some(1), Tap::LOut);
+        let eps = |v| Hypothesis::Knob(Knob::RmsEps, v);
+        let theta = |v| Hypothesis::Knob(Knob::RopeTheta, v);
+        let other = Hypothesis::Catalog(Mutation::RopeNeox);
+        // Wide: the ends, whichever the pick.
+        let r = knob_range(&eps(5e-6), &[eps(1e-13), other]);
+        assert_eq!(r, Some((1e-13, 5e-6)));
+        let text = explain(&model, &eps(5e-6), None, &k, r);
+        assert!(
+            text.contains("adds eps between 1e-13 and 5e-6 (each end reproduces it alike")
+                && !text.contains("adds eps 5e-6"),
+            "{text}"
+        );
+        assert_eq!(
+            knob_range(&eps(2e-6), &[eps(5e-6), eps(1e-6)]),
+            Some((1e-6, 5e-6))
+        );
+        // Narrow, another knob, or none: one value.
+        assert_eq!(knob_range(&eps(3e-6), &[eps(3.02e-6)]), None);
+        assert_eq!(knob_range(&eps(3e-6), &[theta(20000.0), other]), None);
+        assert_eq!(knob_range(&other, &[eps(3e-6)]), None);
+        let one = explain(&model, &eps(3e-6), None, &k, None);
+        assert!(one.contains("adds eps 3e-6; the model says 1e-5"), "{one}");
+        // A scale's range is a factor's.
+        let scale = Hypothesis::Knob(Knob::AttnScale, 0.2);
+        let r = knob_range(&scale, &[Hypothesis::Knob(Knob::AttnScale, 0.1)]);
+        let text = explain(&model, &scale, None, &k, r);
+        assert!(
+            text.contains("scales attention scores by a factor between 1e-1 and 2e-1"),
+            "{text}"
+        );
     }
 }
