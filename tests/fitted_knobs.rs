@@ -283,6 +283,31 @@ fn a_value_off_the_walk_s_points_is_fitted_by_a_finer_search() {
             fitted_at_layer0(&py, &model, &golden, rounding, set, tap, name, words);
         }
     }
+    // The final norm that pins a sparse span's eps says so by saying nothing more; an engine
+    // whose final norm keeps the model's eps leaves the span's value unconfirmed there, and
+    // the verdict says the value is the span's reading (before: "adds eps 5e-6" for 3e-6,
+    // stated as the engine's).
+    let caveat = "the value is read from a span of rounded activations";
+    for (set, pinned) in [
+        (&["--rms-eps", "3e-6"][..], true),
+        (
+            &["--rms-eps", "3e-6", "--output-norm-eps", "1e-5"][..],
+            false,
+        ),
+    ] {
+        for rounding in ["ggml", "q8k"] {
+            let what = format!("{set:?} {rounding} sparse");
+            let (_t, bad) = engine(&py, &model, &golden, rounding, "sparse", set);
+            let (code, own) = judged(&model, &golden, &bad);
+            assert_eq!(code, Some(1), "{what}: {own:#}");
+            assert_at_layer0_named(&own, "l_out", "rms-eps=", &what);
+            let why = own["first_divergence"]["diagnosis"].as_str().unwrap();
+            assert_eq!(why.contains(caveat), !pinned, "{what}: {why}");
+            if pinned {
+                assert!(why.contains("adds eps 3e-6;"), "{what}: {why}");
+            }
+        }
+    }
 }
 
 /// A knob whose effect the engine's own rounding and K/V cache hide from the measurement

@@ -1686,6 +1686,16 @@ fn finding(
                 " — {}",
                 explain(model, &t.hypothesis, *m, &k, range)
             ));
+            if let Hypothesis::Knob(Knob::RmsEps, v) = t.hypothesis
+                && sp.len() > 1
+                && range.is_none()
+                && let Some(setup) = setups.get(&t.hypothesis.name())
+                && !final_norm_pins(model, cand, setup, &k, v)?
+            {
+                text.push_str(
+                    "\n  the value is read from a span of rounded activations, which values near it may reproduce as exactly (the same step's final norm, on its own, does not confirm it): the engine's eps is not the model's, and this one reproduces the span",
+                );
+            }
             if !also.is_empty() {
                 let names: Vec<String> = also.iter().map(Hypothesis::name).collect();
                 text.push_str(&format!(
@@ -2094,6 +2104,35 @@ fn knob_range(h: &Hypothesis, also: &[Hypothesis]) -> Option<(f32, f32)> {
     (hi as f64 > RANGE_WIDE * lo as f64).then_some((lo, hi))
 }
 
+/// Whether the step's final norm, judged on its own, confirms an eps `v` read from a span:
+/// it reproduces `result_norm` `FINAL_NORM_SAYS` times closer than the model's own eps (an
+/// engine with one eps for every norm). No: the trace has no final norm on its own there, the
+/// final norm does not move with eps (a mean square far above it), or the engine's final norm
+/// keeps the model's eps.
+fn final_norm_pins(
+    model: &Model,
+    cand: &Candidate,
+    setup: &Setup,
+    k: &TapKey,
+    v: f32,
+) -> Result<bool, JudgeError> {
+    let rn = TapKey::new(k.step, None, Tap::ResultNorm);
+    if !cand.contains(&rn) || super::span::span(cand, &rn).len() != 1 {
+        return Ok(false);
+    }
+    let at = |knob: Option<(Knob, f32)>| -> Result<f64, JudgeError> {
+        let s = Setup {
+            window: Window::for_key(cand, &rn),
+            knob,
+            ..setup.clone()
+        };
+        let r = replay(model, cand, &s, &BTreeSet::new())?;
+        Ok(r.metrics.get(&rn).map_or(f64::INFINITY, |m| m.nmse))
+    };
+    let (with, without) = (at(Some((Knob::RmsEps, v)))?, at(None)?);
+    Ok(with * FINAL_NORM_SAYS + FINAL_NORM_BITS <= without)
+}
+
 /// How many times further off the final norm must put a span's eps than the value fitted
 /// there for the span's to leave (`AtKey::eps_at_final_norm`), and the NMSE under which a
 /// final norm's difference is f32's last bits (a norm's own floor is 1e-11).
@@ -2126,7 +2165,8 @@ fn explain(
                 f(hi)
             ),
         };
-        let (num, factor): (fn(f32) -> String, fn(f32) -> String) = (fmt_num, fmt_factor);
+        let num: fn(f32) -> String = fmt_num;
+        let factor: fn(f32) -> String = fmt_factor;
         return match knob {
             Knob::RmsEps => format!(
                 "the engine's RMSNorm adds eps {}; the model says {:e} (attention.layer_norm_rms_epsilon; {fitted})",
