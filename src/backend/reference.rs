@@ -1649,15 +1649,28 @@ mod tests {
         Model::open(root.join("fixtures").join(name)).unwrap()
     }
 
+    /// A xorshift64 stream from `seed`: the tests' pseudo-random bits.
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
+    /// A value in [-0.5, 0.5) from the top bits of `r`.
+    fn unit(r: u64) -> f32 {
+        (r >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+
     /// Pseudo-random inputs of a few magnitudes.
     fn inputs(n: usize) -> Vec<f32> {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut bits = xorshift(0x9e37_79b9_7f4a_7c15);
         (0..n)
             .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2f32.powi((seed % 6) as i32)
+                let r = bits();
+                unit(r) * 2f32.powi((r % 6) as i32)
             })
             .collect()
     }
@@ -1798,13 +1811,10 @@ mod tests {
     /// order of a sum shows); and the scalar twins agree with the AVX2 kernels.
     #[test]
     fn tiled_dots_are_dot_bit_for_bit() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut bits = xorshift(0x2545_f491_4f6c_dd1d);
         let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            let m = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            m * 2f32.powi((seed % 40) as i32 - 20)
+            let r = bits();
+            unit(r) * 2f32.powi((r % 40) as i32 - 20)
         };
         for (n, t) in [
             (1, 1),
@@ -1848,20 +1858,15 @@ mod tests {
     /// (lengths 1 to 70), over many magnitudes, with zeros of either sign, infinities and NaN.
     #[test]
     fn attention_kernels_are_their_scalar_twins_bit_for_bit() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut bits = xorshift(0x9e37_79b9_7f4a_7c15);
         let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            match seed % 97 {
+            let r = bits();
+            match r % 97 {
                 0 => -0.0,
                 1 => 0.0,
                 2 => f32::INFINITY,
                 3 => f32::NAN,
-                _ => {
-                    let m = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                    m * 2f32.powi((seed % 50) as i32 - 25)
-                }
+                _ => unit(r) * 2f32.powi((r % 50) as i32 - 25),
             }
         };
         let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -1880,11 +1885,7 @@ mod tests {
             for js in [0..rows, 3..29, 5..5] {
                 let (mut got, mut want) = (vec![-0.0f64; n], vec![-0.0f64; n]);
                 weighted_rows(&mut got, js.clone(), &p, |j| &v[j * n..][..n]);
-                for j in js.clone() {
-                    for (o, &x) in want.iter_mut().zip(&v[j * n..][..n]) {
-                        *o += p[j] as f64 * x as f64;
-                    }
-                }
+                weighted_rows_scalar(&mut want, js.clone(), &p, |j| &v[j * n..][..n], 0);
                 let nan = |v: &[f64]| v.iter().map(|x| x.is_nan()).collect::<Vec<_>>();
                 assert_eq!(nan(&got), nan(&want), "weighted_rows n {n} {js:?}");
                 let finite = |v: &[f64]| {
