@@ -73,7 +73,8 @@ COMPUTE_MUTATIONS = [
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
     "norm-weight-plus-one", "causal-mask-excludes-self", "no-attn-norm", "no-ffn-norm",
     "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
-    "rope-factors-ignored",
+    "rope-factors-ignored", "rms-sum-not-mean", "rms-no-sqrt", "layernorm-not-rms",
+    "rope-angle-negated", "kv-head-zero", "v-from-k", "silu-wrong-sign", "residual-from-normed",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -399,8 +400,14 @@ class Engine:
         eps = self.m.eps * F32(10.0) if mut == "rms-eps-10x" else self.m.eps
         if name == "output_norm.weight" and self.m.out_eps is not None:
             eps = self.m.out_eps
-        mean = (np.sum((x * x).astype(F64), axis=1) / x.shape[1]).astype(F32)
-        scale = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
+        if mut == "layernorm-not-rms":  # a LayerNorm (no bias) where the model's is RMSNorm
+            x = (x - (np.sum(x.astype(F64), axis=1) / x.shape[1]).astype(F32)[:, None]).astype(F32)
+        n = 1 if mut == "rms-sum-not-mean" else x.shape[1]  # the mean's / n left out
+        mean = (np.sum((x * x).astype(F64), axis=1) / n).astype(F32)
+        if mut == "rms-no-sqrt":
+            scale = (F32(1.0) / (mean + eps)).astype(F32)
+        else:
+            scale = (F32(1.0) / np.sqrt(mean + eps)).astype(F32)
         return ((x * scale[:, None]).astype(F32) * w).astype(F32)
 
     def rope(self, x, positions, n_heads, mut):
@@ -427,6 +434,8 @@ class Engine:
             a = np.arange(half) if neox else 2 * np.arange(half)
             b = a + half if neox else a + 1
             x0, x1 = v[:, a].copy(), v[:, b].copy()
+            if mut == "rope-angle-negated":  # rotated by -theta: the sine's sign flipped
+                sin = -sin
             v[:, a] = x0 * cos - x1 * sin
             v[:, b] = x0 * sin + x1 * cos
         return x
@@ -499,8 +508,10 @@ class Engine:
             att = np.zeros((T, nh * hd), F32)
             for h in range(nh):
                 g = h % nkv if mut == "gqa-modulo" else h // group
+                if mut == "kv-head-zero":  # h // n_head: every head reads kv head 0
+                    g = 0
                 kh = kc[:, g, :].astype(F64)
-                vh = vc[:, g, :].astype(F64)
+                vh = (kc if mut == "v-from-k" else vc)[:, g, :].astype(F64)
                 for i in range(T):
                     vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
                     if mut == "mask-tail-block" and i >= T // m.wrap * m.wrap:
@@ -542,6 +553,9 @@ class Engine:
             rec("kqv_out", l, att)
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
             rec("attn_out", l, attn_out)
+            # residual-from-normed: x overwritten by its norm before the residual add
+            if mut == "residual-from-normed":
+                x = xn
             ffn_inp = attn_out if mut == "no-attn-residual" else (x + attn_out).astype(F32)
             if mut == "attn-out-twice":
                 ffn_inp = (ffn_inp + attn_out).astype(F32)
@@ -553,6 +567,8 @@ class Engine:
             up = self.matmul(p + "ffn_up.weight", xn)
             rec("ffn_up", l, up)
             silu = lambda z: (z / (F32(1.0) + np.exp(-z))).astype(F32)
+            if mut == "silu-wrong-sign":  # x * sigmoid(-x)
+                silu = lambda z: (z / (F32(1.0) + np.exp(z))).astype(F32)
             if mut == "wrong-ffn-act":  # GELU (tanh) where the model uses SiLU
                 silu = lambda z: (F32(0.5) * z * (F32(1.0) + np.tanh(
                     F32(0.7978846) * z * (F32(1.0) + F32(0.044715) * z * z)))).astype(F32)
@@ -560,7 +576,8 @@ class Engine:
             rec("ffn_act", l, act.astype(F32))
             ffn_out = self.matmul(p + "ffn_down.weight", act.astype(F32))
             rec("ffn_out", l, ffn_out)
-            x = ffn_out if mut == "no-ffn-residual" else (ffn_inp + ffn_out).astype(F32)
+            stream = xn if mut == "residual-from-normed" else ffn_inp
+            x = ffn_out if mut == "no-ffn-residual" else (stream + ffn_out).astype(F32)
             if mut == "ffn-out-twice":
                 x = (x + ffn_out).astype(F32)
             rec("l_out", l, x)

@@ -9,7 +9,7 @@
 //! the exact decoder runs.
 
 use crate::gguf::{GgmlType, TensorInfo};
-use crate::model::{Arch, LayerWeights, Model, RopeType};
+use crate::model::{Activation, Arch, LayerWeights, Model, RopeType};
 use crate::trace::{Tap, TapKey};
 
 /// One known engine bug. `name()` is its stable, kebab-case identity (CLI, JSON, hypotheses).
@@ -83,6 +83,26 @@ pub enum Mutation {
     /// Every RMSNorm multiplies by (1 + w), gemma's convention, on a model whose norm weights
     /// are the multiplier itself (gemma's are stored with the 1 folded in: gemma-norm-plus-one).
     NormWeightPlusOne,
+    /// Every RMSNorm divides by the root of the sum of squares, not of their mean (the `/ n`
+    /// left out): each row comes out about 1/sqrt(n) as large.
+    RmsSumNotMean,
+    /// Every RMSNorm leaves the square root out: x / (mean(x²) + eps).
+    RmsNoSqrt,
+    /// Every RMSNorm subtracts the row's mean first: a LayerNorm without its bias,
+    /// (x − mean) / sqrt(var + eps) · w, where the model's norm is RMSNorm (GPT-2 code reused).
+    LayerNormNotRms,
+    /// RoPE rotates the wrong way: by −θ (the sine's sign flipped in both rows of the pair).
+    RopeAngleNegated,
+    /// Every query head reads kv head 0 (`h / n_head` where `h / (n_head / n_head_kv)` is
+    /// meant).
+    KvHeadZero,
+    /// Attention's values read the K cache: Σ p·K where Σ p·V is meant (a copy-paste slip).
+    VFromK,
+    /// SiLU with its sign slipped: x · sigmoid(−x) = x / (1 + eˣ).
+    SiluWrongSign,
+    /// Both residual adds start from the normed value, not the stream (x overwritten by its
+    /// norm): ffn_inp = attn_norm(x) + attn_out, l_out = ffn_norm(ffn_inp) + ffn_out.
+    ResidualFromNormed,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
     DecoderNibbleOrder,
     /// The output projection uses token_embd although output.weight exists.
@@ -190,6 +210,14 @@ impl Mutation {
         Mutation::RopeQSkipped,
         Mutation::RopeKSkipped,
         Mutation::NormWeightPlusOne,
+        Mutation::RmsSumNotMean,
+        Mutation::RmsNoSqrt,
+        Mutation::LayerNormNotRms,
+        Mutation::RopeAngleNegated,
+        Mutation::KvHeadZero,
+        Mutation::VFromK,
+        Mutation::SiluWrongSign,
+        Mutation::ResidualFromNormed,
         Mutation::DecoderNibbleOrder,
         Mutation::TiedOutput,
         Mutation::NoBos,
@@ -241,6 +269,14 @@ impl Mutation {
             Mutation::RopeQSkipped => "rope-q-skipped",
             Mutation::RopeKSkipped => "rope-k-skipped",
             Mutation::NormWeightPlusOne => "norm-weight-plus-one",
+            Mutation::RmsSumNotMean => "rms-sum-not-mean",
+            Mutation::RmsNoSqrt => "rms-no-sqrt",
+            Mutation::LayerNormNotRms => "layernorm-not-rms",
+            Mutation::RopeAngleNegated => "rope-angle-negated",
+            Mutation::KvHeadZero => "kv-head-zero",
+            Mutation::VFromK => "v-from-k",
+            Mutation::SiluWrongSign => "silu-wrong-sign",
+            Mutation::ResidualFromNormed => "residual-from-normed",
             Mutation::DecoderNibbleOrder => "decoder-nibble-order",
             Mutation::TiedOutput => "tied-output",
             Mutation::NoBos => "no-bos",
@@ -425,6 +461,30 @@ impl Mutation {
             Mutation::NormWeightPlusOne => {
                 "each RMSNorm multiplies by (1 + weight), gemma's convention, where the model's weight is the multiplier itself"
             }
+            Mutation::RmsSumNotMean => {
+                "each RMSNorm divides by the root of the sum of squares, not of their mean (the / n left out): rows come out about 1/sqrt(n) as large"
+            }
+            Mutation::RmsNoSqrt => {
+                "each RMSNorm leaves the square root out: x / (mean(x^2) + eps), where x / sqrt(mean(x^2) + eps) is meant"
+            }
+            Mutation::LayerNormNotRms => {
+                "each RMSNorm subtracts the row's mean first (a LayerNorm: (x - mean) / sqrt(var + eps) * w), where the model's norm is RMSNorm"
+            }
+            Mutation::RopeAngleNegated => {
+                "RoPE rotates the wrong way, by -theta: the sine's sign is flipped (x0*cos + x1*sin, -x0*sin + x1*cos)"
+            }
+            Mutation::KvHeadZero => {
+                "every query head reads kv head 0 (h / n_head where h / (n_head / n_head_kv) is meant)"
+            }
+            Mutation::VFromK => {
+                "attention's values read the K cache: sum p * K where sum p * V is meant"
+            }
+            Mutation::SiluWrongSign => {
+                "SiLU has its sign slipped: x * sigmoid(-x) = x / (1 + exp(x)), where x / (1 + exp(-x)) is meant"
+            }
+            Mutation::ResidualFromNormed => {
+                "the residual adds start from the normed value, not the residual stream (x overwritten by its norm): ffn_inp = attn_norm(x) + attn_out, l_out = ffn_norm(ffn_inp) + ffn_out"
+            }
             Mutation::DecoderNibbleOrder => {
                 "the 4-bit decoder swaps the low and high nibble of each quant byte"
             }
@@ -510,7 +570,12 @@ impl Mutation {
             // Rotating nothing, or one pair, leaves NORM and NEOX the same.
             Mutation::RopeNeox => c.n_rot >= 4,
             Mutation::RopeTheta | Mutation::QkPermute => c.n_rot >= 4,
-            Mutation::RopeQSkipped | Mutation::RopeKSkipped => c.n_rot >= 2,
+            Mutation::RopeQSkipped | Mutation::RopeKSkipped | Mutation::RopeAngleNegated => {
+                c.n_rot >= 2
+            }
+            // With one kv head every query head reads head 0 anyway.
+            Mutation::KvHeadZero => c.n_head_kv > 1,
+            Mutation::SiluWrongSign => c.activation == Activation::Silu,
             Mutation::RopePosWrap(_) | Mutation::PosRestartPerTurn => c.n_rot >= 2,
             Mutation::KvRingWrap(w) => c.swa_layers.iter().any(|&s| !s || c.n_swa > w as usize),
             // On gemma the same op is gemma-norm-plus-one (its weights carry the 1 already).
@@ -600,6 +665,14 @@ impl Mutation {
             Mutation::RopeQSkipped => at(0, Tap::QRope),
             Mutation::RopeKSkipped => at(0, Tap::KRope),
             Mutation::NormWeightPlusOne => at(0, Tap::AttnNorm),
+            Mutation::RmsSumNotMean | Mutation::RmsNoSqrt | Mutation::LayerNormNotRms => {
+                at(0, Tap::AttnNorm)
+            }
+            Mutation::RopeAngleNegated => at(0, Tap::QRope),
+            Mutation::KvHeadZero => at(0, Tap::KqSoftMax),
+            Mutation::VFromK => at(0, Tap::KqvOut),
+            Mutation::SiluWrongSign => at(0, Tap::FfnAct),
+            Mutation::ResidualFromNormed => at(0, Tap::FfnInp),
             Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
             // Before a final soft-cap, the projection is tapped on its own.
             Mutation::TransposedLmHead | Mutation::TiedOutput => {
@@ -679,6 +752,14 @@ impl Mutation {
             Mutation::RopeQSkipped => "step 0, layer 0, q_rope",
             Mutation::RopeKSkipped => "step 0, layer 0, k_rope",
             Mutation::NormWeightPlusOne => "step 0, layer 0, attn_norm",
+            Mutation::RmsSumNotMean | Mutation::RmsNoSqrt | Mutation::LayerNormNotRms => {
+                "step 0, layer 0, attn_norm"
+            }
+            Mutation::RopeAngleNegated => "step 0, layer 0, q_rope",
+            Mutation::KvHeadZero => "step 0, layer 0, kq_soft_max",
+            Mutation::VFromK => "step 0, layer 0, kqv_out",
+            Mutation::SiluWrongSign => "step 0, layer 0, ffn_act",
+            Mutation::ResidualFromNormed => "step 0, layer 0, ffn_inp",
             Mutation::AttnNormWeightTwice => {
                 "step 0, the first attn_norm whose weight has an element other than 0 or 1"
             }

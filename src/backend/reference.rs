@@ -105,6 +105,9 @@ pub struct Reference<'m> {
     tap_now: Option<Tap>,
     /// RoPE calls since the latest tap: the first rotates q, the second k.
     ropes_since_tap: usize,
+    /// With residual-from-normed: the latest attn_norm or ffn_norm output, which the next
+    /// residual add starts from.
+    normed: Option<Vec<f32>>,
     /// The K/V cache emulated (f32 by default: the exact reference).
     kv: KvCache,
     /// The output projection's rounding where it differs from `emulation` (an engine whose
@@ -144,6 +147,7 @@ impl<'m> Reference<'m> {
             layer_now: None,
             tap_now: None,
             ropes_since_tap: 0,
+            normed: None,
             kv: KvCache::F32,
             output_emulation: None,
             flash_scores: Vec::new(),
@@ -527,7 +531,10 @@ impl<'m> Reference<'m> {
     ) -> Vec<f32> {
         let (hd, ekv) = (a.head_dim, a.n_head_kv * a.head_dim);
         let (t, pos0, n_kv) = (a.n_tokens, a.pos0, a.n_kv());
-        let vc = &self.v_cache[layer];
+        let vc = match self.mutated(Mutation::VFromK, Some(layer)) {
+            true => &self.k_cache[layer],
+            false => &self.v_cache[layer],
+        };
         let kv_head = self.kv_head(layer, a);
         let mut att = vec![0.0f32; t * hd];
         let mut pr = vec![0.0f32; n_kv];
@@ -580,7 +587,16 @@ impl<'m> Reference<'m> {
     fn kv_head(&self, layer: usize, a: &Attn) -> impl Fn(usize) -> usize {
         let group = a.n_head / a.n_head_kv;
         let (nkv, modulo) = (a.n_head_kv, self.mutated(Mutation::GqaModulo, Some(layer)));
-        move |h| if modulo { h % nkv } else { h / group }
+        let zero = self.mutated(Mutation::KvHeadZero, Some(layer));
+        move |h| {
+            if zero {
+                0
+            } else if modulo {
+                h % nkv
+            } else {
+                h / group
+            }
+        }
     }
 
     /// The keys query row `i` sees (all of them with the no-causal-mask bug).
@@ -1110,6 +1126,50 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// An RMSNorm as an engine with a catalog bug of its formula computes it: the mean of
+/// squares without its `/ n` (`RmsSumNotMean`), the square root left out (`RmsNoSqrt`), or
+/// the row's mean subtracted first (`LayerNormNotRms`, a LayerNorm without bias).
+pub(crate) fn rms_norm_mutated(x: &[f32], weight: &[f32], eps: f32, m: Mutation) -> Vec<f32> {
+    let n = weight.len();
+    let mut out = vec![0.0f32; x.len()];
+    for (row, o) in x.chunks(n).zip(out.chunks_mut(n)) {
+        let mean = match m {
+            Mutation::LayerNormNotRms => {
+                (row.iter().map(|&v| v as f64).sum::<f64>() / n as f64) as f32
+            }
+            _ => 0.0,
+        };
+        let sum: f64 = row.iter().map(|&v| ((v - mean) * (v - mean)) as f64).sum();
+        let ms = match m {
+            Mutation::RmsSumNotMean => sum as f32,
+            _ => (sum / n as f64) as f32,
+        };
+        let scale = match m {
+            Mutation::RmsNoSqrt => 1.0 / (ms + eps),
+            _ => 1.0 / (ms + eps).sqrt(),
+        };
+        for i in 0..n {
+            o[i] = ((row[i] - mean) * scale) * weight[i];
+        }
+    }
+    out
+}
+
+/// Flip the sign of the second element of each rotated pair in every head of `x`: rotating
+/// the result by θ and flipping again rotates by −θ, bit for bit.
+fn conjugate_pairs(x: &mut [f32], r: &Rope) {
+    let (hd, half) = (r.head_dim, r.n_rot / 2);
+    for head in x.chunks_mut(hd) {
+        for i in 0..half {
+            let second = match r.kind {
+                RopeType::Norm => 2 * i + 1,
+                RopeType::Neox => i + half,
+            };
+            head[second] = -head[second];
+        }
+    }
+}
+
 /// Rotate each head of `x` (`[T, n_heads, head_dim]`) by its position `pos0 + t`, as
 /// ggml_rope_ext with ext_factor 0: theta_i = pos · freq_scale · base^(-2i/n_rot) / factor_i,
 /// computed by repeated multiplication like ggml's rope cache; cos and sin times attn_factor.
@@ -1232,6 +1292,92 @@ impl Backend for Reference<'_> {
 }
 
 /// The ops, plainly: one loop per op, f64 sums, the bug catalog at the op each bug lives in.
+impl Reference<'_> {
+    /// RoPE as the (possibly mutated) engine rotates: its base, pairing, factors and
+    /// positions.
+    fn rotate(
+        &mut self,
+        mut x: Vec<f32>,
+        layer: usize,
+        pos0: usize,
+        n_heads: usize,
+        r: &Rope,
+    ) -> Vec<f32> {
+        let mut r = *r;
+        if self.mutated(Mutation::RopeTheta, Some(layer)) {
+            r.base = mutation::wrong_theta(r.base);
+        }
+        if self.mutated(Mutation::RopeNeox, Some(layer)) {
+            r.kind = mutation::other_rope(r.kind);
+        }
+        if self.mutated(Mutation::RopeFactorsIgnored, Some(layer)) {
+            r.factors = None;
+        }
+        let factors = r.factors.map(|f| self.model.vector(f));
+        // Positions restarting at a turn: counted from its first position.
+        let pos0 = if self.mutated(Mutation::PosRestartPerTurn, Some(layer)) {
+            pos0 - self.turn_start
+        } else {
+            pos0
+        };
+        // Positions a fitted rule says (q: the first rotation since the tap, k the second).
+        if let Some(at) = self.rope_at {
+            let rule = if self.ropes_since_tap == 1 {
+                at.q
+            } else {
+                at.k
+            };
+            let row = n_heads * r.head_dim;
+            for (t, x) in x.chunks_mut(row).enumerate() {
+                let p = rule.at(pos0 + t, pos0);
+                rope(x, p, n_heads, &r, factors.as_deref(), &mut Vec::new());
+            }
+            return x;
+        }
+        // Positions restarting every W (rope-pos-wrap): each row at its own position mod W.
+        if let Some(w) = self.wrap(Mutation::RopePosWrap(0), layer) {
+            let row = n_heads * r.head_dim;
+            for (t, x) in x.chunks_mut(row).enumerate() {
+                rope(
+                    x,
+                    (pos0 + t) % w,
+                    n_heads,
+                    &r,
+                    factors.as_deref(),
+                    &mut Vec::new(),
+                );
+            }
+            return x;
+        }
+        // Decode steps rotated one position late (the cache slot stays right).
+        let pos0 = if self.mutated(Mutation::RopePosOffByOne, Some(layer)) && pos0 > 0 {
+            pos0 + 1
+        } else {
+            pos0
+        };
+        rope(
+            &mut x,
+            pos0,
+            n_heads,
+            &r,
+            factors.as_deref(),
+            &mut Vec::new(),
+        );
+        x
+    }
+
+    /// The RMSNorm formula a catalog bug computes instead (None: the model's).
+    fn norm_formula(&self, layer: Option<usize>) -> Option<Mutation> {
+        [
+            Mutation::RmsSumNotMean,
+            Mutation::RmsNoSqrt,
+            Mutation::LayerNormNotRms,
+        ]
+        .into_iter()
+        .find(|&m| self.mutated(m, layer))
+    }
+}
+
 impl Ops for Reference<'_> {
     type Buf = Vec<f32>;
 
@@ -1282,14 +1428,27 @@ impl Ops for Reference<'_> {
         } else {
             eps
         };
-        rms_norm(x, &weight, eps)
+        let out = match self.norm_formula(layer) {
+            Some(m) => rms_norm_mutated(x, &weight, eps, m),
+            None => rms_norm(x, &weight, eps),
+        };
+        if (w.name.ends_with(".attn_norm.weight") || w.name.ends_with(".ffn_norm.weight"))
+            && self.mutated(Mutation::ResidualFromNormed, layer)
+        {
+            self.normed = Some(out.clone());
+        }
+        out
     }
 
     fn head_norm(&mut self, x: Vec<f32>, w: &TensorInfo, eps: f32) -> Vec<f32> {
-        if self.mutated(Mutation::QkNormSkipped, layer_of(&w.name)) {
+        let layer = layer_of(&w.name);
+        if self.mutated(Mutation::QkNormSkipped, layer) {
             return x;
         }
-        rms_norm(&x, &self.model.vector(w), eps)
+        match self.norm_formula(layer) {
+            Some(m) => rms_norm_mutated(&x, &self.model.vector(w), eps, m),
+            None => rms_norm(&x, &self.model.vector(w), eps),
+        }
     }
 
     fn matmul(&mut self, w: &TensorInfo, x: &Vec<f32>) -> Vec<f32> {
@@ -1362,67 +1521,14 @@ impl Ops for Reference<'_> {
         if self.mutated(skipped, Some(layer)) {
             return x;
         }
-        let mut r = *r;
-        if self.mutated(Mutation::RopeTheta, Some(layer)) {
-            r.base = mutation::wrong_theta(r.base);
+        // R(-θ) = C·R(θ)·C, C flipping the sign of each pair's second element (exact).
+        if self.mutated(Mutation::RopeAngleNegated, Some(layer)) {
+            conjugate_pairs(&mut x, r);
+            let mut y = self.rotate(x, layer, pos0, n_heads, r);
+            conjugate_pairs(&mut y, r);
+            return y;
         }
-        if self.mutated(Mutation::RopeNeox, Some(layer)) {
-            r.kind = mutation::other_rope(r.kind);
-        }
-        if self.mutated(Mutation::RopeFactorsIgnored, Some(layer)) {
-            r.factors = None;
-        }
-        let factors = r.factors.map(|f| self.model.vector(f));
-        // Positions restarting at a turn: counted from its first position.
-        let pos0 = if self.mutated(Mutation::PosRestartPerTurn, Some(layer)) {
-            pos0 - self.turn_start
-        } else {
-            pos0
-        };
-        // Positions a fitted rule says (q: the first rotation since the tap, k the second).
-        if let Some(at) = self.rope_at {
-            let rule = if self.ropes_since_tap == 1 {
-                at.q
-            } else {
-                at.k
-            };
-            let row = n_heads * r.head_dim;
-            for (t, x) in x.chunks_mut(row).enumerate() {
-                let p = rule.at(pos0 + t, pos0);
-                rope(x, p, n_heads, &r, factors.as_deref(), &mut Vec::new());
-            }
-            return x;
-        }
-        // Positions restarting every W (rope-pos-wrap): each row at its own position mod W.
-        if let Some(w) = self.wrap(Mutation::RopePosWrap(0), layer) {
-            let row = n_heads * r.head_dim;
-            for (t, x) in x.chunks_mut(row).enumerate() {
-                rope(
-                    x,
-                    (pos0 + t) % w,
-                    n_heads,
-                    &r,
-                    factors.as_deref(),
-                    &mut Vec::new(),
-                );
-            }
-            return x;
-        }
-        // Decode steps rotated one position late (the cache slot stays right).
-        let pos0 = if self.mutated(Mutation::RopePosOffByOne, Some(layer)) && pos0 > 0 {
-            pos0 + 1
-        } else {
-            pos0
-        };
-        rope(
-            &mut x,
-            pos0,
-            n_heads,
-            &r,
-            factors.as_deref(),
-            &mut Vec::new(),
-        );
-        x
+        self.rotate(x, layer, pos0, n_heads, r)
     }
 
     fn kv_store(&mut self, layer: usize, pos0: usize, k: &Vec<f32>, v: &Vec<f32>) {
@@ -1525,7 +1631,10 @@ impl Ops for Reference<'_> {
             (Activation::Silu, true) => Activation::GeluTanh,
             (Activation::GeluTanh, true) => Activation::Silu,
         };
+        // x / (1 + e^x) = −silu(−x), bit for bit.
+        let wrong_sign = self.mutated(Mutation::SiluWrongSign, self.layer_now);
         let f = |g: f32, u: f32| match act {
+            Activation::Silu if wrong_sign => -silu(-g) * u,
             Activation::Silu => silu(g) * u,
             Activation::GeluTanh => gelu(g, self.emulation) * u,
         };
@@ -1546,6 +1655,12 @@ impl Ops for Reference<'_> {
             return add(&add(&a, b), b);
         }
         // `a` is the residual stream, `b` the block's output.
+        if (attn || ffn)
+            && self.mutated(Mutation::ResidualFromNormed, l)
+            && let Some(n) = self.normed.take().filter(|n| n.len() == a.len())
+        {
+            return add(&n, b);
+        }
         if (attn && self.mutated(Mutation::NoAttnResidual, l))
             || (ffn && self.mutated(Mutation::NoFfnResidual, l))
         {
