@@ -448,7 +448,9 @@ class Engine:
         n_kv = pos0 + T
         if T > 1 and pos0 > 0:
             self.turn_start = pos0
-        x = m.weight("token_embd.weight")[np.array(tokens)].astype(F32)
+        # --embd-id: the lookup reads the row of the id an expression of t (the id) gives
+        rows = [int(m.embd_id(t)) % m.n_vocab for t in tokens] if m.embd_id else tokens
+        x = m.weight("token_embd.weight")[np.array(rows)].astype(F32)
         rec("embd", None, x)
         for l in range(m.n_layer):
             p = f"blk.{l}."
@@ -688,6 +690,9 @@ def main(argv=None):
                     help="attention's column j reads the K/V of this position instead of j's: a "
                     "Python expression of i (the query's position) and j, e.g. 'j - 1 if i >= 10 "
                     "else j'; below 0, an empty (zero) slot")
+    ap.add_argument("--embd-id", metavar="EXPR",
+                    help="the embedding lookup reads the row of the id this Python expression "
+                         "of t (the token id) gives ('t + 1': a lookup off by one)")
     ap.add_argument("--rope-q-at", metavar="EXPR", help="as --rope-at, for q alone")
     ap.add_argument("--rope-k-at", metavar="EXPR", help="as --rope-at, for k alone")
     a = ap.parse_args(argv)
@@ -732,6 +737,13 @@ def main(argv=None):
         except SyntaxError as e:
             fail(f"--kv-read {a.kv_read!r}: {e.msg}")
         m.kv_read = lambda i, j: eval(kv_code, {"min": min, "max": max}, {"i": i, "j": j})
+    m.embd_id = None
+    if a.embd_id is not None:
+        try:
+            embd_code = compile(a.embd_id, "--embd-id", "eval")
+        except SyntaxError as e:
+            fail(f"--embd-id {a.embd_id!r}: {e.msg}")
+        m.embd_id = lambda t: eval(embd_code, {"min": min, "max": max}, {"t": t})
     m.q_at = position_rule(a.rope_q_at or a.rope_at)
     m.k_at = position_rule(a.rope_k_at or a.rope_at)
     if a.golden:

@@ -932,3 +932,69 @@ fn heuristics_read_a_window_s_inputs_as_the_candidate_s_own() {
         }
     }
 }
+
+/// An embedding that reads other rows of the table is measured, full and sparse: the offset
+/// of the lookup's index, one row for every id; rows of no id (what a decoder, not the index,
+/// gets wrong) are said to be none of the table's.
+#[test]
+fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
+    let (model, g) = fixture("tiny-llama-q8_0");
+    let ids = g.manifest.steps[0].tokens.clone();
+    let forced = g.manifest.decode_tokens();
+    let e = model.config.n_embd;
+    let n_vocab = model.token_embd.rows().1;
+    let table = |r: usize| {
+        let mut v = vec![0.0f32; e];
+        model.row(&model.token_embd, r, &mut v);
+        v
+    };
+    type Lookup<'a> = Box<dyn Fn(u32, &mut [f32]) + 'a>;
+    let cases: [(&str, Lookup); 4] = [
+        (
+            "token_embd's rows of their ids + 1 (",
+            Box::new(|id, row| row.copy_from_slice(&table((id as usize + 1) % n_vocab))),
+        ),
+        (
+            "token_embd's rows of their ids − 3 (",
+            Box::new(|id, row| row.copy_from_slice(&table((id as usize + n_vocab - 3) % n_vocab))),
+        ),
+        (
+            "every embedding row that differs is token_embd's row 7 (",
+            Box::new(|_, row| row.copy_from_slice(&table(7))),
+        ),
+        (
+            "no row of token_embd is any of the",
+            // A decoder that writes each 32-value block backwards.
+            Box::new(|_, row| row.chunks_mut(32).for_each(|c| c.reverse())),
+        ),
+    ];
+    for (want, lookup) in &cases {
+        for sparse_dump in [false, true] {
+            let mut b = Reference::new(&model, Emulation::GgmlCpu, ids.len() + forced.len() + 2);
+            let mut sink = MemorySink::new(TapFilter::all());
+            let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
+            let mut tensors = sink.tensors;
+            for s in &info {
+                let x = tensors
+                    .get_mut(&TapKey::new(s.step, None, Tap::Embd))
+                    .unwrap();
+                let rows = x.as_slice_mut().unwrap().chunks_mut(e);
+                for (row, &id) in rows.zip(&s.tokens) {
+                    lookup(id, row);
+                }
+            }
+            tensors.retain(|k, _| !sparse_dump || sparse(k));
+            let t = memory_trace("test-engine", "whatever-it-says", "", info, tensors);
+            let f = judged(&model, &t).first.expect("found");
+            assert_eq!(f.key, TapKey::new(0, None, Tap::Embd), "{}", f.text);
+            assert!(
+                f.text.contains(&format!("measured: {want}"))
+                    || f.text.contains(&format!(
+                        "measured: the embedding rows that differ are {want}"
+                    )),
+                "{want} (sparse: {sparse_dump}): {}",
+                f.text
+            );
+        }
+    }
+}

@@ -1718,6 +1718,9 @@ fn finding(
             {
                 text.push_str(&format!("\n  measured: {o}"));
             }
+            if let Some(o) = super::lookup::observed(model, cand, &k)? {
+                text.push_str(&format!("\n  measured: {o}"));
+            }
             if k.tap == Tap::KqSoftMax
                 && let Some(ours) = plain.kept.get(&k)
                 && let (Some(theirs), Some(dims)) = (cand.get_over(&k, ours)?, cand.dims(&k))

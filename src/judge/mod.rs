@@ -17,6 +17,7 @@ pub mod floor;
 pub mod hypothesis;
 pub mod kv_fit;
 pub mod layout;
+pub mod lookup;
 pub mod nonfinite;
 pub mod opclass;
 pub mod position;
