@@ -73,7 +73,7 @@ COMPUTE_MUTATIONS = [
     "causal-mask-off-by-one", "ffn-out-twice", "rope-q-skipped", "rope-k-skipped",
     "norm-weight-plus-one", "causal-mask-excludes-self", "no-attn-norm", "no-ffn-norm",
     "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
-    "rope-factors-ignored", "rms-sum-not-mean", "rms-no-sqrt", "layernorm-not-rms",
+    "rope-factors-ignored", "decoder-no-offset", "rms-sum-not-mean", "rms-no-sqrt", "layernorm-not-rms",
     "rope-angle-negated", "kv-head-zero", "v-from-k", "silu-wrong-sign", "residual-from-normed",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
@@ -84,6 +84,8 @@ NIBBLES = {
     Q.Q4_0: (2, 16, 18), Q.IQ4_NL: (2, 16, 18), Q.Q4_1: (4, 16, 20), Q.Q5_0: (6, 16, 22),
     Q.Q5_1: (8, 16, 24), Q.Q4_K: (16, 128, 144), Q.Q5_K: (48, 128, 176),
 }
+# (block bytes, offset) of the types whose decoder subtracts an offset from its quants.
+OFFSETS = {Q.Q4_0: (18, 8.0), Q.Q5_0: (22, 16.0)}
 KQUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
 
 
@@ -169,8 +171,12 @@ class Model:
             t = self.tensors[name]
             nibbled = (self.mutation == "decoder-nibble-order" and t.tensor_type in NIBBLES
                        and self.bug_in(name))
-            if (name, nibbled) in self.decoded:
-                self.cache[name] = self.decoded[(name, nibbled)]
+            # decoder-no-offset: Q4_0/Q5_0 decoded as d * q, not d * (q - 8) (q - 16)
+            unoffset = (self.mutation == "decoder-no-offset" and t.tensor_type in OFFSETS
+                        and self.bug_in(name))
+            variant = "nibbles" if nibbled else "no-offset" if unoffset else None
+            if (name, variant) in self.decoded:
+                self.cache[name] = self.decoded[(name, variant)]
                 return self.cache[name]
             data = np.asarray(t.data)
             if nibbled:
@@ -180,10 +186,14 @@ class Model:
                 raw[:, off:off + n] = ((q & 0x0F) << 4) | (q >> 4)
                 data = raw.reshape(data.shape)
             w = gguf.quants.dequantize(data, t.tensor_type).astype(F32)
+            if unoffset:
+                block, off = OFFSETS[t.tensor_type]
+                d = data.reshape(-1, block)[:, :2].copy().view(np.float16).astype(F32).reshape(-1)
+                w = (w.reshape(-1, 32) + F32(off) * d[:, None]).astype(F32).reshape(w.shape)
             shape = tuple(int(d) for d in reversed(t.shape))
             w = w.reshape(shape)
             w.flags.writeable = False
-            self.cache[name] = self.decoded[(name, nibbled)] = w
+            self.cache[name] = self.decoded[(name, variant)] = w
         return self.cache[name]
 
 

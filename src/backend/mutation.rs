@@ -105,6 +105,8 @@ pub enum Mutation {
     ResidualFromNormed,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
     DecoderNibbleOrder,
+    /// Q4_0/Q5_0 decoder without its offset: d·q where d·(q − 8) (Q5_0: q − 16) is meant.
+    DecoderNoOffset,
     /// The output projection uses token_embd although output.weight exists.
     TiedOutput,
     /// The BOS token is not prepended.
@@ -219,6 +221,7 @@ impl Mutation {
         Mutation::SiluWrongSign,
         Mutation::ResidualFromNormed,
         Mutation::DecoderNibbleOrder,
+        Mutation::DecoderNoOffset,
         Mutation::TiedOutput,
         Mutation::NoBos,
         Mutation::DoubleBos,
@@ -278,6 +281,7 @@ impl Mutation {
             Mutation::SiluWrongSign => "silu-wrong-sign",
             Mutation::ResidualFromNormed => "residual-from-normed",
             Mutation::DecoderNibbleOrder => "decoder-nibble-order",
+            Mutation::DecoderNoOffset => "decoder-no-offset",
             Mutation::TiedOutput => "tied-output",
             Mutation::NoBos => "no-bos",
             Mutation::DoubleBos => "double-bos",
@@ -488,6 +492,9 @@ impl Mutation {
             Mutation::DecoderNibbleOrder => {
                 "the 4-bit decoder swaps the low and high nibble of each quant byte"
             }
+            Mutation::DecoderNoOffset => {
+                "the Q4_0/Q5_0 decoder leaves the quants' offset out: d * q where d * (q - 8) (Q5_0: q - 16) is meant"
+            }
             Mutation::TiedOutput => {
                 "the output projection uses token_embd although the model has output.weight"
             }
@@ -553,7 +560,9 @@ impl Mutation {
         match self {
             Mutation::GqaModulo => c.n_head_kv > 1 && c.n_head_kv < c.n_head,
             Mutation::TransposedWo => c.n_embd_q() == c.n_embd,
-            Mutation::DecoderNibbleOrder => first_nibble_tensor(model, 0).is_some(),
+            Mutation::DecoderNibbleOrder | Mutation::DecoderNoOffset => {
+                first_misdecoded(self, model, 0).is_some()
+            }
             // A file may store output.weight as a copy of token_embd (llama2.c exports do).
             Mutation::TiedOutput => {
                 !c.tied_embeddings
@@ -673,7 +682,9 @@ impl Mutation {
             Mutation::VFromK => at(0, Tap::KqvOut),
             Mutation::SiluWrongSign => at(0, Tap::FfnAct),
             Mutation::ResidualFromNormed => at(0, Tap::FfnInp),
-            Mutation::DecoderNibbleOrder => first_nibble_tensor(model, from),
+            Mutation::DecoderNibbleOrder | Mutation::DecoderNoOffset => {
+                first_misdecoded(self, model, from)
+            }
             // Before a final soft-cap, the projection is tapped on its own.
             Mutation::TransposedLmHead | Mutation::TiedOutput => {
                 let tap = match model.config.final_softcap {
@@ -765,6 +776,7 @@ impl Mutation {
             }
             Mutation::RopePosOffByOne => "step 1 (first decode step), layer 0, q_rope",
             Mutation::DecoderNibbleOrder => "step 0, the first op reading a 4-bit weight",
+            Mutation::DecoderNoOffset => "step 0, the first op reading a Q4_0 or Q5_0 weight",
             Mutation::TransposedLmHead | Mutation::TiedOutput => "step 0, logits",
             Mutation::NoBos | Mutation::DoubleBos => "step 0, the token ids",
             Mutation::GemmaNormPlusOne => "step 0, layer 0, attn_norm",
@@ -879,9 +891,49 @@ pub fn swap_nibbles(ty: GgmlType, bytes: &[u8]) -> Vec<u8> {
     out
 }
 
-/// The first tap, in graph order, that reads a nibble-typed tensor (from layer `from` on).
-fn first_nibble_tensor(model: &Model, from: usize) -> Option<TapKey> {
-    let nib = |t: &TensorInfo| swaps_nibbles(t.ty);
+/// The block size in bytes and the offset of a type whose decoder subtracts one from its
+/// quants (Q4_0: q − 8, Q5_0: q − 16), its f16 scale first in the block.
+fn quant_offset(ty: GgmlType) -> Option<(usize, f32)> {
+    match ty {
+        GgmlType::Q4_0 => Some((18, 8.0)),
+        GgmlType::Q5_0 => Some((22, 16.0)),
+        _ => None,
+    }
+}
+
+/// Whether decoder bug `m` changes how a `ty` weight decodes.
+pub fn misdecodes(m: Mutation, ty: GgmlType) -> bool {
+    match m {
+        Mutation::DecoderNibbleOrder => swaps_nibbles(ty),
+        Mutation::DecoderNoOffset => quant_offset(ty).is_some(),
+        _ => false,
+    }
+}
+
+/// A row of `ty` as a decoder with bug `m` decodes its raw `bytes` (the exact decoder on the
+/// bytes the bug reads, then what the bug leaves out added back).
+pub fn decode_row(m: Mutation, ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    match m {
+        Mutation::DecoderNibbleOrder => {
+            crate::quant::dequantize_row(ty, &swap_nibbles(ty, bytes), out)
+                .expect("row length validated at open");
+        }
+        _ => {
+            crate::quant::dequantize_row(ty, bytes, out).expect("row length validated at open");
+            if let (Mutation::DecoderNoOffset, Some((block, off))) = (m, quant_offset(ty)) {
+                for (b, vals) in bytes.chunks_exact(block).zip(out.chunks_mut(32)) {
+                    let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+                    vals.iter_mut().for_each(|v| *v += off * d);
+                }
+            }
+        }
+    }
+}
+
+/// The first tap, in graph order, that reads a tensor decoder bug `m` misdecodes (from layer
+/// `from` on).
+fn first_misdecoded(m: Mutation, model: &Model, from: usize) -> Option<TapKey> {
+    let nib = |t: &TensorInfo| misdecodes(m, t.ty);
     if from == 0 && nib(&model.token_embd) {
         return Some(TapKey::new(0, None, Tap::Embd));
     }

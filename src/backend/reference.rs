@@ -251,18 +251,24 @@ impl<'m> Reference<'m> {
 
     /// Row `r` of a weight as the (possibly mutated) engine decodes it.
     fn weight_row(&self, w: &TensorInfo, layer: Option<usize>, r: usize, out: &mut [f32]) {
-        if self.mutated(Mutation::DecoderNibbleOrder, layer) && mutation::swaps_nibbles(w.ty) {
+        if let Some(m) = self.decoder_bug(w, layer) {
             let (n_in, _) = w.rows();
             let rb = w.ty.bytes_for(n_in as u64).expect("validated at open") as usize;
-            let bytes = mutation::swap_nibbles(w.ty, &self.model.data(w)[r * rb..(r + 1) * rb]);
-            quant::dequantize_row(w.ty, &bytes, out).expect("row length validated at open");
+            mutation::decode_row(m, w.ty, &self.model.data(w)[r * rb..(r + 1) * rb], out);
         } else {
             self.model.row(w, r, out);
         }
     }
 
+    /// The decoder bug that acts on weight `w` at `layer`, if any.
+    fn decoder_bug(&self, w: &TensorInfo, layer: Option<usize>) -> Option<Mutation> {
+        [Mutation::DecoderNibbleOrder, Mutation::DecoderNoOffset]
+            .into_iter()
+            .find(|&m| self.mutated(m, layer) && mutation::misdecodes(m, w.ty))
+    }
+
     /// A weight matmul the slow way, for the bugs that change how a weight is read: decoded
-    /// with swapped nibbles, or read transposed. Never the whole weight in f32 at once (an
+    /// wrong (swapped nibbles, no offset), or read transposed. Never the whole weight in f32 at once (an
     /// lm_head's is 262 MB at 32,000 × 2,048): rows decoded as they are read.
     fn project_mutated(
         &self,
@@ -1481,8 +1487,7 @@ impl Ops for Reference<'_> {
         let transposed = (lm_head && self.mutated(Mutation::TransposedLmHead, None))
             || (w.name.ends_with("attn_output.weight")
                 && self.mutated(Mutation::TransposedWo, layer));
-        let nibbles =
-            self.mutated(Mutation::DecoderNibbleOrder, layer) && mutation::swaps_nibbles(w.ty);
+        let nibbles = self.decoder_bug(w, layer).is_some();
         let own = self.emulation;
         if lm_head && let Some(e) = self.output_emulation {
             self.emulation = e;

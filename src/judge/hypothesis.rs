@@ -62,7 +62,7 @@ pub(super) fn relevant(
         return false;
     }
     match m {
-        Mutation::DecoderNibbleOrder => {
+        Mutation::DecoderNibbleOrder | Mutation::DecoderNoOffset => {
             classes.contains(&OpClass::Matmul) || classes.contains(&OpClass::Lookup)
         }
         _ => classes.contains(&class(shows.tap)),
