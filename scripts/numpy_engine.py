@@ -75,6 +75,7 @@ COMPUTE_MUTATIONS = [
     "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
     "rope-factors-ignored", "decoder-no-offset", "rms-sum-not-mean", "rms-no-sqrt", "layernorm-not-rms",
     "rope-angle-negated", "kv-head-zero", "v-from-k", "silu-wrong-sign", "residual-from-normed",
+    "attn-residual-from-normed", "ffn-residual-from-normed",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -566,7 +567,7 @@ class Engine:
             attn_out = self.matmul(p + "attn_output.weight", att, mut == "transposed-wo")
             rec("attn_out", l, attn_out)
             # residual-from-normed: x overwritten by its norm before the residual add
-            if mut == "residual-from-normed":
+            if mut in ("residual-from-normed", "attn-residual-from-normed"):
                 x = xn
             ffn_inp = attn_out if mut == "no-attn-residual" else (x + attn_out).astype(F32)
             if mut == "attn-out-twice":
@@ -588,7 +589,7 @@ class Engine:
             rec("ffn_act", l, act.astype(F32))
             ffn_out = self.matmul(p + "ffn_down.weight", act.astype(F32))
             rec("ffn_out", l, ffn_out)
-            stream = xn if mut == "residual-from-normed" else ffn_inp
+            stream = xn if mut in ("residual-from-normed", "ffn-residual-from-normed") else ffn_inp
             x = ffn_out if mut == "no-ffn-residual" else (stream + ffn_out).astype(F32)
             if mut == "ffn-out-twice":
                 x = (x + ffn_out).astype(F32)

@@ -134,8 +134,11 @@ fn assert_every_catalog_row(name: &str, rows: &[serde_json::Value]) {
         // a later chunk or turn (tests/step_kinds.rs)
         "kv-reset-per-turn",
         "pos-restart-per-turn",
-        // 4-bit blocks only (below)
+        // 4-bit blocks only (below); Q4_0 and Q5_0 only (below)
         "decoder-nibble-order",
+        "decoder-no-offset",
+        // SiLU models only (below)
+        "silu-wrong-sign",
         // q/k/v biases only: qwen2's (below)
         "no-qkv-bias",
         // scores past exp's overflow only (`softmax_without_its_max_is_found_where_…`)
@@ -152,6 +155,18 @@ fn assert_every_catalog_row(name: &str, rows: &[serde_json::Value]) {
         assert!(
             rows.iter().any(|r| r["case"] == "decoder-nibble-order"),
             "{name}: no row for decoder-nibble-order"
+        );
+    }
+    if name.contains("q4_0") {
+        assert!(
+            rows.iter().any(|r| r["case"] == "decoder-no-offset"),
+            "{name}: no row for decoder-no-offset"
+        );
+    }
+    if !name.contains("gemma") {
+        assert!(
+            rows.iter().any(|r| r["case"] == "silu-wrong-sign"),
+            "{name}: no row for silu-wrong-sign"
         );
     }
     if name.contains("qwen2") {

@@ -103,6 +103,12 @@ pub enum Mutation {
     /// Both residual adds start from the normed value, not the stream (x overwritten by its
     /// norm): ffn_inp = attn_norm(x) + attn_out, l_out = ffn_norm(ffn_inp) + ffn_out.
     ResidualFromNormed,
+    /// The attention's residual add alone starts from the normed value: ffn_inp =
+    /// attn_norm(x) + attn_out (the feed-forward's add is right).
+    AttnResidualFromNormed,
+    /// The feed-forward's residual add alone starts from the normed value: l_out =
+    /// ffn_norm(ffn_inp) + ffn_out (the attention's add is right).
+    FfnResidualFromNormed,
     /// 4-bit decoder with the nibbles of each quant byte swapped.
     DecoderNibbleOrder,
     /// Q4_0/Q5_0 decoder without its offset: d·q where d·(q − 8) (Q5_0: q − 16) is meant.
@@ -220,6 +226,8 @@ impl Mutation {
         Mutation::VFromK,
         Mutation::SiluWrongSign,
         Mutation::ResidualFromNormed,
+        Mutation::AttnResidualFromNormed,
+        Mutation::FfnResidualFromNormed,
         Mutation::DecoderNibbleOrder,
         Mutation::DecoderNoOffset,
         Mutation::TiedOutput,
@@ -280,6 +288,8 @@ impl Mutation {
             Mutation::VFromK => "v-from-k",
             Mutation::SiluWrongSign => "silu-wrong-sign",
             Mutation::ResidualFromNormed => "residual-from-normed",
+            Mutation::AttnResidualFromNormed => "attn-residual-from-normed",
+            Mutation::FfnResidualFromNormed => "ffn-residual-from-normed",
             Mutation::DecoderNibbleOrder => "decoder-nibble-order",
             Mutation::DecoderNoOffset => "decoder-no-offset",
             Mutation::TiedOutput => "tied-output",
@@ -489,6 +499,12 @@ impl Mutation {
             Mutation::ResidualFromNormed => {
                 "the residual adds start from the normed value, not the residual stream (x overwritten by its norm): ffn_inp = attn_norm(x) + attn_out, l_out = ffn_norm(ffn_inp) + ffn_out"
             }
+            Mutation::AttnResidualFromNormed => {
+                "the attention's residual add starts from the normed value, not the residual stream: ffn_inp = attn_norm(x) + attn_out (the feed-forward's add is right)"
+            }
+            Mutation::FfnResidualFromNormed => {
+                "the feed-forward's residual add starts from the normed value, not the residual stream: l_out = ffn_norm(ffn_inp) + ffn_out (the attention's add is right)"
+            }
             Mutation::DecoderNibbleOrder => {
                 "the 4-bit decoder swaps the low and high nibble of each quant byte"
             }
@@ -681,7 +697,8 @@ impl Mutation {
             Mutation::KvHeadZero => at(0, Tap::KqSoftMax),
             Mutation::VFromK => at(0, Tap::KqvOut),
             Mutation::SiluWrongSign => at(0, Tap::FfnAct),
-            Mutation::ResidualFromNormed => at(0, Tap::FfnInp),
+            Mutation::ResidualFromNormed | Mutation::AttnResidualFromNormed => at(0, Tap::FfnInp),
+            Mutation::FfnResidualFromNormed => at(0, Tap::LOut),
             Mutation::DecoderNibbleOrder | Mutation::DecoderNoOffset => {
                 first_misdecoded(self, model, from)
             }
@@ -770,7 +787,10 @@ impl Mutation {
             Mutation::KvHeadZero => "step 0, layer 0, kq_soft_max",
             Mutation::VFromK => "step 0, layer 0, kqv_out",
             Mutation::SiluWrongSign => "step 0, layer 0, ffn_act",
-            Mutation::ResidualFromNormed => "step 0, layer 0, ffn_inp",
+            Mutation::ResidualFromNormed | Mutation::AttnResidualFromNormed => {
+                "step 0, layer 0, ffn_inp"
+            }
+            Mutation::FfnResidualFromNormed => "step 0, layer 0, l_out",
             Mutation::AttnNormWeightTwice => {
                 "step 0, the first attn_norm whose weight has an element other than 0 or 1"
             }

@@ -1372,6 +1372,16 @@ impl Reference<'_> {
         x
     }
 
+    /// Whether the attention's (`attn`) or the feed-forward's residual add starts from the
+    /// normed value (residual-from-normed, at both sites or at that one).
+    fn residual_from_normed(&self, attn: bool, layer: Option<usize>) -> bool {
+        let site = match attn {
+            true => Mutation::AttnResidualFromNormed,
+            false => Mutation::FfnResidualFromNormed,
+        };
+        self.mutated(Mutation::ResidualFromNormed, layer) || self.mutated(site, layer)
+    }
+
     /// The RMSNorm formula a catalog bug computes instead (None: the model's).
     fn norm_formula(&self, layer: Option<usize>) -> Option<Mutation> {
         [
@@ -1438,8 +1448,10 @@ impl Ops for Reference<'_> {
             Some(m) => rms_norm_mutated(x, &weight, eps, m),
             None => rms_norm(x, &weight, eps),
         };
-        if (w.name.ends_with(".attn_norm.weight") || w.name.ends_with(".ffn_norm.weight"))
-            && self.mutated(Mutation::ResidualFromNormed, layer)
+        let attn = w.name.ends_with(".attn_norm.weight");
+        let ffn = w.name.ends_with(".ffn_norm.weight");
+        if (attn && self.residual_from_normed(true, layer))
+            || (ffn && self.residual_from_normed(false, layer))
         {
             self.normed = Some(out.clone());
         }
@@ -1660,8 +1672,8 @@ impl Ops for Reference<'_> {
             return add(&add(&a, b), b);
         }
         // `a` is the residual stream, `b` the block's output.
-        if (attn || ffn)
-            && self.mutated(Mutation::ResidualFromNormed, l)
+        if ((attn && self.residual_from_normed(true, l))
+            || (ffn && self.residual_from_normed(false, l)))
             && let Some(n) = self.normed.take().filter(|n| n.len() == a.len())
         {
             return add(&n, b);
