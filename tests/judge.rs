@@ -998,3 +998,90 @@ fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
         }
     }
 }
+
+/// An RMSNorm whose formula is off by a factor within a percent of 1 (the mean over n + 1
+/// values, eps outside the square root) reproduces no hypothesis; its rows are still its input
+/// times the weight times one number, and that number against the row's mean square is
+/// measured (`judge::normscale`): the formula, said. At layer 0's attn_norm of a full dump,
+/// and at the final norm of a sparse one (where the layers' spans hide it).
+#[test]
+fn a_norm_s_formula_is_solved_from_its_rows() {
+    let (model, g) = fixture("tiny-llama-q8_0");
+    let ids = g.manifest.steps[0].tokens.clone();
+    let forced = g.manifest.decode_tokens();
+    let e = model.config.n_embd;
+    let eps = model.config.rms_eps as f64;
+    let n_layer = model.config.n_layer;
+    type Scale = fn(f64, f64, usize) -> f64;
+    // In a full dump, the first norm it moves over its floor: eps outside the root moves
+    // layer 0's attn_norm (the embedding's small rows) by 6e-12, under the norm floor 1e-11;
+    // its ffn_norm shows it.
+    let cases: [(&str, Scale, Tap); 2] = [
+        (
+            &format!("is 1/sqrt(Σx²/{} + ", e + 1),
+            |ss, eps, n| 1.0 / (ss / (n + 1) as f64 + eps).sqrt(),
+            Tap::AttnNorm,
+        ),
+        (
+            "eps is added outside the square root",
+            |ss, eps, n| 1.0 / ((ss / n as f64).sqrt() + eps),
+            Tap::FfnNorm,
+        ),
+    ];
+    for (want, scale, norm) in &cases {
+        for sparse_dump in [false, true] {
+            let mut b = Reference::new(&model, Emulation::GgmlCpu, ids.len() + forced.len() + 2);
+            let mut sink = MemorySink::new(TapFilter::all());
+            let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
+            let mut tensors = sink.tensors;
+            let (at, from, w) = match (sparse_dump, norm) {
+                (false, Tap::AttnNorm) => (
+                    TapKey::new(0, Some(0), Tap::AttnNorm),
+                    TapKey::new(0, None, Tap::Embd),
+                    &model.layers[0].attn_norm,
+                ),
+                (false, _) => (
+                    TapKey::new(0, Some(0), Tap::FfnNorm),
+                    TapKey::new(0, Some(0), Tap::FfnInp),
+                    &model.layers[0].ffn_norm,
+                ),
+                (true, _) => (
+                    TapKey::new(0, None, Tap::ResultNorm),
+                    TapKey::new(0, Some(n_layer - 1), Tap::LOut),
+                    &model.output_norm,
+                ),
+            };
+            let w = model.vector(w);
+            for s in &info {
+                let x = tensors[&TapKey {
+                    step: s.step,
+                    ..from
+                }]
+                    .clone();
+                let y = tensors.get_mut(&TapKey { step: s.step, ..at }).unwrap();
+                let rows = x.as_slice().unwrap().chunks(e);
+                for (xr, yr) in rows.zip(y.as_slice_mut().unwrap().chunks_mut(e)) {
+                    let ss: f64 = xr.iter().map(|&v| (v as f64).powi(2)).sum();
+                    let s = scale(ss, eps, e) as f32;
+                    for i in 0..e {
+                        yr[i] = (xr[i] * s) * w[i];
+                    }
+                }
+            }
+            tensors.retain(|k, _| !sparse_dump || sparse(k));
+            let t = memory_trace("test-engine", "whatever-it-says", "", info, tensors);
+            let f = judged(&model, &t).first.expect("found");
+            assert_eq!(f.key, at, "{}", f.text);
+            assert!(
+                f.text.contains("measured: each row's RMS scale"),
+                "{}",
+                f.text
+            );
+            assert!(
+                f.text.contains(want),
+                "{want} (sparse: {sparse_dump}): {}",
+                f.text
+            );
+        }
+    }
+}

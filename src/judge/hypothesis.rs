@@ -1742,6 +1742,11 @@ fn finding(
             if let Some(o) = super::lookup::observed(model, cand, &k)? {
                 text.push_str(&format!("\n  measured: {o}"));
             }
+            if sp.len() == 1
+                && let Some(o) = super::normscale::observed(model, cand, &k)?
+            {
+                text.push_str(&format!("\n  measured: {o}"));
+            }
             if k.tap == Tap::KqSoftMax
                 && let Some(ours) = plain.kept.get(&k)
                 && let (Some(theirs), Some(dims)) = (cand.get_over(&k, ours)?, cand.dims(&k))

@@ -19,6 +19,7 @@ pub mod kv_fit;
 pub mod layout;
 pub mod lookup;
 pub mod nonfinite;
+pub mod normscale;
 pub mod opclass;
 pub mod position;
 pub mod replay;
