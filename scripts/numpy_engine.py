@@ -75,7 +75,7 @@ COMPUTE_MUTATIONS = [
     "no-attn-residual", "no-ffn-residual", "no-qkv-bias", "wrong-ffn-act", "softmax-no-max",
     "rope-factors-ignored", "decoder-no-offset", "rms-sum-not-mean", "rms-no-sqrt", "layernorm-not-rms",
     "rope-angle-negated", "kv-head-zero", "v-from-k", "silu-wrong-sign", "residual-from-normed",
-    "attn-residual-from-normed", "ffn-residual-from-normed",
+    "attn-residual-from-normed", "ffn-residual-from-normed", "attend-before-store",
     # position bugs, as src/backend/mutation.rs; a width may follow (kv-ring-wrap=128)
     "kv-ring-wrap", "rope-pos-wrap", "mask-tail-block", "kv-reset-per-turn", "pos-restart-per-turn",
 ]
@@ -527,6 +527,8 @@ class Engine:
                 vh = (kc if mut == "v-from-k" else vc)[:, g, :].astype(F64)
                 for i in range(T):
                     vis = n_kv if mut == "no-causal-mask" else pos0 + i + 1
+                    if mut == "attend-before-store" and pos0 > 0:
+                        vis = pos0  # the cache before the step's own K/V were stored
                     if mut == "mask-tail-block" and i >= T // m.wrap * m.wrap:
                         vis = n_kv  # the rows after the last full block: unmasked
                     if mut == "causal-mask-off-by-one":

@@ -41,6 +41,10 @@ pub enum Mutation {
     SwigluSwap,
     /// Decode steps write the new K/V one slot after the position attention reads it at.
     KvOffByOne,
+    /// The steps after the first attend over the cache before they store their own K/V: a
+    /// decode token's row reads every position but its own (a later chunk's rows, none of
+    /// the chunk's).
+    AttendBeforeStore,
     /// Decode steps rotate q and k at their position plus one (the cache slot right).
     RopePosOffByOne,
     /// Prefill rows attend to later positions too.
@@ -200,6 +204,7 @@ impl Mutation {
         Mutation::AttnNormWeightTwice,
         Mutation::SwigluSwap,
         Mutation::KvOffByOne,
+        Mutation::AttendBeforeStore,
         Mutation::RopePosOffByOne,
         Mutation::NoCausalMask,
         Mutation::CausalMaskOffByOne,
@@ -263,6 +268,7 @@ impl Mutation {
             Mutation::RopePosOffByOne => "rope-pos-off-by-one",
             Mutation::SwigluSwap => "swiglu-swap",
             Mutation::KvOffByOne => "kv-off-by-one",
+            Mutation::AttendBeforeStore => "attend-before-store",
             Mutation::NoCausalMask => "no-causal-mask",
             Mutation::CausalMaskOffByOne => "causal-mask-off-by-one",
             Mutation::CausalMaskExcludesSelf => "causal-mask-excludes-self",
@@ -429,6 +435,9 @@ impl Mutation {
             Mutation::SwigluSwap => "SwiGLU swaps its operands: silu(up) * gate",
             Mutation::KvOffByOne => {
                 "decode steps (every step after the first: a chunked prompt's later chunks and later turns too) store the new K/V one position after the one attention reads"
+            }
+            Mutation::AttendBeforeStore => {
+                "the steps after the first attend over the K/V cache before storing their own K/V: a decode token reads every earlier position but not its own"
             }
             Mutation::NoCausalMask => "prefill rows attend to later positions (no causal mask)",
             Mutation::CausalMaskOffByOne => {
@@ -675,7 +684,7 @@ impl Mutation {
             Mutation::AttnNormWeightTwice => first_attn_norm_showing(model, from),
             Mutation::RopePosOffByOne => at(1, Tap::QRope),
             Mutation::SwigluSwap => at(0, Tap::FfnAct),
-            Mutation::KvOffByOne => at(1, Tap::KqSoftMax),
+            Mutation::KvOffByOne | Mutation::AttendBeforeStore => at(1, Tap::KqSoftMax),
             // The prompt's second row reads slot 0 (empty) and slot 1 (the first token's).
             Mutation::KvSlotLate => at(0, Tap::KqSoftMax),
             Mutation::NoFinalNorm => Some(TapKey::new(0, None, Tap::ResultNorm)),
@@ -767,7 +776,9 @@ impl Mutation {
                 "step 0, the first norm whose weight is not all ones"
             }
             Mutation::SwigluSwap => "step 0, layer 0, ffn_act",
-            Mutation::KvOffByOne => "step 1 (first decode step), layer 0, kq_soft_max",
+            Mutation::KvOffByOne | Mutation::AttendBeforeStore => {
+                "step 1 (first decode step), layer 0, kq_soft_max"
+            }
             Mutation::KvSlotLate => "step 0, layer 0, kq_soft_max",
             Mutation::NoFinalNorm => "step 0, result_norm",
             Mutation::AttnOutTwice => "step 0, layer 0, ffn_inp",

@@ -629,6 +629,10 @@ impl<'m> Reference<'m> {
             // One position more, where the step has one (a decode step's row is its last).
             return seen.start..(seen.end + 1).min(n_kv);
         }
+        // Attended before the step's own K/V were stored: the positions before the step.
+        if pos0 > 0 && self.mutated(Mutation::AttendBeforeStore, Some(layer)) {
+            return seen.start..seen.end.min(pos0);
+        }
         if self.mutated(Mutation::CausalMaskExcludesSelf, Some(layer)) {
             // `j < i` where `j <= i` is meant: position 0 sees nothing.
             return seen.start..seen.end - 1;
