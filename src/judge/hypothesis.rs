@@ -454,8 +454,8 @@ impl AtKey<'_, '_, '_> {
                     ..base.clone()
                 };
                 // As a catalog bug (above), under the tie twins of a plain Q8_0 cache's
-                // quantizer. (Not under the rounding's: a knob never was, and each fitted
-                // value would cost two more replays wherever the rounding has twins.)
+                // quantizer. (The rounding's twins are the whole fit's, above, where a value
+                // cut tenfold: per value they would cost two replays wherever it has twins.)
                 if nmse > VISIBLE
                     && own.is_some_and(|o| nmse <= TWIN_RETRY * o)
                     && let Some(c) =
