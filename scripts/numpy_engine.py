@@ -735,30 +735,20 @@ def main(argv=None):
         m.theta = F32(a.rope_theta)
     m.attn_scale = None if a.attn_scale is None else F32(a.attn_scale)
 
-    def position_rule(expr):
+    def rule(flag, expr, *names):
+        """A bug planted from a Python expression (--rope-at, --kv-read, --embd-id): a function
+        of `names`, in that order; None where the flag was not given."""
         if expr is None:
             return None
         try:
-            code = compile(expr, "--rope-at", "eval")
+            code = compile(expr, flag, "eval")
         except SyntaxError as e:
-            fail(f"--rope-at {expr!r}: {e.msg}")
-        return lambda p, s: eval(code, {"min": min, "max": max}, {"p": p, "s": s})
-    m.kv_read = None
-    if a.kv_read is not None:
-        try:
-            kv_code = compile(a.kv_read, "--kv-read", "eval")
-        except SyntaxError as e:
-            fail(f"--kv-read {a.kv_read!r}: {e.msg}")
-        m.kv_read = lambda i, j: eval(kv_code, {"min": min, "max": max}, {"i": i, "j": j})
-    m.embd_id = None
-    if a.embd_id is not None:
-        try:
-            embd_code = compile(a.embd_id, "--embd-id", "eval")
-        except SyntaxError as e:
-            fail(f"--embd-id {a.embd_id!r}: {e.msg}")
-        m.embd_id = lambda t: eval(embd_code, {"min": min, "max": max}, {"t": t})
-    m.q_at = position_rule(a.rope_q_at or a.rope_at)
-    m.k_at = position_rule(a.rope_k_at or a.rope_at)
+            fail(f"{flag} {expr!r}: {e.msg}")
+        return lambda *v: eval(code, {"min": min, "max": max}, dict(zip(names, v)))
+    m.kv_read = rule("--kv-read", a.kv_read, "i", "j")
+    m.embd_id = rule("--embd-id", a.embd_id, "t")
+    m.q_at = rule("--rope-q-at" if a.rope_q_at else "--rope-at", a.rope_q_at or a.rope_at, "p", "s")
+    m.k_at = rule("--rope-k-at" if a.rope_k_at else "--rope-at", a.rope_k_at or a.rope_at, "p", "s")
     if a.golden:
         with open(os.path.join(a.golden, "manifest.json")) as f:
             g = json.load(f)

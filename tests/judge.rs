@@ -76,6 +76,31 @@ fn engine_run(
     memory_trace("test-engine", "whatever-it-says", "", info, tensors)
 }
 
+/// The reference's run of the golden's ids under ggml-cpu's rounding, dumped as an engine with
+/// one tap planted would: `edit` changes each step's tensors (it is given the step), then every
+/// tap is kept, or the sparse ones.
+fn edited_run(
+    model: &Model,
+    golden: &Trace,
+    sparse_dump: bool,
+    edit: impl Fn(
+        &parity::trace::StepInfo,
+        &mut std::collections::BTreeMap<TapKey, ndarray::ArrayD<f32>>,
+    ),
+) -> Trace {
+    let ids = golden.manifest.steps[0].tokens.clone();
+    let forced = golden.manifest.decode_tokens();
+    let mut b = Reference::new(model, Emulation::GgmlCpu, ids.len() + forced.len() + 2);
+    let mut sink = MemorySink::new(TapFilter::all());
+    let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
+    let mut tensors = sink.tensors;
+    for s in &info {
+        edit(s, &mut tensors);
+    }
+    tensors.retain(|k, _| !sparse_dump || sparse(k));
+    memory_trace("test-engine", "whatever-it-says", "", info, tensors)
+}
+
 fn sparse(k: &TapKey) -> bool {
     matches!(k.tap, Tap::Embd | Tap::LOut | Tap::ResultNorm | Tap::Logits)
 }
@@ -939,8 +964,6 @@ fn heuristics_read_a_window_s_inputs_as_the_candidate_s_own() {
 #[test]
 fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
     let (model, g) = fixture("tiny-llama-q8_0");
-    let ids = g.manifest.steps[0].tokens.clone();
-    let forced = g.manifest.decode_tokens();
     let e = model.config.n_embd;
     let n_vocab = model.token_embd.rows().1;
     let table = |r: usize| {
@@ -970,11 +993,7 @@ fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
     ];
     for (want, lookup) in &cases {
         for sparse_dump in [false, true] {
-            let mut b = Reference::new(&model, Emulation::GgmlCpu, ids.len() + forced.len() + 2);
-            let mut sink = MemorySink::new(TapFilter::all());
-            let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
-            let mut tensors = sink.tensors;
-            for s in &info {
+            let t = edited_run(&model, &g, sparse_dump, |s, tensors| {
                 let x = tensors
                     .get_mut(&TapKey::new(s.step, None, Tap::Embd))
                     .unwrap();
@@ -982,9 +1001,7 @@ fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
                 for (row, &id) in rows.zip(&s.tokens) {
                     lookup(id, row);
                 }
-            }
-            tensors.retain(|k, _| !sparse_dump || sparse(k));
-            let t = memory_trace("test-engine", "whatever-it-says", "", info, tensors);
+            });
             let f = judged(&model, &t).first.expect("found");
             assert_eq!(f.key, TapKey::new(0, None, Tap::Embd), "{}", f.text);
             assert!(
@@ -1007,8 +1024,6 @@ fn the_rows_an_embedding_lookup_read_are_solved_from_the_table() {
 #[test]
 fn a_norm_s_formula_is_solved_from_its_rows() {
     let (model, g) = fixture("tiny-llama-q8_0");
-    let ids = g.manifest.steps[0].tokens.clone();
-    let forced = g.manifest.decode_tokens();
     let e = model.config.n_embd;
     let eps = model.config.rms_eps as f64;
     let n_layer = model.config.n_layer;
@@ -1030,10 +1045,6 @@ fn a_norm_s_formula_is_solved_from_its_rows() {
     ];
     for (want, scale, norm) in &cases {
         for sparse_dump in [false, true] {
-            let mut b = Reference::new(&model, Emulation::GgmlCpu, ids.len() + forced.len() + 2);
-            let mut sink = MemorySink::new(TapFilter::all());
-            let info = backend::run(&mut b, &ids, forced.len(), Some(&forced), &mut sink).unwrap();
-            let mut tensors = sink.tensors;
             let (at, from, w) = match (sparse_dump, norm) {
                 (false, Tap::AttnNorm) => (
                     TapKey::new(0, Some(0), Tap::AttnNorm),
@@ -1052,7 +1063,7 @@ fn a_norm_s_formula_is_solved_from_its_rows() {
                 ),
             };
             let w = model.vector(w);
-            for s in &info {
+            let t = edited_run(&model, &g, sparse_dump, |s, tensors| {
                 let x = tensors[&TapKey {
                     step: s.step,
                     ..from
@@ -1067,9 +1078,7 @@ fn a_norm_s_formula_is_solved_from_its_rows() {
                         yr[i] = (xr[i] * s) * w[i];
                     }
                 }
-            }
-            tensors.retain(|k, _| !sparse_dump || sparse(k));
-            let t = memory_trace("test-engine", "whatever-it-says", "", info, tensors);
+            });
             let f = judged(&model, &t).first.expect("found");
             assert_eq!(f.key, at, "{}", f.text);
             assert!(

@@ -269,6 +269,12 @@ pub fn metrics(a: &ArrayViewD<f32>, b: &ArrayViewD<f32>) -> Metrics {
     s.metrics(a.len())
 }
 
+/// The NMSE of `b` against the baseline `a`, two slices of the same length (as [`metrics`]).
+pub fn slice_nmse(a: &[f32], b: &[f32]) -> f64 {
+    debug_assert_eq!(a.len(), b.len());
+    Sums::of_slices(a, b).metrics(a.len()).nmse
+}
+
 impl Sums {
     /// The metrics of these sums over `n` values.
     fn metrics(self, n: usize) -> Metrics {

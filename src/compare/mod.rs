@@ -8,7 +8,7 @@ pub mod position;
 mod stream;
 pub mod tolerance;
 
-pub use metrics::{LogitStats, Metrics, MetricsAcc, logit_stats, metrics};
+pub use metrics::{LogitStats, Metrics, MetricsAcc, logit_stats, metrics, slice_nmse};
 pub use stream::Streamed;
 pub use tolerance::{PairKind, gates, kld_threshold, nmse_threshold};
 

@@ -16,10 +16,10 @@ use super::{Finding, Hypothesis, JudgeError, OpResult, Tried};
 use crate::backend::mutation::{Mutation, MutationKind, wrong_theta};
 use crate::backend::positions::RopeAt;
 use crate::compare::position::first_row;
-use crate::compare::{CompareOptions, PairKind, compare, metrics};
+use crate::compare::{CompareOptions, PairKind, compare, slice_nmse as nmse};
 use crate::model::{Model, RopeType};
 use crate::trace::{ModelRef, Producer, StepInfo, Tap, TapKey, Trace};
-use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -2109,12 +2109,6 @@ fn holds(
         )));
     }
     Ok(Ok(explained))
-}
-
-fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let a = ArrayViewD::from_shape(IxDyn(&[a.len()]), a).expect("1-d");
-    let b = ArrayViewD::from_shape(IxDyn(&[b.len()]), b).expect("1-d");
-    metrics(&a, &b).nmse
 }
 
 /// The lowest and highest value of the confirmed knob that reproduce the key alike, where

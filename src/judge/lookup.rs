@@ -6,21 +6,12 @@
 use super::JudgeError;
 use super::floor::F16_STORAGE;
 use super::replay::Candidate;
+use crate::compare::slice_nmse;
 use crate::model::Model;
 use crate::trace::{Tap, TapKey};
 
 /// The rows of the step examined at most: the first that differ from their own id's row.
 const ROWS: usize = 8;
-
-/// Σ(a − b)² / Σb² (the squared distance itself where `b` is all zeros).
-fn nmse(a: &[f32], b: &[f32]) -> f64 {
-    let (mut d, mut p) = (0.0f64, 0.0f64);
-    for (&x, &y) in a.iter().zip(b) {
-        d += (x as f64 - y as f64).powi(2);
-        p += (y as f64).powi(2);
-    }
-    if p > 0.0 { d / p } else { d }
-}
 
 /// What the candidate's embedding rows at `k` hold, in words: the table rows they are (within
 /// f16 storage) and the rule they follow, or that no row of the table is any of them. None
@@ -50,7 +41,7 @@ pub fn observed(model: &Model, cand: &Candidate, k: &TapKey) -> Result<Option<St
             return Ok(None);
         }
         model.row(w, id, &mut row);
-        if nmse(&theirs[i * e..][..e], &row) > F16_STORAGE {
+        if slice_nmse(&row, &theirs[i * e..][..e]) > F16_STORAGE {
             bad.push(i);
             if bad.len() == ROWS {
                 break;
@@ -65,7 +56,7 @@ pub fn observed(model: &Model, cand: &Candidate, k: &TapKey) -> Result<Option<St
     for r in 0..n_vocab {
         model.row(w, r, &mut row);
         for (b, &i) in best.iter_mut().zip(&bad) {
-            let d = nmse(&theirs[i * e..][..e], &row);
+            let d = slice_nmse(&row, &theirs[i * e..][..e]);
             if d < b.0 {
                 *b = (d, r);
             }
