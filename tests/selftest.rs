@@ -848,3 +848,24 @@ fn a_mixed_rounding_engine_passes_at_its_own_floors_and_its_bugs_are_named() {
     assert_eq!(own["rounding_family"], "q8k", "{own}");
     assert_eq!(own["output_rounding"], "plain-f32", "{own}");
 }
+
+/// A bug is placed where it, not another K/V cache, reproduces a key. p·V reading the K cache
+/// (`v-from-k`) through the numpy engine with an f16 cache, full dumps: `place` tries each
+/// cache, and under f16 the cache alone reproduced layer 0's probabilities (1.6e-8 → 9e-16),
+/// so the bug was "placed by experiment at kq_soft_max" — the wrong op. The replay without the
+/// hypothesis under the same cache now has to be cut too: found at kqv_out.
+#[test]
+#[cfg_attr(
+    not(parity_gguf_py),
+    ignore = "needs numpy and gguf-py for the numpy engine (.ci/run installs them; then touch build.rs)"
+)]
+fn a_bug_is_placed_where_it_not_another_cache_reproduces_a_key() {
+    if !numpy_ok() {
+        return;
+    }
+    let (m, g) = fixture("tiny-llama-q8_0");
+    let args = ["--engine", "numpy", "--kv", "f16", "--only", "v-from-k"];
+    let rows = selftest_json(&m, &g, &args);
+    assert_eq!(rows.len(), 4, "{rows:#?}");
+    assert!(rows.iter().all(|r| r["ok"] == true), "{rows:#?}");
+}
